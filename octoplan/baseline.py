@@ -1,0 +1,74 @@
+"""Plans of the known schedules (SPEC section 6): partition + placement + the schedule's rule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from octoplan.errors import InputError
+from octoplan.plan import Cluster, Parallel, Plan, Stage, check_structure
+from octoplan.partition import partition
+from octoplan.profile import Profile
+from octoplan.schedules import SCHEDULES, get_schedule
+from octoplan.simulator import simulate
+from octoplan.yamlio import file_sha256
+
+__all__ = ["make_baseline", "split_gpus"]
+
+
+def split_gpus(gpus: int, pp: int | None) -> tuple[int, int]:
+    """(pp, dp) for ``gpus`` GPUs; pp defaults to all of them."""
+    pp = gpus if pp is None else pp
+    if pp < 1 or gpus % pp:
+        raise InputError(None, "--pp", f"{pp} does not divide --gpus {gpus}", "pick a pp that divides the GPU count")
+    return pp, gpus // pp
+
+
+def make_baseline(
+    profile: Profile,
+    *,
+    schedule: str,
+    gpus: int,
+    microbatches: int,
+    pp: int | None = None,
+    partition_method: str = "uniform",
+    chunks: int = 2,
+    cluster: Cluster | None = None,
+    profile_path: str | Path | None = None,
+    rank_order: str = "pp-inner",
+) -> Plan:
+    """A plan of one known schedule; ``InputError`` when the schedule cannot apply."""
+    if schedule not in SCHEDULES:
+        raise InputError(None, "--schedule", f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+    spec = get_schedule(schedule)
+    pp, dp = split_gpus(gpus, pp)
+    if chunks < 1:
+        raise InputError(None, "--chunks", f"is {chunks}", "use 1 or more chunks")
+    if microbatches < 1:
+        raise InputError(None, "--microbatches", f"is {microbatches}", "use at least 1")
+    need = spec.min_microbatches(pp)
+    if microbatches < need:
+        raise InputError(None, "--microbatches", f"{microbatches} is too few: {spec.why_min}", f"use at least {need}")
+    num_stages = spec.num_stages(pp, chunks)
+    file = str(profile_path) if profile_path else None
+    bounds = partition(profile, num_stages, partition_method, file=file)
+    ranks = spec.placement(pp, num_stages)
+    cluster = cluster or Cluster(gpus=gpus)
+    if cluster.gpus != gpus:
+        cluster = Cluster(**{**cluster.to_dict(), "gpus": gpus})
+    plan = Plan(
+        model=profile.model,
+        cluster=cluster,
+        parallel=Parallel(pp=pp, dp=dp, microbatches=microbatches, rank_order=rank_order),
+        stages=tuple(Stage(start, end, rank) for (start, end), rank in zip(bounds, ranks)),
+        schedule=tuple(tuple(ops) for ops in spec.generate(pp, microbatches, chunks)),
+        profile=str(profile_path) if profile_path else None,
+        profile_sha256=file_sha256(profile_path) if profile_path and Path(profile_path).exists() else None,
+        extra={"generator": {"schedule": schedule, "partition": partition_method, "chunks": chunks}},
+    )
+    check_structure(plan, num_layers=profile.num_layers)
+    result = simulate(plan, profile)
+    return replace(plan, predicted={
+        "iteration_ms": round(result.iteration_ms, 4),
+        "bubble_ratio": round(result.bubble_ratio, 4),
+    })

@@ -1,0 +1,143 @@
+"""How long things take: the one place that turns a profile and a cluster into op and
+transfer durations (SPEC section 7's cost semantics).
+
+Stage costs are sums of layer costs, computed from prefix sums so that the tuner can price
+any layer range in O(1). The integer scaling CP-SAT needs lives in :func:`to_ticks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Sequence
+
+from octoplan.ops import Kind
+from octoplan.plan import Cluster, Parallel, Plan, Stage
+from octoplan.profile import Profile
+
+__all__ = [
+    "LayerTable",
+    "StageCost",
+    "transfer_ms",
+    "allreduce_ms",
+    "link_gbps",
+    "stage_costs",
+    "op_ms",
+    "lower_bound_ms",
+    "to_ticks",
+    "TICKS_PER_MS",
+]
+
+TICKS_PER_MS = 1000  # CP-SAT works in integers: one tick is a microsecond
+
+
+@dataclass(frozen=True)
+class StageCost:
+    forward_ms: float
+    backward_input_ms: float
+    backward_weight_ms: float
+    param_bytes: int
+    activation_bytes: int
+    output_bytes: int  # sent forward; the gradient sent back has the same size
+
+    @property
+    def backward_ms(self) -> float:
+        return self.backward_input_ms + self.backward_weight_ms
+
+    @property
+    def total_ms(self) -> float:
+        return self.forward_ms + self.backward_input_ms + self.backward_weight_ms
+
+
+class LayerTable:
+    """Prefix sums over a profile's layers: the cost of any layer range in O(1)."""
+
+    def __init__(self, profile: Profile):
+        layers = profile.layers
+        self.num_layers = len(layers)
+        self._f = [0.0, *accumulate(layer.forward_ms for layer in layers)]
+        self._i = [0.0, *accumulate(layer.backward_input_ms for layer in layers)]
+        self._w = [0.0, *accumulate(layer.backward_weight_ms for layer in layers)]
+        self._param = [0, *accumulate(layer.param_bytes for layer in layers)]
+        self._act = [0, *accumulate(layer.activation_bytes for layer in layers)]
+        self.output_bytes = [layer.output_bytes for layer in layers]
+        self.layer_total_ms = [layer.total_ms for layer in layers]
+
+    def stage(self, start: int, end: int) -> StageCost:
+        return StageCost(
+            forward_ms=self._f[end] - self._f[start],
+            backward_input_ms=self._i[end] - self._i[start],
+            backward_weight_ms=self._w[end] - self._w[start],
+            param_bytes=self._param[end] - self._param[start],
+            activation_bytes=self._act[end] - self._act[start],
+            output_bytes=self.output_bytes[end - 1],
+        )
+
+    def total_ms(self, start: int = 0, end: int | None = None) -> float:
+        end = self.num_layers if end is None else end
+        return (self._f[end] - self._f[start]) + (self._i[end] - self._i[start]) + (self._w[end] - self._w[start])
+
+
+def stage_costs(stages: Sequence[Stage], table: LayerTable) -> list[StageCost]:
+    return [table.stage(stage.start, stage.end) for stage in stages]
+
+
+def op_ms(cost: StageCost, kind: Kind) -> float:
+    """The duration of one op of a stage: F, I, W, or B = I + W (SPEC section 2)."""
+    if kind is Kind.F:
+        return cost.forward_ms
+    if kind is Kind.I:
+        return cost.backward_input_ms
+    if kind is Kind.W:
+        return cost.backward_weight_ms
+    return cost.backward_input_ms + cost.backward_weight_ms
+
+
+def link_gbps(cluster: Cluster, global_a: int, global_b: int) -> float:
+    same_node = cluster.node_of(global_a) == cluster.node_of(global_b)
+    return cluster.intra_node_gbps if same_node else cluster.inter_node_gbps
+
+
+def transfer_ms(cluster: Cluster, parallel: Parallel, src_rank: int, dst_rank: int, num_bytes: float) -> float:
+    """Point-to-point time between two pipeline ranks: latency + bytes / bandwidth.
+
+    With dp > 1 every replica sends the same tensor over its own link; the slowest replica's
+    link decides, so the time is the maximum over replicas (equal when replicas are alike).
+    """
+    if src_rank == dst_rank:
+        return 0.0
+    slowest = min(
+        link_gbps(cluster, parallel.global_rank(src_rank, d), parallel.global_rank(dst_rank, d))
+        for d in range(parallel.dp)
+    )
+    return cluster.latency_us / 1000.0 + num_bytes / (slowest * 1e9) * 1000.0
+
+
+def allreduce_ms(cluster: Cluster, parallel: Parallel, pp_rank: int, num_bytes: float) -> float:
+    """Ring all-reduce of ``num_bytes`` over the dp group of one pipeline rank.
+
+    A ring moves 2(dp-1)/dp of the buffer over each link in 2(dp-1) latency-bound steps; its
+    speed is that of the slowest link the ring crosses (inter-node if the group spans nodes).
+    """
+    dp = parallel.dp
+    if dp <= 1 or num_bytes <= 0:
+        return 0.0
+    members = [parallel.global_rank(pp_rank, d) for d in range(dp)]
+    nodes = {cluster.node_of(g) for g in members}
+    gbps = cluster.intra_node_gbps if len(nodes) == 1 else cluster.inter_node_gbps
+    return 2 * (dp - 1) * cluster.latency_us / 1000.0 + 2 * (dp - 1) / dp * num_bytes / (gbps * 1e9) * 1000.0
+
+
+def lower_bound_ms(profile: Profile, *, pp: int, microbatches: int) -> float:
+    """SPEC section 7: no plan with this pp and microbatch count can be faster."""
+    totals = [layer.total_ms for layer in profile.layers]
+    return microbatches * max(sum(totals) / pp, max(totals))
+
+
+def to_ticks(ms: float) -> int:
+    """Milliseconds as CP-SAT integer ticks (microseconds), rounded."""
+    return int(round(ms * TICKS_PER_MS))
+
+
+def plan_stage_costs(plan: Plan, table: LayerTable) -> list[StageCost]:
+    return stage_costs(plan.stages, table)

@@ -1,0 +1,32 @@
+"""The memory model: what one GPU holds while it runs its stages.
+
+Per rank, per stage it holds:
+- *static* bytes for the whole iteration: weights, gradients and optimizer state. The default
+  state model is mixed-precision Adam (Megatron-LM's and DeepSpeed's default): weights and
+  gradients in the profile's dtype, plus an fp32 master copy and fp32 Adam moments m and v —
+  16 bytes per parameter for bf16/fp16 profiles, and 16 for fp32 profiles too (4 + 4 + 8, no
+  master copy needed). ``sgd`` keeps no moments. No ZeRO sharding across dp is assumed.
+- *activations*: a stage's ``activation_bytes`` (summed over its layers) per microbatch, held
+  from the start of its F until the end of its backward of that microbatch (B, or W when the
+  backward is split, since W still reads the saved inputs).
+"""
+
+from __future__ import annotations
+
+__all__ = ["OPTIMIZER_STATE_MODELS", "static_bytes"]
+
+OPTIMIZER_STATE_MODELS = ("adam-mixed", "sgd")
+
+
+def static_bytes(param_bytes: int, *, dtype_bytes: int, optimizer: str = "adam-mixed") -> int:
+    """Weights + gradients + optimizer state of ``param_bytes`` worth of parameters."""
+    num_params = param_bytes / dtype_bytes
+    weights_and_grads = 2 * param_bytes
+    master_copy = 4 * num_params if dtype_bytes < 4 else 0
+    if optimizer == "adam-mixed":
+        state = 8 * num_params + master_copy
+    elif optimizer == "sgd":
+        state = master_copy
+    else:
+        raise ValueError(f"unknown optimizer state model {optimizer!r}; use one of {OPTIMIZER_STATE_MODELS}")
+    return int(weights_and_grads + state)

@@ -1,0 +1,112 @@
+"""The model-file contract of SPEC section 4: loading a ``model.py``, seeding its layers and
+drawing its microbatches exactly as every process must, so that the profiler, the runtime and
+single-process references all rebuild the same model and data.
+
+Needs torch; the planner imports this module only to profile.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+from octoplan.errors import InputError
+
+__all__ = [
+    "ModelFile",
+    "load_model_file",
+    "microbatch_seed",
+    "as_args",
+    "REQUIRED_FUNCTIONS",
+]
+
+REQUIRED_FUNCTIONS = ("num_layers", "build_layer", "sample_batch", "loss_fn")
+
+
+def microbatch_seed(*, seed: int, step: int, replica: int, mb: int) -> int:
+    """SPEC section 4: the generator seed of microbatch ``mb`` of ``step`` on replica ``replica``."""
+    return ((seed * 1_000_003 + step) * 1_009 + replica) * 10_007 + mb
+
+
+def as_args(value: Any) -> tuple:
+    """A layer's input as positional arguments: a tuple is spread, a tensor is one argument."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+@dataclass
+class ModelFile:
+    path: str
+    module: ModuleType
+    config: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return getattr(self.module, "NAME", Path(self.path).stem)
+
+    def num_layers(self) -> int:
+        count = self._call("num_layers", **self.config)
+        if not isinstance(count, int) or count < 1:
+            raise InputError(self.path, "num_layers", f"returned {count!r}", "return a positive int")
+        return count
+
+    def build_layer(self, index: int) -> torch.nn.Module:
+        """Layer ``index``, built after ``torch.manual_seed(seed + index)`` (SPEC section 4)."""
+        torch.manual_seed(self.seed + index)
+        layer = self._call("build_layer", index, **self.config)
+        if not isinstance(layer, torch.nn.Module):
+            raise InputError(self.path, f"build_layer({index})", f"returned {type(layer).__name__}", "return a torch.nn.Module")
+        return layer
+
+    def sample_batch(self, microbatch_size: int, *, step: int, replica: int, mb: int) -> tuple[Any, Any]:
+        generator = torch.Generator().manual_seed(microbatch_seed(seed=self.seed, step=step, replica=replica, mb=mb))
+        batch = self._call("sample_batch", microbatch_size, generator, **self.config)
+        if not (isinstance(batch, tuple) and len(batch) == 2):
+            raise InputError(self.path, "sample_batch", "must return (inputs, targets)", "return a 2-tuple")
+        return batch
+
+    def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        value = self.module.loss_fn(outputs, targets)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise InputError(self.path, "loss_fn", f"returned {shape}, not a scalar tensor", "reduce the loss with .mean()")
+        return value
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        fn: Callable = getattr(self.module, name)
+        try:
+            return fn(*args, **kwargs)
+        except TypeError as exc:
+            raise InputError(self.path, name, f"call failed: {exc}", "check the config keys the model accepts") from None
+
+
+def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0) -> ModelFile:
+    """Import a model file and check it has the SPEC section 4 functions.
+
+    ``config`` overrides the file's ``CONFIG`` defaults.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(str(path), None, "no such model file", "check the path")
+    module_name = f"_octopipe_model_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise InputError(str(path), None, "cannot be imported as Python", "give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # a broken model file is the user's input, not our failure
+        raise InputError(str(path), None, f"import failed: {type(exc).__name__}: {exc}", "fix the model file") from None
+    missing = [name for name in REQUIRED_FUNCTIONS if not callable(getattr(module, name, None))]
+    if missing:
+        raise InputError(str(path), missing[0], "is not defined", f"define {', '.join(missing)} (SPEC section 4)")
+    merged = dict(getattr(module, "CONFIG", {}) or {})
+    merged.update(config or {})
+    return ModelFile(path=str(path), module=module, config=merged, seed=seed)

@@ -1,0 +1,330 @@
+"""Plans (SPEC section 3): stages, their ranks, and every rank's op order.
+
+``load_plan`` checks the structural rules (coverage, placement, every op exactly once, I before
+W); whether the orders can run to the end is a property of the dependency graph and is checked
+by :func:`octoplan.deps.check_runnable`. ``octorun`` reads plans through this module too, so it
+must stay free of OR-Tools and of the simulator.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from octoplan.errors import InputError
+from octoplan.ops import Kind, Op, format_ops, parse_op
+from octoplan.profile import ModelRef, Profile, load_profile
+from octoplan.yamlio import Fields, file_sha256, read_yaml, write_yaml
+
+__all__ = [
+    "PLAN_FORMAT",
+    "Cluster",
+    "Parallel",
+    "Stage",
+    "Plan",
+    "load_plan",
+    "save_plan",
+    "plan_to_dict",
+    "plan_from_dict",
+    "check_structure",
+    "resolve_profile_path",
+    "load_plan_profile",
+]
+
+PLAN_FORMAT = "octoplan-plan/1"
+RANK_ORDERS = ("pp-inner", "dp-inner")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int = 8
+    memory_gb: float = 80.0
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    latency_us: float = 10.0
+
+    def node_of(self, global_rank: int) -> int:
+        return global_rank // self.gpus_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpus": self.gpus,
+            "gpus_per_node": self.gpus_per_node,
+            "memory_gb": self.memory_gb,
+            "intra_node_gbps": self.intra_node_gbps,
+            "inter_node_gbps": self.inter_node_gbps,
+            "latency_us": self.latency_us,
+        }
+
+
+@dataclass(frozen=True)
+class Parallel:
+    pp: int
+    microbatches: int
+    dp: int = 1
+    rank_order: str = "pp-inner"
+
+    def global_rank(self, pp_rank: int, dp_rank: int = 0) -> int:
+        if self.rank_order == "pp-inner":
+            return dp_rank * self.pp + pp_rank
+        return pp_rank * self.dp + dp_rank
+
+    def coordinates(self, global_rank: int) -> tuple[int, int]:
+        """(pp_rank, dp_rank) of a global rank."""
+        if self.rank_order == "pp-inner":
+            return global_rank % self.pp, global_rank // self.pp
+        return global_rank // self.dp, global_rank % self.dp
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pp": self.pp, "dp": self.dp, "microbatches": self.microbatches, "rank_order": self.rank_order}
+
+
+@dataclass(frozen=True)
+class Stage:
+    start: int  # first layer
+    end: int  # one past the last layer
+    rank: int  # pipeline rank holding the stage
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.end)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelRef
+    cluster: Cluster
+    parallel: Parallel
+    stages: tuple[Stage, ...]
+    schedule: tuple[tuple[Op, ...], ...]  # indexed by pipeline rank
+    profile: str | None = None
+    profile_sha256: str | None = None
+    predicted: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pp
+
+    @property
+    def microbatches(self) -> int:
+        return self.parallel.microbatches
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, stage in enumerate(self.stages) if stage.rank == rank]
+
+    def with_schedule(self, schedule: Sequence[Sequence[Op]]) -> "Plan":
+        return replace(self, schedule=tuple(tuple(ops) for ops in schedule))
+
+
+def _parse_schedule(raw: Any, *, file: str, pp: int) -> tuple[tuple[Op, ...], ...]:
+    if not isinstance(raw, dict):
+        raise InputError(file, "schedule", "must map each pipeline rank to its ops", "see SPEC section 3")
+    keyed: dict[int, Any] = {}
+    for key, value in raw.items():
+        try:
+            rank = int(key)
+        except (TypeError, ValueError):
+            raise InputError(file, f"schedule.{key}", "is not a pipeline rank", f"use ranks 0..{pp - 1}") from None
+        if not 0 <= rank < pp:
+            raise InputError(file, f"schedule.{key}", f"rank {rank} is outside 0..{pp - 1}", "remove it or raise parallel.pp")
+        keyed[rank] = value
+    schedule = []
+    for rank in range(pp):
+        if rank not in keyed:
+            raise InputError(file, f"schedule.{rank}", "is missing", "every pipeline rank needs an op list")
+        text = keyed[rank]
+        if text is None:
+            text = ""
+        if not isinstance(text, str):
+            raise InputError(file, f"schedule.{rank}", "must be one space-separated string of ops", 'e.g. "0F0 0F1 0B0 0B1"')
+        ops = []
+        for token in text.split():
+            try:
+                ops.append(parse_op(token))
+            except ValueError as exc:
+                raise InputError(file, f"schedule.{rank}", str(exc), None) from None
+        schedule.append(tuple(ops))
+    return tuple(schedule)
+
+
+def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
+    top = Fields(data, file=file, prefix="")
+    fmt = top.str("format")
+    if fmt != PLAN_FORMAT:
+        raise InputError(file, "format", f"is {fmt!r}, expected {PLAN_FORMAT!r}", "regenerate it with octoplan tune")
+    model = top.mapping("model")
+    config = model.raw("config", {})
+    if not isinstance(config, dict):
+        raise InputError(file, "model.config", "must be a mapping", "write key: value pairs")
+    c = top.mapping("cluster")
+    cluster = Cluster(
+        gpus=c.int("gpus", minimum=1),
+        gpus_per_node=c.int("gpus_per_node", 8, minimum=1),
+        memory_gb=c.number("memory_gb", 80.0),
+        intra_node_gbps=c.number("intra_node_gbps", 450.0, minimum=1e-9),
+        inter_node_gbps=c.number("inter_node_gbps", 50.0, minimum=1e-9),
+        latency_us=c.number("latency_us", 10.0),
+    )
+    p = top.mapping("parallel")
+    parallel = Parallel(
+        pp=p.int("pp", minimum=1),
+        dp=p.int("dp", 1, minimum=1),
+        microbatches=p.int("microbatches", minimum=1),
+        rank_order=p.str("rank_order", "pp-inner"),
+    )
+    if parallel.rank_order not in RANK_ORDERS:
+        raise InputError(file, "parallel.rank_order", f"is {parallel.rank_order!r}", "use pp-inner or dp-inner")
+    if parallel.pp * parallel.dp != cluster.gpus:
+        raise InputError(
+            file, "cluster.gpus", f"is {cluster.gpus} but pp*dp = {parallel.pp}*{parallel.dp}",
+            "make cluster.gpus equal parallel.pp * parallel.dp",
+        )
+    stages = []
+    for i, entry in enumerate(top.list("stages")):
+        s = Fields(entry, file=file, prefix=f"stages[{i}]")
+        layers = s.raw("layers")
+        if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+            raise InputError(file, f"stages[{i}].layers", f"is {layers!r}", "write [start, end) as two integers")
+        stages.append(Stage(start=layers[0], end=layers[1], rank=s.int("rank")))
+    schedule = _parse_schedule(top.raw("schedule"), file=file, pp=parallel.pp)
+    predicted = data.get("predicted")
+    known = {"format", "profile", "profile_sha256", "model", "cluster", "parallel", "stages", "schedule", "predicted"}
+    plan = Plan(
+        model=ModelRef(name=model.str("name"), source=model.str("source", None), config=dict(config)),
+        cluster=cluster,
+        parallel=parallel,
+        stages=tuple(stages),
+        schedule=schedule,
+        profile=top.str("profile", None),
+        profile_sha256=top.str("profile_sha256", None),
+        predicted=predicted if isinstance(predicted, dict) else None,
+        extra={k: v for k, v in data.items() if k not in known},
+    )
+    check_structure(plan, file=file)
+    return plan
+
+
+def check_structure(plan: Plan, *, file: str = "<plan>", num_layers: int | None = None) -> None:
+    """SPEC section 3's rules on stages and ops (not the run-to-end rule)."""
+    pp, num_mb = plan.pp, plan.microbatches
+    if not plan.stages:
+        raise InputError(file, "stages", "is empty", "list at least one stage")
+    expected_start = 0
+    for i, stage in enumerate(plan.stages):
+        field_name = f"stages[{i}].layers"
+        if stage.start != expected_start:
+            problem = "overlaps the stage before" if stage.start < expected_start else "leaves a gap after the stage before"
+            raise InputError(file, field_name, f"[{stage.start}, {stage.end}) {problem}", f"start it at layer {expected_start}")
+        if stage.end <= stage.start:
+            raise InputError(file, field_name, f"[{stage.start}, {stage.end}) is empty", "every stage needs at least one layer")
+        if not 0 <= stage.rank < pp:
+            raise InputError(file, f"stages[{i}].rank", f"is {stage.rank}, outside 0..{pp - 1}", "use a pipeline rank")
+        expected_start = stage.end
+    if num_layers is not None and expected_start != num_layers:
+        raise InputError(
+            file, "stages", f"cover layers [0, {expected_start}) but the profile has {num_layers}",
+            f"end the last stage at layer {num_layers}",
+        )
+    empty = sorted(set(range(pp)) - {stage.rank for stage in plan.stages})
+    if empty:
+        raise InputError(file, "stages", f"no stage on pipeline rank {empty[0]}", "every rank must hold at least one stage")
+    seen: Counter[Op] = Counter()
+    position: dict[Op, int] = {}
+    for rank, ops in enumerate(plan.schedule):
+        for index, op in enumerate(ops):
+            where = f"schedule.{rank}"
+            if op.stage >= plan.num_stages:
+                raise InputError(file, where, f"op {op} names stage {op.stage}; the plan has {plan.num_stages} stages", "fix the op")
+            if op.mb >= num_mb:
+                raise InputError(file, where, f"op {op} names microbatch {op.mb}; the plan has {num_mb}", "fix the op or parallel.microbatches")
+            holder = plan.stages[op.stage].rank
+            if holder != rank:
+                raise InputError(file, where, f"op {op} is on rank {rank} but stage {op.stage} is on rank {holder}", f"move it to schedule.{holder}")
+            seen[op] += 1
+            if seen[op] > 1:
+                raise InputError(file, where, f"op {op} appears twice", "keep one")
+            position[op] = index
+    for stage_index, stage in enumerate(plan.stages):
+        where = f"schedule.{stage.rank}"
+        for mb in range(num_mb):
+            f_op = Op(stage_index, Kind.F, mb)
+            b_op, i_op, w_op = Op(stage_index, Kind.B, mb), Op(stage_index, Kind.I, mb), Op(stage_index, Kind.W, mb)
+            if f_op not in seen:
+                raise InputError(file, where, f"missing {f_op}", "add the forward of every microbatch")
+            if b_op in seen:
+                if i_op in seen or w_op in seen:
+                    raise InputError(file, where, f"{b_op} and {i_op if i_op in seen else w_op} both present", "use B or I+W, not both")
+                continue
+            if i_op not in seen and w_op not in seen:
+                raise InputError(file, where, f"missing the backward of stage {stage_index} microbatch {mb}", f"add {b_op} or {i_op} and {w_op}")
+            if i_op not in seen:
+                raise InputError(file, where, f"{w_op} without {i_op}", f"add {i_op} before {w_op}")
+            if w_op not in seen:
+                raise InputError(file, where, f"{i_op} without {w_op}", f"add {w_op} after {i_op}")
+            if position[w_op] < position[i_op]:
+                raise InputError(file, where, f"{w_op} comes before {i_op}", f"move {w_op} after {i_op}")
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    out: dict[str, Any] = {"format": PLAN_FORMAT}
+    if plan.profile is not None:
+        out["profile"] = plan.profile
+    if plan.profile_sha256 is not None:
+        out["profile_sha256"] = plan.profile_sha256
+    out["model"] = plan.model.to_dict()
+    out["cluster"] = plan.cluster.to_dict()
+    out["parallel"] = plan.parallel.to_dict()
+    out["stages"] = [{"layers": [s.start, s.end], "rank": s.rank} for s in plan.stages]
+    out["schedule"] = {rank: format_ops(ops) for rank, ops in enumerate(plan.schedule)}
+    if plan.predicted is not None:
+        out["predicted"] = plan.predicted
+    out.update(plan.extra)
+    return out
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    write_yaml(path, plan_to_dict(plan))
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan and check its structure; the profile is not read (see load_plan_profile)."""
+    return plan_from_dict(read_yaml(path, what="plan"), file=str(path))
+
+
+def resolve_profile_path(plan: Plan, plan_path: str | Path) -> Path | None:
+    """The plan's profile as written, else relative to the plan file or its parent folder."""
+    if not plan.profile:
+        return None
+    written = Path(plan.profile)
+    candidates = [written, Path(plan_path).parent / written, Path(plan_path).parent.parent / written]
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def load_plan_profile(plan: Plan, plan_path: str | Path) -> Profile:
+    """The profile a plan was made from, checked against the plan's hash and layer count."""
+    path = resolve_profile_path(plan, plan_path)
+    if path is None:
+        raise InputError(str(plan_path), "profile", f"profile {plan.profile!r} not found", "restore it or re-plan")
+    if plan.profile_sha256 and file_sha256(path) != plan.profile_sha256:
+        raise InputError(
+            str(plan_path), "profile_sha256", f"does not match {path} (the profile changed since planning)",
+            "re-run octoplan tune or baseline on the new profile",
+        )
+    profile = load_profile(path)
+    check_structure(plan, file=str(plan_path), num_layers=profile.num_layers)
+    return profile
+
+
+def stage_ranks(stages: Iterable[Stage]) -> list[int]:
+    return [s.rank for s in stages]

@@ -1,0 +1,170 @@
+"""Profiles (SPEC section 2): per-layer costs of one model on one device.
+
+A profile is immutable data. Times are milliseconds per microbatch; sizes are bytes per
+microbatch. ``load_profile`` validates everything a later stage relies on, so the simulator and
+tuner never check again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from octoplan.errors import InputError
+from octoplan.yamlio import Fields, read_yaml, write_yaml
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "Layer",
+    "ModelRef",
+    "Profile",
+    "load_profile",
+    "save_profile",
+    "profile_to_dict",
+    "profile_from_dict",
+    "DTYPE_BYTES",
+]
+
+PROFILE_FORMAT = "octoplan-profile/1"
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    kind: str
+    forward_ms: float
+    backward_input_ms: float
+    backward_weight_ms: float
+    param_bytes: int
+    activation_bytes: int
+    output_bytes: int
+    flops: float | None = None
+
+    @property
+    def total_ms(self) -> float:
+        return self.forward_ms + self.backward_input_ms + self.backward_weight_ms
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Which model file a profile or plan belongs to (SPEC sections 2 and 4)."""
+
+    name: str
+    source: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        if self.source is not None:
+            out["source"] = self.source
+        out["config"] = dict(self.config)
+        return out
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: ModelRef
+    layers: tuple[Layer, ...]
+    device: dict[str, Any] = field(default_factory=lambda: {"name": "cpu", "memory_gb": 24})
+    microbatch_size: int = 1
+    dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict)  # optional SPEC extensions, kept verbatim
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES.get(self.dtype, 4)
+
+    def with_layers(self, layers: list[Layer] | tuple[Layer, ...]) -> "Profile":
+        return replace(self, layers=tuple(layers))
+
+
+def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
+    f = Fields(entry, file=file, prefix=f"layers[{index}]")
+    flops = f.number("flops", None)
+    return Layer(
+        name=f.str("name"),
+        kind=f.str("kind", "layer"),
+        forward_ms=f.number("forward_ms"),
+        backward_input_ms=f.number("backward_input_ms"),
+        backward_weight_ms=f.number("backward_weight_ms"),
+        param_bytes=f.int("param_bytes"),
+        activation_bytes=f.int("activation_bytes"),
+        output_bytes=f.int("output_bytes"),
+        flops=flops,
+    )
+
+
+def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profile:
+    top = Fields(data, file=file, prefix="")
+    fmt = top.str("format")
+    if fmt != PROFILE_FORMAT:
+        raise InputError(file, "format", f"is {fmt!r}, expected {PROFILE_FORMAT!r}", "regenerate it with octoplan profile")
+    model = top.mapping("model")
+    config = model.raw("config", {})
+    if not isinstance(config, dict):
+        raise InputError(file, "model.config", "must be a mapping", "write key: value pairs")
+    device = top.mapping("device", {})
+    if device.has("memory_gb"):
+        device.number("memory_gb")
+    raw_layers = top.list("layers")
+    if not raw_layers:
+        raise InputError(file, "layers", "is empty", "a profile needs at least one layer")
+    layers = tuple(_layer_from(entry, file=file, index=i) for i, entry in enumerate(raw_layers))
+    for i, layer in enumerate(layers):
+        if layer.kind == "embedding" and i != 0:
+            raise InputError(file, f"layers[{i}].kind", "'embedding' is reserved for the first layer", "rename the kind")
+        if layer.kind == "head" and i != len(layers) - 1:
+            raise InputError(file, f"layers[{i}].kind", "'head' is reserved for the last layer", "rename the kind")
+    known = {"format", "model", "device", "microbatch_size", "dtype", "layers"}
+    return Profile(
+        model=ModelRef(name=model.str("name"), source=model.str("source", None), config=dict(config)),
+        layers=layers,
+        device=dict(device.data),
+        microbatch_size=top.int("microbatch_size", 1, minimum=1),
+        dtype=top.str("dtype", "float32"),
+        extra={k: v for k, v in data.items() if k not in known},
+    )
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile; bad input raises :class:`InputError` naming the field."""
+    return profile_from_dict(read_yaml(path, what="profile"), file=str(path))
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    layers = []
+    for layer in profile.layers:
+        entry: dict[str, Any] = {
+            "name": layer.name,
+            "kind": layer.kind,
+            "forward_ms": round(layer.forward_ms, 6),
+            "backward_input_ms": round(layer.backward_input_ms, 6),
+            "backward_weight_ms": round(layer.backward_weight_ms, 6),
+            "param_bytes": int(layer.param_bytes),
+            "activation_bytes": int(layer.activation_bytes),
+            "output_bytes": int(layer.output_bytes),
+        }
+        if layer.flops is not None:
+            entry["flops"] = float(f"{layer.flops:.6g}")
+        layers.append(entry)
+    out: dict[str, Any] = {
+        "format": PROFILE_FORMAT,
+        "model": profile.model.to_dict(),
+        "device": dict(profile.device),
+        "microbatch_size": profile.microbatch_size,
+        "dtype": profile.dtype,
+    }
+    out.update(profile.extra)
+    out["layers"] = layers
+    return out
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    write_yaml(path, profile_to_dict(profile))

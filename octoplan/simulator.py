@@ -1,0 +1,465 @@
+"""The graph-based simulator: plan + costs -> timeline (SPEC section 7).
+
+Nodes are compute ops and the transfers between ranks; edges are data dependencies and each
+rank's order. Because every rank runs its list in order, and the transfers of one directed rank
+pair leave in the order their producing ops run, every start time is a longest path in a DAG:
+the simulator walks the ranks round-robin, running each rank's next op as soon as its
+dependencies are known, and needs no event queue. A full pass with no progress is a deadlock,
+reported with the op each rank waits on.
+
+Pure: no I/O, no printing. The hot loop works on flat integer keys
+``(stage * 4 + kind) * microbatches + mb`` rather than on :class:`Op` objects, so that a
+49k-op plan simulates in well under a second (see benchmarks/bench_simulator.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple, Sequence
+
+from octoplan.costs import LayerTable, StageCost, allreduce_ms, lower_bound_ms, stage_costs, transfer_ms
+from octoplan.memory import static_bytes
+from octoplan.ops import Kind, Op
+from octoplan.plan import Plan
+from octoplan.profile import Profile
+
+__all__ = [
+    "DeadlockError",
+    "SimResult",
+    "Span",
+    "Transfer",
+    "Bubble",
+    "AllReduce",
+    "simulate",
+    "simulate_costs",
+]
+
+_KINDS = (Kind.F, Kind.I, Kind.W, Kind.B)
+_KIND_CODE = {Kind.F: 0, Kind.I: 1, Kind.W: 2, Kind.B: 3}
+
+
+class DeadlockError(RuntimeError):
+    """The per-rank orders and the dependencies form a cycle.
+
+    ``waits`` lists, for each rank that cannot go on, ``(rank, op, needed_op, needed_rank)``.
+    """
+
+    def __init__(self, waits: list[tuple[int, Op, Op, int]]):
+        self.waits = waits
+        parts = [f"rank {r} waits at {op} for {need} (rank {nr})" for r, op, need, nr in waits]
+        super().__init__("deadlock: " + "; ".join(parts))
+
+
+class Span(NamedTuple):
+    rank: int
+    op: Op
+    start_ms: float
+    end_ms: float
+
+
+class Transfer(NamedTuple):
+    src_rank: int
+    dst_rank: int
+    op: Op  # the op whose output (activation or gradient) travels
+    start_ms: float
+    end_ms: float
+
+
+class AllReduce(NamedTuple):
+    rank: int
+    stage: int
+    start_ms: float
+    end_ms: float
+
+
+class Bubble(NamedTuple):
+    """An idle gap on a rank and what it waited for.
+
+    ``reason``: ``dependency`` (the needed op was still running or not yet started),
+    ``transfer`` (the needed op had finished but its data was still on the wire),
+    ``drain`` (the rank was done and waited for the iteration to end).
+    """
+
+    rank: int
+    start_ms: float
+    end_ms: float
+    reason: str
+    waits_for: Op | None
+    from_rank: int | None
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """The timeline of one iteration and its summary figures.
+
+    Large per-op data is kept as flat arrays; :meth:`spans`, :attr:`bubbles`,
+    :attr:`critical_path` decode it on demand so that the tuner pays only for the summary.
+    """
+
+    iteration_ms: float
+    bubble_ratio: float
+    lower_bound_ms: float
+    peak_memory_bytes: tuple[int, ...]
+    memory_limit_bytes: int
+    busy_ms: tuple[float, ...]
+    allreduces: tuple[AllReduce, ...]
+    _schedule: tuple[tuple[Op, ...], ...] = field(repr=False)
+    _rank_of_stage: tuple[int, ...] = field(repr=False)
+    _keys: tuple[list[int], ...] = field(repr=False)
+    _start: list[float] = field(repr=False)
+    _end: list[float] = field(repr=False)
+    _xfer_start: list[float] = field(repr=False)
+    _arrive: list[float] = field(repr=False)
+    _cross: list[int] = field(repr=False)
+    _num_mb: int = field(repr=False)
+
+    @property
+    def efficiency(self) -> float:
+        return self.lower_bound_ms / self.iteration_ms if self.iteration_ms > 0 else 1.0
+
+    @property
+    def fits_memory(self) -> bool:
+        return max(self.peak_memory_bytes) <= self.memory_limit_bytes
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._schedule)
+
+    def _op(self, key: int) -> Op:
+        code, mb = divmod(key, self._num_mb)
+        stage, kind = divmod(code, 4)
+        return Op(stage, _KINDS[kind], mb)
+
+    def spans(self, rank: int | None = None) -> list[Span]:
+        ranks = range(self.num_ranks) if rank is None else (rank,)
+        out = []
+        for r in ranks:
+            for op, key in zip(self._schedule[r], self._keys[r]):
+                out.append(Span(r, op, self._start[key], self._end[key]))
+        return out
+
+    def op_times(self) -> dict[Op, tuple[float, float]]:
+        return {span.op: (span.start_ms, span.end_ms) for span in self.spans()}
+
+    @cached_property
+    def transfers(self) -> list[Transfer]:
+        out = []
+        num_stages = len(self._rank_of_stage)
+        for r in range(self.num_ranks):
+            for op, key in zip(self._schedule[r], self._keys[r]):
+                if op.kind is Kind.W:
+                    continue
+                dst_stage = op.stage + 1 if op.kind is Kind.F else op.stage - 1
+                if not 0 <= dst_stage < num_stages:
+                    continue
+                dst = self._rank_of_stage[dst_stage]
+                if dst != r:
+                    out.append(Transfer(r, dst, op, self._xfer_start[key], self._arrive[key]))
+        return out
+
+    @cached_property
+    def bubbles(self) -> list[Bubble]:
+        """Every idle gap of every rank between the iteration's start and end."""
+        eps = 1e-9
+        out = []
+        for r in range(self.num_ranks):
+            t = 0.0
+            for op, key in zip(self._schedule[r], self._keys[r]):
+                start = self._start[key]
+                if start > t + eps:
+                    cross = self._cross[key]
+                    need = self._op(cross) if cross >= 0 else None
+                    from_rank = self._rank_of_stage[need.stage] if need is not None else None
+                    reason = "dependency"
+                    if cross >= 0 and self._end[cross] + eps < start and from_rank != r:
+                        reason = "transfer"
+                    out.append(Bubble(r, t, start, reason, need, from_rank))
+                t = self._end[key]
+            if self.iteration_ms > t + eps:
+                out.append(Bubble(r, t, self.iteration_ms, "drain", None, None))
+        return out
+
+    @cached_property
+    def critical_path(self) -> list[Op]:
+        """The chain of ops that decides the iteration time, first op first.
+
+        From the op that ends last, step back to whichever predecessor released it: the rank's
+        previous op when the op started as soon as the rank was free, else the dependency whose
+        data arrived last.
+        """
+        eps = 1e-9
+        last_key, last_end, last_rank = -1, -1.0, -1
+        for r in range(self.num_ranks):
+            if self._keys[r]:
+                key = self._keys[r][-1]
+                if self._end[key] > last_end:
+                    last_key, last_end, last_rank = key, self._end[key], r
+        if last_key < 0:
+            return []
+        position = {key: (r, i) for r in range(self.num_ranks) for i, key in enumerate(self._keys[r])}
+        path = []
+        key, rank = last_key, last_rank
+        while True:
+            path.append(self._op(key))
+            r, i = position[key]
+            start = self._start[key]
+            cross = self._cross[key]
+            if cross >= 0 and abs(self._arrive[cross] - start) <= eps and start > eps:
+                key = cross
+                continue
+            if i > 0:
+                prev = self._keys[r][i - 1]
+                if abs(self._end[prev] - start) <= eps:
+                    key = prev
+                    continue
+            break
+        path.reverse()
+        return path
+
+    def summary(self) -> dict:
+        """SPEC section 7's figures."""
+        return {
+            "iteration_ms": round(self.iteration_ms, 6),
+            "bubble_ratio": round(self.bubble_ratio, 6),
+            "lower_bound_ms": round(self.lower_bound_ms, 6),
+            "efficiency": round(self.efficiency, 6),
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+            "fits_memory": self.fits_memory,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "busy_ms": [round(b, 6) for b in self.busy_ms],
+        }
+
+
+def simulate(plan: Plan, profile: Profile, *, optimizer: str = "adam-mixed", table: LayerTable | None = None) -> SimResult:
+    """Simulate one iteration of ``plan`` with ``profile``'s costs on the plan's cluster."""
+    table = table or LayerTable(profile)
+    costs = stage_costs(plan.stages, table)
+    return simulate_costs(
+        plan,
+        costs,
+        lower_bound=lower_bound_ms(profile, pp=plan.pp, microbatches=plan.microbatches),
+        dtype_bytes=profile.dtype_bytes,
+        optimizer=optimizer,
+    )
+
+
+def simulate_costs(
+    plan: Plan,
+    costs: Sequence[StageCost],
+    *,
+    lower_bound: float = 0.0,
+    dtype_bytes: int = 2,
+    optimizer: str = "adam-mixed",
+) -> SimResult:
+    """Simulate with explicit per-stage costs (the tuner's entry point)."""
+    num_mb = plan.microbatches
+    num_stages = len(plan.stages)
+    num_ranks = plan.pp
+    rank_of_stage = tuple(stage.rank for stage in plan.stages)
+    cluster, parallel = plan.cluster, plan.parallel
+    size = num_stages * 4 * num_mb
+
+    # Per-key static data: duration, the cross-stage dependency, the same-stage dependency,
+    # and where the op's output goes (destination rank and wire time), or -1.
+    dur = [0.0] * size
+    cross = [-1] * size
+    local = [-1] * size
+    dest = [-1] * size
+    wire = [0.0] * size
+    act = [0] * size  # activation bytes an op allocates (F, +) or frees (B/W, -)
+    present = bytearray(size)
+    keys: list[list[int]] = []
+    for ops in plan.schedule:
+        rank_keys = []
+        for stage, kind, mb in ops:
+            key = (stage * 4 + _KIND_CODE[kind]) * num_mb + mb
+            rank_keys.append(key)
+            present[key] = 1
+        keys.append(rank_keys)
+
+    xfer_cache: dict[tuple[int, int, int], float] = {}
+
+    def wire_ms(src: int, dst: int, num_bytes: int) -> float:
+        cache_key = (src, dst, num_bytes)
+        value = xfer_cache.get(cache_key)
+        if value is None:
+            value = xfer_cache[cache_key] = transfer_ms(cluster, parallel, src, dst, num_bytes)
+        return value
+
+    for stage in range(num_stages):
+        cost = costs[stage]
+        rank = rank_of_stage[stage]
+        base = stage * 4 * num_mb
+        f_ms, i_ms, w_ms = cost.forward_ms, cost.backward_input_ms, cost.backward_weight_ms
+        split = any(present[base + num_mb + mb] for mb in range(num_mb))
+        next_rank = rank_of_stage[stage + 1] if stage + 1 < num_stages else -1
+        prev_rank = rank_of_stage[stage - 1] if stage > 0 else -1
+        fwd_wire = wire_ms(rank, next_rank, cost.output_bytes) if next_rank >= 0 else 0.0
+        bwd_wire = wire_ms(rank, prev_rank, costs[stage - 1].output_bytes) if prev_rank >= 0 else 0.0
+        for mb in range(num_mb):
+            kf = base + mb
+            ki = base + num_mb + mb
+            kw = base + 2 * num_mb + mb
+            kb = base + 3 * num_mb + mb
+            dur[kf], dur[ki], dur[kw], dur[kb] = f_ms, i_ms, w_ms, i_ms + w_ms
+            act[kf] = cost.activation_bytes
+            if split or present[ki]:
+                act[kw] = -cost.activation_bytes
+            act[kb] = -cost.activation_bytes
+            if stage > 0:
+                cross[kf] = ((stage - 1) * 4) * num_mb + mb
+            if stage + 1 < num_stages:
+                nb = (stage + 1) * 4 * num_mb
+                downstream = nb + num_mb + mb if present[nb + num_mb + mb] else nb + 3 * num_mb + mb
+                cross[ki] = cross[kb] = downstream
+            local[ki] = local[kb] = kf
+            local[kw] = ki
+            if next_rank >= 0 and next_rank != rank:
+                dest[kf], wire[kf] = next_rank, fwd_wire
+            if prev_rank >= 0 and prev_rank != rank:
+                dest[ki], wire[ki] = prev_rank, bwd_wire
+                dest[kb], wire[kb] = prev_rank, bwd_wire
+
+    static = [0] * num_ranks
+    for stage in range(num_stages):
+        static[rank_of_stage[stage]] += static_bytes(costs[stage].param_bytes, dtype_bytes=dtype_bytes, optimizer=optimizer)
+
+    start = [0.0] * size
+    end = [0.0] * size
+    arrive = [0.0] * size
+    xstart = [0.0] * size
+    done = bytearray(size)
+    ptr = [0] * num_ranks
+    free = [0.0] * num_ranks
+    busy = [0.0] * num_ranks
+    cur_mem = list(static)
+    peak_mem = list(static)
+    link_free = [[0.0] * num_ranks for _ in range(num_ranks)]
+    remaining = sum(len(k) for k in keys)
+    lengths = [len(k) for k in keys]
+
+    while remaining:
+        progressed = False
+        for r in range(num_ranks):
+            seq = keys[r]
+            p = ptr[r]
+            n = lengths[r]
+            if p == n:
+                continue
+            t = free[r]
+            b = busy[r]
+            mem = cur_mem[r]
+            peak = peak_mem[r]
+            links = link_free[r]
+            p0 = p
+            while p < n:
+                k = seq[p]
+                c = cross[k]
+                s = t
+                if c >= 0:
+                    if not done[c]:
+                        break
+                    a = arrive[c]
+                    if a > s:
+                        s = a
+                lk = local[k]
+                if lk >= 0 and not done[lk]:
+                    break
+                e = s + dur[k]
+                start[k] = s
+                end[k] = e
+                done[k] = 1
+                d = dest[k]
+                if d >= 0:
+                    ts = links[d]
+                    if e > ts:
+                        ts = e
+                    xstart[k] = ts
+                    te = ts + wire[k]
+                    links[d] = te
+                    arrive[k] = te
+                else:
+                    arrive[k] = e
+                delta = act[k]
+                if delta:
+                    mem += delta
+                    if mem > peak:
+                        peak = mem
+                b += e - s
+                t = e
+                p += 1
+            if p != p0:
+                progressed = True
+                remaining -= p - p0
+                ptr[r] = p
+                free[r] = t
+                busy[r] = b
+                cur_mem[r] = mem
+                peak_mem[r] = peak
+        if not progressed:
+            raise DeadlockError(_waits(plan, keys, ptr, cross, local, done, num_mb, rank_of_stage))
+
+    # Data-parallel gradient all-reduce: each stage's starts after its last backward op on
+    # the rank, one at a time per rank, overlapping the rank's remaining compute.
+    allreduces = []
+    last_end = max((free[r] for r in range(num_ranks) if keys[r]), default=0.0)
+    if parallel.dp > 1:
+        for r in range(num_ranks):
+            ready = []
+            for op, key in zip(plan.schedule[r], keys[r]):
+                if op.kind is not Kind.F:
+                    ready.append((op.stage, end[key]))
+            last_bwd: dict[int, float] = {}
+            for stage, t_end in ready:
+                last_bwd[stage] = max(last_bwd.get(stage, 0.0), t_end)
+            channel = 0.0
+            for stage, t_ready in sorted(last_bwd.items(), key=lambda item: item[1]):
+                t0 = max(t_ready, channel)
+                channel = t0 + allreduce_ms(cluster, parallel, r, costs[stage].param_bytes)
+                allreduces.append(AllReduce(r, stage, t0, channel))
+        last_end = max([last_end] + [ar.end_ms for ar in allreduces])
+
+    first_start = min((start[k[0]] for k in keys if k), default=0.0)
+    iteration = last_end - first_start
+    idle = sum(iteration - b for b in busy)
+    bubble_ratio = idle / (num_ranks * iteration) if iteration > 0 else 0.0
+    return SimResult(
+        iteration_ms=iteration,
+        bubble_ratio=bubble_ratio,
+        lower_bound_ms=lower_bound,
+        peak_memory_bytes=tuple(int(m) for m in peak_mem),
+        memory_limit_bytes=int(cluster.memory_gb * 1e9),
+        busy_ms=tuple(busy),
+        allreduces=tuple(allreduces),
+        _schedule=plan.schedule,
+        _rank_of_stage=rank_of_stage,
+        _keys=tuple(keys),
+        _start=start,
+        _end=end,
+        _xfer_start=xstart,
+        _arrive=arrive,
+        _cross=cross,
+        _num_mb=num_mb,
+    )
+
+
+def _waits(plan, keys, ptr, cross, local, done, num_mb, rank_of_stage) -> list[tuple[int, Op, Op, int]]:
+    def decode(key: int) -> Op:
+        code, mb = divmod(key, num_mb)
+        stage, kind = divmod(code, 4)
+        return Op(stage, _KINDS[kind], mb)
+
+    waits = []
+    for r, seq in enumerate(keys):
+        if ptr[r] >= len(seq):
+            continue
+        key = seq[ptr[r]]
+        need = cross[key] if cross[key] >= 0 and not done[cross[key]] else local[key]
+        need_op = decode(need)
+        waits.append((r, decode(key), need_op, rank_of_stage[need_op.stage]))
+    return waits

@@ -1,0 +1,117 @@
+"""Reading and writing the YAML files of SPEC sections 2 and 3, with input errors that name
+the file and the field instead of a traceback."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from octoplan.errors import InputError
+
+__all__ = ["read_yaml", "write_yaml", "file_sha256", "Fields"]
+
+
+def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise InputError(str(path), None, f"no such {what} file", "check the path")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else None
+        raise InputError(str(path), where, "not valid YAML", "fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise InputError(str(path), None, f"a {what} file must be a YAML mapping", "see SPEC")
+    return data
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style for mappings, but short lists of scalars stay on one line."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list) -> Any:
+    flow = len(data) <= 8 and all(isinstance(x, (int, float, str)) for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+def write_yaml(path: str | Path, data: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=120))
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+class Fields:
+    """Typed access to one mapping of a file, raising :class:`InputError` with the field path."""
+
+    def __init__(self, data: Any, *, file: str, prefix: str):
+        if not isinstance(data, dict):
+            raise InputError(file, prefix or None, "must be a mapping", "see SPEC")
+        self.data = data
+        self.file = file
+        self.prefix = prefix
+
+    def _name(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def _error(self, key: str, problem: str, fix: str) -> InputError:
+        return InputError(self.file, self._name(key), problem, fix)
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def raw(self, key: str, default: Any = ..., ) -> Any:
+        if key not in self.data or self.data[key] is None:
+            if default is ...:
+                raise self._error(key, "is missing", "add it (see SPEC)")
+            return default
+        return self.data[key]
+
+    def str(self, key: str, default: Any = ...) -> str:
+        value = self.raw(key, default)
+        if value is not None and not isinstance(value, str):
+            raise self._error(key, f"must be text, got {value!r}", "quote it")
+        return value
+
+    def number(self, key: str, default: Any = ..., *, minimum: float = 0.0) -> float:
+        value = self.raw(key, default)
+        if value is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._error(key, f"must be a number, got {value!r}", "write a number")
+        if value != value or value < minimum:
+            raise self._error(key, f"must be >= {minimum:g}, got {value!r}", f"use a value >= {minimum:g}")
+        return float(value)
+
+    def int(self, key: str, default: Any = ..., *, minimum: int = 0) -> int:
+        value = self.raw(key, default)
+        if value is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise self._error(key, f"must be a whole number, got {value!r}", "write an integer")
+        if value < minimum:
+            raise self._error(key, f"must be >= {minimum}, got {value}", f"use a value >= {minimum}")
+        return value
+
+    def mapping(self, key: str, default: Any = ...) -> "Fields":
+        value = self.raw(key, default)
+        return Fields(value if value is not None else {}, file=self.file, prefix=self._name(key))
+
+    def list(self, key: str) -> list:
+        value = self.raw(key)
+        if not isinstance(value, list):
+            raise self._error(key, "must be a list", "write a YAML list")
+        return value
