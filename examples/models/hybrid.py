@@ -2,7 +2,7 @@
 
 Heterogeneity: the three block kinds differ in cost, in parameters and in how their backward
 splits between input and weight gradients (a MoE block holds four experts' weights but runs two
-per token; the state-space block's scan is memory-bound; attention is quadratic in the sequence).
+per token; the state-space block's scan is a chain of small kernels; attention is quadratic in the sequence).
 
 Layers (SPEC section 4, a chain; layer i consumes layer i-1's output):
 
@@ -10,7 +10,7 @@ Layers (SPEC section 4, a chain; layer i consumes layer i-1's output):
     1 .. n     one block per letter of ``pattern`` (default "mamemame"), each pre-LayerNorm with
                a residual, hidden -> hidden:
                  m  MambaStyleBlock  gated causal depthwise conv + selective (input-dependent
-                                     decay) linear scan, computed in parallel form
+                                     decay) linear scan over time
                  a  AttentionBlock   causal multi-head self-attention
                  e  MoEBlock         ``experts`` MLP experts, top-``top_k`` routing; tokens are
                                      gathered to their experts and scattered back weighted by the
@@ -115,9 +115,9 @@ class MambaStyleBlock(nn.Module):
     """x + out(scan(silu(conv(in_x))) * silu(in_z)): a gated, selective state-space mixer.
 
     The scan is h_t = a_t * h_{t-1} + (1 - a_t) * u_t per channel, with the decay a_t in (0, 1)
-    computed from u_t (the "selective" part). It is evaluated in parallel form,
-    h_t = sum_{s<=t} exp(L_t - L_s) (1 - a_s) u_s with L = cumsum(log a), which costs a
-    (seq x seq) matrix per channel but no Python loop over time.
+    computed from u_t (the "selective" part). It runs as a loop over time: at these sizes that
+    is several times faster on a CPU than the parallel (seq x seq) form, and it makes the block
+    what real SSM layers often are, bound by many small kernels rather than by FLOPs.
     """
 
     def __init__(self, hidden: int, *, expand: int, kernel: int):
@@ -137,13 +137,14 @@ class MambaStyleBlock(nn.Module):
         u, z = self.in_proj(self.ln(x)).chunk(2, dim=-1)
         # Right-trimming the symmetric padding leaves a causal convolution.
         u = F.silu(self.conv(u.transpose(1, 2))[..., :seq]).transpose(1, 2)  # (mbs, seq, inner)
-        log_a = F.logsigmoid(self.decay(u))
-        cum = torch.cumsum(log_a, dim=1).transpose(1, 2)  # (mbs, inner, seq)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-        # Mask before exp: above the diagonal L_t - L_s > 0 and could overflow.
-        weights = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-        drive = ((1 - log_a.exp()) * u).transpose(1, 2)  # (mbs, inner, seq)
-        state = torch.einsum("bcts,bcs->btc", weights, drive)
+        decay = torch.sigmoid(self.decay(u))
+        drive = (1 - decay) * u
+        h = torch.zeros_like(u[:, 0])
+        states = []
+        for t in range(seq):
+            h = decay[:, t] * h + drive[:, t]
+            states.append(h)
+        state = torch.stack(states, dim=1)
         return x + self.out_proj((state + self.skip * u) * F.silu(z))
 
 

@@ -140,9 +140,9 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(vocab, hidden)
         self.positions = nn.Embedding(seq, hidden)
-        # GPT-2's scale: small embeddings keep the residual stream led by the blocks at first.
-        nn.init.normal_(self.tokens.weight, std=0.02)
-        nn.init.normal_(self.positions.weight, std=0.02)
+        # Unit-scale tokens (torch's default) keep the token identity dominant in the residual
+        # stream at first, so MoE routers and attention see distinct tokens; positions are smaller.
+        nn.init.normal_(self.positions.weight, std=0.1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tokens(ids) + self.positions.weight[: ids.shape[1]]

@@ -1,0 +1,253 @@
+"""The ``octoplan`` command line (SPEC section 5). Thin: parse, call one library function,
+write the file, render with rich."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from octoplan.cliutil import ClusterOptions, cluster_from, dump_json, guarded, log_setup, newest_profile
+from octoplan.errors import InputError
+from octoplan.plan import Plan, load_plan, load_plan_profile, save_plan
+from octoplan.profile import Profile, load_profile, save_profile
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="OctoPipe planner: profile, tune, simulate and show pipeline plans.")
+console = Console()
+
+_GPN = typer.Option(8, "--gpus-per-node", help="GPUs per node")
+_MEM = typer.Option(80.0, "--memory-gb", help="memory per GPU, GB")
+_INTRA = typer.Option(450.0, "--intra-node-gbps", help="GB/s between GPUs of a node")
+_INTER = typer.Option(50.0, "--inter-node-gbps", help="GB/s between nodes")
+_LAT = typer.Option(10.0, "--latency-us", help="latency per point-to-point transfer, us")
+
+
+def _load_plan_with_profile(path: Path) -> tuple[Plan, Profile]:
+    plan = load_plan(path)
+    return plan, load_plan_profile(plan, path)
+
+
+@app.callback()
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="log what the library does")) -> None:
+    log_setup(verbose)
+
+
+@app.command()
+@guarded
+def profile(
+    model: Optional[Path] = typer.Argument(None, help="model file (SPEC section 4)"),
+    arch: Optional[str] = typer.Option(None, "--arch", help="write an analytic profile of a known architecture"),
+    gpu: str = typer.Option("h100", "--gpu", help="GPU of the analytic profile"),
+    list_known: bool = typer.Option(False, "--list", help="name the known architectures and GPUs"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="sequence length (analytic)"),
+    microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", help="samples per microbatch"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree (analytic)"),
+    repeat: int = typer.Option(10, "--repeat", help="timed repeats per layer; the median is kept"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)"),
+    config: List[str] = typer.Option([], "--config", help="model config override key=value (repeatable)"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile file to write"),
+) -> None:
+    """Measure every layer of a model file, or write an analytic profile of a known architecture."""
+    if list_known:
+        from octoplan.arch import list_architectures, list_gpus
+
+        table = Table(title="architectures")
+        table.add_column("name")
+        table.add_column("description")
+        for name, text in list_architectures():
+            table.add_row(name, text)
+        console.print(table)
+        gpus = Table(title="GPUs")
+        gpus.add_column("name")
+        gpus.add_column("description")
+        for name, text in list_gpus():
+            gpus.add_row(name, text)
+        console.print(gpus)
+        return
+    if arch is not None:
+        from octoplan.arch import analytic_profile
+
+        result = analytic_profile(arch, gpu, seq_len=seq_len, microbatch_size=microbatch_size, tp=tp)
+        out = output or Path("profiles") / f"{arch}-{gpu}{f'-tp{tp}' if tp > 1 else ''}.yaml"
+    elif model is not None:
+        from rich.progress import Progress
+
+        from octoplan.profiler import parse_config_overrides, profile_model_file
+
+        if repeat < 1:
+            raise InputError(None, "--repeat", f"is {repeat}", "use at least 1")
+        overrides = parse_config_overrides(config)
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(f"profiling {model.name}", total=None)
+
+            def on_layer(index: int, total: int, name: str) -> None:
+                progress.update(task, total=total, completed=index + 1, description=f"profiling {name}")
+
+            result = profile_model_file(
+                str(model), config=overrides, microbatch_size=microbatch_size or 4, repeat=repeat,
+                device=device, on_layer=on_layer,
+            )
+        out = output or Path("profiles") / f"{result.model.name}.yaml"
+    else:
+        raise InputError(None, "MODEL", "nothing to profile", "give a model file, or --arch NAME (see --list)")
+    save_profile(result, out)
+    _print_profile(result, out)
+
+
+def _print_profile(result: Profile, out: Path) -> None:
+    table = Table(title=f"{result.model.name} on {result.device.get('name', '?')} -> {out}")
+    for column in ("#", "layer", "kind", "F ms", "I ms", "W ms", "params MB", "act MB", "out MB"):
+        table.add_column(column, justify="right" if column not in ("layer", "kind") else "left")
+    rows = list(enumerate(result.layers))
+    if len(rows) > 24:
+        rows = rows[:10] + [(-1, None)] + rows[-10:]
+    for i, layer in rows:
+        if layer is None:
+            table.add_row("…", "…", "", "", "", "", "", "", "")
+            continue
+        table.add_row(str(i), layer.name, layer.kind, f"{layer.forward_ms:.3f}", f"{layer.backward_input_ms:.3f}",
+                      f"{layer.backward_weight_ms:.3f}", f"{layer.param_bytes / 1e6:.2f}",
+                      f"{layer.activation_bytes / 1e6:.2f}", f"{layer.output_bytes / 1e6:.2f}")
+    console.print(table)
+    total = sum(layer.total_ms for layer in result.layers)
+    console.print(f"{result.num_layers} layers, F+I+W = {total:.3f} ms per microbatch of {result.microbatch_size}")
+
+
+@app.command()
+@guarded
+def baseline(
+    profile_path: Optional[Path] = typer.Argument(None, metavar="[PROFILE]", help="profile (default: newest in profiles/)"),
+    gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
+    schedule: str = typer.Option(..., "--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, dualpipev"),
+    partition: str = typer.Option("uniform", "--partition", help="uniform or balanced"),
+    chunks: int = typer.Option(2, "--chunks", help="stages per rank for interleaved-1f1b"),
+    microbatches: Optional[int] = typer.Option(None, "--microbatches", help="microbatches per iteration (default 2*pp)"),
+    pp: Optional[int] = typer.Option(None, "--pp", help="pipeline degree (default: all GPUs)"),
+    output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
+    gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
+    inter_node_gbps: float = _INTER, latency_us: float = _LAT,
+) -> None:
+    """Write a plan of a known schedule, for comparison (SPEC section 6)."""
+    from octoplan.baseline import make_baseline, split_gpus
+
+    path = newest_profile(profile_path)
+    prof = load_profile(path)
+    cluster = cluster_from(gpus, ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us))
+    pp_value, _ = split_gpus(gpus, pp)
+    plan = make_baseline(prof, schedule=schedule, gpus=gpus, pp=pp_value, microbatches=microbatches or 2 * pp_value,
+                         partition_method=partition, chunks=chunks, cluster=cluster, profile_path=path)
+    save_plan(plan, output)
+    console.print(f"{schedule} plan for {gpus} GPUs (pp={plan.pp}, dp={plan.parallel.dp}, "
+                  f"{plan.microbatches} microbatches, {plan.num_stages} stages) -> {output}: "
+                  f"predicted {plan.predicted['iteration_ms']:.2f} ms, bubble {plan.predicted['bubble_ratio']:.1%}")
+
+
+@app.command()
+@guarded
+def simulate(
+    plan_path: Path = typer.Argument(..., metavar="PLAN"),
+    json_out: bool = typer.Option(False, "--json", help="print SPEC section 7's JSON object"),
+) -> None:
+    """Predict a plan's iteration (SPEC section 7)."""
+    from octoplan.simulator import simulate as run_simulation
+    from octoplan.validate import check_runnable
+
+    plan, prof = _load_plan_with_profile(plan_path)
+    check_runnable(plan, file=str(plan_path))
+    result = run_simulation(plan, prof)
+    summary = result.summary()
+    if json_out:
+        typer.echo(dump_json(summary))
+        return
+    table = Table(title=f"{plan_path}: pp={plan.pp} dp={plan.parallel.dp} microbatches={plan.microbatches} stages={plan.num_stages}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("iteration", f"{result.iteration_ms:.3f} ms")
+    table.add_row("lower bound", f"{result.lower_bound_ms:.3f} ms")
+    table.add_row("efficiency", f"{result.efficiency:.3f}")
+    table.add_row("bubble ratio", f"{result.bubble_ratio:.1%}")
+    table.add_row("peak memory", f"{max(result.peak_memory_bytes) / 1e9:.2f} GB (limit {result.memory_limit_bytes / 1e9:.0f})")
+    table.add_row("fits memory", "yes" if result.fits_memory else "[red]NO[/red]")
+    console.print(table)
+    by_rank = Table(title="per rank")
+    for column in ("rank", "stages", "busy ms", "idle ms", "peak GB", "largest bubble (waits for)"):
+        by_rank.add_column(column, justify="right")
+    for r in range(plan.pp):
+        gaps = [b for b in result.bubbles if b.rank == r and b.reason != "drain"]
+        worst = max(gaps, key=lambda b: b.duration_ms, default=None)
+        worst_text = f"{worst.duration_ms:.2f} ms ({worst.waits_for} from rank {worst.from_rank}, {worst.reason})" if worst else "-"
+        by_rank.add_row(str(r), ",".join(map(str, plan.stages_of(r))), f"{result.busy_ms[r]:.2f}",
+                        f"{result.iteration_ms - result.busy_ms[r]:.2f}", f"{result.peak_memory_bytes[r] / 1e9:.2f}", worst_text)
+    console.print(by_rank)
+
+
+@app.command()
+@guarded
+def validate(plan_path: Path = typer.Argument(..., metavar="PLAN")) -> None:
+    """Check every rule of SPEC section 3."""
+    from octoplan.validate import check_runnable
+
+    plan = load_plan(plan_path)
+    if plan.profile:
+        load_plan_profile(plan, plan_path)
+    check_runnable(plan, file=str(plan_path))
+    num_ops = sum(len(ops) for ops in plan.schedule)
+    console.print(f"{plan_path}: valid ({plan.num_stages} stages on {plan.pp} ranks, {plan.microbatches} microbatches, {num_ops} ops)")
+
+
+@app.command()
+@guarded
+def show(
+    plan_path: Path = typer.Argument(..., metavar="PLAN"),
+    svg: Optional[Path] = typer.Option(None, "--svg", help="also write the timeline as an SVG picture"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="also write Chrome trace-event JSON (Perfetto)"),
+    measured: Optional[Path] = typer.Option(None, "--measured", help="a measured trace from octorun: report the error per op type"),
+    width: Optional[int] = typer.Option(None, "--width", help="columns for the timeline"),
+) -> None:
+    """Draw the per-rank timeline."""
+    from octoplan.simulator import simulate as run_simulation
+    from octoplan import timeline
+    from octoplan.validate import check_runnable
+
+    plan, prof = _load_plan_with_profile(plan_path)
+    check_runnable(plan, file=str(plan_path))
+    result = run_simulation(plan, prof)
+    console.print(timeline.render_terminal(plan, result, width=width))
+    if svg:
+        timeline.write_svg(plan, result, svg, title=str(plan_path))
+        console.print(f"SVG -> {svg}")
+    if trace:
+        timeline.write_trace(plan, result, trace)
+        console.print(f"trace -> {trace}")
+    if measured:
+        rows = timeline.compare_measured(plan, result, measured)
+        table = Table(title=f"predicted vs measured ({measured})")
+        keys = list(rows[0].keys()) if rows else []
+        for key in keys:
+            table.add_column(key)
+        for row in rows:
+            table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()])
+        console.print(table)
+
+
+def _register_optional() -> None:
+    """Commands that live beside their libraries (tuner, exporter)."""
+    try:
+        from octoplan.tuner.cli import register
+    except ImportError:  # the tuner is optional at import time only while it is being built
+        return
+    register(app)
+
+
+_register_optional()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

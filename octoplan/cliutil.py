@@ -1,0 +1,94 @@
+"""What every command line shares: turning bad input into exit 2 with one line, and the
+cluster options of SPEC section 5."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+import yaml
+
+from octoplan.errors import InputError
+from octoplan.plan import Cluster
+
+__all__ = ["guarded", "fail", "ClusterOptions", "cluster_from", "newest_profile", "log_setup"]
+
+
+def fail(error: InputError) -> None:
+    typer.echo(f"error: {error.line()}", err=True)
+    raise SystemExit(2)
+
+
+def guarded(fn: Callable) -> Callable:
+    """Run a command: InputError -> exit 2 and one line on stderr; anything else -> exit 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except InputError as exc:
+            fail(exc)
+        except (typer.Exit, typer.Abort, SystemExit, KeyboardInterrupt):
+            raise
+        except BrokenPipeError:
+            raise SystemExit(0)
+        except Exception as exc:  # a failure of ours, not bad input: keep the trace for debugging
+            logging.getLogger("octoplan").debug("failure", exc_info=True)
+            typer.echo(f"error: {type(exc).__name__}: {exc}", err=True)
+            raise SystemExit(1)
+
+    return wrapper
+
+
+def log_setup(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    gpus_per_node: int = 8
+    memory_gb: float = 80.0
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    latency_us: float = 10.0
+
+
+def cluster_from(gpus: int, opts: ClusterOptions) -> Cluster:
+    for name, value in (("--gpus", gpus), ("--gpus-per-node", opts.gpus_per_node)):
+        if value < 1:
+            raise InputError(None, name, f"is {value}", "use a positive number")
+    for name, value in (("--intra-node-gbps", opts.intra_node_gbps), ("--inter-node-gbps", opts.inter_node_gbps)):
+        if value <= 0:
+            raise InputError(None, name, f"is {value}", "use a positive bandwidth")
+    for name, value in (("--memory-gb", opts.memory_gb), ("--latency-us", opts.latency_us)):
+        if value < 0:
+            raise InputError(None, name, f"is {value}", "use a non-negative value")
+    return Cluster(gpus=gpus, gpus_per_node=opts.gpus_per_node, memory_gb=opts.memory_gb,
+                   intra_node_gbps=opts.intra_node_gbps, inter_node_gbps=opts.inter_node_gbps,
+                   latency_us=opts.latency_us)
+
+
+def newest_profile(given: Optional[Path]) -> Path:
+    """PROFILE as given, else the newest file in profiles/ (SPEC section 5)."""
+    if given is not None:
+        return given
+    folder = Path("profiles")
+    candidates = sorted(folder.glob("*.yaml"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    if not candidates:
+        raise InputError("profiles/", None, "no profile given and none in profiles/", "run octoplan profile first or name a PROFILE")
+    return candidates[-1]
+
+
+def dump_json(data: Any) -> str:
+    import json
+
+    return json.dumps(data, indent=2, sort_keys=False)
+
+
+def yaml_text(data: Any) -> str:
+    return yaml.safe_dump(data, sort_keys=False)

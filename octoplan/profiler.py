@@ -1,0 +1,737 @@
+"""Measuring a model file (SPEC section 4) layer by layer into a profile (SPEC section 2).
+
+Each layer is built with the SPEC seeding and fed the real output of the layer before it (the
+first layer gets microbatch 0 of step 0 on replica 0), so shapes and data are those of training.
+Per layer the profiler measures, as medians over ``repeat`` runs after ``warmup`` runs:
+
+- ``forward_ms``: the layer's forward with autograd recording (the last layer's includes
+  ``loss_fn``);
+- ``backward_input_ms``: :func:`backward_input`, the gradient w.r.t. the layer's floating inputs
+  (0 when it has none, e.g. token ids);
+- ``backward_weight_ms``: :func:`backward_weight`, the gradient w.r.t. the layer's parameters.
+
+Why a split backward instead of two plain ``torch.autograd.grad`` calls: ``grad(out, params)``
+after ``grad(out, input)`` walks the layer's graph again down to its first parameter, so inside a
+transformer block it redoes almost all of the input-gradient work (measured here: I + W about 1.5
+times a fused backward). :func:`backward_input` instead records, while it computes the input
+gradient, the gradient arriving at each autograd node where a parameter branch leaves the
+input's path; :func:`backward_weight` starts from those nodes and runs only the parameter
+branches. I + W then costs about one fused backward, which is what the zero-bubble schedules
+assume. The same pair of functions is what a runtime should call for I and W ops, so that the
+profile describes the work it does.
+
+Activation bytes are the storages autograd saves during the forward (saved-tensor hooks), each
+storage counted once, without the parameters, the layer's inputs (they belong to the layer
+before) or the targets. On the CPU the thread count is fixed (default
+:data:`DEFAULT_CPU_THREADS`) and recorded, because timings depend on it.
+
+Contract violations of the model file are :class:`~octoplan.errors.InputError` naming the file
+and the layer; the profiler logs, never prints.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import torch
+import yaml
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from octoplan.errors import InputError
+from octoplan.modelfile import ModelFile, as_args, load_model_file
+from octoplan.profile import Layer, ModelRef, Profile
+
+__all__ = [
+    "DEFAULT_CPU_THREADS",
+    "PendingWeightGrads",
+    "profile_model_file",
+    "measure_whole_model_ms",
+    "parse_config_overrides",
+    "backward_input",
+    "backward_weight",
+]
+
+log = logging.getLogger(__name__)
+
+# One thread: what torchrun gives each CPU rank by default (OMP_NUM_THREADS=1), and the least
+# disturbed by other processes on a shared machine.
+DEFAULT_CPU_THREADS = 1
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
+
+
+# --------------------------------------------------------------------------- split backward
+
+
+@dataclass
+class _WeightGroup:
+    """Parameters whose gradients flow in through the same set of source edges."""
+
+    params: list[int]  # indices into the params given to backward_input
+    roots: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)  # outputs off the input path
+    nodes: list[Node] = field(default_factory=list)  # input-path nodes where parameter branches leave
+
+
+@dataclass
+class PendingWeightGrads:
+    """What :func:`backward_input` leaves for :func:`backward_weight`: the parameter groups and
+    the gradients captured at their boundary nodes. Holds the layer's graph until dropped."""
+
+    params: list[torch.Tensor]
+    groups: list[_WeightGroup]
+    captured: dict[Node, tuple[torch.Tensor | None, ...]]
+
+
+def _graph(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Every node reachable from ``roots``, children before parents, and each node's children
+    (read once: ``next_functions`` builds a new tuple on every access). Iterative, because
+    graphs can be deeper than Python's recursion limit."""
+    order: list[Node] = []
+    children: dict[Node, list[Node]] = {}
+    stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if node in children:
+            continue
+        kids = [child for child, _ in node.next_functions if child is not None]
+        children[node] = kids
+        stack.append((node, True))
+        stack.extend((child, False) for child in kids if child not in children)
+    return order, children
+
+
+def _plan_weight_groups(
+    roots: list[tuple[GradientEdge, torch.Tensor]], inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+) -> list[_WeightGroup]:
+    """Split the graph below ``roots`` into the input path (nodes from which an input is
+    reachable) and parameter branches, and group the branch sources by shared parameters."""
+    input_ids = {id(t) for t in inputs}
+    param_index = {id(p): i for i, p in enumerate(params)}
+    order, children = _graph([edge.node for edge, _ in roots])
+    on_path: dict[Node, bool] = {}
+    reach: dict[Node, frozenset[int]] = {}  # parameters reachable through off-path nodes only
+    empty: frozenset[int] = frozenset()
+    for node in order:
+        kids = children[node]
+        # Gradient accumulators (leaves) expose their tensor as ``variable``.
+        leaf = getattr(node, "variable", None) if not kids else None
+        on_path[node] = (leaf is not None and id(leaf) in input_ids) or any(on_path[k] for k in kids)
+        if not on_path[node]:
+            if leaf is not None and id(leaf) in param_index:
+                reach[node] = frozenset((param_index[id(leaf)],))
+            else:
+                found = [reach[k] for k in kids if reach[k]]
+                reach[node] = found[0] if len(found) == 1 else frozenset().union(*found) if found else empty
+
+    # Sources: input-path nodes with an off-path child reaching parameters, and outputs that are
+    # off the path altogether (all of a first layer's outputs when its inputs are token ids).
+    sources: list[tuple[Node | tuple[GradientEdge, torch.Tensor], frozenset[int]]] = []
+    for node in order:
+        if on_path[node]:
+            found = [reach[k] for k in children[node] if not on_path[k] and reach[k]]
+            if found:
+                sources.append((node, frozenset().union(*found)))
+    for edge, grad in roots:
+        if not on_path[edge.node] and reach[edge.node]:
+            sources.append(((edge, grad), reach[edge.node]))
+
+    # Union-find over parameters: a parameter used at two sources ties them into one autograd call.
+    parent = list(range(len(params)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for _, found in sources:
+        first, *rest = found
+        for other in rest:
+            parent[find(other)] = find(first)
+    groups: dict[int, _WeightGroup] = {}
+    for source, found in sources:
+        group = groups.setdefault(find(next(iter(found))), _WeightGroup(params=[]))
+        if isinstance(source, tuple):
+            group.roots.append(source)
+        else:
+            group.nodes.append(source)
+    for i in range(len(params)):
+        if find(i) in groups:
+            groups[find(i)].params.append(i)
+    return list(groups.values())
+
+
+def backward_input(
+    outputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> tuple[tuple[torch.Tensor | None, ...], PendingWeightGrads]:
+    """The I op of one layer: gradients of ``outputs`` (weighted by ``grad_outputs``) w.r.t.
+    ``inputs`` (floating tensors that require grad; may be empty), plus what
+    :func:`backward_weight` needs to finish the parameters without repeating this work.
+
+    ``outputs`` are the tensors that carry gradient (for the last layer: the loss, with a grad of
+    ones). The graph is retained; it is freed when the outputs and the pending state are dropped.
+    """
+    params = [p for p in params if p.requires_grad]
+    roots = [(get_gradient_edge(out), grad) for out, grad in zip(outputs, grad_outputs) if out.requires_grad]
+    groups = _plan_weight_groups(roots, inputs, params)
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+
+    def capture(node: Node) -> Callable:
+        def hook(grads: tuple[torch.Tensor | None, ...]) -> None:
+            captured[node] = tuple(grads)
+
+        return hook
+
+    handles = [node.register_prehook(capture(node)) for group in groups for node in group.nodes]
+    try:
+        if inputs and roots:
+            grads = torch.autograd.grad(
+                [edge for edge, _ in roots], list(inputs), [g for _, g in roots], retain_graph=True, allow_unused=True
+            )
+        else:
+            grads = tuple(None for _ in inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tuple(grads), PendingWeightGrads(params=params, groups=groups, captured=captured)
+
+
+def backward_weight(pending: PendingWeightGrads) -> tuple[torch.Tensor | None, ...]:
+    """The W op of one layer: the gradients of the parameters given to :func:`backward_input`
+    (those that require grad, in order; None for an unused one). Runs only parameter branches.
+
+    The graph is retained so that the call can be repeated (the profiler does); drop the
+    outputs and ``pending`` to free it.
+    """
+    result: list[torch.Tensor | None] = [None] * len(pending.params)
+    for group in pending.groups:
+        edges: list[GradientEdge] = []
+        grads: list[torch.Tensor] = []
+        for edge, grad in group.roots:
+            edges.append(edge)
+            grads.append(grad)
+        for node in group.nodes:
+            for nr, grad in enumerate(pending.captured.get(node, ())):
+                if grad is not None:
+                    edges.append(GradientEdge(node, nr))
+                    grads.append(grad)
+        if not edges:
+            continue
+        # With several boundary nodes in one call, gradient flowing from one to the next along
+        # the input path would be added to what was captured there (which already holds it):
+        # pin each boundary node's incoming gradient to the captured value.
+        handles = []
+        if len(group.nodes) > 1:
+            for node in group.nodes:
+                if node in pending.captured:
+                    handles.append(node.register_prehook(lambda _grads, saved=pending.captured[node]: saved))
+        try:
+            found = torch.autograd.grad(
+                edges, [pending.params[i] for i in group.params], grads, retain_graph=True, allow_unused=True
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        for i, grad in zip(group.params, found):
+            result[i] = grad
+    return tuple(result)
+
+
+# --------------------------------------------------------------------------- config overrides
+
+
+def parse_config_overrides(items: list[str]) -> dict[str, Any]:
+    """``["hidden=256", "name=x"]`` -> ``{"hidden": 256, "name": "x"}``; values are YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InputError(None, "--config", f"{item!r} is not key=value", "write e.g. --config hidden=256")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            raise InputError(None, "--config", f"value of {key!r} is not valid YAML: {text!r}", "quote or fix the value") from None
+        if value is None:
+            raise InputError(None, "--config", f"{key!r} has no value", f"write {key}=VALUE")
+        if not isinstance(value, (bool, int, float, str)):
+            raise InputError(None, "--config", f"value of {key!r} is a {type(value).__name__}, not a scalar", "give a number, bool or string")
+        out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class _Clock:
+    """Median time of a callable on one device.
+
+    CUDA: events around the call. CPU with one thread: the calling thread's CPU time, because
+    every op and (for CPU tensors) the autograd engine run on that thread, and CPU time does
+    not count the slices other processes take on a shared machine, which wall time does. CPU
+    with more threads: wall time (the pool's threads work in parallel).
+    """
+
+    def __init__(self, device: torch.device, *, threads: int):
+        self.cuda = device.type == "cuda"
+        self.kind = "cuda-events" if self.cuda else "thread-cpu-time" if threads == 1 else "wall"
+        self.now_ns = time.thread_time_ns if self.kind == "thread-cpu-time" else time.perf_counter_ns
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def once_ms(self, fn: Callable[[], Any]) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        begin = self.now_ns()
+        fn()
+        return (self.now_ns() - begin) / 1e6
+
+    def median_ms(self, fn: Callable[[], Any], *, repeat: int, warmup: int) -> float:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        samples = [self.once_ms(fn) for _ in range(repeat)]
+        return statistics.median(samples)
+
+
+class _QuietGC:
+    """Collector paused while timing: a collection landing in one sample is noise, not cost."""
+
+    def __enter__(self) -> None:
+        gc.collect()
+        self.was_enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.was_enabled:
+            gc.enable()
+
+
+class _Threads:
+    """Fix the CPU thread count for the measurement and restore the caller's afterwards."""
+
+    def __init__(self, device: torch.device, threads: int | None):
+        self.device = device
+        self.threads = threads or DEFAULT_CPU_THREADS
+        if self.threads < 1:
+            raise InputError(None, "--threads", f"is {threads}", "give a positive thread count")
+
+    def __enter__(self) -> int:
+        self.before = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.threads)
+        return torch.get_num_threads()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_num_threads(self.before)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise InputError(None, "--device", f"{device!r} is not a device", "use cpu or cuda") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise InputError(None, "--device", f"{device!r} is not supported", "use cpu or cuda")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(None, "--device", "CUDA is not available on this machine", "use --device cpu")
+    return resolved
+
+
+def _device_info(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"name": props.name, "memory_gb": round(props.total_memory / 2**30, 1)}
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: leave the size out
+        return {"name": "cpu"}
+    return {"name": "cpu", "memory_gb": round(total / 2**30, 1)}
+
+
+def _check_positive(value: int, field_name: str, minimum: int) -> None:
+    if not isinstance(value, int) or value < minimum:
+        raise InputError(None, field_name, f"is {value!r}", f"give an integer >= {minimum}")
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor] | None:
+    """The tensors of a layer output (a tensor or a non-empty tuple of tensors), else None."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    return None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
+    return type(value).__name__
+
+
+def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _layer_inputs(previous: Any, *, first: bool) -> tuple[torch.Tensor, ...]:
+    """A layer's arguments: detached, floating ones requiring grad, so that the layer's
+    backward stops at its own input (the runtime does the same per stage). The first layer's
+    inputs are data: nothing upstream wants their gradient, so they require none (its I is 0)."""
+    args = []
+    for value in as_args(previous):
+        value = value.detach()
+        if value.is_floating_point() and not first:
+            value.requires_grad_(True)
+        args.append(value)
+    return tuple(args)
+
+
+def _fail(mf: ModelFile, field_name: str, problem: str, exc: BaseException, fix: str) -> InputError:
+    if isinstance(exc, InputError):  # the model file already said what is wrong
+        return exc.in_file(mf.path)
+    return InputError(mf.path, field_name, f"{problem}: {type(exc).__name__}: {exc}", fix)
+
+
+def _optional(mf: ModelFile, name: str, index: int) -> str | None:
+    fn = getattr(mf.module, name, None)
+    if not callable(fn):
+        return None
+    try:
+        value = fn(index, **mf.config)
+    except Exception as exc:
+        raise _fail(mf, f"{name}({index})", "raised", exc, f"fix {name}") from None
+    if not isinstance(value, str) or not value:
+        raise InputError(mf.path, f"{name}({index})", f"returned {value!r}", "return a non-empty string")
+    return value
+
+
+def _name_and_kind(mf: ModelFile, index: int, total: int, layer: torch.nn.Module) -> tuple[str, str]:
+    name = _optional(mf, "layer_name", index) or type(layer).__name__
+    kind = _optional(mf, "layer_kind", index)
+    if kind is None:
+        if index == total - 1:
+            kind = "head"
+        elif index == 0 and any(isinstance(m, torch.nn.Embedding) for m in layer.modules()):
+            kind = "embedding"
+        else:
+            kind = "layer"
+    if kind == "embedding" and index != 0:
+        raise InputError(mf.path, f"layer_kind({index})", "'embedding' is reserved for the first layer", "use another kind")
+    if kind == "head" and index != total - 1:
+        raise InputError(mf.path, f"layer_kind({index})", "'head' is reserved for the last layer", "use another kind")
+    return name, kind
+
+
+def _build(mf: ModelFile, index: int, device: torch.device) -> torch.nn.Module:
+    try:
+        layer = mf.build_layer(index)
+    except Exception as exc:
+        raise _fail(mf, f"build_layer({index})", "raised", exc, "fix build_layer") from None
+    return layer.to(device)
+
+
+def _first_batch(mf: ModelFile, microbatch_size: int, device: torch.device) -> tuple[Any, Any]:
+    try:
+        inputs, targets = mf.sample_batch(microbatch_size, step=0, replica=0, mb=0)
+    except Exception as exc:
+        raise _fail(mf, "sample_batch", "raised", exc, "fix sample_batch") from None
+    if _tensors(inputs) is None:
+        raise InputError(mf.path, "sample_batch", f"inputs are a {_describe(inputs)}", "return a tensor or a tuple of tensors as inputs")
+    return _to_device(inputs, device), _to_device(targets, device)
+
+
+def _loss(mf: ModelFile, index: int, name: str, outputs: Any, targets: Any) -> torch.Tensor:
+    try:
+        loss = mf.loss(outputs, targets)
+    except Exception as exc:
+        raise _fail(mf, "loss_fn", f"failed on the output of layer {index} ({name})", exc, "fix loss_fn") from None
+    if not loss.requires_grad:
+        raise InputError(mf.path, "loss_fn", "returned a loss that does not depend on the model", "compute it from the outputs")
+    return loss
+
+
+# --------------------------------------------------------------------------- one layer
+
+
+@dataclass
+class _Step:
+    """One recorded forward of a layer: what its backward starts from."""
+
+    output: Any
+    roots: list[torch.Tensor]  # tensors the backward starts from (the loss for the last layer)
+    grads: list[torch.Tensor]
+
+
+class _LayerRun:
+    """One layer on its real input: runs F, I and W the way the runtime does."""
+
+    def __init__(self, mf: ModelFile, *, index: int, total: int, name: str, layer: torch.nn.Module, args: tuple, targets: Any, seed: int):
+        self.mf, self.index, self.total, self.name = mf, index, total, name
+        self.layer, self.args, self.targets = layer, args, targets
+        self.last = index == total - 1
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.grad_inputs = [a for a in args if a.requires_grad]
+        self.generator = torch.Generator().manual_seed(seed * 7919 + index)
+
+    def forward(self) -> _Step:
+        output = self.layer(*self.args)
+        if self.last:
+            loss = _loss(self.mf, self.index, self.name, output, self.targets)
+            return _Step(output, [loss], [torch.ones_like(loss)])
+        roots = [t for t in as_args(output) if t.requires_grad]
+        return _Step(output, roots, [])
+
+    def first_forward(self) -> tuple[_Step, int]:
+        """The checked forward: contract errors name the layer; also counts saved activations."""
+        excluded = {p.untyped_storage().data_ptr() for p in self.layer.parameters()}
+        excluded |= {a.untyped_storage().data_ptr() for a in self.args}
+        excluded |= {t.untyped_storage().data_ptr() for t in (_tensors(self.targets) or [])}
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in excluded and storage.nbytes():
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                output = self.layer(*self.args)
+        except Exception as exc:
+            raise self._input_error(exc) from None
+        if _tensors(output) is None:
+            raise InputError(
+                self.mf.path,
+                f"layer {self.index} ({self.name})",
+                f"returned a {_describe(output)}",
+                "return a tensor or a tuple of tensors",
+            )
+        step = None
+        if self.last:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                loss = _loss(self.mf, self.index, self.name, output, self.targets)
+            step = _Step(output, [loss], [torch.ones_like(loss)])
+        else:
+            roots = [t for t in as_args(output) if t.requires_grad]
+            # Random, not ones: a uniform gradient through a normalization cancels to ~0 and
+            # denormal numbers are slow on CPUs.
+            grads = [torch.randn(t.shape, generator=self.generator, dtype=t.dtype).to(t.device) for t in roots]
+            step = _Step(output, roots, grads)
+        return step, sum(saved.values())
+
+    def _input_error(self, exc: Exception) -> InputError:
+        if isinstance(exc, InputError):
+            return exc.in_file(self.mf.path)
+        field_name = f"layer {self.index} ({self.name})"
+        if self.index == 0:
+            problem = "cannot take the inputs of sample_batch"
+            fix = "make sample_batch's inputs match the first layer's forward arguments"
+        else:
+            problem = f"cannot take the output of layer {self.index - 1}"
+            fix = f"make layer {self.index - 1}'s output match layer {self.index}'s forward arguments"
+        return InputError(self.mf.path, field_name, f"{problem}: {type(exc).__name__}: {exc}", fix)
+
+    def flops(self) -> float | None:
+        try:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            counter = FlopCounterMode(display=False)
+            with counter:
+                self.forward()
+            return float(counter.get_total_flops())
+        except Exception as exc:  # the count is optional: an op it cannot trace is no error
+            log.debug("no FLOP count for layer %d: %s", self.index, exc)
+            return None
+
+    def backward_input(self, step: _Step) -> tuple[tuple, PendingWeightGrads]:
+        return backward_input(step.roots, step.grads, self.grad_inputs, self.params)
+
+
+def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -> tuple[Layer, Any]:
+    step, activation_bytes = run.first_forward()
+    flops = run.flops()
+    field_name = f"layer {run.index} ({run.name})"
+    try:
+        with _QuietGC():
+            forward_ms = clock.median_ms(run.forward, repeat=repeat, warmup=warmup)
+            _, pending = run.backward_input(step)
+            if run.grad_inputs and step.roots:
+                input_ms = clock.median_ms(lambda: run.backward_input(step), repeat=repeat, warmup=warmup)
+            else:  # token ids (or an output with no gradient): there is no I work
+                input_ms = 0.0
+            if run.params and step.roots:
+                weight_ms = clock.median_ms(lambda: backward_weight(pending), repeat=repeat, warmup=warmup)
+            else:
+                weight_ms = 0.0
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(run.mf.path, field_name, f"failed during measurement: {type(exc).__name__}: {exc}", "fix the layer") from None
+    layer = Layer(
+        name=run.name,
+        kind="",  # filled by the caller
+        forward_ms=forward_ms,
+        backward_input_ms=input_ms,
+        backward_weight_ms=weight_ms,
+        param_bytes=_tensor_bytes(list(run.layer.parameters())),
+        activation_bytes=activation_bytes,
+        output_bytes=_tensor_bytes(_tensors(step.output) or []),
+        flops=flops,
+    )
+    return layer, step.output
+
+
+def _dtype_name(layers_dtypes: list[torch.dtype]) -> str:
+    floating = [d for d in layers_dtypes if d.is_floating_point]
+    if not floating:
+        return "float32"
+    common = max(set(floating), key=floating.count)
+    return _DTYPE_NAMES.get(common, str(common).removeprefix("torch."))
+
+
+# --------------------------------------------------------------------------- public entry points
+
+
+def profile_model_file(
+    path: str,
+    *,
+    config: dict | None = None,
+    microbatch_size: int = 4,
+    repeat: int = 10,
+    warmup: int = 3,
+    device: str | None = None,
+    threads: int | None = None,
+    seed: int = 0,
+    on_layer: Callable[[int, int, str], None] | None = None,
+) -> Profile:
+    """Measure every layer of the model file at ``path`` into a :class:`Profile`.
+
+    ``config`` overrides the file's ``CONFIG``; ``device`` defaults to CUDA when available;
+    ``threads`` (CPU only) defaults to :data:`DEFAULT_CPU_THREADS`. ``on_layer(index, total,
+    name)`` is called after each layer is measured. Bad model files raise :class:`InputError`.
+    """
+    _check_positive(microbatch_size, "--microbatch-size", 1)
+    _check_positive(repeat, "--repeat", 1)
+    _check_positive(warmup, "--warmup", 0)
+    dev = _resolve_device(device)
+    mf = load_model_file(path, config, seed=seed)
+    with _Threads(dev, threads) as used_threads:
+        total = mf.num_layers()
+        clock = _Clock(dev, threads=used_threads)
+        previous, targets = _first_batch(mf, microbatch_size, dev)
+        layers: list[Layer] = []
+        dtypes: list[torch.dtype] = []
+        for index in range(total):
+            module = _build(mf, index, dev)
+            name, kind = _name_and_kind(mf, index, total, module)
+            dtypes.extend(p.dtype for p in module.parameters())
+            run = _LayerRun(
+                mf,
+                index=index,
+                total=total,
+                name=name,
+                layer=module,
+                args=_layer_inputs(previous, first=index == 0),
+                targets=targets if index == total - 1 else None,
+                seed=seed,
+            )
+            layer, output = _measure_layer(run, clock=clock, repeat=repeat, warmup=warmup)
+            layers.append(replace(layer, kind=kind))
+            log.info(
+                "layer %d/%d %s: F %.3f ms, I %.3f ms, W %.3f ms",
+                index + 1, total, name, layer.forward_ms, layer.backward_input_ms, layer.backward_weight_ms,
+            )
+            previous = output
+            del run, module
+            if on_layer is not None:
+                on_layer(index, total, name)
+    return Profile(
+        model=ModelRef(name=str(mf.name), source=str(path), config=dict(mf.config)),
+        layers=tuple(layers),
+        device=_device_info(dev),
+        microbatch_size=microbatch_size,
+        dtype=_dtype_name(dtypes),
+        extra={
+            "profiler": {
+                "threads": used_threads if dev.type == "cpu" else None,
+                "repeat": repeat,
+                "warmup": warmup,
+                "seed": seed,
+                "torch": torch.__version__,
+                "clock": clock.kind,
+                "split_backward": "boundary-capture",
+            }
+        },
+    )
+
+
+def measure_whole_model_ms(
+    path: str,
+    *,
+    config: dict | None = None,
+    microbatch_size: int = 4,
+    repeat: int = 10,
+    device: str | None = None,
+    seed: int = 0,
+    warmup: int = 3,
+    threads: int | None = None,
+) -> float:
+    """Median time of one training microbatch of the whole model: all layers chained as usual,
+    the loss, one fused ``backward()``. The reference the per-layer sum should approach."""
+    _check_positive(microbatch_size, "--microbatch-size", 1)
+    _check_positive(repeat, "--repeat", 1)
+    dev = _resolve_device(device)
+    mf = load_model_file(path, config, seed=seed)
+    with _Threads(dev, threads) as used_threads:
+        total = mf.num_layers()
+        modules = [_build(mf, i, dev) for i in range(total)]
+        params = [p for m in modules for p in m.parameters()]
+        inputs, targets = _first_batch(mf, microbatch_size, dev)
+
+        def step() -> None:
+            for p in params:
+                p.grad = None
+            value: Any = inputs
+            for module in modules:
+                value = module(*as_args(value))
+            mf.loss(value, targets).backward()
+
+        try:
+            with _QuietGC():
+                return _Clock(dev, threads=used_threads).median_ms(step, repeat=repeat, warmup=warmup)
+        except InputError as exc:
+            raise exc.in_file(mf.path) from None
+        except Exception as exc:
+            raise InputError(mf.path, None, f"the whole model failed: {type(exc).__name__}: {exc}", "profile it for the failing layer") from None

@@ -1,0 +1,242 @@
+"""A policy list scheduler: a valid, deadlock-free op order for *any* stage -> rank map.
+
+The known schedules (gpipe, looped, zbv, dualpipev) are rules written for one placement. The
+tuner moves stages between ranks freely, so it needs a generator that works for every map. This
+one simulates the iteration event by event, with the same cost semantics as the simulator
+(SPEC section 7: ops last their stage's time, transfers between ranks cost latency + bytes /
+bandwidth and leave one at a time per rank pair in production order), and whenever a rank is
+free it runs the ready op its :class:`RankPolicy` prefers:
+
+1. a deferred W, if more than ``w_cap`` are pending (bounds the memory W holds);
+2. a backward (B, or I when ``split``), oldest microbatch first, later stage first on ties —
+   backward first frees activation memory, as 1F1B does;
+3. a forward, the later stage first when ``deep_first`` (drives microbatches to the end of the
+   pipeline sooner) else the oldest microbatch; a forward of the rank's first stage admits a
+   new microbatch to the rank and waits while ``inflight`` microbatches are admitted and not
+   yet through that stage's backward (the warm-up depth);
+4. a deferred W, to fill a gap where nothing else is ready.
+
+Why it cannot deadlock: each stage runs its F and its backward in microbatch order and a rank
+admits microbatches in order, so the oldest unfinished microbatch is always admitted (or
+admissible) on every rank; its next op becomes ready and nothing blocks it, so time advances.
+
+The scheduler emits compute ops only; the simulator remains the judge of the order it emits.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+from octoplan.costs import StageCost, transfer_ms
+from octoplan.ops import Kind, Op
+from octoplan.plan import Cluster, Parallel
+
+__all__ = ["RankPolicy", "default_policies", "policy_schedule"]
+
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class RankPolicy:
+    """The knobs of one rank's list-scheduling policy."""
+
+    inflight: int  # most microbatches admitted to the rank and not yet through its first stage's backward
+    split: bool = False  # backward as I then a deferred W, rather than one B
+    w_cap: int = 0  # deferred Ws kept pending before one is forced (with split)
+    deep_first: bool = True  # among ready forwards, the rank's later stage first
+
+    def to_dict(self) -> dict:
+        return {"inflight": self.inflight, "split": self.split, "w_cap": self.w_cap, "deep_first": self.deep_first}
+
+
+def default_policies(rank_of_stage: Sequence[int], num_ranks: int, microbatches: int, *, split: bool = False,
+                     depth: float = 1.0) -> tuple[RankPolicy, ...]:
+    """1F1B-like knobs for any placement: a rank admits as many microbatches as there are
+    ranks between its first stage and the pipeline's end (``depth`` scales that), so the
+    pipeline fills; with ``split``, Ws wait while the rank would otherwise idle."""
+    num_stages = len(rank_of_stage)
+    first_stage = [num_stages] * num_ranks
+    for s, r in enumerate(rank_of_stage):
+        first_stage[r] = min(first_stage[r], s)
+    out = []
+    for r in range(num_ranks):
+        # ranks the microbatch still visits after this rank's first stage, counted in stages
+        # scaled to ranks: a loop of V chunks revisits every rank V times
+        remaining = (num_stages - first_stage[r]) * num_ranks / max(num_stages, 1)
+        inflight = max(1, min(microbatches, int(round(remaining * depth))))
+        out.append(RankPolicy(inflight=inflight, split=split, w_cap=num_ranks if split else 0))
+    return tuple(out)
+
+
+def policy_schedule(
+    rank_of_stage: Sequence[int],
+    costs: Sequence[StageCost],
+    *,
+    microbatches: int,
+    policies: Sequence[RankPolicy],
+    cluster: Cluster,
+    parallel: Parallel,
+) -> list[list[Op]]:
+    """Per-rank op lists for stages placed by ``rank_of_stage`` (stage -> pipeline rank)."""
+    num_stages = len(rank_of_stage)
+    num_ranks = len(policies)
+    num_mb = microbatches
+    stages_of: list[list[int]] = [[] for _ in range(num_ranks)]
+    for s, r in enumerate(rank_of_stage):
+        stages_of[r].append(s)
+    if any(not held for held in stages_of):
+        raise ValueError("every rank must hold at least one stage")
+    first = [held[0] for held in stages_of]
+    # backward candidates are scanned later stage first (the order ties break in)
+    desc = [sorted(held, reverse=True) for held in stages_of]
+    fwd_order = [desc[r] if policies[r].deep_first else stages_of[r] for r in range(num_ranks)]
+    split = [policies[r].split for r in rank_of_stage]
+    f_ms = [c.forward_ms for c in costs]
+    i_ms = [c.backward_input_ms for c in costs]
+    w_ms = [c.backward_weight_ms for c in costs]
+    b_ms = [c.backward_input_ms + c.backward_weight_ms for c in costs]
+    # wire time of each stage's forward output and backward gradient (0: same rank / none)
+    fwd_to = [rank_of_stage[s + 1] if s + 1 < num_stages else -1 for s in range(num_stages)]
+    bwd_to = [rank_of_stage[s - 1] if s > 0 else -1 for s in range(num_stages)]
+    fwd_wire = [0.0] * num_stages
+    bwd_wire = [0.0] * num_stages
+    for s in range(num_stages):
+        r = rank_of_stage[s]
+        if fwd_to[s] >= 0 and fwd_to[s] != r:
+            fwd_wire[s] = transfer_ms(cluster, parallel, r, fwd_to[s], costs[s].output_bytes)
+        if bwd_to[s] >= 0 and bwd_to[s] != r:
+            bwd_wire[s] = transfer_ms(cluster, parallel, r, bwd_to[s], costs[s - 1].output_bytes)
+
+    fwd_arrive = [[-1.0] * num_mb for _ in range(num_stages)]  # F(s,m)'s output at stage s+1's rank
+    bwd_arrive = [[-1.0] * num_mb for _ in range(num_stages)]  # I/B(s,m)'s gradient at stage s-1's rank
+    next_f = [0] * num_stages
+    next_b = [0] * num_stages
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
+    admitted = [0] * num_ranks
+    free = [0.0] * num_ranks
+    link_free: dict[tuple[int, int], float] = {}
+    out: list[list[Op]] = [[] for _ in range(num_ranks)]
+    remaining = sum(num_mb * (3 if split[s] else 2) for s in range(num_stages))
+    version = [0] * num_ranks
+    heap: list[tuple[float, int, int]] = []
+
+    def ready_ops(r: int) -> tuple[float, list]:
+        """The earliest time rank r can start something, and its candidates (ready_time, kind, stage, mb)."""
+        t = free[r]
+        found = []
+        policy = policies[r]
+        if pending_w[r]:
+            found.append((t, 2, -1, -1))
+        for s in desc[r]:
+            m = next_b[s]
+            if m < next_f[s]:
+                if s + 1 == num_stages:
+                    found.append((t, 1, s, m))
+                else:
+                    a = bwd_arrive[s + 1][m]
+                    if a >= 0.0:
+                        found.append((a if a > t else t, 1, s, m))
+        for s in fwd_order[r]:
+            m = next_f[s]
+            if m >= num_mb:
+                continue
+            if s == first[r] and admitted[r] >= policy.inflight:
+                continue
+            if s == 0:
+                found.append((t, 0, s, m))
+            else:
+                a = fwd_arrive[s - 1][m]
+                if a >= 0.0:
+                    found.append((a if a > t else t, 0, s, m))
+        when = min((c[0] for c in found), default=_INF)
+        return when, found
+
+    def push(r: int) -> None:
+        version[r] += 1
+        when, _ = ready_ops(r)
+        if when < _INF:
+            heapq.heappush(heap, (when, r, version[r]))
+
+    def send(r: int, dst: int, end: float, wire: float) -> float:
+        key = (r, dst)
+        ts = link_free.get(key, 0.0)
+        if end > ts:
+            ts = end
+        te = ts + wire
+        link_free[key] = te
+        return te
+
+    for r in range(num_ranks):
+        push(r)
+    while remaining:
+        if not heap:
+            raise RuntimeError("policy scheduler stalled; this is a bug (every order it builds should run)")
+        when, r, ver = heapq.heappop(heap)
+        if ver != version[r]:
+            continue
+        _, found = ready_ops(r)
+        ready = [c for c in found if c[0] <= when]
+        policy = policies[r]
+        choice = None
+        if pending_w[r] and len(pending_w[r]) > policy.w_cap:
+            choice = (2, -1, -1)
+        if choice is None:
+            backs = [c for c in ready if c[1] == 1]
+            if backs:
+                _, _, s, m = min(backs, key=lambda c: (c[3], -c[2]))
+                choice = (1, s, m)
+        if choice is None:
+            fwds = [c for c in ready if c[1] == 0]
+            if fwds:
+                _, _, s, m = fwds[0] if policy.deep_first else min(fwds, key=lambda c: (c[3], c[2]))
+                choice = (0, s, m)
+        if choice is None:
+            choice = (2, -1, -1)  # only a deferred W is ready: fill the gap with it
+        kind, s, m = choice
+        start = when
+        touched = -1
+        if kind == 2:
+            s, m = pending_w[r].pop(0)
+            out[r].append(Op(s, Kind.W, m))
+            end = start + w_ms[s]
+        elif kind == 0:
+            out[r].append(Op(s, Kind.F, m))
+            end = start + f_ms[s]
+            next_f[s] += 1
+            if s == first[r]:
+                admitted[r] += 1
+            dst = fwd_to[s]
+            if dst < 0:
+                pass
+            elif dst == r:
+                fwd_arrive[s][m] = end
+            else:
+                fwd_arrive[s][m] = send(r, dst, end, fwd_wire[s])
+                touched = dst
+        else:
+            if split[s]:
+                out[r].append(Op(s, Kind.I, m))
+                end = start + i_ms[s]
+                pending_w[r].append((s, m))
+            else:
+                out[r].append(Op(s, Kind.B, m))
+                end = start + b_ms[s]
+            next_b[s] += 1
+            if s == first[r]:
+                admitted[r] -= 1
+            dst = bwd_to[s]
+            if dst < 0:
+                pass
+            elif dst == r:
+                bwd_arrive[s][m] = end
+            else:
+                bwd_arrive[s][m] = send(r, dst, end, bwd_wire[s])
+                touched = dst
+        free[r] = end
+        remaining -= 1
+        push(r)
+        if touched >= 0:
+            push(touched)
+    return out

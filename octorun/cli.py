@@ -1,0 +1,66 @@
+"""The ``octorun`` command (SPEC section 5): parse, call :func:`octorun.runtime.run`, summarize.
+
+``torchrun --nproc-per-node N octorun PLAN [--steps K] [--seed S] [--optimizer sgd|adamw]
+[--lr LR] [--metrics FILE.jsonl] [--trace FILE.json] [--timeout S]``. Without torchrun it runs
+as one process. Exit status: 0 success, 2 bad input (one line on stderr), 1 any other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import NoReturn, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, as every bad input
+        sys.stderr.write(f"octorun: {message} (see octorun --help)\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="octorun", description="Train a plan's model with pipeline and data parallelism (launch with torchrun).")
+    parser.add_argument("plan", help="plan file (octoplan tune / baseline)")
+    parser.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (SPEC section 4)")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="sgd is plain: no momentum, no weight decay")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument("--metrics", metavar="FILE.jsonl", help="global rank 0 writes one JSON object per step")
+    parser.add_argument("--trace", metavar="FILE.json", help="Chrome trace of the last step's ops on every rank")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="S", help="deadline of every wait, seconds (default 300)")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="auto: nccl with CUDA, else gloo")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="octorun: %(message)s")
+    from octoplan.errors import InputError
+    from octorun.runtime import RunConfig, run
+
+    config = RunConfig(
+        plan_path=args.plan, steps=args.steps, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
+        metrics_path=args.metrics, trace_path=args.trace, timeout_s=args.timeout, backend=args.backend,
+    )
+    try:
+        result = run(config)
+    except InputError as exc:
+        # every process reads the same files and fails the same way: one of them speaks
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"octorun: {exc.line()}\n")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    if result.global_rank == 0:
+        for m in result.metrics:
+            predicted = f" (predicted {m.predicted_iteration_ms:.2f} ms)" if m.predicted_iteration_ms is not None else ""
+            print(f"step {m.step}: loss {m.loss:.6f}  iteration {m.iteration_ms:.2f} ms{predicted}  bubble {m.bubble_ratio:.3f}")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

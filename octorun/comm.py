@@ -1,0 +1,210 @@
+"""Point-to-point transport between pipeline ranks: one process group per directed channel.
+
+Wire format. Shapes are not known in advance (a layer may return a tuple of tensors of any shape
+and dtype, e.g. float features and int64 token ids), so every message is a fixed-size int64
+header — tensor count, then dtype code, ndim and dims of each tensor — followed by one transfer
+per tensor. A header per message costs one tiny transfer but needs no step-0 special case and
+allows shapes that change between microbatches.
+
+Channels. Each directed pair ``src -> dst`` of global ranks that exchanges messages gets its own
+process group, used by exactly one thread on each side: the sender's compute thread issues
+``isend`` and never waits; a receiver thread per incoming channel posts ``recv`` for the channel's
+messages in the order the sender sends them (the lowering pass fixes that order), ahead of need,
+and drops the tensors in a mailbox the compute thread takes from. Why a group per *direction*:
+NCCL runs all send/recv between two ranks of one communicator on one ordered stream and ignores
+tags, so a gradient travelling B -> A could queue behind an activation A -> B that waits for B;
+V-shaped placements send activations both ways between the same pair, so even separate
+"forward" and "backward" groups could block each other. With one group per direction every
+stream carries a single FIFO whose sender and receiver post in the same order, so one direction
+can never block the other, and receives never wait for compute. On NCCL, headers travel on a
+parallel gloo group (host memory: the receiver reads the header without a device sync); on gloo
+the same group carries both, with a per-channel tag sequence that both sides count identically.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from octorun.lowering import Message
+
+__all__ = ["Channel", "Mailbox", "Transport", "encode_header", "decode_header", "wait_work", "HEADER_SLOTS"]
+
+HEADER_SLOTS = 128
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+def encode_header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[count, (dtype, ndim, *dims) per tensor, 0...]`` as a host int64 tensor."""
+    words = [len(tensors)]
+    for tensor in tensors:
+        if tensor.dtype not in _DTYPE_CODE:
+            raise TypeError(f"cannot send a tensor of dtype {tensor.dtype} between stages")
+        words += [_DTYPE_CODE[tensor.dtype], tensor.dim(), *tensor.shape]
+    if len(words) > HEADER_SLOTS:
+        raise ValueError(f"a stage boundary passes {len(tensors)} tensors whose shapes need {len(words)} header words; the limit is {HEADER_SLOTS}")
+    header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
+    header[: len(words)] = torch.tensor(words, dtype=torch.int64)
+    return header
+
+
+def decode_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    words = header.tolist()
+    out, at = [], 1
+    for _ in range(words[0]):
+        dtype, ndim = _DTYPES[words[at]], words[at + 1]
+        out.append((dtype, tuple(words[at + 2: at + 2 + ndim])))
+        at += 2 + ndim
+    return out
+
+
+@dataclass
+class Channel:
+    """One directed pair of global ranks, with its groups and its tag sequence."""
+
+    src: int  # global ranks
+    dst: int
+    data_group: Any
+    meta_group: Any  # the same group on gloo
+    messages: tuple[Message, ...] = ()  # per step, in send order
+    tag: int = 0
+
+    def next_tag(self) -> int:
+        self.tag += 1
+        return self.tag
+
+
+class Mailbox:
+    """Received messages keyed by (step, message key); compute threads wait here with a deadline."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: dict[tuple[int, tuple[str, int, int]], tuple[torch.Tensor, ...]] = {}
+        self._errors: dict[int, str] = {}  # source global rank -> what went wrong
+
+    def put(self, step: int, message: Message, value: tuple[torch.Tensor, ...]) -> None:
+        with self._cond:
+            self._items[(step, message.key)] = value
+            self._cond.notify_all()
+
+    def fail(self, src: int, problem: str) -> None:
+        with self._cond:
+            self._errors[src] = problem
+            self._cond.notify_all()
+
+    def take(self, step: int, message: Message, *, src: int, deadline: float) -> tuple[torch.Tensor, ...]:
+        """The message's tensors; raises ``TimeoutError`` past ``deadline`` or ``ConnectionError``
+        when the receiver thread of that channel failed."""
+        key = (step, message.key)
+        with self._cond:
+            while key not in self._items:
+                if src in self._errors:
+                    raise ConnectionError(self._errors[src])
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError()
+                self._cond.wait(min(left, 1.0))
+            return self._items.pop(key)
+
+
+class Transport:
+    """Sends and receives the messages of one rank's program over per-channel groups."""
+
+    def __init__(
+        self,
+        *,
+        outgoing: dict[int, Channel],
+        incoming: dict[int, Channel],
+        device: torch.device,
+        steps: int,
+        timeout_s: float,
+        on_error: Callable[[int, str], None] | None = None,
+    ):
+        self.outgoing = outgoing  # dst global rank -> channel
+        self.incoming = incoming  # src global rank -> channel
+        self.device = device
+        self.steps = steps
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.mailbox = Mailbox()
+        # (work, message, tensors kept alive, completion polled rather than waited: NCCL payloads)
+        self._pending: list[tuple[Any, Message, tuple[torch.Tensor, ...], bool]] = []
+        self._threads = [
+            threading.Thread(target=self._receive_loop, args=(channel,), name=f"octorun-recv-{src}", daemon=True)
+            for src, channel in incoming.items()
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    # -- sending (compute thread) -------------------------------------------------------------
+    def send(self, message: Message, tensors: Sequence[torch.Tensor], *, dst: int) -> None:
+        """Start sending; the tensors stay referenced until :meth:`wait_sends`."""
+        channel = self.outgoing[dst]
+        payload = tuple(t.detach().contiguous() for t in tensors)
+        header = encode_header(payload)
+        work = dist.isend(header, dst, group=channel.meta_group, tag=channel.next_tag())
+        self._pending.append((work, message, (header,), False))
+        polled = self.device.type == "cuda"
+        for tensor in payload:
+            work = dist.isend(tensor, dst, group=channel.data_group, tag=channel.next_tag())
+            self._pending.append((work, message, (tensor,), polled))
+
+    def wait_sends(self, *, deadline: float) -> Message | None:
+        """Wait for every started send; returns the message that missed the deadline, if any."""
+        pending, self._pending = self._pending, []
+        for work, message, _, polled in pending:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0 or not wait_work(work, left, polled=polled):
+                    return message
+            except RuntimeError:
+                return message
+        return None
+
+    # -- receiving (one thread per incoming channel) ------------------------------------------
+    def _receive_loop(self, channel: Channel) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            for step in range(self.steps):
+                for message in channel.messages:
+                    header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
+                    dist.recv(header, channel.src, group=channel.meta_group, tag=channel.next_tag())
+                    tensors = []
+                    for dtype, shape in decode_header(header):
+                        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                        dist.recv(tensor, channel.src, group=channel.data_group, tag=channel.next_tag())
+                        tensors.append(tensor)
+                    if self.device.type == "cuda":
+                        # the compute thread may use the tensors on another stream: make them land first
+                        torch.cuda.current_stream(self.device).synchronize()
+                    self.mailbox.put(step, message, tuple(tensors))
+        except Exception as exc:  # a dead peer closes the connection: tell whoever waits on it
+            self.mailbox.fail(channel.src, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def wait_work(work: Any, seconds: float, *, polled: bool) -> bool:
+    """Wait for a torch.distributed Work at most ``seconds``; False when it did not finish.
+
+    gloo's works only report completion from ``wait``, which takes a timeout; an NCCL work's
+    ``wait`` returns at once (it only orders streams), so its completion is ``polled`` instead.
+    """
+    if polled:
+        deadline = time.monotonic() + seconds
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+        return True
+    return bool(work.wait(timeout=datetime.timedelta(seconds=seconds)))

@@ -1,0 +1,555 @@
+"""The octorun interpreter: trains a plan's model with torch.distributed, one process per GPU.
+
+Each process finds its (pp_rank, dp_rank) from the plan, builds only the layers of its own
+stages (seeded per SPEC section 4), and runs its pipeline rank's lowered program
+(:mod:`octorun.lowering`) op by op: before an op it takes the messages the op needs from the
+mailbox, after it it starts the sends; adjacent stages on one rank hand values over directly.
+With dp > 1, a stage's gradient all-reduce starts right after its last weight-gradient op and is
+waited for only before the optimizer step. Every wait has a deadline (:mod:`octorun.watchdog`).
+
+Assumptions: the launcher (torchrun) sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT; without them octorun runs as a single process. The loss of the last stage is scaled
+by 1 / (microbatches * dp), so the summed gradients are those of the mean loss and the data-
+parallel all-reduce is a plain SUM.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from octoplan.errors import InputError
+from octoplan.modelfile import ModelFile, as_args, load_model_file
+from octoplan.ops import Kind, Op
+from octoplan.plan import Plan, load_plan, load_plan_profile, resolve_profile_path
+from octorun.comm import Channel, Transport, wait_work
+from octorun.lowering import Lowered, Message, RankProgram, ScheduleError, check_runnable, lower
+from octorun.stage import StageExecutor, Tape, floating
+from octorun.watchdog import EXIT_BAD_INPUT, Watchdog
+
+__all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "OPTIMIZERS"]
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    plan_path: str
+    steps: int = 1
+    seed: int = 0
+    optimizer: str = "sgd"
+    lr: float = 1e-3
+    metrics_path: str | None = None
+    trace_path: str | None = None
+    timeout_s: float = 300.0
+    backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int
+    loss: float  # mean over all microbatches of all replicas
+    iteration_ms: float  # first op start to last op end, over all ranks (SPEC section 7's measure)
+    step_ms: float  # the whole step on the slowest rank: ops, waits, all-reduce, optimizer
+    bubble_ratio: float  # 1 - busy compute time / (ranks x iteration_ms)
+    predicted_iteration_ms: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "step": self.step,
+            "loss": self.loss,
+            "iteration_ms": round(self.iteration_ms, 4),
+            "step_ms": round(self.step_ms, 4),
+            "bubble_ratio": round(self.bubble_ratio, 6),
+        }
+        if self.predicted_iteration_ms is not None:
+            out["predicted_iteration_ms"] = self.predicted_iteration_ms
+        return out
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one process returns. ``metrics`` is filled on global rank 0 only."""
+
+    global_rank: int
+    pp_rank: int
+    dp_rank: int
+    metrics: tuple[StepMetrics, ...]
+    state: dict[int, dict[str, torch.Tensor]]  # layer index -> its state_dict on CPU (own stages)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything read from files and derived from the plan before any process group exists."""
+
+    plan: Plan
+    plan_path: str
+    model: ModelFile
+    microbatch_size: int
+    lowered: Lowered
+
+
+def prepare(config: RunConfig) -> Prepared:
+    """Read and check the plan, its profile and its model file; lower the plan.
+
+    Raises :class:`InputError` for anything the user must fix.
+    """
+    if config.optimizer not in OPTIMIZERS:
+        raise InputError(None, "--optimizer", f"is {config.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
+    if config.steps < 1:
+        raise InputError(None, "--steps", f"is {config.steps}", "train at least one step")
+    if config.timeout_s <= 0:
+        raise InputError(None, "--timeout", f"is {config.timeout_s}", "give a positive number of seconds")
+    plan = load_plan(config.plan_path)
+    microbatch_size = _microbatch_size(plan, config.plan_path)
+    try:
+        check_runnable(plan)
+    except ScheduleError as exc:
+        raise InputError(config.plan_path, "schedule", str(exc), "fix the op order (octoplan validate PLAN)") from None
+    model = load_model_file(_model_path(plan, config.plan_path), plan.model.config, seed=config.seed)
+    num_layers = model.num_layers()
+    if plan.stages[-1].end != num_layers:
+        raise InputError(config.plan_path, "stages", f"cover {plan.stages[-1].end} layers but {model.path} has {num_layers}",
+                         "re-plan from a profile of this model file")
+    return Prepared(plan=plan, plan_path=config.plan_path, model=model,
+                    microbatch_size=microbatch_size, lowered=lower(plan))
+
+
+def _microbatch_size(plan: Plan, plan_path: str) -> int:
+    if resolve_profile_path(plan, plan_path) is not None:
+        return load_plan_profile(plan, plan_path).microbatch_size
+    size = plan.extra.get("microbatch_size", 1)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise InputError(plan_path, "microbatch_size", f"is {size!r}", "write a positive integer")
+    return size
+
+
+def _model_path(plan: Plan, plan_path: str) -> str:
+    source = plan.model.source
+    if not source:
+        raise InputError(plan_path, "model.source", "is missing: an analytic plan has no model to train",
+                         "plan from a profile made by octoplan profile MODEL.py")
+    written = Path(source)
+    for candidate in (written, Path(plan_path).parent / written, Path(plan_path).parent.parent / written):
+        if candidate.exists():
+            return str(candidate)
+    raise InputError(plan_path, "model.source", f"model file {source!r} not found", "run from the project folder or fix the path")
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group and channels
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ensure_env() -> None:
+    """Without torchrun, run as a world of one."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+@dataclass
+class _Groups:
+    outgoing: dict[int, Channel]
+    incoming: dict[int, Channel]
+    dp_group: Any
+    control: Any  # gloo group over the world: barriers, gathers of metrics and traces
+    store: Any
+
+
+def _make_groups(prepared: Prepared, *, backend: str, timeout: datetime.timedelta) -> _Groups:
+    """Create every group in the same order on every process (new_group is collective)."""
+    parallel = prepared.plan.parallel
+    me = dist.get_rank()
+    pp_rank, dp_rank = parallel.coordinates(me)
+    program = prepared.lowered.programs[pp_rank]
+    outgoing: dict[int, Channel] = {}
+    incoming: dict[int, Channel] = {}
+    for dp in range(parallel.dp):
+        for src_pp, dst_pp in prepared.lowered.channels:
+            src, dst = parallel.global_rank(src_pp, dp), parallel.global_rank(dst_pp, dp)
+            data = dist.new_group([src, dst], timeout=timeout, backend=backend)
+            meta = data if backend == "gloo" else dist.new_group([src, dst], timeout=timeout, backend="gloo")
+            if me == src:
+                outgoing[dst] = Channel(src, dst, data, meta, program.outgoing[dst_pp])
+            elif me == dst:
+                incoming[src] = Channel(src, dst, data, meta, program.incoming[src_pp])
+    dp_group = None
+    if parallel.dp > 1:
+        for pp in range(parallel.pp):
+            group = dist.new_group([parallel.global_rank(pp, d) for d in range(parallel.dp)], timeout=timeout, backend=backend)
+            if pp == pp_rank:
+                dp_group = group
+    control = None if backend == "gloo" else dist.new_group(timeout=timeout, backend="gloo")
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # private API: without it the watchdog still has its deadlines
+        store = None
+    return _Groups(outgoing=outgoing, incoming=incoming, dp_group=dp_group, control=control, store=store)
+
+
+# ---------------------------------------------------------------------------------------------
+# The interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _StepState:
+    inputs: dict[tuple[int, int], Any] = field(default_factory=dict)  # (stage, mb) -> stage input
+    targets: dict[int, Any] = field(default_factory=dict)  # mb -> targets (last stage)
+    grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)  # output grads
+    tapes: dict[tuple[int, int], Tape] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+class _Timer:
+    """Per-op start/end times in seconds since the step's aligned start (CUDA events on GPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[Op, Any, Any]] = []
+        self.origin: Any = None
+        self.origin_host = 0.0
+
+    def begin_step(self) -> None:
+        self.spans = []
+        self.origin_host = time.perf_counter()
+        if self.cuda:
+            self.origin = torch.cuda.Event(enable_timing=True)
+            self.origin.record()
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter() - self.origin_host
+
+    def add(self, op: Op, start: Any, end: Any) -> None:
+        self.spans.append((op, start, end))
+
+    def resolve(self) -> list[tuple[Op, float, float]]:
+        if not self.cuda:
+            return list(self.spans)
+        torch.cuda.synchronize()
+        return [(op, self.origin.elapsed_time(s) / 1e3, self.origin.elapsed_time(e) / 1e3) for op, s, e in self.spans]
+
+
+class _Interpreter:
+    def __init__(self, prepared: Prepared, config: RunConfig, *, groups: _Groups, watchdog: Watchdog,
+                 device: torch.device, model: ModelFile):
+        self.plan = prepared.plan
+        self.config = config
+        self.mbs = prepared.microbatch_size
+        self.groups = groups
+        self.watchdog = watchdog
+        self.device = device
+        self.model = model
+        self.me = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.pp_rank, self.dp_rank = self.plan.parallel.coordinates(self.me)
+        self.program: RankProgram = prepared.lowered.programs[self.pp_rank]
+        self.rank_of = [stage.rank for stage in self.plan.stages]
+        self.last_stage = self.plan.num_stages - 1
+        self.layers: dict[int, torch.nn.Module] = {}
+        self.executors: dict[int, StageExecutor] = {}
+        scale = 1.0 / (self.plan.microbatches * self.plan.parallel.dp)
+        for s in self.program.stages:
+            stage = self.plan.stages[s]
+            mods = []
+            for index in stage.layers:
+                self.watchdog.doing(f"building layer {index}")
+                mods.append(model.build_layer(index).to(device))
+                self.layers[index] = mods[-1]
+            self.executors[s] = StageExecutor(mods, first=s == 0, last=s == self.last_stage,
+                                              loss_fn=model.loss, loss_scale=scale)
+        params = [p for layer in self.layers.values() for p in layer.parameters() if p.requires_grad]
+        if config.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0, weight_decay=0)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=config.lr)
+        self.transport = Transport(outgoing=groups.outgoing, incoming=groups.incoming, device=device,
+                                   steps=config.steps, timeout_s=config.timeout_s)
+        self.timer = _Timer(device)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _global(self, pp_rank: int) -> int:
+        return self.plan.parallel.global_rank(pp_rank, self.dp_rank)
+
+    def _where(self) -> str:
+        return f"(pp rank {self.pp_rank}, dp rank {self.dp_rank})"
+
+    def _to_device(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(self.device)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._to_device(v) for v in value)
+        return value
+
+    def _control_barrier(self, what: str) -> None:
+        self.watchdog.doing(what)
+        try:
+            dist.barrier(group=self.groups.control)
+        except Exception as exc:
+            self.watchdog.fail(f"{what}: {type(exc).__name__}: {_first_line(exc)}")
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, Any]:
+        state = _StepState()
+        stages = set(self.program.stages)
+        for mb in range(self.plan.microbatches):
+            if 0 in stages or self.last_stage in stages:
+                inputs, targets = self.model.sample_batch(self.mbs, step=step, replica=self.dp_rank, mb=mb)
+                if 0 in stages:
+                    state.inputs[(0, mb)] = self._to_device(inputs)
+                if self.last_stage in stages:
+                    state.targets[mb] = self._to_device(targets)
+        self._control_barrier(f"waiting at the barrier before step {step}")
+        started = time.perf_counter()
+        self.timer.begin_step()
+        reductions: list[tuple[Any, torch.Tensor, list[torch.Tensor], int]] = []
+        for instr in self.program.instrs:
+            op = instr.op
+            for message in instr.recvs:
+                self._receive(step, op, message, state)
+            self.watchdog.doing(f"running op {op} of step {step}")
+            begin = self.timer.mark()
+            try:
+                outgoing = self._run_op(op, state)
+            except Exception as exc:
+                self.watchdog.fail(f"op {op} of step {step} raised {type(exc).__name__}: {_first_line(exc)}")
+            self.timer.add(op, begin, self.timer.mark())
+            for message in instr.sends:
+                self.transport.send(message, outgoing, dst=self._global(message.dst))
+            if instr.allreduce_stage is not None and self.groups.dp_group is not None:
+                reductions.append(self._start_allreduce(instr.allreduce_stage))
+        deadline = self.watchdog.deadline()
+        self.watchdog.doing(f"waiting for the sends of step {step} to complete")
+        late = self.transport.wait_sends(deadline=deadline)
+        if late is not None:
+            self.watchdog.fail(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) did not complete within {self.config.timeout_s:g} s")
+        for work, flat, grads, stage in reductions:
+            self.watchdog.doing(f"waiting for the gradient all-reduce of stage {stage}, step {step}")
+            try:
+                finished = wait_work(work, max(deadline - time.monotonic(), 0.001), polled=self.device.type == "cuda")
+            except RuntimeError as exc:
+                self.watchdog.fail(f"gradient all-reduce of stage {stage}, step {step}, failed: {_first_line(exc)}")
+            if not finished:
+                self.watchdog.fail(f"gradient all-reduce of stage {stage}, step {step}, did not finish within {self.config.timeout_s:g} s")
+            for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                grad.copy_(reduced)
+        self.watchdog.doing(f"running the optimizer of step {step}")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        spans = self.timer.resolve()
+        step_s = time.perf_counter() - started
+        loss_sum = float(sum(loss.item() for loss in state.losses))
+        return {
+            "rank": self.me, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
+            "loss_sum": loss_sum, "loss_count": len(state.losses), "step_s": step_s,
+            "spans": [(op.stage, op.kind.value, op.mb, start, end) for op, start, end in spans],
+        }
+
+    def _receive(self, step: int, op: Op, message: Message, state: _StepState) -> None:
+        src = self._global(message.src)
+        self.watchdog.doing(f"op {op} of step {step} waiting for the {message} (global rank {src})")
+        try:
+            value = self.transport.mailbox.take(step, message, src=src, deadline=self.watchdog.deadline())
+        except TimeoutError:
+            self.watchdog.fail(
+                f"op {op} of step {step} waited {self.config.timeout_s:g} s for the {message} (global rank {src}) {self._where()}"
+            )
+        except ConnectionError as exc:
+            self.watchdog.fail(f"op {op} of step {step} cannot receive the {message} (global rank {src}): {exc}")
+        if message.kind == "act":
+            state.inputs[(message.stage, message.mb)] = value[0] if len(value) == 1 else value
+        else:
+            state.grads[(message.stage, message.mb)] = value
+
+    def _run_op(self, op: Op, state: _StepState) -> tuple[torch.Tensor, ...]:
+        """Run one compute op; returns the tensors its sends carry (if any)."""
+        executor = self.executors[op.stage]
+        key = (op.stage, op.mb)
+        if op.kind is Kind.F:
+            output, tape = executor.forward(state.inputs.pop(key), state.targets.pop(op.mb, None))
+            state.tapes[key] = tape
+            if tape.loss is not None:
+                state.losses.append(tape.loss)
+                return ()
+            if op.stage + 1 <= self.last_stage and self.rank_of[op.stage + 1] == self.pp_rank:
+                state.inputs[(op.stage + 1, op.mb)] = output
+            return tuple(as_args(output))
+        if op.kind is Kind.W:
+            executor.backward_weight(state.tapes.pop(key))
+            return ()
+        grad_output = None if op.stage == self.last_stage else state.grads.pop(key)
+        if op.kind is Kind.I:
+            grads = executor.backward_input(state.tapes[key], grad_output)
+        else:
+            grads = executor.backward(state.tapes.pop(key), grad_output)
+        if op.stage > 0 and self.rank_of[op.stage - 1] == self.pp_rank:
+            state.grads[(op.stage - 1, op.mb)] = grads
+        return grads
+
+    def _start_allreduce(self, stage: int) -> tuple[Any, torch.Tensor, list[torch.Tensor], int]:
+        grads = []
+        for layer_index in self.plan.stages[stage].layers:
+            for param in self.layers[layer_index].parameters():
+                if not param.requires_grad:
+                    continue
+                if param.grad is None:  # keep the flat layout identical on every replica
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
+        flat = torch._utils._flatten_dense_tensors(grads) if grads else torch.zeros(1, device=self.device)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.dp_group, async_op=True)
+        return work, flat, grads, stage
+
+    # -- the run ------------------------------------------------------------------------------
+    def train(self) -> tuple[StepMetrics, ...]:
+        self.transport.start()
+        metrics: list[StepMetrics] = []
+        metrics_file = open(self.config.metrics_path, "w") if self.config.metrics_path and self.me == 0 else None
+        try:
+            for step in range(self.config.steps):
+                record = self.step(step)
+                self.watchdog.doing(f"gathering the metrics of step {step}")
+                gathered = [None] * self.world if self.me == 0 else None
+                try:
+                    dist.gather_object(record, gathered, dst=0, group=self.groups.control)
+                except Exception as exc:
+                    self.watchdog.fail(f"gathering the metrics of step {step}: {_first_line(exc)}")
+                if self.me != 0:
+                    continue
+                step_metrics = self._summarize(step, gathered)
+                metrics.append(step_metrics)
+                log.info("step %d loss %.6f iteration %.2f ms", step, step_metrics.loss, step_metrics.iteration_ms)
+                if metrics_file:
+                    metrics_file.write(json.dumps(step_metrics.to_dict()) + "\n")
+                    metrics_file.flush()
+                if self.config.trace_path and step == self.config.steps - 1:
+                    _write_trace(self.config.trace_path, gathered)
+        finally:
+            if metrics_file:
+                metrics_file.close()
+        return tuple(metrics)
+
+    def _summarize(self, step: int, records: list[dict[str, Any]]) -> StepMetrics:
+        count = sum(r["loss_count"] for r in records)
+        loss = sum(r["loss_sum"] for r in records) / max(count, 1)
+        spans = [s for r in records for s in r["spans"]]
+        first = min((s[3] for s in spans), default=0.0)
+        last = max((s[4] for s in spans), default=0.0)
+        iteration_s = max(last - first, 1e-12)
+        busy_s = sum(s[4] - s[3] for s in spans)
+        predicted = (self.plan.predicted or {}).get("iteration_ms")
+        return StepMetrics(
+            step=step, loss=loss, iteration_ms=iteration_s * 1e3,
+            step_ms=max(r["step_s"] for r in records) * 1e3,
+            bubble_ratio=1.0 - busy_s / (len(records) * iteration_s),
+            predicted_iteration_ms=float(predicted) if isinstance(predicted, (int, float)) else None,
+        )
+
+    def state(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {i: {k: v.detach().cpu().clone() for k, v in layer.state_dict().items()} for i, layer in self.layers.items()}
+
+
+def _write_trace(path: str, records: list[dict[str, Any]]) -> None:
+    """Chrome trace-event JSON of the last step; time 0 is the first op's start."""
+    first = min((s[3] for r in records for s in r["spans"]), default=0.0)
+    events = []
+    for record in sorted(records, key=lambda r: r["rank"]):
+        for stage, kind, mb, start, end in record["spans"]:
+            events.append({
+                "name": f"{stage}{kind}{mb}", "ph": "X", "pid": record["dp_rank"], "tid": record["pp_rank"],
+                "ts": round((start - first) * 1e6, 3), "dur": round((end - start) * 1e6, 3), "cat": kind,
+                "args": {"stage": stage, "mb": mb, "rank": record["rank"]},
+            })
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def run(config: RunConfig) -> RunResult:
+    """Train ``config.steps`` steps of the plan on this process's share of the job.
+
+    Raises :class:`InputError` for bad input found before training starts. Failures once the job
+    runs end the process (and the job) through the watchdog, never with a hang.
+    """
+    prepared = prepare(config)
+    plan = prepared.plan
+    _ensure_env()
+    world = int(os.environ["WORLD_SIZE"])
+    if world != plan.cluster.gpus:
+        raise InputError(
+            config.plan_path, "cluster.gpus",
+            f"the plan needs {plan.cluster.gpus} processes (pp {plan.pp} x dp {plan.parallel.dp}) but WORLD_SIZE is {world}",
+            f"launch with torchrun --nproc-per-node {plan.cluster.gpus}",
+        )
+    backend = config.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise InputError(None, "--backend", f"is {backend!r}", "use auto, gloo or nccl")
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend, timeout=timeout)
+    elif dist.get_world_size() != world:
+        raise InputError(config.plan_path, "cluster.gpus", "does not match the running process group", "launch a matching job")
+    me = dist.get_rank()
+    watchdog = Watchdog(global_rank=me, timeout_s=config.timeout_s)
+    groups = _make_groups(prepared, backend=backend, timeout=timeout)
+    watchdog.store = groups.store
+    watchdog.start()
+    try:
+        interpreter = _Interpreter(prepared, config, groups=groups, watchdog=watchdog, device=device, model=prepared.model)
+    except InputError as exc:
+        watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
+    except Exception as exc:
+        watchdog.fail(f"building the stages failed while {watchdog.activity}: {type(exc).__name__}: {_first_line(exc)}")
+    try:
+        metrics = interpreter.train()
+    except Exception as exc:  # anything unexpected still ends the whole job, with its reason
+        watchdog.fail(f"{type(exc).__name__} while {watchdog.activity}: {_first_line(exc)}")
+    # Peers that finish may close the store; stop polling it, then meet once more (with a
+    # deadline: the control group's timeout) so nobody leaves while another still sends.
+    watchdog.stop()
+    try:
+        dist.barrier(group=groups.control)
+    except Exception as exc:
+        watchdog.fail(f"final barrier: {type(exc).__name__}: {_first_line(exc)}")
+    result = RunResult(global_rank=me, pp_rank=interpreter.pp_rank, dp_rank=interpreter.dp_rank,
+                       metrics=metrics, state=interpreter.state())
+    if owns_group:
+        dist.destroy_process_group()
+    return result

@@ -1,0 +1,40 @@
+"""Shared fixtures: small profiles built in code, so tests state their costs exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from octoplan.plan import Cluster
+from octoplan.profile import Layer, ModelRef, Profile, save_profile
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_profile(times, *, act=0, out=0, params=0, name="synthetic", kinds=None) -> Profile:
+    """A profile from a list of (forward, input-grad, weight-grad) ms per layer."""
+    layers = []
+    for i, (f, ib, wb) in enumerate(times):
+        kind = kinds[i] if kinds else "layer"
+        layers.append(Layer(f"l{i}", kind, float(f), float(ib), float(wb), params, act, out))
+    return Profile(model=ModelRef(name), layers=tuple(layers))
+
+
+def uniform_profile(num_layers: int, t: float = 1.0, **kwargs) -> Profile:
+    return make_profile([(t, t, t)] * num_layers, **kwargs)
+
+
+def free_cluster(gpus: int, **kwargs) -> Cluster:
+    """No communication cost at all: closed forms hold exactly."""
+    return Cluster(gpus=gpus, latency_us=0.0, intra_node_gbps=1e12, inter_node_gbps=1e12, **kwargs)
+
+
+@pytest.fixture
+def profile_file(tmp_path):
+    def write(profile: Profile, name: str = "p.yaml") -> Path:
+        path = tmp_path / name
+        save_profile(profile, path)
+        return path
+
+    return write

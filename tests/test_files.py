@@ -1,0 +1,125 @@
+"""Profile and plan files: round trips, and one clear error naming file, field and fix for
+every violation — through the library and through the command line (exit 2, one line)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from octoplan.baseline import make_baseline
+from octoplan.errors import InputError
+from octoplan.plan import load_plan, load_plan_profile, plan_to_dict, save_plan
+from octoplan.profile import load_profile, profile_to_dict
+
+from conftest import free_cluster, make_profile
+
+
+def _octoplan(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "octoplan.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.fixture
+def baseline_files(tmp_path, profile_file):
+    profile = make_profile([(1, 1, 1)] * 6, kinds=["embedding", "layer", "layer", "layer", "layer", "head"], out=1000, act=10)
+    ppath = profile_file(profile)
+    plan = make_baseline(profile, schedule="zb-h1", gpus=2, microbatches=4, cluster=free_cluster(2), profile_path=ppath)
+    path = tmp_path / "plan.yaml"
+    save_plan(plan, path)
+    return ppath, path
+
+
+def test_profile_round_trips(profile_file):
+    profile = make_profile([(1.5, 0.25, 0.125), (2, 1, 1)], out=7, act=3, params=11)
+    assert load_profile(profile_file(profile)) == profile
+    assert profile_to_dict(profile)["format"] == "octoplan-profile/1"
+
+
+def test_plan_round_trips(baseline_files):
+    ppath, path = baseline_files
+    plan = load_plan(path)
+    assert plan_to_dict(plan) == yaml.safe_load(path.read_text())
+    assert load_plan_profile(plan, path).num_layers == 6
+
+
+PROFILE_BREAKS = [
+    (lambda d: d.update(format="other/9"), "format", "expected 'octoplan-profile/1'"),
+    (lambda d: d["layers"][1].update(forward_ms=-1.0), "layers[1].forward_ms", "must be >= 0"),
+    (lambda d: d["layers"][0].pop("backward_weight_ms"), "layers[0].backward_weight_ms", "is missing"),
+    (lambda d: d["layers"][0].update(param_bytes="lots"), "layers[0].param_bytes", "must be a whole number"),
+    (lambda d: d["layers"][1].update(kind="embedding"), "layers[1].kind", "reserved for the first layer"),
+    (lambda d: d.update(layers=[]), "layers", "is empty"),
+]
+
+
+@pytest.mark.parametrize("mutate,field,problem", PROFILE_BREAKS)
+def test_bad_profiles_name_the_field(tmp_path, mutate, field, problem):
+    data = profile_to_dict(make_profile([(1, 1, 1)] * 3))
+    mutate(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError) as info:
+        load_profile(path)
+    assert info.value.file == str(path) and info.value.field == field and problem in info.value.problem
+
+
+PLAN_BREAKS = [
+    (lambda d: d["stages"][1].update(layers=[2, 6]), "stages[1].layers", "overlaps the stage before"),
+    (lambda d: d["stages"][1].update(layers=[4, 6]), "stages[1].layers", "leaves a gap"),
+    (lambda d: d["stages"][0].update(rank=5), "stages[0].rank", "outside 0..1"),
+    (lambda d: d["schedule"].update({0: d["schedule"][0].replace("0W0", "")}), "schedule.0", "0I0 without 0W0"),
+    (lambda d: d["schedule"].update({0: d["schedule"][0] + " 1F0"}), "schedule.0", "stage 1 is on rank 1"),
+    (lambda d: d["schedule"].update({0: d["schedule"][0].replace("0F1", "0Q1")}), "schedule.0", "unknown op '0Q1'"),
+    (lambda d: d["schedule"].update({1: "1F0 " + d["schedule"][1]}), "schedule.1", "1F0 appears twice"),
+    (lambda d: d["schedule"].update({0: d["schedule"][0].replace("0I0", "0X").replace("0W0", "0I0").replace("0X", "0W0")}),
+     "schedule.0", "0W0 comes before 0I0"),
+    (lambda d: d["schedule"].pop(1), "schedule.1", "is missing"),
+    (lambda d: d["parallel"].update(pp=3), "cluster.gpus", "pp*dp"),
+]
+
+
+@pytest.mark.parametrize("mutate,field,problem", PLAN_BREAKS)
+def test_bad_plans_name_the_field_and_exit_2_from_the_cli(baseline_files, mutate, field, problem):
+    _, path = baseline_files
+    data = yaml.safe_load(path.read_text())
+    mutate(data)
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError) as info:
+        load_plan(path)
+    assert info.value.field == field and problem in str(info.value)
+    run = _octoplan("validate", path)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and field in lines[0] and "Traceback" not in run.stderr
+
+
+def test_a_plan_whose_profile_changed_is_refused(baseline_files):
+    ppath, path = baseline_files
+    ppath.write_text(ppath.read_text().replace("forward_ms: 1.0", "forward_ms: 2.0", 1))
+    run = _octoplan("simulate", path)
+    assert run.returncode == 2
+    assert "profile_sha256" in run.stderr and "re-run octoplan tune or baseline" in run.stderr
+
+
+def test_a_deadlocked_plan_is_reported_with_the_waits(baseline_files):
+    _, path = baseline_files
+    data = yaml.safe_load(path.read_text())
+    ops = data["schedule"][1].split()
+    ops.remove("1F0")
+    ops.insert(ops.index("1I0") + 1, "1F0")  # rank 1's first backward now precedes its forward
+    data["schedule"][1] = " ".join(ops)
+    path.write_text(yaml.safe_dump(data))
+    run = _octoplan("validate", path)
+    assert run.returncode == 2
+    assert "schedule: deadlock: rank 0 waits at 0I0 for 1I0 (rank 1); rank 1 waits at 1I0 for 1F0 (rank 1)" in run.stderr
+
+
+def test_missing_and_malformed_files(tmp_path):
+    run = _octoplan("simulate", tmp_path / "nope.yaml")
+    assert run.returncode == 2 and "no such plan file" in run.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("format: [unclosed")
+    run = _octoplan("validate", bad)
+    assert run.returncode == 2 and "not valid YAML" in run.stderr and len(run.stderr.strip().splitlines()) == 1

@@ -1,0 +1,188 @@
+"""The simulator: hand-computed timelines op by op, all-reduce, memory, bubbles and their
+causes, the critical path, deadlocks, and properties of random valid plans."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from octoplan.memory import static_bytes
+from octoplan.ops import Kind, Op, parse_ops
+from octoplan.plan import Cluster, Parallel, Plan, Stage
+from octoplan.profile import Layer, ModelRef, Profile
+from octoplan.simulator import DeadlockError, simulate
+
+from conftest import make_profile
+
+
+def _plan(stages, schedule, *, cluster, microbatches, dp=1) -> Plan:
+    return Plan(
+        model=ModelRef("t"),
+        cluster=cluster,
+        parallel=Parallel(pp=len(schedule), dp=dp, microbatches=microbatches),
+        stages=tuple(Stage(s, e, r) for s, e, r in stages),
+        schedule=tuple(tuple(parse_ops(text)) for text in schedule),
+    )
+
+
+def _two_layer_profile(params=(0, 0)) -> Profile:
+    # layer 0: F 2, I 1, W 1, sends 2 MB; layer 1 (head): F 1, I 2, W 2.
+    return Profile(model=ModelRef("t"), layers=(
+        Layer("a", "layer", 2.0, 1.0, 1.0, params[0], 100, 2_000_000),
+        Layer("b", "head", 1.0, 2.0, 2.0, params[1], 1000, 8),
+    ))
+
+
+# 1 ms latency + 2 MB at 1 GB/s = 3 ms per transfer.
+SLOW_LINK = dict(gpus_per_node=8, intra_node_gbps=1.0, inter_node_gbps=0.5, latency_us=1000.0)
+
+
+def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
+    profile = _two_layer_profile()
+    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
+                 cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
+    result = simulate(plan, profile)
+    # rank 0: 0F0 [0,2] 0F1 [2,4]; its sends queue on one link: [2,5] then [5,8].
+    # rank 1: 1F0 [5,6] 1F1 [8,9] 1B0 [9,13] 1B1 [13,17]; gradients back [13,16], [17,20].
+    # rank 0: 0B0 [16,18] 0B1 [20,22].
+    assert result.op_times() == {
+        Op(0, Kind.F, 0): (0, 2), Op(0, Kind.F, 1): (2, 4), Op(0, Kind.B, 0): (16, 18), Op(0, Kind.B, 1): (20, 22),
+        Op(1, Kind.F, 0): (5, 6), Op(1, Kind.F, 1): (8, 9), Op(1, Kind.B, 0): (9, 13), Op(1, Kind.B, 1): (13, 17),
+    }
+    assert [(t.src_rank, t.dst_rank, str(t.op), t.start_ms, t.end_ms) for t in result.transfers] == [
+        (0, 1, "0F0", 2, 5), (0, 1, "0F1", 5, 8), (1, 0, "1B0", 13, 16), (1, 0, "1B1", 17, 20),
+    ]
+    assert result.iteration_ms == 22
+    assert result.busy_ms == (8, 10)
+    assert result.bubble_ratio == pytest.approx((14 + 12) / 44)
+    assert [(b.rank, b.start_ms, b.end_ms, b.reason, str(b.waits_for) if b.waits_for else None, b.from_rank)
+            for b in result.bubbles] == [
+        (0, 4, 16, "transfer", "1B0", 1), (0, 18, 20, "transfer", "1B1", 1),
+        (1, 0, 5, "transfer", "0F0", 0), (1, 6, 8, "transfer", "0F1", 0), (1, 17, 22, "drain", None, None),
+    ]
+    assert [str(op) for op in result.critical_path] == ["0F0", "0F1", "1F1", "1B0", "1B1", "0B1"]
+    # Activations: rank 0 holds two microbatches of layer a, rank 1 two of layer b.
+    assert result.peak_memory_bytes == (200, 2000)
+
+
+def test_same_rank_stages_pass_without_transfer_and_split_backward_frees_at_w():
+    profile = _two_layer_profile()
+    plan = _plan([(0, 1, 0), (1, 2, 0)], ["0F0 1F0 1I0 0I0 1W0 0W0"], cluster=Cluster(gpus=1, **SLOW_LINK), microbatches=1)
+    result = simulate(plan, profile)
+    assert [(str(s.op), s.start_ms, s.end_ms) for s in result.spans()] == [
+        ("0F0", 0, 2), ("1F0", 2, 3), ("1I0", 3, 5), ("0I0", 5, 6), ("1W0", 6, 8), ("0W0", 8, 9),
+    ]
+    assert result.transfers == []
+    assert result.bubble_ratio == 0
+    assert result.peak_memory_bytes == (1100,)
+
+
+def test_inter_node_links_are_slower():
+    profile = _two_layer_profile()
+    schedule = ["0F0 0B0", "1F0 1B0"]
+    same = simulate(_plan([(0, 1, 0), (1, 2, 1)], schedule, cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=1), profile)
+    split = simulate(_plan([(0, 1, 0), (1, 2, 1)], schedule,
+                           cluster=Cluster(gpus=2, **{**SLOW_LINK, "gpus_per_node": 1}), microbatches=1), profile)
+    # 1 + 2 MB / 0.5 GB/s = 5 ms each way instead of 3.
+    assert same.iteration_ms == 2 + 3 + 1 + 4 + 3 + 2
+    assert split.iteration_ms == 2 + 5 + 1 + 4 + 5 + 2
+
+
+def test_data_parallel_allreduce_after_the_last_backward_counts_in_the_iteration():
+    # pp 2 x dp 2, 2 GPUs per node, pp-inner: pipeline pairs share a node (intra), each dp
+    # group spans both nodes (inter, 0.5 GB/s). Stage 0 holds 4 MB of parameters.
+    profile = _two_layer_profile(params=(4_000_000, 0))
+    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
+                 cluster=Cluster(gpus=4, **{**SLOW_LINK, "gpus_per_node": 2}), microbatches=2, dp=2)
+    result = simulate(plan, profile)
+    # Compute ends at 22 as with dp 1; the ring: 2(dp-1) latencies + 2(dp-1)/dp * 4 MB / 0.5 GB/s.
+    assert [(a.rank, a.stage, a.start_ms, a.end_ms) for a in result.allreduces] == [(0, 0, 22, 32), (1, 1, 17, 17)]
+    assert result.iteration_ms == 32
+    # static memory: weights + grads + Adam (fp32 profile: 16 bytes per parameter).
+    assert result.peak_memory_bytes[0] == static_bytes(4_000_000, dtype_bytes=4) + 200 == 16_000_200
+
+
+def test_a_cycle_is_a_deadlock_naming_what_each_rank_waits_for():
+    profile = _two_layer_profile()
+    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"], cluster=Cluster(gpus=2), microbatches=2)
+    with pytest.raises(DeadlockError) as info:
+        simulate(plan, profile)
+    assert str(info.value) == "deadlock: rank 0 waits at 0B0 for 1B0 (rank 1); rank 1 waits at 1F1 for 0F1 (rank 0)"
+
+
+def test_efficiency_and_lower_bound_follow_spec_section_7():
+    profile = make_profile([(1, 1, 1), (6, 0, 0), (1, 1, 1)])
+    plan = _plan([(0, 2, 0), (2, 3, 1)], ["0F0 0B0", "1F0 1B0"], cluster=Cluster(gpus=2, latency_us=0), microbatches=1)
+    result = simulate(plan, profile)
+    # sum 12 / pp 2 = 6, largest layer 6: bound = 1 microbatch x 6.
+    assert result.lower_bound_ms == 6
+    assert result.efficiency == pytest.approx(6 / result.iteration_ms)
+
+
+def _random_valid_plan(rng: random.Random, *, num_ranks: int, num_stages: int, num_mb: int, split_p: float) -> tuple[list, list]:
+    """A random placement and random per-rank orders that can run: ops are drawn one at a
+    time from those whose dependencies are already drawn, and appended to their rank."""
+    placement = list(range(num_ranks)) + [rng.randrange(num_ranks) for _ in range(num_stages - num_ranks)]
+    rng.shuffle(placement)
+    split = {(s, m): rng.random() < split_p for s in range(num_stages) for m in range(num_mb)}
+    done: set[Op] = set()
+    remaining = []
+    for s in range(num_stages):
+        for m in range(num_mb):
+            remaining.append(Op(s, Kind.F, m))
+            remaining.extend([Op(s, Kind.I, m), Op(s, Kind.W, m)] if split[s, m] else [Op(s, Kind.B, m)])
+
+    def ready(op: Op) -> bool:
+        s, k, m = op
+        if k is Kind.F:
+            return s == 0 or Op(s - 1, Kind.F, m) in done
+        if k is Kind.W:
+            return Op(s, Kind.I, m) in done
+        downstream = s == num_stages - 1 or Op(s + 1, Kind.I, m) in done or Op(s + 1, Kind.B, m) in done
+        return Op(s, Kind.F, m) in done and downstream
+
+    orders: list[list[Op]] = [[] for _ in range(num_ranks)]
+    while remaining:
+        candidates = [op for op in remaining if ready(op)]
+        op = rng.choice(candidates)
+        remaining.remove(op)
+        done.add(op)
+        orders[placement[op.stage]].append(op)
+    return placement, orders
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 1_000_000), num_ranks=st.integers(1, 4), extra_stages=st.integers(0, 4),
+       num_mb=st.integers(1, 5), split_p=st.floats(0, 1), latency=st.sampled_from([0.0, 50.0, 2000.0]),
+       dp=st.integers(1, 2))
+def test_random_valid_plans_never_deadlock_nor_beat_the_lower_bound(seed, num_ranks, extra_stages, num_mb, split_p, latency, dp):
+    rng = random.Random(seed)
+    num_stages = num_ranks + extra_stages
+    placement, orders = _random_valid_plan(rng, num_ranks=num_ranks, num_stages=num_stages, num_mb=num_mb, split_p=split_p)
+    profile = make_profile([(rng.uniform(0.1, 5), rng.uniform(0.1, 5), rng.uniform(0.1, 5)) for _ in range(num_stages)],
+                           out=rng.choice([0, 10_000, 5_000_000]), act=1, params=1000)
+    plan = Plan(
+        model=ModelRef("t"),
+        cluster=Cluster(gpus=num_ranks * dp, gpus_per_node=2, latency_us=latency),
+        parallel=Parallel(pp=num_ranks, dp=dp, microbatches=num_mb),
+        stages=tuple(Stage(s, s + 1, placement[s]) for s in range(num_stages)),
+        schedule=tuple(tuple(ops) for ops in orders),
+    )
+    result = simulate(plan, profile)
+    assert result.iteration_ms >= result.lower_bound_ms - 1e-9
+    assert 0 <= result.bubble_ratio < 1
+    # Every dependency holds in the timeline.
+    times = result.op_times()
+    for (s, k, m), (start, end) in times.items():
+        assert end - start >= 0
+        if k is Kind.F and s > 0:
+            assert start >= times[Op(s - 1, Kind.F, m)][1] - 1e-9
+        if k is Kind.W:
+            assert start >= times[Op(s, Kind.I, m)][1] - 1e-9
+    # Ops on one rank never overlap.
+    for rank in range(num_ranks):
+        spans = result.spans(rank)
+        assert all(b.start_ms >= a.end_ms - 1e-9 for a, b in zip(spans, spans[1:]))
