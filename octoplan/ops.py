@@ -20,6 +20,10 @@ class Kind(str, Enum):
     W = "W"  # backward to the stage weights
     B = "B"  # full backward: I and W fused
 
+    # Enum's own __hash__ is Python code; ops are hashed in the simulator's and tuner's hot
+    # loops, so hash as the plain one-letter string (consistent with str equality).
+    __hash__ = str.__hash__
+
 
 F, I, W, B = Kind.F, Kind.I, Kind.W, Kind.B
 

@@ -689,7 +689,7 @@ def profile_model_file(
                 "repeat": repeat,
                 "warmup": warmup,
                 "seed": seed,
-                "torch": torch.__version__,
+                "torch": str(torch.__version__),
                 "clock": clock.kind,
                 "split_backward": "boundary-capture",
             }

@@ -3,9 +3,9 @@
 Nodes are compute ops and the transfers between ranks; edges are data dependencies and each
 rank's order. Because every rank runs its list in order, and the transfers of one directed rank
 pair leave in the order their producing ops run, every start time is a longest path in a DAG:
-the simulator walks the ranks round-robin, running each rank's next op as soon as its
-dependencies are known, and needs no event queue. A full pass with no progress is a deadlock,
-reported with the op each rank waits on.
+the simulator advances each rank as far as the ops already timed allow, parks it on the op it
+needs, and wakes it when that op is timed — no event queue, each op touched once. Ranks left
+parked with nothing to wake them are a deadlock, reported with the op each rank waits on.
 
 Pure: no I/O, no printing. The hot loop works on flat integer keys
 ``(stage * 4 + kind) * microbatches + mb`` rather than on :class:`Op` objects, so that a
@@ -175,9 +175,13 @@ class SimResult:
                     cross = self._cross[key]
                     need = self._op(cross) if cross >= 0 else None
                     from_rank = self._rank_of_stage[need.stage] if need is not None else None
+                    # Whichever part of the wait was longer names it: the needed op still
+                    # running (dependency), or its output still on the wire (transfer).
                     reason = "dependency"
-                    if cross >= 0 and self._end[cross] + eps < start and from_rank != r:
-                        reason = "transfer"
+                    if cross >= 0 and from_rank != r:
+                        wire_wait = start - max(self._end[cross], t)
+                        if wire_wait > self._end[cross] - t:
+                            reason = "transfer"
                     out.append(Bubble(r, t, start, reason, need, from_rank))
                 t = self._end[key]
             if self.iteration_ms > t + eps:
@@ -296,7 +300,6 @@ def simulate_costs(
         rank = rank_of_stage[stage]
         base = stage * 4 * num_mb
         f_ms, i_ms, w_ms = cost.forward_ms, cost.backward_input_ms, cost.backward_weight_ms
-        split = any(present[base + num_mb + mb] for mb in range(num_mb))
         next_rank = rank_of_stage[stage + 1] if stage + 1 < num_stages else -1
         prev_rank = rank_of_stage[stage - 1] if stage > 0 else -1
         fwd_wire = wire_ms(rank, next_rank, cost.output_bytes) if next_rank >= 0 else 0.0
@@ -308,9 +311,7 @@ def simulate_costs(
             kb = base + 3 * num_mb + mb
             dur[kf], dur[ki], dur[kw], dur[kb] = f_ms, i_ms, w_ms, i_ms + w_ms
             act[kf] = cost.activation_bytes
-            if split or present[ki]:
-                act[kw] = -cost.activation_bytes
-            act[kb] = -cost.activation_bytes
+            act[kw] = act[kb] = -cost.activation_bytes  # W exists only where I does
             if stage > 0:
                 cross[kf] = ((stage - 1) * 4) * num_mb + mb
             if stage + 1 < num_stages:
@@ -343,66 +344,69 @@ def simulate_costs(
     remaining = sum(len(k) for k in keys)
     lengths = [len(k) for k in keys]
 
-    while remaining:
-        progressed = False
-        for r in range(num_ranks):
-            seq = keys[r]
-            p = ptr[r]
-            n = lengths[r]
-            if p == n:
-                continue
-            t = free[r]
-            b = busy[r]
-            mem = cur_mem[r]
-            peak = peak_mem[r]
-            links = link_free[r]
-            p0 = p
-            while p < n:
-                k = seq[p]
-                c = cross[k]
-                s = t
-                if c >= 0:
-                    if not done[c]:
-                        break
-                    a = arrive[c]
-                    if a > s:
-                        s = a
-                lk = local[k]
-                if lk >= 0 and not done[lk]:
+    # A worklist of ranks that may advance: a rank runs until it needs an op that has not run
+    # yet, parks itself on that op, and is woken when the op runs. Each op is touched once.
+    waiter = [-1] * size
+    work = list(range(num_ranks - 1, -1, -1))
+    while work:
+        r = work.pop()
+        seq = keys[r]
+        p = ptr[r]
+        n = lengths[r]
+        t = free[r]
+        b = busy[r]
+        mem = cur_mem[r]
+        peak = peak_mem[r]
+        links = link_free[r]
+        while p < n:
+            k = seq[p]
+            c = cross[k]
+            s = t
+            if c >= 0:
+                if not done[c]:
+                    waiter[c] = r
                     break
-                e = s + dur[k]
-                start[k] = s
-                end[k] = e
-                done[k] = 1
-                d = dest[k]
-                if d >= 0:
-                    ts = links[d]
-                    if e > ts:
-                        ts = e
-                    xstart[k] = ts
-                    te = ts + wire[k]
-                    links[d] = te
-                    arrive[k] = te
-                else:
-                    arrive[k] = e
-                delta = act[k]
-                if delta:
-                    mem += delta
-                    if mem > peak:
-                        peak = mem
-                b += e - s
-                t = e
-                p += 1
-            if p != p0:
-                progressed = True
-                remaining -= p - p0
-                ptr[r] = p
-                free[r] = t
-                busy[r] = b
-                cur_mem[r] = mem
-                peak_mem[r] = peak
-        if not progressed:
-            raise DeadlockError(_waits(plan, keys, ptr, cross, local, done, num_mb, rank_of_stage))
+                a = arrive[c]
+                if a > s:
+                    s = a
+            lk = local[k]
+            if lk >= 0 and not done[lk]:
+                waiter[lk] = r
+                break
+            e = s + dur[k]
+            start[k] = s
+            end[k] = e
+            done[k] = 1
+            d = dest[k]
+            if d >= 0:
+                ts = links[d]
+                if e > ts:
+                    ts = e
+                xstart[k] = ts
+                te = ts + wire[k]
+                links[d] = te
+                arrive[k] = te
+            else:
+                arrive[k] = e
+            w = waiter[k]
+            if w >= 0 and w != r:
+                work.append(w)
+            delta = act[k]
+            if delta:
+                mem += delta
+                if mem > peak:
+                    peak = mem
+            b += e - s
+            t = e
+            p += 1
+        remaining -= p - ptr[r]
+        ptr[r] = p
+        free[r] = t
+        busy[r] = b
+        cur_mem[r] = mem
+        peak_mem[r] = peak
+    if remaining:
+        raise DeadlockError(_waits(plan, keys, ptr, cross, local, done, num_mb, rank_of_stage))
 
     # Data-parallel gradient all-reduce: each stage's starts after its last backward op on
     # the rank, one at a time per rank, overlapping the rank's remaining compute.

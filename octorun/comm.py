@@ -191,7 +191,8 @@ class Transport:
                         torch.cuda.current_stream(self.device).synchronize()
                     self.mailbox.put(step, message, tuple(tensors))
         except Exception as exc:  # a dead peer closes the connection: tell whoever waits on it
-            self.mailbox.fail(channel.src, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            text = str(exc).strip().splitlines()[0].split(". ")[0][:300] if str(exc).strip() else ""
+            self.mailbox.fail(channel.src, f"{type(exc).__name__}: {text}")
 
 
 def wait_work(work: Any, seconds: float, *, polled: bool) -> bool:

@@ -393,7 +393,8 @@ class _Interpreter:
         executor = self.executors[op.stage]
         key = (op.stage, op.mb)
         if op.kind is Kind.F:
-            output, tape = executor.forward(state.inputs.pop(key), state.targets.pop(op.mb, None))
+            targets = state.targets.pop(op.mb) if op.stage == self.last_stage else None
+            output, tape = executor.forward(state.inputs.pop(key), targets)
             state.tapes[key] = tape
             if tape.loss is not None:
                 state.losses.append(tape.loss)
@@ -491,8 +492,12 @@ def _write_trace(path: str, records: list[dict[str, Any]]) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The gist of an exception: its first sentence of its first line (gloo appends advice)."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[0]
+    return line.split(". ")[0][:300]
 
 
 def run(config: RunConfig) -> RunResult:

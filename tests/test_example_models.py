@@ -32,6 +32,15 @@ EXAMPLES = {
 MICROBATCH = 4
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a small shared machine, two threads wait on each other's turn."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _load(name: str, config: dict | None = None, *, seed: int = 0) -> ModelFile:
     return load_model_file(MODELS / f"{name}.py", config, seed=seed)
 

@@ -60,7 +60,7 @@ def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
     assert result.bubble_ratio == pytest.approx((14 + 12) / 44)
     assert [(b.rank, b.start_ms, b.end_ms, b.reason, str(b.waits_for) if b.waits_for else None, b.from_rank)
             for b in result.bubbles] == [
-        (0, 4, 16, "transfer", "1B0", 1), (0, 18, 20, "transfer", "1B1", 1),
+        (0, 4, 16, "dependency", "1B0", 1), (0, 18, 20, "transfer", "1B1", 1),
         (1, 0, 5, "transfer", "0F0", 0), (1, 6, 8, "transfer", "0F1", 0), (1, 17, 22, "drain", None, None),
     ]
     assert [str(op) for op in result.critical_path] == ["0F0", "0F1", "1F1", "1B0", "1B1", "0B1"]

@@ -141,8 +141,9 @@ class MambaStyleBlock(nn.Module):
         drive = (1 - decay) * u
         h = torch.zeros_like(u[:, 0])
         states = []
-        for t in range(seq):
-            h = decay[:, t] * h + drive[:, t]
+        # unbind, not indexing per step: its backward is one stack, not seq full-size scatters.
+        for a_t, b_t in zip(decay.unbind(1), drive.unbind(1)):
+            h = a_t * h + b_t
             states.append(h)
         state = torch.stack(states, dim=1)
         return x + self.out_proj((state + self.skip * u) * F.silu(z))

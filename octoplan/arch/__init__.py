@@ -7,8 +7,9 @@ simulated. Times are per microbatch on one GPU of a tensor-parallel group of ``t
 
 Assumptions worth knowing before trusting a number: bf16, flash attention, no activation
 recomputation, no overlap of communication with compute, balanced MoE routing, and
-``param_bytes`` of a MoE layer holding all its experts (the share left after expert
-parallelism is in ``profile.extra["cost_model"]["expert_parallel"]``).
+``param_bytes`` being what one GPU holds: a MoE layer's experts are sharded over the
+expert-parallel group, so it holds experts/ep of them (the bytes held elsewhere, per layer
+kind, are in ``profile.extra["cost_model"]["expert_parallel"]``).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _layer(name: str, kind: str, cost: LayerCost, out_bytes: int) -> Layer:
         forward_ms=cost.forward_ms,
         backward_input_ms=cost.backward_input_ms,
         backward_weight_ms=cost.backward_weight_ms,
-        param_bytes=2 * cost.params,
+        param_bytes=2 * (cost.params - cost.remote_expert_params),
         activation_bytes=cost.activation_bytes,
         output_bytes=out_bytes,
         flops=cost.flops,
@@ -122,11 +123,12 @@ def analytic_profile(
     model = CostModel(gpu=device, tp=tp)
 
     costs: list[tuple[str, str, LayerCost, int]] = [
-        ("embed", "embedding", embedding_cost(spec, model, shape), output_bytes(spec, None, shape, tp, first=True))
+        ("embed", "embedding", embedding_cost(spec, model, shape=shape), output_bytes(spec, None, shape=shape, tp=tp, first=True))
     ]
     for block in spec.blocks:
-        costs.append((block.name, block.kind, block_cost(spec, block, model, shape), output_bytes(spec, block, shape, tp)))
-    costs.append(("head", "head", head_cost(spec, model, shape), 4))  # the fp32 loss
+        cost = block_cost(spec, block, model, shape=shape)
+        costs.append((block.name, block.kind, cost, output_bytes(spec, block, shape=shape, tp=tp)))
+    costs.append(("head", "head", head_cost(spec, model, shape=shape), 4))  # the fp32 loss
     layers = tuple(_layer(name, kind, cost, out) for name, kind, cost, out in costs)
     log.info("analytic profile of %s on %s (tp=%d): %d layers", arch, gpu, tp, len(layers))
 
@@ -172,10 +174,16 @@ def _summary(spec: Arch, device: GpuSpec, costs: list[tuple[str, str, LayerCost,
         summary["image_tiles_per_sample"] = spec.vision.tiles
     if moe is not None:
         remote = sum(cost.remote_expert_params for *_, cost, _ in costs)
+        elsewhere: dict[str, int] = {}
+        for _, kind, cost, _ in costs:
+            if cost.remote_expert_params:
+                elsewhere[kind] = 2 * cost.remote_expert_params
         summary["expert_parallel"] = {
             "ep": moe.ep,
             "node_limit": moe.node_limit,
             "param_bytes_per_gpu_with_ep": 2 * (params - remote),
-            "note": "layer param_bytes hold every expert; with ep-way expert parallelism a GPU holds experts/ep of them",
+            "expert_param_bytes_elsewhere_per_layer": elsewhere,
+            "note": "layer param_bytes are what one GPU holds: experts/ep of a MoE layer's experts; "
+                    "expert_param_bytes_elsewhere_per_layer (by layer kind) are held by the other ep ranks",
         }
     return summary

@@ -116,7 +116,7 @@ def _mamba2(acct: LayerAccount, mb: Mamba2, hidden: int, *, tokens: int) -> None
     # SSD (Mamba-2 paper, sec. 6): per token, the intra-chunk C B^T (per group, causal half),
     # its product with X (per head, causal half), chunk states B^T X and the state output C h.
     ssd_flops = tokens * (mb.groups * mb.chunk * mb.state + mb.heads * (mb.chunk * mb.head_dim + 4 * mb.state * mb.head_dim))
-    # read x, B, C, dt, z-free; write y; fp32 chunk states written and read once per chunk
+    # read x, B, C, dt; write y; fp32 chunk states written and read once per chunk
     ssd_bytes = tokens * (BYTES * (2 * inner + bc + mb.heads) + 2 * 4 * mb.heads * mb.head_dim * mb.state / mb.chunk)
     acct.scan(tensor_flops=ssd_flops / acct.tp, io_bytes=ssd_bytes / acct.tp)
     # pre-norm, residual, conv1d+SiLU, gated RMSNorm (reads y and z, writes)
@@ -135,7 +135,7 @@ def _mamba1(acct: LayerAccount, mb: Mamba1, hidden: int, *, tokens: int) -> None
     acct.linear(tokens, d, hidden, split="row")
     # Selective scan (Gu & Dao 2023): runs on CUDA cores in fp32; reads u, delta, z, B, C, writes y.
     acct.scan(
-        fp32_flops=tokens * mb_scan_flops(mb) / acct.tp,
+        fp32_flops=tokens * _selective_scan_flops(mb) / acct.tp,
         io_bytes=BYTES * tokens * (4 * d + 2 * n) / acct.tp,
     )
     per_token = 2 * hidden + 3 * hidden + 2 * d + 2 * d  # norm, residual, conv+SiLU, softplus(dt)
@@ -147,7 +147,7 @@ def _mamba1(acct: LayerAccount, mb: Mamba1, hidden: int, *, tokens: int) -> None
     acct.tp_collective(BYTES * tokens * hidden)
 
 
-def mb_scan_flops(mb: Mamba1) -> float:
+def _selective_scan_flops(mb: Mamba1) -> float:
     """fp32 operations of the selective scan per token."""
     return SELECTIVE_SCAN_FLOPS * mb.inner * mb.state
 
@@ -205,7 +205,7 @@ def _moe(acct: LayerAccount, m: Moe, hidden: int, *, tokens: int) -> None:
         acct.expert_all_to_all(leaving, inter_node=inter_node(m.ep))
 
 
-def _projector(acct: LayerAccount, p: Projector, hidden: int, shape: Shape) -> None:
+def _projector(acct: LayerAccount, p: Projector, hidden: int, *, shape: Shape) -> None:
     images = shape.image_tokens
     acct.weights(2 * p.in_dim)
     acct.linear(images, p.in_dim, p.hidden, split="col", bias=True)
@@ -226,7 +226,7 @@ def _mtp_extra(acct: LayerAccount, hidden: int, *, tokens: int) -> None:
     acct.tp_collective(BYTES * tokens * hidden)
 
 
-def embedding_cost(arch: Arch, model: CostModel, shape: Shape) -> LayerCost:
+def embedding_cost(arch: Arch, model: CostModel, *, shape: Shape) -> LayerCost:
     """Token embedding (vocab-parallel under tp), plus the ViT patch embedding for a VLM."""
     acct = LayerAccount(model)
     h = arch.hidden
@@ -250,7 +250,8 @@ def embedding_cost(arch: Arch, model: CostModel, shape: Shape) -> LayerCost:
     return acct.result()
 
 
-def block_cost(arch: Arch, block: Block, model: CostModel, shape: Shape) -> LayerCost:
+def block_cost(arch: Arch, block: Block, model: CostModel, *, shape: Shape) -> LayerCost:
+    """One block: its optional MTP input stage, its mixer, its feed-forward part."""
     acct = LayerAccount(model)
     if block.stream == "vision":
         assert arch.vision is not None
@@ -274,11 +275,11 @@ def block_cost(arch: Arch, block: Block, model: CostModel, shape: Shape) -> Laye
     elif isinstance(ffn, Moe):
         _moe(acct, ffn, hidden, tokens=tokens)
     elif isinstance(ffn, Projector):
-        _projector(acct, ffn, arch.hidden, shape)
+        _projector(acct, ffn, arch.hidden, shape=shape)
     return acct.result()
 
 
-def head_cost(arch: Arch, model: CostModel, shape: Shape) -> LayerCost:
+def head_cost(arch: Arch, model: CostModel, *, shape: Shape) -> LayerCost:
     """Final norm, output projection and cross-entropy; once more per MTP module (shared head)."""
     acct = LayerAccount(model)
     h, v = arch.hidden, arch.vocab
@@ -297,7 +298,7 @@ def head_cost(arch: Arch, model: CostModel, shape: Shape) -> LayerCost:
     return acct.result()
 
 
-def output_bytes(arch: Arch, block: Block | None, shape: Shape, tp: int, *, first: bool = False) -> int:
+def output_bytes(arch: Arch, block: Block | None, *, shape: Shape, tp: int, first: bool = False) -> int:
     """Bytes a layer sends to the next stage: its output activation, split over the tp ranks."""
     h = arch.hidden
     if (first and arch.vision is not None) or (block is not None and block.stream == "vision"):

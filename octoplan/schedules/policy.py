@@ -120,6 +120,7 @@ def policy_schedule(
     out: list[list[Op]] = [[] for _ in range(num_ranks)]
     remaining = sum(num_mb * (3 if split[s] else 2) for s in range(num_stages))
     version = [0] * num_ranks
+    cached: list[list] = [[] for _ in range(num_ranks)]  # the candidates found at the rank's last push
     heap: list[tuple[float, int, int]] = []
 
     def ready_ops(r: int) -> tuple[float, list]:
@@ -155,7 +156,7 @@ def policy_schedule(
 
     def push(r: int) -> None:
         version[r] += 1
-        when, _ = ready_ops(r)
+        when, cached[r] = ready_ops(r)
         if when < _INF:
             heapq.heappush(heap, (when, r, version[r]))
 
@@ -176,8 +177,7 @@ def policy_schedule(
         when, r, ver = heapq.heappop(heap)
         if ver != version[r]:
             continue
-        _, found = ready_ops(r)
-        ready = [c for c in found if c[0] <= when]
+        ready = [c for c in cached[r] if c[0] <= when]
         policy = policies[r]
         choice = None
         if pending_w[r] and len(pending_w[r]) > policy.w_cap:

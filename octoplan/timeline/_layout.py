@@ -59,8 +59,10 @@ def _mix(hex_colour: str, factor: float) -> str:
     return "#" + "".join(f"{c:02x}" for c in mixed)
 
 
-def op_colour(kind: Kind, chunk: int = 0) -> str:
-    return _mix(KIND_COLOURS[kind], _CHUNK_SHADES[chunk % len(_CHUNK_SHADES)])
+def op_colour(kind: Kind, chunk: int = 0, *, lighter: float = 0.0) -> str:
+    """The fill of an op of ``kind`` in the ``chunk``-th stage of its rank, optionally lightened."""
+    colour = _mix(KIND_COLOURS[kind], _CHUNK_SHADES[chunk % len(_CHUNK_SHADES)])
+    return _mix(colour, lighter) if lighter else colour
 
 
 def text_colour(background: str) -> str:

@@ -46,9 +46,11 @@ _KIND_INDEX = {kind: i for i, kind in enumerate(KIND_ORDER)}
 def rank_cells(spans: Sequence[Span], *, t0: float, cell_ms: float, num_cells: int) -> list[Op | Kind | None]:
     """What each cell of one rank's row shows.
 
-    A cell holds the :class:`Op` that covers most of it when that op's kind also covers most
-    of it, else just the winning :class:`Kind` (several short ops of one kind), else ``None``
-    (idle covers most). Ties go to the op, so a cell half busy is drawn busy.
+    A cell is idle (``None``) when idle time covers more of it than ops do. Otherwise it shows
+    the kind that covers most of it: the :class:`Op` that covers most of the cell when that op
+    is of the winning kind, else just the :class:`Kind` (several short ops of one kind). Busy
+    and idle compare in total, so a rank busy 60% of the time in short ops of three kinds still
+    reads busy; ties go to busy.
     """
     kind_cover = [[0.0] * num_cells for _ in KIND_ORDER]
     best_cover = [0.0] * num_cells
@@ -76,7 +78,7 @@ def rank_cells(spans: Sequence[Span], *, t0: float, cell_ms: float, num_cells: i
             busy += c
             if c > top:
                 top_kind, top = kind, c
-        if top_kind is None or 1.0 - busy > top + 1e-9:
+        if top_kind is None or 1.0 - busy > busy + 1e-9:
             cells.append(None)
         elif best_op[i] is not None and best_op[i].kind is top_kind:
             cells.append(best_op[i])
@@ -102,15 +104,18 @@ def _row_text(cells: list[Op | Kind | None], *, chunk: list[int], multi_stage: b
             while j < n and cells[j] == cell:
                 j += 1
             kind = cell.kind
-            bg = op_colour(kind, chunk[cell.stage])
+            # Odd microbatches a shade lighter: neighbouring ops of one kind stay apart.
+            fg = text_colour(op_colour(kind, chunk[cell.stage]))  # one text colour per kind and chunk
+            bg = op_colour(kind, chunk[cell.stage], lighter=0.18 if cell.mb % 2 else 0.0)
             labels = [str(cell), f"{kind.value}{cell.mb}"] if multi_stage else [f"{kind.value}{cell.mb}"]
             label = next((text for text in labels if len(text) <= j - i), None)
             run = label.ljust(j - i) if label else kind.value * (j - i)
         else:
             kind = cell
             bg = op_colour(kind)
+            fg = text_colour(bg)
             run = kind.value
-        style = f"bold {text_colour(bg)} on {bg}"
+        style = f"bold {fg} on {bg}"
         chars.extend(run)
         styles.extend([style] * len(run))
         i = j
@@ -184,7 +189,8 @@ class TimelineView:
         multi = [len(plan.stages_of(r)) > 1 for r in range(plan.pp)]
         out = [Text(describe_plan(plan), style="bold", no_wrap=True, overflow="ellipsis")]
         for rank, spans in enumerate(spans_by_rank(result)):
-            row = Text(f"r{rank}".rjust(label_width) + " ", style="bold", no_wrap=True, overflow="crop")
+            row = Text(no_wrap=True, overflow="crop")
+            row.append(f"r{rank}".rjust(label_width) + " ", style="bold")
             cells = rank_cells(spans, t0=t0, cell_ms=cell_ms, num_cells=num_cells)
             row.append_text(_row_text(cells, chunk=chunk, multi_stage=multi[rank]))
             out.append(row)

@@ -1,0 +1,260 @@
+"""Chrome trace-event JSON (Perfetto, chrome://tracing) and the check of a measured trace.
+
+Written format — ``octorun --trace`` writes its measured op events the same way, so that a
+prediction and a measurement open side by side and compare op by op:
+
+- pid 0 "compute": one complete event (``"ph": "X"``) per op; name is the op string
+  (``0F3``), cat its kind (``F``/``I``/``W``/``B``), tid the pipeline rank, ts and dur in
+  microseconds, args ``{stage, mb}``.
+- pid 1 "transfers": ``send 0F3 -> r1`` events. The tid is one per directed rank pair
+  (``src * pp + dst``, named ``r0 -> r1``): the simulator lets a rank send forward and backward
+  at once, and trace viewers need the events of one thread to nest, so each link is a thread;
+  sorting by tid still groups a source rank's links together.
+- pid 2 "dp all-reduce": ``allreduce s3`` events, tid the pipeline rank.
+
+Time 0 is the first op's start. ``compare_measured`` reads any trace whose complete events are
+named like ops; events repeated over several steps are matched to the plan's ops step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from octoplan.errors import InputError
+from octoplan.ops import Kind, Op, parse_op
+from octoplan.plan import Plan
+from octoplan.simulator import SimResult
+from octoplan.timeline._layout import KIND_ORDER, describe_plan, time_origin
+
+__all__ = ["trace_events", "write_trace", "compare_measured", "render_comparison"]
+
+log = logging.getLogger(__name__)
+
+COMPUTE_PID, TRANSFER_PID, ALLREDUCE_PID = 0, 1, 2
+_US_PER_MS = 1000.0
+
+
+def _meta(name: str, pid: int, tid: int | None, value: Any) -> dict[str, Any]:
+    """A metadata event: ``process_name``/``thread_name`` take a name, ``*_sort_index`` a number."""
+    key = "sort_index" if name.endswith("sort_index") else "name"
+    event: dict[str, Any] = {"name": name, "ph": "M", "pid": pid, "args": {key: value}}
+    if tid is not None:
+        event["tid"] = tid
+    return event
+
+
+def trace_events(plan: Plan, result: SimResult) -> list[dict[str, Any]]:
+    """Every trace event of the simulated iteration: metadata first, then ops, sends, all-reduces."""
+    pp = result.num_ranks
+    t0 = time_origin(result)
+
+    def us(ms: float) -> float:
+        return (ms - t0) * _US_PER_MS
+
+    events: list[dict[str, Any]] = [
+        _meta("process_name", COMPUTE_PID, None, "compute"),
+        _meta("process_sort_index", COMPUTE_PID, None, COMPUTE_PID),
+    ]
+    for rank in range(pp):
+        events.append(_meta("thread_name", COMPUTE_PID, rank, f"rank {rank}"))
+        events.append(_meta("thread_sort_index", COMPUTE_PID, rank, rank))
+    for span in result.spans():
+        op = span.op
+        events.append({
+            "name": str(op), "cat": op.kind.value, "ph": "X", "pid": COMPUTE_PID, "tid": span.rank,
+            "ts": us(span.start_ms), "dur": (span.end_ms - span.start_ms) * _US_PER_MS,
+            "args": {"stage": op.stage, "mb": op.mb},
+        })
+
+    transfers = result.transfers
+    if transfers:
+        events.append(_meta("process_name", TRANSFER_PID, None, "transfers"))
+        events.append(_meta("process_sort_index", TRANSFER_PID, None, TRANSFER_PID))
+        for src, dst in sorted({(t.src_rank, t.dst_rank) for t in transfers}):
+            tid = src * pp + dst
+            events.append(_meta("thread_name", TRANSFER_PID, tid, f"r{src} -> r{dst}"))
+            events.append(_meta("thread_sort_index", TRANSFER_PID, tid, tid))
+        for t in transfers:
+            events.append({
+                "name": f"send {t.op} -> r{t.dst_rank}", "cat": "send", "ph": "X", "pid": TRANSFER_PID,
+                "tid": t.src_rank * pp + t.dst_rank, "ts": us(t.start_ms), "dur": (t.end_ms - t.start_ms) * _US_PER_MS,
+                "args": {"op": str(t.op), "src": t.src_rank, "dst": t.dst_rank},
+            })
+
+    if result.allreduces:
+        events.append(_meta("process_name", ALLREDUCE_PID, None, "dp all-reduce"))
+        events.append(_meta("process_sort_index", ALLREDUCE_PID, None, ALLREDUCE_PID))
+        for rank in sorted({ar.rank for ar in result.allreduces}):
+            events.append(_meta("thread_name", ALLREDUCE_PID, rank, f"rank {rank}"))
+        for ar in result.allreduces:
+            events.append({
+                "name": f"allreduce s{ar.stage}", "cat": "allreduce", "ph": "X", "pid": ALLREDUCE_PID,
+                "tid": ar.rank, "ts": us(ar.start_ms), "dur": (ar.end_ms - ar.start_ms) * _US_PER_MS,
+                "args": {"stage": ar.stage},
+            })
+    return events
+
+
+def write_trace(plan: Plan, result: SimResult, path: str | Path) -> None:
+    """Write the simulated iteration as Chrome trace-event JSON (see the module docstring)."""
+    doc = {
+        "traceEvents": trace_events(plan, result),
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "source": "octoplan simulate",
+            "plan": describe_plan(plan),
+            "iteration_ms": result.iteration_ms,
+            "bubble_ratio": result.bubble_ratio,
+        },
+    }
+    Path(path).write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
+    log.info("wrote trace %s (%d events)", path, len(doc["traceEvents"]))
+
+
+# ---------------------------------------------------------------------------- measured traces
+
+
+def _read_events(path: Path) -> list[Any]:
+    file = str(path)
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(file, None, "no such file", "pass the trace octorun --trace wrote") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(file, None, f"cannot be read ({exc})", "pass a Chrome trace-event JSON file") from None
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InputError(file, None, f"is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                         "pass a Chrome trace-event JSON file") from None
+    # The trace-event format allows a bare event array as well as {"traceEvents": [...]}.
+    if isinstance(doc, dict):
+        if "traceEvents" not in doc:
+            raise InputError(file, "traceEvents", "is missing", 'write {"traceEvents": [...]}')
+        events = doc["traceEvents"]
+    else:
+        events = doc
+    if not isinstance(events, list):
+        raise InputError(file, "traceEvents", "must be a list of events", 'write {"traceEvents": [...]}')
+    return events
+
+
+def _measured_ops(path: Path, plan: Plan) -> list[tuple[int | str, Op, float, float]]:
+    """``(replica, op, start_ms, dur_ms)`` of every op event, in file order.
+
+    A replica is a pid: data-parallel copies of one pipeline may each write the same ops.
+    """
+    file = str(path)
+    stage_count, num_mb = plan.num_stages, plan.microbatches
+    out = []
+    for index, event in enumerate(_read_events(path)):
+        if not isinstance(event, dict) or event.get("ph") != "X":
+            continue
+        name = event.get("name")
+        if not isinstance(name, str):
+            continue
+        try:
+            op = parse_op(name)
+        except ValueError:
+            continue  # sends, all-reduces, anything that is not an op
+        where = f"traceEvents[{index}]"
+        values = []
+        for key in ("ts", "dur"):
+            value = event.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InputError(file, f"{where}.{key}", f"of op {name} is {value!r}", "give a number of microseconds")
+            values.append(float(value))
+        ts, dur = values
+        if dur < 0:
+            raise InputError(file, f"{where}.dur", f"of op {name} is negative ({dur})", "give a duration >= 0")
+        if op.stage >= stage_count or op.mb >= num_mb:
+            raise InputError(
+                file, f"{where}.name", f"op {name} is not in the plan ({stage_count} stages, {num_mb} microbatches)",
+                "compare the trace with the plan it was measured with",
+            )
+        pid = event.get("pid", 0)
+        out.append((pid if isinstance(pid, (int, str)) else repr(pid), op, ts / _US_PER_MS, dur / _US_PER_MS))
+    if not out:
+        raise InputError(file, "traceEvents", "holds no op events", 'expect "ph": "X" events named like 0F3 (octorun --trace)')
+    return out
+
+
+def _row(kind: str, count: int, predicted: list[float], measured: list[float]) -> dict[str, Any]:
+    n = len(predicted)
+    mean_p = sum(predicted) / n
+    mean_m = sum(measured) / n
+    abs_err = sum(abs(m - p) for p, m in zip(predicted, measured)) / n
+    return {
+        "kind": kind,
+        "count": count,
+        "predicted_ms": mean_p,
+        "measured_ms": mean_m,
+        "abs_error_ms": abs_err,
+        "rel_error": abs_err / mean_p if mean_p > 0 else (0.0 if abs_err == 0 else math.inf),
+        "bias": mean_m / mean_p - 1.0 if mean_p > 0 else 0.0,
+    }
+
+
+def compare_measured(plan: Plan, result: SimResult, trace_path: str | Path) -> list[dict[str, Any]]:
+    """Predicted against measured op durations, per op kind and for the whole iteration.
+
+    Each row: ``kind`` (``F``, ``I``, ``W``, ``B`` or ``iteration``), ``count`` (measured op
+    events matched; for ``iteration`` the number of measured steps), ``predicted_ms`` and
+    ``measured_ms`` (means), ``abs_error_ms`` (mean of |measured - predicted| per event),
+    ``rel_error`` (abs_error_ms / predicted_ms) and ``bias`` (measured_ms / predicted_ms - 1;
+    positive: the simulator is optimistic). Kinds the trace lacks get no row.
+
+    The n-th event of an op on one pid is that op in step n, so a trace of several steps
+    compares every step; a step's measured iteration is the span of its op events. Ops of the
+    plan missing from the trace are logged and left out.
+    """
+    path = Path(trace_path)
+    predicted = {span.op: span.end_ms - span.start_ms for span in result.spans()}
+    step_of: dict[tuple[int | str, Op], int] = defaultdict(int)
+    per_kind: dict[Kind, tuple[list[float], list[float]]] = {kind: ([], []) for kind in KIND_ORDER}
+    step_bounds: dict[tuple[int | str, int], list[float]] = {}
+    seen_ops: set[Op] = set()
+    for replica, op, start_ms, dur_ms in sorted(_measured_ops(path, plan), key=lambda e: e[2]):
+        if op not in predicted:
+            raise InputError(
+                str(path), "traceEvents", f"op {op} is not in the plan's schedule",
+                "compare the trace with the plan it was measured with",
+            )
+        step = step_of[(replica, op)]
+        step_of[(replica, op)] += 1
+        seen_ops.add(op)
+        p_list, m_list = per_kind[op.kind]
+        p_list.append(predicted[op])
+        m_list.append(dur_ms)
+        bounds = step_bounds.setdefault((replica, step), [start_ms, start_ms + dur_ms])
+        bounds[0] = min(bounds[0], start_ms)
+        bounds[1] = max(bounds[1], start_ms + dur_ms)
+    missing = len(predicted) - len(seen_ops)
+    if missing:
+        log.warning("%s: %d of the plan's %d ops are not in the trace; compared the rest", path, missing, len(predicted))
+
+    rows = [_row(kind.value, len(p), p, m) for kind, (p, m) in per_kind.items() if p]
+    spans = [end - start for start, end in step_bounds.values()]
+    rows.append(_row("iteration", len(spans), [result.iteration_ms] * len(spans), spans))
+    return rows
+
+
+def render_comparison(rows: list[dict[str, Any]], *, title: str | None = None) -> Table:
+    """The rows of :func:`compare_measured` as a rich table."""
+    table = Table(title=title, title_justify="left")
+    for header in ("kind", "count", "predicted ms", "measured ms", "mean |error| ms", "rel. error", "bias"):
+        table.add_column(header, justify="left" if header == "kind" else "right")
+    for index, row in enumerate(rows):
+        table.add_row(
+            row["kind"], str(row["count"]), f"{row['predicted_ms']:.4g}", f"{row['measured_ms']:.4g}",
+            f"{row['abs_error_ms']:.3g}", f"{row['rel_error']:.1%}", f"{row['bias']:+.1%}",
+            end_section=index == len(rows) - 2,  # a rule above the iteration row
+        )
+    return table

@@ -1,0 +1,270 @@
+"""Bubble-aware moves: the neighbours of a candidate, most promising first.
+
+Every move changes one of the three dimensions the tuner co-optimizes:
+- ``partition``: shift a stage boundary by one layer; split a stage in two; merge two stages;
+- ``placement``: move or swap stages between ranks; swap two ranks' whole contents (which
+  changes which node each part of the model sits on);
+- ``schedule``: a rank's warm-up depth (in-flight limit), B split into I + W, how long Ws
+  may wait, which chunk goes first; a baseline's fixed order turned into the policy scheduler.
+
+The order comes from the simulated timeline: a rank's *heat* is its busy time plus the idle
+time it causes on others (``SimResult.bubbles``: who waits on whose op). Layers move from hot
+ranks to cold ones; ranks that idle get deeper warm-ups and I/W splits; a plan that does not
+fit memory first tries the moves that shrink its fullest GPU. Ties keep a fixed order, broken
+only by the seeded ``random.Random`` passed in, so a run is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import replace
+from typing import Iterator
+
+from octoplan.schedules.policy import default_policies
+from octoplan.simulator import SimResult
+from octoplan.tuner.space import Candidate
+
+__all__ = ["DIMENSIONS", "neighbours", "Heat", "heat_of"]
+
+DIMENSIONS = ("partition", "placement", "schedule")
+
+
+class Heat:
+    """Per-rank signals read off one simulated timeline."""
+
+    def __init__(self, busy: list[float], blame: list[float], idle: list[float], transfer_pairs: list[tuple[int, int]],
+                 peak: list[int], limit: int):
+        self.busy = busy
+        self.blame = blame  # idle time other ranks spent waiting on this rank's ops
+        self.idle = idle  # this rank's own idle time between its first and last op
+        self.transfer_pairs = transfer_pairs  # (waiting rank, sending rank) of transfer-bound bubbles, worst first
+        self.peak = peak
+        self.limit = limit
+
+    def heat(self, rank: int) -> float:
+        return self.busy[rank] + 0.5 * self.blame[rank]
+
+
+def heat_of(result: SimResult) -> Heat:
+    num_ranks = result.num_ranks
+    blame = [0.0] * num_ranks
+    idle = [0.0] * num_ranks
+    transfer: dict[tuple[int, int], float] = defaultdict(float)
+    for bubble in result.bubbles:
+        if bubble.reason == "drain":
+            continue
+        idle[bubble.rank] += bubble.duration_ms
+        if bubble.from_rank is not None and bubble.from_rank != bubble.rank:
+            blame[bubble.from_rank] += bubble.duration_ms
+            if bubble.reason == "transfer":
+                transfer[(bubble.rank, bubble.from_rank)] += bubble.duration_ms
+    pairs = [pair for pair, _ in sorted(transfer.items(), key=lambda item: (-item[1], item[0]))]
+    return Heat(list(result.busy_ms), blame, idle, pairs, list(result.peak_memory_bytes), result.memory_limit_bytes)
+
+
+def _with_layout(cand: Candidate, bounds: tuple[int, ...], ranks: tuple[int, ...], origin: str) -> Candidate:
+    """A new partition/placement. A fixed order survives only a pure boundary shift; otherwise
+    the policy scheduler takes over with the candidate's knobs (or 1F1B-like defaults)."""
+    if cand.fixed is not None and ranks == cand.ranks:
+        return replace(cand, bounds=bounds, origin=origin)
+    pp, num_mb = cand.config.pp, cand.config.microbatches
+    policies = cand.policies
+    if policies is None or len(ranks) != len(cand.ranks) or ranks != cand.ranks:
+        split = bool(policies) and any(p.split for p in policies)
+        fresh = default_policies(ranks, pp, num_mb, split=split)
+        if policies is not None:
+            # keep the tuned knobs, re-deriving only the warm-up depth the new placement needs
+            fresh = tuple(replace(old, inflight=new.inflight) for old, new in zip(policies, fresh))
+        policies = fresh
+    return Candidate(cand.config, bounds, ranks, policies, None, origin, "")
+
+
+def _boundary_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tuple[float, Candidate]]:
+    out = []
+    b = cand.bounds
+    for j in range(1, cand.num_stages):
+        left, right = j - 1, j
+        rl, rr = cand.ranks[left], cand.ranks[right]
+        for delta in (-1, 1):
+            cut = b[j] + delta
+            if not b[j - 1] < cut < b[j + 1]:
+                continue
+            # delta -1 moves a layer from the left stage to the right one
+            giver, taker = (rl, rr) if delta < 0 else (rr, rl)
+            if giver == taker:
+                gain = 0.0
+            elif memory_first:
+                gain = float(heat.peak[giver] - heat.peak[taker])
+            else:
+                gain = heat.heat(giver) - heat.heat(taker)
+            bounds = b[:j] + (cut,) + b[j + 1:]
+            out.append((gain, _with_layout(cand, bounds, cand.ranks, f"shift boundary {j} by {delta:+d}")))
+    return out
+
+
+def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[tuple[float, Candidate]]:
+    out = []
+    pp = cand.config.pp
+    counts = [0] * pp
+    for r in cand.ranks:
+        counts[r] += 1
+    order = sorted(range(pp), key=lambda r: heat.heat(r))
+    coldest = order[0]
+    hottest = order[-1]
+    b = cand.bounds
+    # split the hottest rank's longest stage; the second half goes to the coldest rank
+    for s in cand.stages_of(hottest):
+        length = b[s + 1] - b[s]
+        if length < 2 or counts[coldest] >= max_per_rank:
+            continue
+        cut = b[s] + length // 2
+        bounds = b[:s + 1] + (cut,) + b[s + 1:]
+        for target in (coldest, hottest):
+            if target == hottest and counts[hottest] >= max_per_rank:
+                continue
+            ranks = cand.ranks[:s + 1] + (target,) + cand.ranks[s + 1:]
+            out.append((heat.heat(hottest) - heat.heat(target), _with_layout(cand, bounds, ranks, f"split stage {s}")))
+    # merge a stage into a neighbour: fewer stages, fewer transfers
+    for s in range(cand.num_stages - 1):
+        r0, r1 = cand.ranks[s], cand.ranks[s + 1]
+        bounds = b[:s + 1] + b[s + 2:]
+        for keep, drop in ((r0, r1), (r1, r0)):
+            if keep != drop and counts[drop] < 2:
+                continue
+            ranks = cand.ranks[:s] + (keep,) + cand.ranks[s + 2:]
+            gain = 1e9 if keep == drop else heat.heat(drop) - heat.heat(keep)
+            out.append((gain, _with_layout(cand, bounds, ranks, f"merge stages {s} and {s + 1}")))
+            if keep == drop:
+                break
+    return out
+
+
+def _placement_moves(cand: Candidate, heat: Heat, rng: random.Random, breadth: int) -> list[tuple[float, Candidate]]:
+    out = []
+    pp = cand.config.pp
+    counts = [0] * pp
+    for r in cand.ranks:
+        counts[r] += 1
+    order = sorted(range(pp), key=lambda r: (heat.heat(r), r))
+    hot = order[::-1][:breadth]
+    cold = order[:breadth]
+    ranks = cand.ranks
+    for h in hot:
+        for c in cold:
+            if h == c:
+                continue
+            gap = heat.heat(h) - heat.heat(c)
+            for a in cand.stages_of(h):
+                # move a stage off a rank that holds several
+                if counts[h] > 1:
+                    moved = ranks[:a] + (c,) + ranks[a + 1:]
+                    out.append((gap, _with_layout(cand, cand.bounds, moved, f"move stage {a} to rank {c}")))
+                for s in cand.stages_of(c):
+                    swapped = list(ranks)
+                    swapped[a], swapped[s] = c, h
+                    out.append((gap * 0.5, _with_layout(cand, cand.bounds, tuple(swapped), f"swap stages {a} and {s}")))
+    # ranks whose transfers stall others: trade a rank's whole contents with one next to its
+    # partner, to pull the pair onto one node (or onto the fast side of a node boundary)
+    for waiting, sending in heat.transfer_pairs[:breadth]:
+        for partner in (waiting - 1, waiting + 1, sending - 1, sending + 1):
+            for moving in (sending, waiting):
+                if 0 <= partner < pp and partner not in (waiting, sending):
+                    perm = list(range(pp))
+                    perm[moving], perm[partner] = partner, moving
+                    swapped = tuple(perm[r] for r in ranks)
+                    out.append((heat.idle[waiting], _with_layout(cand, cand.bounds, swapped, f"swap ranks {moving} and {partner}")))
+    rng.shuffle(out)  # ties break by seed, then the stable sort below keeps that order
+    return out
+
+
+def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tuple[float, Candidate]]:
+    out = []
+    pp, num_mb = cand.config.pp, cand.config.microbatches
+    if cand.policies is None:
+        for split in (True, False):
+            policies = default_policies(cand.ranks, pp, num_mb, split=split)
+            out.append((1e9, Candidate(cand.config, cand.bounds, cand.ranks, policies, None,
+                                       f"policy scheduler (split={split})", "")))
+        return out
+    policies = cand.policies
+
+    def knob(rank: int, gain: float, why: str, **changes) -> None:
+        new = list(policies)
+        new[rank] = replace(new[rank], **changes)
+        out.append((gain, replace(cand, policies=tuple(new), origin=f"rank {rank}: {why}")))
+
+    def every(gain: float, why: str, fn) -> None:
+        new = tuple(fn(p) for p in policies)
+        if new != policies:
+            out.append((gain, replace(cand, policies=new, origin=why)))
+
+    if memory_first:
+        fullest = sorted(range(pp), key=lambda r: (-heat.peak[r], r))
+        for r in fullest[:3]:
+            p = policies[r]
+            if p.inflight > 1:
+                knob(r, float(heat.peak[r]), f"in-flight {p.inflight - 1}", inflight=p.inflight - 1)
+            if p.split and p.w_cap > 0:
+                knob(r, float(heat.peak[r]) * 0.9, f"w_cap {p.w_cap // 2}", w_cap=p.w_cap // 2)
+        every(1.0, "every rank in-flight -1", lambda p: replace(p, inflight=max(1, p.inflight - 1)))
+    every(2.0 * max(heat.idle), "every rank splits B", lambda p: replace(p, split=True, w_cap=max(p.w_cap, pp)))
+    every(1.5 * max(heat.idle), "every rank in-flight +1", lambda p: replace(p, inflight=min(num_mb, p.inflight + 1)))
+    for r in sorted(range(pp), key=lambda r: (-heat.idle[r], r)):
+        p = policies[r]
+        gain = heat.idle[r]
+        if not p.split:
+            knob(r, gain, "split B into I+W", split=True, w_cap=max(p.w_cap, pp))
+        if p.inflight < num_mb:
+            knob(r, gain * 0.9, f"in-flight {p.inflight + 1}", inflight=p.inflight + 1)
+        if p.split:
+            for cap in (0, max(1, p.w_cap // 2), p.w_cap * 2 if p.w_cap else pp, num_mb * 3):
+                if cap != p.w_cap:
+                    knob(r, gain * 0.5, f"w_cap {cap}", w_cap=cap)
+        if len(cand.stages_of(r)) > 1:
+            knob(r, gain * 0.4, "deep_first" if not p.deep_first else "oldest first", deep_first=not p.deep_first)
+        if p.inflight > 1:
+            knob(r, gain * 0.3, f"in-flight {p.inflight - 1}", inflight=p.inflight - 1)
+        if p.split:
+            knob(r, gain * 0.2, "fuse I+W into B", split=False, w_cap=0)
+    every(0.1, "every rank in-flight -1", lambda p: replace(p, inflight=max(1, p.inflight - 1)))
+    return out
+
+
+def neighbours(
+    cand: Candidate,
+    result: SimResult,
+    *,
+    dimensions: tuple[str, ...] = DIMENSIONS,
+    rng: random.Random,
+    max_stages_per_rank: int = 3,
+    breadth: int = 3,
+) -> Iterator[Candidate]:
+    """The candidates one move away, the most promising first; each is yielded once."""
+    heat = heat_of(result)
+    memory_first = not result.fits_memory
+    scored: list[tuple[float, int, Candidate]] = []
+    groups: list[list[tuple[float, Candidate]]] = []
+    # Moves that change the stage count or placement leave a baseline's fixed order behind and
+    # hand the candidate to the policy scheduler with default knobs; tuning those knobs is
+    # the schedule dimension's job.
+    if "partition" in dimensions:
+        groups.append(_boundary_moves(cand, heat, memory_first))
+        groups.append(_stage_count_moves(cand, heat, max_stages_per_rank))
+    if "placement" in dimensions:
+        groups.append(_placement_moves(cand, heat, rng, breadth))
+    if "schedule" in dimensions:
+        groups.append(_schedule_moves(cand, heat, memory_first))
+    seq = 0
+    for group in groups:
+        for gain, moved in group:
+            scored.append((-gain, seq, moved))
+            seq += 1
+    scored.sort(key=lambda item: (item[0], item[1]))
+    seen = {cand}
+    for _, _, moved in scored:
+        if moved in seen:
+            continue
+        seen.add(moved)
+        yield moved
+

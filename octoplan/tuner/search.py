@@ -1,0 +1,373 @@
+"""The tuner: co-optimize partition, placement and schedule (``octoplan tune``).
+
+Steps:
+1. Enumerate the outer choices (:class:`Config`): every pp dividing the GPU count (``pp``
+   pins it) with the microbatch count a global batch implies, and both global rank orders
+   when dp > 1.
+2. Seed with every baseline of SPEC section 6 that applies (schedule x partition, interleaved
+   1F1B with 2..``chunks_max`` chunks), so the answer is never worse than the best baseline
+   that fits; add policy-scheduled seeds (balanced partitions in loop and V placements) and
+   the CP-SAT partition + placement (:mod:`octoplan.tuner.cpsat`).
+3. Hill-climb from the best seeds with bubble-aware moves (:mod:`octoplan.tuner.moves`):
+   simulate, read who waits on whom, try the most promising moves first, keep the first one
+   that is faster (or, while nothing fits, leaner), until no move helps or time runs out.
+
+Deterministic for a given seed: moves are tried in a fixed order with ties broken by
+``random.Random(seed)``; the clock only decides when to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from octoplan.baseline import make_baseline
+from octoplan.costs import lower_bound_ms
+from octoplan.errors import InputError
+from octoplan.partition import balanced_partition
+from octoplan.plan import Cluster, Plan, check_structure
+from octoplan.profile import Profile
+from octoplan.schedules import SCHEDULES, loop_placement, v_placement
+from octoplan.schedules.policy import default_policies
+from octoplan.tuner.moves import DIMENSIONS, neighbours
+from octoplan.tuner.space import Candidate, Config, Evaluator, Scored, bounds_of
+from octoplan.yamlio import file_sha256
+
+__all__ = ["TuneOptions", "BaselineRow", "TuneResult", "configs_for", "tune", "compare_baselines"]
+
+log = logging.getLogger("octoplan.tuner")
+
+DEFAULT_MICROBATCHES_PER_PP = 4  # without --global-batch or --microbatches: 4 microbatches per pipeline rank
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    gpus: int
+    pp: int | None = None
+    microbatches: int | None = None
+    global_batch: int | None = None
+    time_limit_s: float = 60.0
+    seed: int = 0
+    chunks_max: int = 3  # most stages per rank (and interleaved-1F1B chunks among the baselines)
+    dimensions: tuple[str, ...] = DIMENSIONS
+    use_cpsat: bool = True
+    baselines: bool = True  # seed with (and report) SPEC section 6's baselines
+    max_configs: int = 3  # outer configurations the local search visits, best seeds first
+
+
+@dataclass(frozen=True)
+class BaselineRow:
+    """One baseline on the same GPUs: the best of its partitions and pp choices."""
+
+    name: str  # schedule/partition, e.g. "1f1b/uniform"
+    config: Config
+    scored: Scored
+    candidate: Candidate
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    plan: Plan
+    scored: Scored
+    candidate: Candidate
+    baselines: tuple[BaselineRow, ...]
+    stats: dict = field(default_factory=dict)
+
+    def best_baseline(self) -> BaselineRow | None:
+        fitting = [row for row in self.baselines if row.scored.fits]
+        return min(fitting, key=lambda row: row.scored.iteration_ms, default=None)
+
+
+ProgressFn = Callable[[Scored, int, float], None]  # best so far, evaluations, elapsed seconds
+
+
+def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
+    """Every (pp, dp, microbatches, rank order) the options allow."""
+    gpus = opts.gpus
+    if gpus < 1:
+        raise InputError(None, "--gpus", f"is {gpus}", "use a positive number")
+    if opts.pp is not None:
+        if opts.pp < 1 or gpus % opts.pp:
+            raise InputError(None, "--pp", f"{opts.pp} does not divide --gpus {gpus}", "pick a pp that divides the GPU count")
+        if opts.pp > profile.num_layers:
+            raise InputError(None, "--pp", f"{opts.pp} exceeds the profile's {profile.num_layers} layers",
+                             "use a pp no larger than the layer count")
+        pps = [opts.pp]
+    else:
+        pps = [p for p in range(1, gpus + 1) if gpus % p == 0 and p <= profile.num_layers]
+    mbs = profile.microbatch_size
+    if opts.global_batch is not None and opts.microbatches is not None:
+        raise InputError(None, "--global-batch", "and --microbatches are both given", "give one of them")
+    out = []
+    for pp in pps:
+        dp = gpus // pp
+        if opts.microbatches is not None:
+            if opts.microbatches < 1:
+                raise InputError(None, "--microbatches", f"is {opts.microbatches}", "use at least 1")
+            num_mb = opts.microbatches
+        else:
+            batch = opts.global_batch if opts.global_batch is not None else DEFAULT_MICROBATCHES_PER_PP * gpus * mbs
+            if batch < 1:
+                raise InputError(None, "--global-batch", f"is {batch}", "use a positive number of samples")
+            if batch % (dp * mbs):
+                continue
+            num_mb = batch // (dp * mbs)
+        for order in (("pp-inner", "dp-inner") if dp > 1 else ("pp-inner",)):
+            out.append(Config(pp, dp, num_mb, order))
+    if not out:
+        raise InputError(
+            None, "--global-batch",
+            f"{opts.global_batch} samples do not split into whole microbatches of {mbs} for any dp dividing {gpus}",
+            f"use a multiple of {mbs * gpus}",
+        )
+    return out
+
+
+def _baseline_names(chunks_max: int) -> list[tuple[str, str, int]]:
+    names = []
+    for schedule in SCHEDULES:
+        chunk_choices = range(2, max(2, chunks_max) + 1) if schedule == "interleaved-1f1b" else (2,)
+        for chunks in chunk_choices:
+            for partition in ("uniform", "balanced"):
+                names.append((schedule, partition, chunks))
+    return names
+
+
+def _baseline_label(schedule: str, partition: str, chunks: int) -> str:
+    label = schedule if schedule != "interleaved-1f1b" or chunks == 2 else f"{schedule}(v={chunks})"
+    return f"{label}/{partition}"
+
+
+def _baseline_candidates(profile: Profile, cluster: Cluster, config: Config, chunks_max: int) -> list[tuple[str, Candidate]]:
+    out = []
+    for schedule, partition, chunks in _baseline_names(chunks_max):
+        try:
+            plan = make_baseline(
+                profile, schedule=schedule, gpus=cluster.gpus, microbatches=config.microbatches, pp=config.pp,
+                partition_method=partition, chunks=chunks, cluster=cluster, rank_order=config.rank_order,
+            )
+        except (InputError, ValueError):
+            continue  # the schedule does not apply here (too few microbatches or layers)
+        label = _baseline_label(schedule, partition, chunks)
+        bounds = bounds_of([(s.start, s.end) for s in plan.stages])
+        out.append((label, Candidate(config, bounds, tuple(s.rank for s in plan.stages), None, plan.schedule, label, label)))
+    return out
+
+
+def _policy_seeds(profile: Profile, config: Config, chunks_max: int) -> list[Candidate]:
+    out = []
+    pp, num_mb = config.pp, config.microbatches
+    for per_rank in range(1, max(1, chunks_max) + 1):
+        num_stages = per_rank * pp
+        if num_stages > profile.num_layers:
+            break
+        bounds = bounds_of(balanced_partition(profile, num_stages))
+        placements = [("loop", tuple(loop_placement(pp, num_stages)))]
+        if per_rank == 2:
+            placements.append(("V", tuple(v_placement(pp, num_stages))))
+        for name, ranks in placements:
+            for split in (False, True):
+                policies = default_policies(ranks, pp, num_mb, split=split)
+                origin = f"policy seed: balanced, {name} x{per_rank}, split={split}"
+                out.append(Candidate(config, bounds, ranks, policies, None, origin))
+    return out
+
+
+class _Clock:
+    def __init__(self, limit_s: float):
+        self.start = time.perf_counter()
+        self.limit_s = limit_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def out(self) -> bool:
+        return self.elapsed() >= self.limit_s
+
+
+class _Search:
+    def __init__(self, evaluator: Evaluator, opts: TuneOptions, progress: ProgressFn | None):
+        self.ev = evaluator
+        self.opts = opts
+        self.progress = progress
+        self.clock = _Clock(opts.time_limit_s)
+        self.rng = random.Random(opts.seed)
+        self.best: Candidate | None = None
+        self.best_scored: Scored | None = None
+        self.accepted_moves: list[str] = []
+
+    def offer(self, cand: Candidate) -> Scored:
+        scored = self.ev.score(cand)
+        if self.best_scored is None or scored.score < self.best_scored.score:
+            self.best, self.best_scored = cand, scored
+            log.info("best %.4f ms (fits=%s, bubble %.3f) from %s [%s]", scored.iteration_ms, scored.fits,
+                     scored.bubble_ratio, cand.origin, cand.config.label())
+            if self.progress:
+                self.progress(scored, self.ev.evaluations, self.clock.elapsed())
+        return scored
+
+    def climb(self, start: Candidate) -> Candidate:
+        """First-improvement hill climbing from ``start`` until no move helps or time is up."""
+        current = start
+        current_score = self.offer(current).score
+        while not self.clock.out():
+            result = self.ev.simulate(current)
+            improved = False
+            for moved in neighbours(current, result, dimensions=self.opts.dimensions, rng=self.rng,
+                                    max_stages_per_rank=max(1, self.opts.chunks_max)):
+                if self.clock.out():
+                    break
+                try:
+                    scored = self.offer(moved)
+                except ValueError as exc:  # a move that breaks a structural rule: skip it
+                    log.debug("move %s rejected: %s", moved.origin, exc)
+                    continue
+                if scored.score < current_score and _better_enough(scored.score, current_score):
+                    current, current_score = moved, scored.score
+                    self.accepted_moves.append(moved.origin)
+                    improved = True
+                    break
+            if not improved:
+                break
+        return current
+
+
+def _better_enough(new: tuple[int, float], old: tuple[int, float]) -> bool:
+    if new[0] != old[0]:
+        return new[0] < old[0]
+    return new[1] < old[1] - 1e-9 * max(1.0, abs(old[1]))
+
+
+def tune(
+    profile: Profile,
+    cluster: Cluster,
+    opts: TuneOptions,
+    *,
+    profile_path: str | Path | None = None,
+    progress: ProgressFn | None = None,
+) -> TuneResult:
+    """The fastest plan the search finds that fits memory; ``InputError`` if none fits."""
+    configs = configs_for(profile, opts)
+    if cluster.gpus != opts.gpus:
+        cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
+    evaluator = Evaluator(profile, cluster)
+    search = _Search(evaluator, opts, progress)
+    baselines = _collect_baselines(profile, cluster, configs, opts, search) if opts.baselines else []
+
+    seeds: list[Candidate] = [row.candidate for row in baselines]
+    cpsat_stats: list[dict] = []
+    for config in configs:
+        if search.clock.out():
+            break
+        if "schedule" in opts.dimensions or "placement" in opts.dimensions or not opts.baselines:
+            seeds.extend(_policy_seeds(profile, config, opts.chunks_max))
+        if opts.use_cpsat and {"partition", "placement"} <= set(opts.dimensions):
+            from octoplan.tuner.cpsat import cpsat_seeds  # OR-Tools only when the tuner runs
+
+            found, stats = cpsat_seeds(evaluator, config, chunks_max=opts.chunks_max,
+                                       time_limit_s=max(1.0, min(10.0, opts.time_limit_s / (8 * len(configs)))))
+            seeds.extend(found)
+            cpsat_stats.extend(stats)
+    ranked = []
+    for index, cand in enumerate(seeds):
+        if search.clock.out() and search.best is not None:
+            break
+        ranked.append((search.offer(cand).score, index, cand))
+    ranked.sort(key=lambda item: (item[0], item[1]))
+
+    # Climb from the best seed of each of the most promising configurations, then from the
+    # best seeds of other shapes while time remains.
+    starts: list[Candidate] = []
+    seen_configs: list[Config] = []
+    for _, _, cand in ranked:
+        if cand.config not in seen_configs:
+            seen_configs.append(cand.config)
+            if len(seen_configs) <= opts.max_configs:
+                starts.append(cand)
+    starts += [cand for _, _, cand in ranked[:8] if cand not in starts]
+    for start in starts:
+        if search.clock.out():
+            break
+        search.climb(start)
+
+    best, best_scored = search.best, search.best_scored
+    if best is None or best_scored is None or not best_scored.fits:
+        least = evaluator.least_memory()
+        needed = f"{least / 1e9:.2f} GB" if least is not None else "more memory"
+        raise InputError(
+            str(profile_path) if profile_path else None, "--memory-gb",
+            f"no plan fits {cluster.memory_gb:g} GB per GPU; the leanest plan found needs {needed} per GPU",
+            "use more GPUs, a larger --memory-gb, or a smaller microbatch",
+        )
+    plan = _final_plan(evaluator, best, best_scored, profile_path=profile_path)
+    stats = {
+        "seed": opts.seed,
+        "time_limit_s": opts.time_limit_s,
+        "wall_s": round(search.clock.elapsed(), 3),
+        "evaluations": evaluator.evaluations,
+        "configs": len(configs),
+        "seeds": len(seeds),
+        "origin": best.origin,
+        "moves_accepted": len(search.accepted_moves),
+        "dimensions": list(opts.dimensions),
+        "cpsat": cpsat_stats,
+    }
+    if best.policies is not None:
+        stats["policies"] = [p.to_dict() for p in best.policies]
+    plan = Plan(**{**plan.__dict__, "extra": {"tuner": stats}})
+    log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
+    return TuneResult(plan, best_scored, best, tuple(baselines), stats)
+
+
+def _collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Config], opts: TuneOptions,
+                       search: _Search) -> list[BaselineRow]:
+    """Every baseline on every configuration; one row per schedule/partition, its best config."""
+    best: dict[str, BaselineRow] = {}
+    order: list[str] = []
+    for config in configs:
+        for label, cand in _baseline_candidates(profile, cluster, config, opts.chunks_max):
+            scored = search.offer(cand)
+            row = BaselineRow(label, config, scored, cand)
+            if label not in best:
+                order.append(label)
+                best[label] = row
+            elif scored.score < best[label].scored.score:
+                best[label] = row
+    return [best[label] for label in order]
+
+
+def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions) -> list[BaselineRow]:
+    """The baselines alone (``octoplan compare`` adds the tuned plan to them)."""
+    configs = configs_for(profile, opts)
+    if cluster.gpus != opts.gpus:
+        cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
+    search = _Search(Evaluator(profile, cluster), opts, None)
+    return _collect_baselines(profile, cluster, configs, opts, search)
+
+
+def _final_plan(evaluator: Evaluator, cand: Candidate, scored: Scored, *, profile_path: str | Path | None) -> Plan:
+    plan = evaluator.plan(cand)
+    check_structure(plan, num_layers=evaluator.num_layers)
+    path = str(profile_path) if profile_path else None
+    sha = file_sha256(profile_path) if profile_path and Path(profile_path).exists() else None
+    return Plan(
+        model=plan.model, cluster=plan.cluster, parallel=plan.parallel, stages=plan.stages, schedule=plan.schedule,
+        profile=path, profile_sha256=sha,
+        predicted={
+            "iteration_ms": round(scored.iteration_ms, 4),
+            "bubble_ratio": round(scored.bubble_ratio, 4),
+            "efficiency": round(scored.efficiency, 4),
+        },
+    )
+
+
+def lower_bound_for(profile: Profile, config: Config) -> float:
+    return lower_bound_ms(profile, pp=config.pp, microbatches=config.microbatches)
+
+
+def iter_rows(result: TuneResult) -> Iterable[BaselineRow]:
+    return iter(result.baselines)

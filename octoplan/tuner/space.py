@@ -1,0 +1,162 @@
+"""The tuner's search space: one candidate plan as plain data, and how it is priced.
+
+A :class:`Candidate` fixes the three things the tuner co-optimizes:
+- *partition*: stage boundaries over the layers (``bounds``, ``S + 1`` cut points);
+- *placement*: which pipeline rank holds each stage (``ranks``, any map, several per rank);
+- *schedule*: either per-rank knobs of the policy list scheduler (``policies``) or a fixed
+  op order taken from a baseline (``fixed``), which stays valid while the stage count and
+  placement do not change, so a baseline's partition can be tuned under its own schedule.
+
+The :class:`Evaluator` turns a candidate into a plan and prices it with the simulator (the
+one judge of every candidate); it caches by candidate so a move that returns to a known point
+costs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from octoplan.costs import LayerTable, StageCost, lower_bound_ms
+from octoplan.ops import Op
+from octoplan.plan import Cluster, Parallel, Plan, Stage
+from octoplan.profile import Profile
+from octoplan.schedules.policy import RankPolicy, policy_schedule
+from octoplan.simulator import SimResult, simulate_costs
+
+__all__ = ["Config", "Candidate", "Scored", "Evaluator"]
+
+
+@dataclass(frozen=True, order=True)
+class Config:
+    """The outer choice: pipeline and data-parallel degrees, microbatches, global rank order."""
+
+    pp: int
+    dp: int
+    microbatches: int
+    rank_order: str = "pp-inner"
+
+    def parallel(self) -> Parallel:
+        return Parallel(pp=self.pp, dp=self.dp, microbatches=self.microbatches, rank_order=self.rank_order)
+
+    def label(self) -> str:
+        order = "" if self.dp == 1 else f" {self.rank_order}"
+        return f"pp={self.pp} dp={self.dp} mb={self.microbatches}{order}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    config: Config
+    bounds: tuple[int, ...]
+    ranks: tuple[int, ...]
+    policies: tuple[RankPolicy, ...] | None = None
+    fixed: tuple[tuple[Op, ...], ...] | None = field(default=None, compare=False, hash=False)
+    origin: str = field(default="", compare=False, hash=False)
+    fixed_id: str = ""  # names the fixed schedule (baseline) so that equality and caching work
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranks)
+
+    def stages(self) -> tuple[Stage, ...]:
+        return tuple(Stage(self.bounds[i], self.bounds[i + 1], r) for i, r in enumerate(self.ranks))
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.ranks) if r == rank]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A candidate's figures. ``score`` orders candidates: fitting ones by iteration time,
+    then the rest by how much memory their fullest GPU needs."""
+
+    iteration_ms: float
+    bubble_ratio: float
+    efficiency: float
+    peak_memory_bytes: int
+    fits: bool
+
+    @property
+    def score(self) -> tuple[int, float]:
+        return (0, self.iteration_ms) if self.fits else (1, float(self.peak_memory_bytes))
+
+
+class Evaluator:
+    """Builds and simulates candidates of one profile on one cluster, with a cache."""
+
+    def __init__(self, profile: Profile, cluster: Cluster, *, optimizer: str = "adam-mixed"):
+        self.profile = profile
+        self.cluster = cluster
+        self.optimizer = optimizer
+        self.table = LayerTable(profile)
+        self.num_layers = profile.num_layers
+        self._stage_cache: dict[tuple[int, int], StageCost] = {}
+        self._cache: dict[Candidate, Scored] = {}
+        self.evaluations = 0  # simulations actually run (cache misses)
+
+    def stage_cost(self, start: int, end: int) -> StageCost:
+        key = (start, end)
+        cost = self._stage_cache.get(key)
+        if cost is None:
+            cost = self._stage_cache[key] = self.table.stage(start, end)
+        return cost
+
+    def costs(self, cand: Candidate) -> list[StageCost]:
+        return [self.stage_cost(cand.bounds[i], cand.bounds[i + 1]) for i in range(cand.num_stages)]
+
+    def schedule(self, cand: Candidate) -> tuple[tuple[Op, ...], ...]:
+        if cand.fixed is not None:
+            return cand.fixed
+        assert cand.policies is not None
+        ops = policy_schedule(
+            cand.ranks, self.costs(cand), microbatches=cand.config.microbatches, policies=cand.policies,
+            cluster=self.cluster, parallel=cand.config.parallel(),
+        )
+        return tuple(tuple(rank_ops) for rank_ops in ops)
+
+    def plan(self, cand: Candidate) -> Plan:
+        return Plan(
+            model=self.profile.model,
+            cluster=self.cluster,
+            parallel=cand.config.parallel(),
+            stages=cand.stages(),
+            schedule=self.schedule(cand),
+        )
+
+    def simulate(self, cand: Candidate) -> SimResult:
+        plan = self.plan(cand)
+        result = simulate_costs(
+            plan, self.costs(cand),
+            lower_bound=lower_bound_ms(self.profile, pp=cand.config.pp, microbatches=cand.config.microbatches),
+            dtype_bytes=self.profile.dtype_bytes, optimizer=self.optimizer,
+        )
+        self.evaluations += 1
+        self._cache[cand] = _scored(result)
+        return result
+
+    def score(self, cand: Candidate) -> Scored:
+        hit = self._cache.get(cand)
+        if hit is None:
+            self.simulate(cand)
+            hit = self._cache[cand]
+        return hit
+
+    def known(self, cand: Candidate) -> bool:
+        return cand in self._cache
+
+    def least_memory(self) -> int | None:
+        return min((s.peak_memory_bytes for s in self._cache.values()), default=None)
+
+
+def _scored(result: SimResult) -> Scored:
+    return Scored(
+        iteration_ms=result.iteration_ms,
+        bubble_ratio=result.bubble_ratio,
+        efficiency=result.efficiency,
+        peak_memory_bytes=max(result.peak_memory_bytes),
+        fits=result.fits_memory,
+    )
+
+
+def bounds_of(pairs: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    return tuple([pairs[0][0]] + [end for _, end in pairs])
