@@ -215,7 +215,8 @@ def show(
     plan, prof = _load_plan_with_profile(plan_path)
     check_runnable(plan, file=str(plan_path))
     result = run_simulation(plan, prof)
-    console.print(timeline.render_terminal(plan, result, width=width))
+    out = Console(width=width) if width else console
+    out.print(timeline.render_terminal(plan, result, width=width))
     if svg:
         timeline.write_svg(plan, result, svg, title=str(plan_path))
         console.print(f"SVG -> {svg}")
@@ -224,13 +225,7 @@ def show(
         console.print(f"trace -> {trace}")
     if measured:
         rows = timeline.compare_measured(plan, result, measured)
-        table = Table(title=f"predicted vs measured ({measured})")
-        keys = list(rows[0].keys()) if rows else []
-        for key in keys:
-            table.add_column(key)
-        for row in rows:
-            table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()])
-        console.print(table)
+        out.print(timeline.render_comparison(rows, title=f"predicted vs measured ({measured})"))
 
 
 def _register_optional() -> None:

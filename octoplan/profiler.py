@@ -113,61 +113,78 @@ def _plan_weight_groups(
     roots: list[tuple[GradientEdge, torch.Tensor]], inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
 ) -> list[_WeightGroup]:
     """Split the graph below ``roots`` into the input path (nodes from which an input is
-    reachable) and parameter branches, and group the branch sources by shared parameters."""
+    reachable) and parameter branches, and group the branch sources by shared parameters.
+
+    Runs on every I op, so it is written for speed: parameter sets are int bitmasks.
+    """
     input_ids = {id(t) for t in inputs}
-    param_index = {id(p): i for i, p in enumerate(params)}
+    param_bit = {id(p): 1 << i for i, p in enumerate(params)}
     order, children = _graph([edge.node for edge, _ in roots])
     on_path: dict[Node, bool] = {}
-    reach: dict[Node, frozenset[int]] = {}  # parameters reachable through off-path nodes only
-    empty: frozenset[int] = frozenset()
-    for node in order:
-        kids = children[node]
-        # Gradient accumulators (leaves) expose their tensor as ``variable``.
-        leaf = getattr(node, "variable", None) if not kids else None
-        on_path[node] = (leaf is not None and id(leaf) in input_ids) or any(on_path[k] for k in kids)
-        if not on_path[node]:
-            if leaf is not None and id(leaf) in param_index:
-                reach[node] = frozenset((param_index[id(leaf)],))
-            else:
-                found = [reach[k] for k in kids if reach[k]]
-                reach[node] = found[0] if len(found) == 1 else frozenset().union(*found) if found else empty
-
+    reach: dict[Node, int] = {}  # off-path nodes: parameters reachable from them
     # Sources: input-path nodes with an off-path child reaching parameters, and outputs that are
     # off the path altogether (all of a first layer's outputs when its inputs are token ids).
-    sources: list[tuple[Node | tuple[GradientEdge, torch.Tensor], frozenset[int]]] = []
-    for node in order:
-        if on_path[node]:
-            found = [reach[k] for k in children[node] if not on_path[k] and reach[k]]
-            if found:
-                sources.append((node, frozenset().union(*found)))
+    sources: list[tuple[Any, int]] = []
+    for node in order:  # children first
+        kids = children[node]
+        if not kids:  # a leaf; gradient accumulators expose their tensor as ``variable``
+            leaf_id = id(getattr(node, "variable", None))
+            on_path[node] = leaf_id in input_ids
+            reach[node] = 0 if on_path[node] else param_bit.get(leaf_id, 0)
+            continue
+        path, off = False, 0
+        for kid in kids:
+            if on_path[kid]:
+                path = True
+            else:
+                off |= reach[kid]
+        on_path[node] = path
+        if not path:
+            reach[node] = off
+        elif off:
+            sources.append((node, off))
     for edge, grad in roots:
         if not on_path[edge.node] and reach[edge.node]:
             sources.append(((edge, grad), reach[edge.node]))
 
-    # Union-find over parameters: a parameter used at two sources ties them into one autograd call.
-    parent = list(range(len(params)))
+    # A parameter used at two sources ties them into one autograd call: merge overlapping masks.
+    merged: list[tuple[int, list[Any]]] = []
+    for source, mask in sources:
+        members = [source]
+        rest = []
+        for other_mask, other_members in merged:
+            if other_mask & mask:
+                mask |= other_mask
+                members += other_members
+            else:
+                rest.append((other_mask, other_members))
+        merged = rest + [(mask, members)]
+    groups = []
+    for mask, members in merged:
+        group = _WeightGroup(params=[i for i in range(len(params)) if mask >> i & 1])
+        for source in members:
+            if isinstance(source, tuple):
+                group.roots.append(source)
+            else:
+                group.nodes.append(source)
+        groups.append(group)
+    return groups
 
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
 
-    for _, found in sources:
-        first, *rest = found
-        for other in rest:
-            parent[find(other)] = find(first)
-    groups: dict[int, _WeightGroup] = {}
-    for source, found in sources:
-        group = groups.setdefault(find(next(iter(found))), _WeightGroup(params=[]))
-        if isinstance(source, tuple):
-            group.roots.append(source)
-        else:
-            group.nodes.append(source)
-    for i in range(len(params)):
-        if find(i) in groups:
-            groups[find(i)].params.append(i)
-    return list(groups.values())
+def _grad(outputs: list, inputs: list, grads: list) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)``.
+
+    Calls the autograd engine directly, as that function does after its argument checks: the
+    checks cost ~35 us of Python per call, and W makes one call per parameter group, so on small
+    layers they would be a visible share of the time the profile reports. Our arguments are
+    built here and need no checking.
+    """
+    if _ENGINE is None:
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    return _ENGINE.run_backward(tuple(outputs), tuple(grads), True, False, tuple(inputs), True, False)
+
+
+_ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
 
 
 def backward_input(
@@ -197,9 +214,7 @@ def backward_input(
     handles = [node.register_prehook(capture(node)) for group in groups for node in group.nodes]
     try:
         if inputs and roots:
-            grads = torch.autograd.grad(
-                [edge for edge, _ in roots], list(inputs), [g for _, g in roots], retain_graph=True, allow_unused=True
-            )
+            grads = _grad([edge for edge, _ in roots], list(inputs), [g for _, g in roots])
         else:
             grads = tuple(None for _ in inputs)
     finally:
@@ -238,9 +253,7 @@ def backward_weight(pending: PendingWeightGrads) -> tuple[torch.Tensor | None, .
                 if node in pending.captured:
                     handles.append(node.register_prehook(lambda _grads, saved=pending.captured[node]: saved))
         try:
-            found = torch.autograd.grad(
-                edges, [pending.params[i] for i in group.params], grads, retain_graph=True, allow_unused=True
-            )
+            found = _grad(edges, [pending.params[i] for i in group.params], grads)
         finally:
             for handle in handles:
                 handle.remove()

@@ -2,9 +2,11 @@
 
 Wire format. Shapes are not known in advance (a layer may return a tuple of tensors of any shape
 and dtype, e.g. float features and int64 token ids), so every message is a fixed-size int64
-header — tensor count, then dtype code, ndim and dims of each tensor — followed by one transfer
-per tensor. A header per message costs one tiny transfer but needs no step-0 special case and
-allows shapes that change between microbatches.
+header — the message's identity (kind, stage, mb), the tensor count, then dtype code, ndim and
+dims of each tensor — followed by one transfer per tensor. The receiver checks the identity
+against the message it expects next, so a protocol slip fails loudly instead of mixing data.
+A header per message costs one tiny transfer but needs no step-0 special case and allows
+shapes that change between microbatches.
 
 Channels. Each directed pair ``src -> dst`` of global ranks that exchanges messages gets its own
 process group, used by exactly one thread on each side: the sender's compute thread issues
@@ -44,9 +46,12 @@ _DTYPES = (
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
-def encode_header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[count, (dtype, ndim, *dims) per tensor, 0...]`` as a host int64 tensor."""
-    words = [len(tensors)]
+_KINDS = ("act", "grad")
+
+
+def encode_header(message: Message, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[kind, stage, mb, count, (dtype, ndim, *dims) per tensor, 0...]`` as a host int64 tensor."""
+    words = [_KINDS.index(message.kind), message.stage, message.mb, len(tensors)]
     for tensor in tensors:
         if tensor.dtype not in _DTYPE_CODE:
             raise TypeError(f"cannot send a tensor of dtype {tensor.dtype} between stages")
@@ -58,14 +63,16 @@ def encode_header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return header
 
 
-def decode_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+def decode_header(header: torch.Tensor) -> tuple[tuple[str, int, int], list[tuple[torch.dtype, tuple[int, ...]]]]:
+    """(message key, [(dtype, shape) per tensor]) of a header."""
     words = header.tolist()
-    out, at = [], 1
-    for _ in range(words[0]):
+    key = (_KINDS[words[0]], words[1], words[2])
+    out, at = [], 4
+    for _ in range(words[3]):
         dtype, ndim = _DTYPES[words[at]], words[at + 1]
         out.append((dtype, tuple(words[at + 2: at + 2 + ndim])))
         at += 2 + ndim
-    return out
+    return key, out
 
 
 @dataclass
@@ -152,7 +159,7 @@ class Transport:
         """Start sending; the tensors stay referenced until :meth:`wait_sends`."""
         channel = self.outgoing[dst]
         payload = tuple(t.detach().contiguous() for t in tensors)
-        header = encode_header(payload)
+        header = encode_header(message, payload)
         work = dist.isend(header, dst, group=channel.meta_group, tag=channel.next_tag())
         self._pending.append((work, message, (header,), False))
         polled = self.device.type == "cuda"
@@ -181,8 +188,11 @@ class Transport:
                 for message in channel.messages:
                     header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
                     dist.recv(header, channel.src, group=channel.meta_group, tag=channel.next_tag())
+                    key, layout = decode_header(header)
+                    if key != message.key:
+                        raise RuntimeError(f"protocol error: expected the {message}, received {key[0]} {key[1]}.{key[2]} instead")
                     tensors = []
-                    for dtype, shape in decode_header(header):
+                    for dtype, shape in layout:
                         tensor = torch.empty(shape, dtype=dtype, device=self.device)
                         dist.recv(tensor, channel.src, group=channel.data_group, tag=channel.next_tag())
                         tensors.append(tensor)

@@ -8,6 +8,7 @@ batch, not once per parametrized case.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import random
@@ -79,10 +80,12 @@ def loss_fn(logits, targets):
 
 # Small configs of the example models, so each step takes milliseconds on a CPU.
 EXAMPLE_CONFIGS: dict[str, dict[str, Any]] = {
-    "tiny_gpt": {"vocab": 64, "hidden": 16, "layers": 4, "heads": 2, "seq": 8, "mlp_ratio": 2, "data_vocab": 32},
+    # 10 layers each: with the embedding and head joining the end stages, V and interleaved
+    # schedules on 4 ranks get one layer per stage
+    "tiny_gpt": {"vocab": 64, "hidden": 16, "layers": 8, "heads": 2, "seq": 8, "mlp_ratio": 2, "data_vocab": 32},
     "vlm": {"image_size": 8, "channels": 3, "patch": 4, "vision_hidden": 16, "vision_layers": 2, "hidden": 16,
-            "decoder_layers": 2, "heads": 2, "vocab": 32, "text_len": 6, "num_classes": 4},
-    "hybrid": {"vocab": 64, "hidden": 16, "seq": 8, "pattern": "mae", "heads": 2, "experts": 2, "top_k": 1,
+            "decoder_layers": 5, "heads": 2, "vocab": 32, "text_len": 6, "num_classes": 4},
+    "hybrid": {"vocab": 64, "hidden": 16, "seq": 8, "pattern": "mameamea", "heads": 2, "experts": 2, "top_k": 1,
                "expert_hidden": 16, "data_vocab": 32},
 }
 
@@ -94,9 +97,11 @@ def write_tiny_model(folder: Path) -> Path:
 
 
 def model_spec(name: str, folder: Path) -> tuple[Path, dict[str, Any]]:
-    """(model file, config) of ``tiny`` or an example model."""
+    """(model file, config) of ``tiny`` (6 layers), ``tiny10`` (10 layers) or an example model."""
     if name == "tiny":
         return write_tiny_model(folder), {}
+    if name == "tiny10":
+        return write_tiny_model(folder), {"depth": 10}
     return EXAMPLES / f"{name}.py", dict(EXAMPLE_CONFIGS[name])
 
 
@@ -186,10 +191,17 @@ def hand_plans(model_path: Path, config: dict[str, Any], num_layers: int) -> dic
         schedule=["0F0 0F1 3F0 3I0 0F2 3W0 3F1 3B1 3F2 0B0 3I2 0I1 3W2 0W1 0B2",
                   "1F0 2F0 1F1 2F1 2I0 2W0 1B0 2B1 1F2 2F2 1B1 2B2 1B2"],
     ), 2)
-    # reversed placement: the model's first stage on the last rank, several stages per rank
+    # reversed placement: the model's first stages on the last rank, mixed B and I+W, depth-first
+    ranks = [1, 1, 0]
+    plans["reversed"] = (make_plan(
+        model_path, config, stages=even_stages(num_layers, ranks), microbatches=3,
+        schedule=list_schedule(ranks, 3, split=lambda s, m: (s + m) % 2 == 0, priority=lambda op: (op.mb, op.kind != Kind.F)),
+    ), 2)
+    # 3 ranks, reversed and interleaved: stage i on rank 2 - (i % 3), random order
+    ranks = [2, 1, 0, 2, 1, 0]
     plans["reversed-3ranks"] = (make_plan(
-        model_path, config, stages=even_stages(num_layers, [2, 1, 0]), microbatches=3,
-        schedule=list_schedule([2, 1, 0], 3, split=lambda s, m: (s + m) % 2 == 0, priority=lambda op: (op.mb, op.kind != Kind.F)),
+        model_path, config, stages=even_stages(num_layers, ranks), microbatches=3,
+        schedule=list_schedule(ranks, 3, split=lambda s, m: s % 2 == 0, rng=random.Random(11)),
     ), 3)
     # interleaved placement, mixed B and I+W, random (irregular) order, dp = 2 with pp-inner ranks
     ranks = [0, 1, 0, 1]
@@ -234,7 +246,8 @@ def baseline_plan(
         "device": {"name": "cpu", "memory_gb": 24}, "microbatch_size": microbatch_size, "dtype": "float32",
         "layers": layers,
     })
-    profile_path = folder / f"profile-{Path(model_path).stem}.yaml"
+    tag = hashlib.sha256(repr(sorted(model.config.items())).encode()).hexdigest()[:8]
+    profile_path = folder / f"profile-{Path(model_path).stem}-{tag}.yaml"
     save_profile(profile, profile_path)
     return make_baseline(profile, schedule=schedule, gpus=gpus, pp=pp, microbatches=microbatches,
                          profile_path=profile_path)
@@ -359,7 +372,9 @@ def _worker(rank: int, world: int, port: int, jobs: list[Job], folder: str) -> N
     for job in jobs:
         if job.fault:
             _apply_fault(job.fault, rank)
+        began = time.monotonic()
         result = run(job.config)
+        print(f"job {job.name}: {time.monotonic() - began:.2f} s", flush=True)
         torch.save({"metrics": result.metrics, "state": result.state, "pp_rank": result.pp_rank, "dp_rank": result.dp_rank},
                    os.path.join(folder, f"{job.name}.rank{rank}.pt"))
     dist.barrier()
@@ -368,9 +383,18 @@ def _worker(rank: int, world: int, port: int, jobs: list[Job], folder: str) -> N
 
 
 def launch(world: int, jobs: list[Job], folder: Path, *, timeout_s: float = 120.0) -> Launch:
-    """Run ``jobs`` one after another on ``world`` fresh gloo processes; kill them at the deadline."""
+    """Run ``jobs`` one after another on ``world`` fresh gloo processes; kill them at the deadline.
+
+    Forked by default: the children inherit this process's imported torch (and torch._dynamo,
+    which the first optimizer imports: seconds per process on a small CPU). The parent never
+    creates a process group, and the children use one intra-op thread, so nothing forked is in
+    use. OCTORUN_TEST_START=spawn starts them fresh instead.
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    ctx = multiprocessing.get_context("spawn")
+    method = os.environ.get("OCTORUN_TEST_START", "fork")
+    if method == "fork":
+        import torch._dynamo  # noqa: F401  (see above)
+    ctx = multiprocessing.get_context(method)
     port = free_port()
     started = time.monotonic()
     procs = [ctx.Process(target=_worker, args=(r, world, port, jobs, str(folder)), daemon=True) for r in range(world)]

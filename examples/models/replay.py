@@ -16,7 +16,8 @@ Config (the keyword arguments of every function, e.g. a profile's ``model.config
 
 Layer i is a :class:`ReplayLayer`. Its output is ``input_path(resize(x)) + weight_path(w)``:
 
-- ``resize`` averages or repeats the (mbs, n_in) input into (mbs, n_out), with no parameters;
+- ``resize`` averages (shrink) or repeats (grow) the (mbs, n_in) input into (mbs, n_out), with
+  no parameters;
 - ``input_path`` is the identity whose backward sleeps ``backward_input_ms``;
 - ``weight_path`` is the identity on the layer's weight (a real (n_out,) parameter, so SGD
   changes it) whose backward sleeps ``backward_weight_ms``; forward sleeps ``forward_ms``.
@@ -44,7 +45,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from octoplan.errors import InputError
@@ -122,7 +122,9 @@ class _SleepOnBackward(torch.autograd.Function):
 class ReplayLayer(nn.Module):
     """One profile layer: sleeps its forward time, and its I and W times on separate branches."""
 
-    def __init__(self, *, name: str, kind: str, out_elements: int, forward_ms: float, input_ms: float, weight_ms: float):
+    def __init__(
+        self, *, name: str, kind: str, in_elements: int, out_elements: int, forward_ms: float, input_ms: float, weight_ms: float
+    ):
         super().__init__()
         self.name = name
         self.kind = kind
@@ -131,14 +133,26 @@ class ReplayLayer(nn.Module):
         self.input_ms = input_ms
         self.weight_ms = weight_ms
         self.weight = nn.Parameter(0.1 * torch.randn(out_elements))
+        # Resizing by index (never a pooling op or a matmul): on a CPU those run on the thread
+        # pool even for a few elements, and waking pool threads after a sleep can cost more than
+        # the sleep on a busy machine. Every input element reaches the output either way.
+        if out_elements >= in_elements:  # grow: output j repeats input j * n_in // n_out
+            self.register_buffer("pick", torch.arange(out_elements) * in_elements // out_elements, persistent=False)
+        else:  # shrink: input j joins bucket j * n_out // n_in, each bucket averaged
+            bucket = torch.arange(in_elements) * out_elements // in_elements
+            self.register_buffer("bucket", bucket, persistent=False)
+            self.register_buffer("inverse_count", 1.0 / torch.bincount(bucket).float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _sleep_ms(self.forward_ms)
-        # Adaptive average pooling averages (shrink) or repeats (grow) along the features, so
-        # every input element reaches the output and gets a gradient.
-        resized = F.adaptive_avg_pool1d(x.unsqueeze(1), self.out_elements).squeeze(1)
-        through = _SleepOnBackward.apply(resized, self.input_ms)
+        through = _SleepOnBackward.apply(self._resize(x), self.input_ms)
         return through + _SleepOnBackward.apply(self.weight, self.weight_ms)
+
+    def _resize(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "pick"):
+            return x.index_select(1, self.pick)
+        summed = x.new_zeros(x.shape[0], self.out_elements).index_add(1, self.bucket, x)
+        return summed * self.inverse_count
 
     def extra_repr(self) -> str:
         return (
@@ -168,6 +182,7 @@ def build_layer(index: int, **config) -> nn.Module:
     return ReplayLayer(
         name=layer.name,
         kind=layer.kind,
+        in_elements=replay.elements(max(index - 1, 0)),
         out_elements=replay.elements(index),
         forward_ms=scale * layer.forward_ms,
         input_ms=scale * layer.backward_input_ms,

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from octoplan.errors import InputError
@@ -108,6 +109,8 @@ def _config(config: dict) -> VLMConfig:
         raise InputError(__file__, "config.patch", f"{cfg.patch} does not divide image_size={cfg.image_size}", "pick a divisor")
     _gpt.check_heads(hidden=cfg.vision_hidden, heads=cfg.heads)
     _gpt.check_heads(hidden=cfg.hidden, heads=cfg.heads)
+    if cfg.vision_layers < 0 or cfg.decoder_layers < 0:
+        raise InputError(__file__, "config.vision_layers", "layer counts must be >= 0", "raise them")
     if cfg.vocab < 2 or cfg.text_len < 1 or cfg.num_classes < 1:
         raise InputError(__file__, "config.vocab", "vocab must be >= 2, text_len and num_classes >= 1", "raise them")
     return cfg
@@ -148,7 +151,7 @@ class Projector(nn.Module):
         self.text = _gpt.TokenEmbedding(vocab, hidden, seq)  # positions cover image and text tokens
 
     def forward(self, patches: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        image = self.down(torch.nn.functional.gelu(self.up(self.ln(patches))))
+        image = self.down(F.gelu(self.up(self.ln(patches))))
         tokens = torch.cat([image, self.text.tokens(ids)], dim=1)
         return tokens + self.text.positions.weight[: tokens.shape[1]]
 
@@ -159,30 +162,31 @@ def num_layers(**config) -> int:
 
 
 def layer_kind(index: int, **config) -> str:
-    cfg = _config(config)
-    return _layout(cfg)[index][0]
+    return _place(_config(config), index)[0]
 
 
 def layer_name(index: int, **config) -> str:
-    cfg = _config(config)
-    kind, n = _layout(cfg)[index]
+    kind, n = _place(_config(config), index)
     return {"embedding": "patch_embed", "projector": "projector", "head": "head"}.get(kind, f"{kind}.{n}")
 
 
-def _layout(cfg: VLMConfig) -> list[tuple[str, int]]:
-    """(kind, index within its kind) of every layer, in model order."""
-    return (
+def _place(cfg: VLMConfig, index: int) -> tuple[str, int]:
+    """(kind, index within its kind) of layer ``index``."""
+    layout = (
         [("embedding", 0)]
         + [("vision", n) for n in range(cfg.vision_layers)]
         + [("projector", 0)]
         + [("decoder", n) for n in range(cfg.decoder_layers)]
         + [("head", 0)]
     )
+    if not 0 <= index < len(layout):
+        raise IndexError(f"layer {index} out of range 0..{len(layout) - 1}")
+    return layout[index]
 
 
 def build_layer(index: int, **config) -> nn.Module:
     cfg = _config(config)
-    kind, _ = _layout(cfg)[index]
+    kind, _ = _place(cfg, index)
     if kind == "embedding":
         return PatchEmbedding(cfg.channels, cfg.patch, cfg.num_patches, cfg.vision_hidden)
     if kind == "vision":

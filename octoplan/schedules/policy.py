@@ -66,7 +66,8 @@ def default_policies(rank_of_stage: Sequence[int], num_ranks: int, microbatches:
         # scaled to ranks: a loop of V chunks revisits every rank V times
         remaining = (num_stages - first_stage[r]) * num_ranks / max(num_stages, 1)
         inflight = max(1, min(microbatches, int(round(remaining * depth))))
-        out.append(RankPolicy(inflight=inflight, split=split, w_cap=num_ranks if split else 0))
+        # with split, Ws wait for gaps without a cap: the in-flight limit already bounds memory
+        out.append(RankPolicy(inflight=inflight, split=split, w_cap=microbatches * num_stages if split else 0))
     return tuple(out)
 
 

@@ -109,9 +109,10 @@ def format_ms(value: float) -> str:
     return text
 
 
-def time_origin(result: SimResult) -> float:
-    """The first op's start: the simulator measures iteration_ms from there."""
-    starts = [spans[0].start_ms for spans in spans_by_rank(result) if spans]
+def time_origin(rank_spans: list[list[Span]]) -> float:
+    """The first op's start (the simulator measures iteration_ms from there), given
+    :func:`spans_by_rank`."""
+    starts = [spans[0].start_ms for spans in rank_spans if spans]
     return min(starts, default=0.0)
 
 

@@ -12,9 +12,12 @@ the console (or an enclosing panel) offers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
-from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.constrain import Constrain
+from rich.padding import Padding
 from rich.text import Text
 
 from octoplan.ops import Kind, Op
@@ -129,23 +132,22 @@ def _row_text(cells: list[Op | Kind | None], *, chunk: list[int], multi_stage: b
 
 
 def _axis(num_cells: int, span_ms: float, indent: int) -> tuple[Text, Text]:
-    """A tick line and a label line; ticks spaced so that labels never touch."""
+    """A tick line and a label line. Ticks are spaced so that labels never touch; a label
+    starts at its tick, and one that would run past the row's end is left out."""
     cell_ms = span_ms / num_cells
-    widest = len(format_ms(span_ms)) + 3  # the last label carries " ms"
+    widest = max(len(format_ms(span_ms)), len("0 ms"))
     max_ticks = max(2, num_cells // (widest + 2) + 1)
-    ticks = nice_ticks(span_ms, max_ticks=max_ticks)
     line = ["─"] * num_cells
     labels = [" "] * num_cells
     free_from = 0  # first column a label may use without touching the one before
-    for n, tick in enumerate(ticks):
+    for tick in nice_ticks(span_ms, max_ticks=max_ticks):
         col = min(int(round(tick / cell_ms)), num_cells - 1)
         line[col] = "┬" if col else "┌"
-        label = format_ms(tick) + (" ms" if n == len(ticks) - 1 else "")
-        at = min(col, num_cells - len(label))  # the last label ends at the row's end
-        if at < free_from:
+        label = format_ms(tick) if col else "0 ms"  # the unit once, where it never moves
+        if col < free_from or col + len(label) > num_cells:
             continue
-        labels[at : at + len(label)] = label
-        free_from = at + len(label) + 1
+        labels[col : col + len(label)] = label
+        free_from = col + len(label) + 1
     pad = " " * indent
     return (
         Text(pad + "".join(line), style="bright_black", no_wrap=True, overflow="crop"),
@@ -153,8 +155,8 @@ def _axis(num_cells: int, span_ms: float, indent: int) -> tuple[Text, Text]:
     )
 
 
-def _legend(plan: Plan, indent: int) -> Text:
-    text = Text(" " * indent, no_wrap=False)
+def _legend(plan: Plan) -> Text:
+    text = Text()
     for kind in kinds_present(plan):
         bg = op_colour(kind)
         text.append(f" {kind.value} ", style=f"bold {text_colour(bg)} on {bg}")
@@ -170,44 +172,50 @@ def _legend(plan: Plan, indent: int) -> Text:
     return text
 
 
+@dataclass(frozen=True)
 class TimelineView:
     """A rich renderable; laid out at render time for ``width`` or the console's width."""
 
-    def __init__(self, plan: Plan, result: SimResult, *, width: int | None = None):
-        self.plan = plan
-        self.result = result
-        self.width = width
+    plan: Plan
+    result: SimResult
+    width: int | None = None
 
-    def lines(self, width: int) -> list[Text]:
+    def lines(self, width: int) -> list[RenderableType]:
         plan, result = self.plan, self.result
         label_width = len(f"r{plan.pp - 1}")
         num_cells = max(width - label_width - 1, _MIN_CELLS)
         span_ms = result.iteration_ms if result.iteration_ms > 0 else 1.0
         cell_ms = span_ms / num_cells
-        t0 = time_origin(result)
+        rank_spans = spans_by_rank(result)
+        t0 = time_origin(rank_spans)
         chunk = chunk_of_stage(plan)
         multi = [len(plan.stages_of(r)) > 1 for r in range(plan.pp)]
-        out = [Text(describe_plan(plan), style="bold", no_wrap=True, overflow="ellipsis")]
-        for rank, spans in enumerate(spans_by_rank(result)):
+        out: list[RenderableType] = [Text(describe_plan(plan), style="bold", no_wrap=True, overflow="ellipsis")]
+        for rank, spans in enumerate(rank_spans):
             row = Text(no_wrap=True, overflow="crop")
             row.append(f"r{rank}".rjust(label_width) + " ", style="bold")
             cells = rank_cells(spans, t0=t0, cell_ms=cell_ms, num_cells=num_cells)
             row.append_text(_row_text(cells, chunk=chunk, multi_stage=multi[rank]))
             out.append(row)
         out.extend(_axis(num_cells, span_ms, label_width + 1))
-        out.append(_legend(plan, label_width + 1))
-        out.append(Text(" " * (label_width + 1) + summary_line(result), no_wrap=False))
+        # Padding, not leading spaces: wrapped lines keep the indent too.
+        out.append(Padding(_legend(plan), (0, 0, 0, label_width + 1)))
+        out.append(Padding(Text(summary_line(result)), (0, 0, 0, label_width + 1)))
         return out
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        width = self.width or options.max_width
-        yield Group(*self.lines(width))
+        # Never wider than the console: rich would crop the rows' right end, the last ops.
+        width = min(self.width or options.max_width, options.max_width)
+        # Constrain: the legend and footer wrap at the requested width too, not the console's.
+        yield Constrain(Group(*self.lines(width)), width)
 
 
 def render_terminal(plan: Plan, result: SimResult, *, width: int | None = None) -> TimelineView:
     """The timeline as a rich renderable: rows per rank, time axis, legend, summary footer.
 
-    ``width`` is the whole line, rank label included; ``None`` takes the console's width.
+    ``width`` is the whole line, rank label included; ``None`` takes the console's width, and
+    a larger one is capped to it (rich cannot print past the console's width; to write wider
+    lines, e.g. into a file, print on a ``Console(width=...)``).
     """
     return TimelineView(plan, result, width=width)
 

@@ -23,7 +23,7 @@ import logging
 import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.table import Table
 
@@ -31,7 +31,7 @@ from octoplan.errors import InputError
 from octoplan.ops import Kind, Op, parse_op
 from octoplan.plan import Plan
 from octoplan.simulator import SimResult
-from octoplan.timeline._layout import KIND_ORDER, describe_plan, time_origin
+from octoplan.timeline._layout import KIND_ORDER, describe_plan, spans_by_rank, time_origin
 
 __all__ = ["trace_events", "write_trace", "compare_measured", "render_comparison"]
 
@@ -41,31 +41,30 @@ COMPUTE_PID, TRANSFER_PID, ALLREDUCE_PID = 0, 1, 2
 _US_PER_MS = 1000.0
 
 
-def _meta(name: str, pid: int, tid: int | None, value: Any) -> dict[str, Any]:
-    """A metadata event: ``process_name``/``thread_name`` take a name, ``*_sort_index`` a number."""
+def _meta(name: str, pid: int, tid: int, value: Any) -> dict[str, Any]:
+    """A metadata event: ``process_name``/``thread_name`` take a name, ``*_sort_index`` a number.
+    Process-level ones carry tid 0, as Chrome's own traces do."""
     key = "sort_index" if name.endswith("sort_index") else "name"
-    event: dict[str, Any] = {"name": name, "ph": "M", "pid": pid, "args": {key: value}}
-    if tid is not None:
-        event["tid"] = tid
-    return event
+    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
 
 
 def trace_events(plan: Plan, result: SimResult) -> list[dict[str, Any]]:
     """Every trace event of the simulated iteration: metadata first, then ops, sends, all-reduces."""
     pp = result.num_ranks
-    t0 = time_origin(result)
+    rank_spans = spans_by_rank(result)
+    t0 = time_origin(rank_spans)
 
     def us(ms: float) -> float:
         return (ms - t0) * _US_PER_MS
 
     events: list[dict[str, Any]] = [
-        _meta("process_name", COMPUTE_PID, None, "compute"),
-        _meta("process_sort_index", COMPUTE_PID, None, COMPUTE_PID),
+        _meta("process_name", COMPUTE_PID, 0, "compute"),
+        _meta("process_sort_index", COMPUTE_PID, 0, COMPUTE_PID),
     ]
     for rank in range(pp):
         events.append(_meta("thread_name", COMPUTE_PID, rank, f"rank {rank}"))
         events.append(_meta("thread_sort_index", COMPUTE_PID, rank, rank))
-    for span in result.spans():
+    for span in (span for spans in rank_spans for span in spans):
         op = span.op
         events.append({
             "name": str(op), "cat": op.kind.value, "ph": "X", "pid": COMPUTE_PID, "tid": span.rank,
@@ -75,8 +74,8 @@ def trace_events(plan: Plan, result: SimResult) -> list[dict[str, Any]]:
 
     transfers = result.transfers
     if transfers:
-        events.append(_meta("process_name", TRANSFER_PID, None, "transfers"))
-        events.append(_meta("process_sort_index", TRANSFER_PID, None, TRANSFER_PID))
+        events.append(_meta("process_name", TRANSFER_PID, 0, "transfers"))
+        events.append(_meta("process_sort_index", TRANSFER_PID, 0, TRANSFER_PID))
         for src, dst in sorted({(t.src_rank, t.dst_rank) for t in transfers}):
             tid = src * pp + dst
             events.append(_meta("thread_name", TRANSFER_PID, tid, f"r{src} -> r{dst}"))
@@ -89,8 +88,8 @@ def trace_events(plan: Plan, result: SimResult) -> list[dict[str, Any]]:
             })
 
     if result.allreduces:
-        events.append(_meta("process_name", ALLREDUCE_PID, None, "dp all-reduce"))
-        events.append(_meta("process_sort_index", ALLREDUCE_PID, None, ALLREDUCE_PID))
+        events.append(_meta("process_name", ALLREDUCE_PID, 0, "dp all-reduce"))
+        events.append(_meta("process_sort_index", ALLREDUCE_PID, 0, ALLREDUCE_PID))
         for rank in sorted({ar.rank for ar in result.allreduces}):
             events.append(_meta("thread_name", ALLREDUCE_PID, rank, f"rank {rank}"))
         for ar in result.allreduces:
@@ -126,13 +125,13 @@ def _read_events(path: Path) -> list[Any]:
     try:
         raw = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise InputError(file, None, "no such file", "pass the trace octorun --trace wrote") from None
+        raise InputError(file, 0, "no such file", "pass the trace octorun --trace wrote") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(file, None, f"cannot be read ({exc})", "pass a Chrome trace-event JSON file") from None
+        raise InputError(file, 0, f"cannot be read ({exc})", "pass a Chrome trace-event JSON file") from None
     try:
         doc = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise InputError(file, None, f"is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+        raise InputError(file, 0, f"is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
                          "pass a Chrome trace-event JSON file") from None
     # The trace-event format allows a bare event array as well as {"traceEvents": [...]}.
     if isinstance(doc, dict):
@@ -146,11 +145,16 @@ def _read_events(path: Path) -> list[Any]:
     return events
 
 
-def _measured_ops(path: Path, plan: Plan) -> list[tuple[int | str, Op, float, float]]:
-    """``(replica, op, start_ms, dur_ms)`` of every op event, in file order.
+class _Measured(NamedTuple):
+    thread: str  # pid and tid: one process's rank
+    step: int | None  # args.step when the writer gave it
+    op: Op
+    start_ms: float
+    dur_ms: float
 
-    A replica is a pid: data-parallel copies of one pipeline may each write the same ops.
-    """
+
+def _measured_ops(path: Path, plan: Plan) -> list[_Measured]:
+    """Every op event of a measured trace, in file order; anything else is skipped."""
     file = str(path)
     stage_count, num_mb = plan.num_stages, plan.microbatches
     out = []
@@ -179,70 +183,92 @@ def _measured_ops(path: Path, plan: Plan) -> list[tuple[int | str, Op, float, fl
                 file, f"{where}.name", f"op {name} is not in the plan ({stage_count} stages, {num_mb} microbatches)",
                 "compare the trace with the plan it was measured with",
             )
-        pid = event.get("pid", 0)
-        out.append((pid if isinstance(pid, (int, str)) else repr(pid), op, ts / _US_PER_MS, dur / _US_PER_MS))
+        args = event.get("args")
+        step = args.get("step") if isinstance(args, dict) else None
+        thread = f"{event.get('pid', 0)!r}/{event.get('tid', 0)!r}"
+        out.append(_Measured(thread, step if isinstance(step, int) and not isinstance(step, bool) else None,
+                             op, ts / _US_PER_MS, dur / _US_PER_MS))
     if not out:
         raise InputError(file, "traceEvents", "holds no op events", 'expect "ph": "X" events named like 0F3 (octorun --trace)')
     return out
 
 
-def _row(kind: str, count: int, predicted: list[float], measured: list[float]) -> dict[str, Any]:
+def _row(kind: str, predicted: list[float], measured: list[float]) -> dict[str, Any]:
     n = len(predicted)
     mean_p = sum(predicted) / n
     mean_m = sum(measured) / n
     abs_err = sum(abs(m - p) for p, m in zip(predicted, measured)) / n
     return {
         "kind": kind,
-        "count": count,
+        "count": n,
         "predicted_ms": mean_p,
         "measured_ms": mean_m,
         "abs_error_ms": abs_err,
-        "rel_error": abs_err / mean_p if mean_p > 0 else (0.0 if abs_err == 0 else math.inf),
-        "bias": mean_m / mean_p - 1.0 if mean_p > 0 else 0.0,
+        # Relative figures mean nothing against a prediction of 0 ms.
+        "rel_error": abs_err / mean_p if mean_p > 0 else None,
+        "bias": mean_m / mean_p - 1.0 if mean_p > 0 else None,
     }
+
+
+def _predicted_op_span(result: SimResult) -> float:
+    """First op start to last op end: ``iteration_ms`` less any all-reduce that outlasts the ops,
+    so that it compares with the span of measured op events."""
+    spans = result.spans()
+    if not spans:
+        return 0.0
+    return max(s.end_ms for s in spans) - min(s.start_ms for s in spans)
 
 
 def compare_measured(plan: Plan, result: SimResult, trace_path: str | Path) -> list[dict[str, Any]]:
     """Predicted against measured op durations, per op kind and for the whole iteration.
 
     Each row: ``kind`` (``F``, ``I``, ``W``, ``B`` or ``iteration``), ``count`` (measured op
-    events matched; for ``iteration`` the number of measured steps), ``predicted_ms`` and
+    events matched; for ``iteration`` the number of measured steps; its prediction is the span
+    of the simulated ops, which is ``iteration_ms`` unless a dp all-reduce outlasts the last
+    op), ``predicted_ms`` and
     ``measured_ms`` (means), ``abs_error_ms`` (mean of |measured - predicted| per event),
     ``rel_error`` (abs_error_ms / predicted_ms) and ``bias`` (measured_ms / predicted_ms - 1;
-    positive: the simulator is optimistic). Kinds the trace lacks get no row.
+    positive: the simulator is optimistic), both ``None`` where the prediction is 0 ms. Kinds
+    the trace lacks get no row.
 
-    The n-th event of an op on one pid is that op in step n, so a trace of several steps
-    compares every step; a step's measured iteration is the span of its op events. Ops of the
-    plan missing from the trace are logged and left out.
+    Steps: an event's ``args.step`` when it has one, else the n-th event of an op on one
+    thread (pid, tid) is that op in step n, so a trace of several steps compares every step. A
+    step's measured iteration is the span of its op events over all threads, which assumes the
+    writer stamped every process from one clock. Ops of the plan missing from the trace are
+    logged and left out.
     """
     path = Path(trace_path)
     predicted = {span.op: span.end_ms - span.start_ms for span in result.spans()}
-    step_of: dict[tuple[int | str, Op], int] = defaultdict(int)
+    occurrences: dict[tuple[str, Op], int] = defaultdict(int)
     per_kind: dict[Kind, tuple[list[float], list[float]]] = {kind: ([], []) for kind in KIND_ORDER}
-    step_bounds: dict[tuple[int | str, int], list[float]] = {}
+    step_bounds: dict[int, list[float]] = {}
     seen_ops: set[Op] = set()
-    for replica, op, start_ms, dur_ms in sorted(_measured_ops(path, plan), key=lambda e: e[2]):
+    for event in sorted(_measured_ops(path, plan), key=lambda e: e.start_ms):
+        op = event.op
         if op not in predicted:
             raise InputError(
                 str(path), "traceEvents", f"op {op} is not in the plan's schedule",
                 "compare the trace with the plan it was measured with",
             )
-        step = step_of[(replica, op)]
-        step_of[(replica, op)] += 1
+        step = event.step
+        if step is None:
+            step = occurrences[(event.thread, op)]
+            occurrences[(event.thread, op)] += 1
         seen_ops.add(op)
         p_list, m_list = per_kind[op.kind]
         p_list.append(predicted[op])
-        m_list.append(dur_ms)
-        bounds = step_bounds.setdefault((replica, step), [start_ms, start_ms + dur_ms])
-        bounds[0] = min(bounds[0], start_ms)
-        bounds[1] = max(bounds[1], start_ms + dur_ms)
+        m_list.append(event.dur_ms)
+        end_ms = event.start_ms + event.dur_ms
+        bounds = step_bounds.setdefault(step, [event.start_ms, end_ms])
+        bounds[0] = min(bounds[0], event.start_ms)
+        bounds[1] = max(bounds[1], end_ms)
     missing = len(predicted) - len(seen_ops)
     if missing:
         log.warning("%s: %d of the plan's %d ops are not in the trace; compared the rest", path, missing, len(predicted))
 
-    rows = [_row(kind.value, len(p), p, m) for kind, (p, m) in per_kind.items() if p]
-    spans = [end - start for start, end in step_bounds.values()]
-    rows.append(_row("iteration", len(spans), [result.iteration_ms] * len(spans), spans))
+    rows = [_row(kind.value, p, m) for kind, (p, m) in per_kind.items() if p]
+    spans = [end - start for start, end in (step_bounds[step] for step in sorted(step_bounds))]
+    rows.append(_row("iteration", [_predicted_op_span(result)] * len(spans), spans))
     return rows
 
 
@@ -254,7 +280,9 @@ def render_comparison(rows: list[dict[str, Any]], *, title: str | None = None) -
     for index, row in enumerate(rows):
         table.add_row(
             row["kind"], str(row["count"]), f"{row['predicted_ms']:.4g}", f"{row['measured_ms']:.4g}",
-            f"{row['abs_error_ms']:.3g}", f"{row['rel_error']:.1%}", f"{row['bias']:+.1%}",
+            f"{row['abs_error_ms']:.3g}",
+            "–" if row["rel_error"] is None else f"{row['rel_error']:.1%}",
+            "–" if row["bias"] is None else f"{row['bias']:+.1%}",
             end_section=index == len(rows) - 2,  # a rule above the iteration row
         )
     return table

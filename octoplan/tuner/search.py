@@ -23,10 +23,9 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from octoplan.baseline import make_baseline
-from octoplan.costs import lower_bound_ms
 from octoplan.errors import InputError
 from octoplan.partition import balanced_partition
 from octoplan.plan import Cluster, Plan, check_structure
@@ -41,7 +40,7 @@ __all__ = ["TuneOptions", "BaselineRow", "TuneResult", "configs_for", "tune", "c
 
 log = logging.getLogger("octoplan.tuner")
 
-DEFAULT_MICROBATCHES_PER_PP = 4  # without --global-batch or --microbatches: 4 microbatches per pipeline rank
+DEFAULT_MICROBATCHES_PER_PP = 2  # without --global-batch or --microbatches: 2 per pipeline rank, as `baseline`
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,7 @@ class TuneOptions:
     use_cpsat: bool = True
     baselines: bool = True  # seed with (and report) SPEC section 6's baselines
     max_configs: int = 3  # outer configurations the local search visits, best seeds first
+    max_starts: int = 6  # hill climbs, from the best seed of each family
 
 
 @dataclass(frozen=True)
@@ -170,9 +170,9 @@ def _policy_seeds(profile: Profile, config: Config, chunks_max: int) -> list[Can
         if per_rank == 2:
             placements.append(("V", tuple(v_placement(pp, num_stages))))
         for name, ranks in placements:
-            for split in (False, True):
-                policies = default_policies(ranks, pp, num_mb, split=split)
-                origin = f"policy seed: balanced, {name} x{per_rank}, split={split}"
+            for split, depth in ((False, 1.0), (True, 1.0), (True, 2.0)):
+                policies = default_policies(ranks, pp, num_mb, split=split, depth=depth)
+                origin = f"policy seed: balanced, {name} x{per_rank}, split={split}, depth={depth:g}"
                 out.append(Candidate(config, bounds, ranks, policies, None, origin))
     return out
 
@@ -210,16 +210,17 @@ class _Search:
                 self.progress(scored, self.ev.evaluations, self.clock.elapsed())
         return scored
 
-    def climb(self, start: Candidate) -> Candidate:
-        """First-improvement hill climbing from ``start`` until no move helps or time is up."""
+    def climb(self, start: Candidate, *, deadline: float) -> Candidate:
+        """First-improvement hill climbing from ``start`` until no move helps or ``deadline``
+        (seconds since the start of tuning) passes."""
         current = start
         current_score = self.offer(current).score
-        while not self.clock.out():
+        while self.clock.elapsed() < deadline:
             result = self.ev.simulate(current)
             improved = False
             for moved in neighbours(current, result, dimensions=self.opts.dimensions, rng=self.rng,
                                     max_stages_per_rank=max(1, self.opts.chunks_max)):
-                if self.clock.out():
+                if self.clock.elapsed() >= deadline:
                     break
                 try:
                     scored = self.offer(moved)
@@ -269,7 +270,8 @@ def tune(
             from octoplan.tuner.cpsat import cpsat_seeds  # OR-Tools only when the tuner runs
 
             found, stats = cpsat_seeds(evaluator, config, chunks_max=opts.chunks_max,
-                                       time_limit_s=max(1.0, min(10.0, opts.time_limit_s / (8 * len(configs)))))
+                                       time_limit_s=max(1.0, min(10.0, opts.time_limit_s / (8 * len(configs)))),
+                                       seed=opts.seed)
             seeds.extend(found)
             cpsat_stats.extend(stats)
     ranked = []
@@ -279,25 +281,32 @@ def tune(
         ranked.append((search.offer(cand).score, index, cand))
     ranked.sort(key=lambda item: (item[0], item[1]))
 
-    # Climb from the best seed of each of the most promising configurations, then from the
-    # best seeds of other shapes while time remains.
+    # Climb from the best seed of each family (configuration x stage count x fixed or policy
+    # schedule), best families first, in the most promising configurations; each climb gets
+    # an equal share of the time left, and what a climb leaves unused passes on.
     starts: list[Candidate] = []
-    seen_configs: list[Config] = []
+    families: set = set()
+    configs_seen: list[Config] = []
     for _, _, cand in ranked:
-        if cand.config not in seen_configs:
-            seen_configs.append(cand.config)
-            if len(seen_configs) <= opts.max_configs:
-                starts.append(cand)
-    starts += [cand for _, _, cand in ranked[:8] if cand not in starts]
-    for start in starts:
+        if cand.config not in configs_seen:
+            configs_seen.append(cand.config)
+        if configs_seen.index(cand.config) >= opts.max_configs:
+            continue
+        family = (cand.config, cand.num_stages, cand.fixed is None)
+        if family not in families:
+            families.add(family)
+            starts.append(cand)
+    starts = starts[:opts.max_starts]
+    for index, start in enumerate(starts):
         if search.clock.out():
             break
-        search.climb(start)
+        share = (opts.time_limit_s - search.clock.elapsed()) / (len(starts) - index)
+        search.climb(start, deadline=search.clock.elapsed() + share)
 
     best, best_scored = search.best, search.best_scored
     if best is None or best_scored is None or not best_scored.fits:
         least = evaluator.least_memory()
-        needed = f"{least / 1e9:.2f} GB" if least is not None else "more memory"
+        needed = f"{least / 1e9:.3g} GB" if least is not None else "more memory"
         raise InputError(
             str(profile_path) if profile_path else None, "--memory-gb",
             f"no plan fits {cluster.memory_gb:g} GB per GPU; the leanest plan found needs {needed} per GPU",
@@ -364,10 +373,3 @@ def _final_plan(evaluator: Evaluator, cand: Candidate, scored: Scored, *, profil
         },
     )
 
-
-def lower_bound_for(profile: Profile, config: Config) -> float:
-    return lower_bound_ms(profile, pp=config.pp, microbatches=config.microbatches)
-
-
-def iter_rows(result: TuneResult) -> Iterable[BaselineRow]:
-    return iter(result.baselines)

@@ -1,0 +1,160 @@
+"""Tuner benchmark: efficiency and speedups on heterogeneous analytic workloads, an ablation,
+and tuning time at 64 and 1024 GPUs.
+
+    .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME]
+    .venv/bin/python benchmarks/bench_tuner.py scale --gpus 64 --time-limit 60
+
+Prints markdown tables (docs/bench/tuner.md holds a run's output). Megatron-LM = uniform
+partition, the better of 1F1B and interleaved 1F1B (2 chunks); best baseline = the fastest
+fitting plan of every SPEC section 6 schedule x partition. Efficiency = SPEC section 7's
+lower_bound_ms / iteration_ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+
+from octoplan.arch import analytic_profile
+from octoplan.plan import Cluster
+from octoplan.tuner import TuneOptions, tune
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    arch: str
+    gpu: str
+    tp: int
+    pp: int
+    microbatches: int
+    gpus: int
+    gpus_per_node: int
+
+
+# pp 4..32, microbatches 2p..8p, every cluster crossing a node boundary
+SUITE = [
+    Workload("llama3-8b", "llama3-8b", "h100", 1, 4, 8, 8, 4),
+    Workload("llama3-70b", "llama3-70b", "h100", 8, 8, 32, 8, 4),
+    Workload("gemma2-27b", "gemma2-27b", "h200", 2, 8, 16, 8, 4),
+    Workload("nemotron-h-8b", "nemotron-h-8b", "a100", 1, 4, 32, 4, 2),
+    Workload("deepseek-v3", "deepseek-v3", "h200", 8, 32, 64, 32, 8),
+    Workload("internvl2-8b", "internvl2-8b", "h100", 1, 8, 32, 8, 4),
+    Workload("jamba-v0.1", "jamba-v0.1", "h200", 2, 16, 32, 16, 8),
+    Workload("gemma3-27b", "gemma3-27b", "h100", 4, 16, 64, 16, 8),
+    Workload("llama3-70b-a100", "llama3-70b", "a100", 8, 16, 128, 16, 8),
+]
+
+ABLATIONS = {"partition only": ("partition",), "placement only": ("placement",), "schedule only": ("schedule",)}
+
+
+def _profile_and_cluster(w: Workload):
+    profile = analytic_profile(w.arch, w.gpu, tp=w.tp)
+    cluster = Cluster(gpus=w.gpus, gpus_per_node=w.gpus_per_node, memory_gb=profile.device["memory_gb"])
+    return profile, cluster
+
+
+def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placement", "schedule"), seed: int = 0) -> dict:
+    profile, cluster = _profile_and_cluster(w)
+    opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=time_limit, seed=seed,
+                       dimensions=tuple(dimensions))
+    start = time.perf_counter()
+    result = tune(profile, cluster, opts)
+    wall = time.perf_counter() - start
+    rows = {row.name: row.scored for row in result.baselines}
+    megatron = [rows[n].iteration_ms for n in ("1f1b/uniform", "interleaved-1f1b/uniform") if n in rows and rows[n].fits]
+    best = result.best_baseline()
+    return {
+        "workload": w.name, "pp": w.pp, "dp": w.gpus // w.pp, "microbatches": w.microbatches,
+        "gpus_per_node": w.gpus_per_node, "tuned_ms": result.scored.iteration_ms,
+        "efficiency": result.scored.efficiency, "bubble_ratio": result.scored.bubble_ratio,
+        "megatron_ms": min(megatron) if megatron else None,
+        "best_baseline": best.name if best else None, "best_baseline_ms": best.scored.iteration_ms if best else None,
+        "best_baseline_efficiency": best.scored.efficiency if best else None,
+        "origin": result.candidate.origin, "stages": result.plan.num_stages,
+        "evaluations": result.stats["evaluations"], "wall_s": wall,
+    }
+
+
+def _geo(values):
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def suite(args) -> None:
+    chosen = [w for w in SUITE if not args.only or w.name in args.only]
+    results = []
+    for w in chosen:
+        r = run_one(w, time_limit=args.time_limit, seed=args.seed)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    print()
+    print("| workload | pp | dp | mb | tuned ms | efficiency | Megatron ms | speedup vs Megatron | best baseline | its ms | speedup vs best | tuning s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        sm = r["megatron_ms"] / r["tuned_ms"] if r["megatron_ms"] else None
+        sb = r["best_baseline_ms"] / r["tuned_ms"] if r["best_baseline_ms"] else None
+        print(f"| {r['workload']} | {r['pp']} | {r['dp']} | {r['microbatches']} | {r['tuned_ms']:.1f} | {r['efficiency']:.3f} | "
+              f"{r['megatron_ms'] and round(r['megatron_ms'], 1)} | {sm and round(sm, 3)} | {r['best_baseline']} | "
+              f"{r['best_baseline_ms'] and round(r['best_baseline_ms'], 1)} | {sb and round(sb, 3)} | {r['wall_s']:.1f} |")
+    print()
+    print(f"geo-mean efficiency {_geo([r['efficiency'] for r in results]):.3f}, min {min(r['efficiency'] for r in results):.3f}; "
+          f"speedup vs Megatron {_geo([r['megatron_ms'] / r['tuned_ms'] for r in results if r['megatron_ms']]):.3f}; "
+          f"vs best baseline {_geo([r['best_baseline_ms'] / r['tuned_ms'] for r in results if r['best_baseline_ms']]):.3f}")
+    if args.ablation:
+        print()
+        print("| workload | " + " | ".join(ABLATIONS) + " | all three |")
+        print("|---|" + "---|" * (len(ABLATIONS) + 1))
+        for w, full in zip(chosen, results):
+            cells = []
+            for dims in ABLATIONS.values():
+                r = run_one(w, time_limit=args.time_limit, dimensions=dims, seed=args.seed)
+                print(json.dumps({"ablation": dims, **r}), flush=True)
+                cells.append(f"{r['tuned_ms']:.1f} ({r['efficiency']:.3f})")
+            cells.append(f"{full['tuned_ms']:.1f} ({full['efficiency']:.3f})")
+            print(f"| {w.name} | " + " | ".join(cells) + " |", flush=True)
+
+
+def scale(args) -> None:
+    profile = analytic_profile(args.arch, args.gpu, tp=args.tp)
+    cluster = Cluster(gpus=args.gpus, gpus_per_node=8, memory_gb=profile.device["memory_gb"])
+    opts = TuneOptions(gpus=args.gpus, time_limit_s=args.time_limit, seed=args.seed)
+    start = time.perf_counter()
+    result = tune(profile, cluster, opts)
+    wall = time.perf_counter() - start
+    best = result.best_baseline()
+    print(json.dumps({
+        "arch": args.arch, "gpus": args.gpus, "config": result.candidate.config.label(), "tuned_ms": result.scored.iteration_ms,
+        "efficiency": result.scored.efficiency, "best_baseline": best.name if best else None,
+        "best_baseline_config": best.config.label() if best else None,
+        "best_baseline_ms": best.scored.iteration_ms if best else None, "wall_s": round(wall, 1),
+        "evaluations": result.stats["evaluations"], "configs": result.stats["configs"],
+    }))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("suite")
+    p.add_argument("--time-limit", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ablation", action="store_true")
+    p.add_argument("--only", nargs="*")
+    p.set_defaults(fn=suite)
+    p = sub.add_parser("scale")
+    p.add_argument("--gpus", type=int, default=64)
+    p.add_argument("--arch", default="llama3-70b")
+    p.add_argument("--gpu", default="h100")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=scale)
+    args = parser.parse_args()
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

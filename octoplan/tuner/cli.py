@@ -1,0 +1,142 @@
+"""``octoplan tune`` and ``octoplan compare``: thin commands over :func:`octoplan.tuner.tune`.
+
+``register(app)`` adds both to the planner's typer app. Parse, call the tuner with a rich
+progress line (best iteration time and bubble ratio so far), render the comparison table,
+write the plan.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from octoplan.cliutil import ClusterOptions, cluster_from, guarded, newest_profile
+
+__all__ = ["register", "comparison_rows"]
+
+# wide enough for the comparison table even when the output is not a terminal
+console = Console(width=None if sys.stdout.isatty() else 110)
+
+
+def comparison_rows(result) -> list[dict]:
+    """The tuned plan against every baseline on the same GPUs, as plain rows."""
+    tuned_ms = result.scored.iteration_ms
+    c = result.candidate.config
+    rows = [{
+        "plan": "tuned", "config": c.label(), "short": _short(c), "iteration_ms": tuned_ms, "speedup": 1.0,
+        "bubble_ratio": result.scored.bubble_ratio, "efficiency": result.scored.efficiency,
+        "peak_memory_gb": result.scored.peak_memory_bytes / 1e9, "fits": result.scored.fits,
+    }]
+    for row in result.baselines:
+        s = row.scored
+        rows.append({
+            "plan": row.name, "config": row.config.label(), "short": _short(row.config), "iteration_ms": s.iteration_ms,
+            "speedup": s.iteration_ms / tuned_ms if tuned_ms > 0 else 1.0, "bubble_ratio": s.bubble_ratio,
+            "efficiency": s.efficiency, "peak_memory_gb": s.peak_memory_bytes / 1e9, "fits": s.fits,
+        })
+    return rows
+
+
+def _short(config) -> str:
+    order = "" if config.dp == 1 else (" pi" if config.rank_order == "pp-inner" else " di")
+    return f"{config.pp}.{config.dp}.{config.microbatches}{order}"
+
+
+def _table(result) -> Table:
+    table = Table(title="tuned plan vs the baselines (SPEC section 6) on the same GPUs")
+    for name, justify in (("plan", "left"), ("pp.dp.mb", "left"), ("iter ms", "right"), ("tuned x", "right"),
+                          ("bubble", "right"), ("eff", "right"), ("peak GB", "right"), ("fits", "center")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for row in comparison_rows(result):
+        style = "bold green" if row["plan"] == "tuned" else (None if row["fits"] else "dim")
+        table.add_row(
+            row["plan"], row["short"], f"{row['iteration_ms']:.2f}", f"{row['speedup']:.3f}x",
+            f"{row['bubble_ratio']:.1%}", f"{row['efficiency']:.3f}", f"{row['peak_memory_gb']:.1f}",
+            "yes" if row["fits"] else "no", style=style,
+        )
+    return table
+
+
+def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts):
+    from rich.live import Live
+
+    from octoplan.profile import load_profile
+    from octoplan.tuner.search import TuneOptions, tune
+
+    path = newest_profile(profile_path)
+    profile = load_profile(path)
+    cluster = cluster_from(gpus, cluster_opts)
+    opts = TuneOptions(gpus=gpus, pp=pp, microbatches=microbatches, global_batch=global_batch,
+                       time_limit_s=time_limit, seed=seed, chunks_max=chunks_max, use_cpsat=not no_cpsat)
+    with Live(console=console, transient=True, refresh_per_second=4) as live:
+        live.update(f"tuning {path} on {gpus} GPUs ...")
+
+        def progress(best, evaluations, elapsed):
+            state = f"{best.iteration_ms:.2f} ms, bubble {best.bubble_ratio:.1%}" if best.fits else \
+                f"nothing fits yet (leanest {best.peak_memory_bytes / 1e9:.1f} GB)"
+            live.update(f"tuning: best {state} - {evaluations} plans simulated, {elapsed:.1f}/{time_limit:g} s")
+
+        result = tune(profile, cluster, opts, profile_path=path, progress=progress)
+    return result
+
+
+_GPN = typer.Option(8, "--gpus-per-node", help="GPUs per node")
+_MEM = typer.Option(80.0, "--memory-gb", help="memory per GPU, GB")
+_INTRA = typer.Option(450.0, "--intra-node-gbps", help="GB/s between GPUs of a node")
+_INTER = typer.Option(50.0, "--inter-node-gbps", help="GB/s between nodes")
+_LAT = typer.Option(10.0, "--latency-us", help="latency per point-to-point transfer, us")
+_MB = typer.Option(None, "--microbatches", help="microbatches per pipeline (pins them)")
+_PP = typer.Option(None, "--pp", help="pipeline degree (pins it; default: every divisor of --gpus)")
+_GB = typer.Option(None, "--global-batch", help="samples per iteration (default 2 x GPUs x microbatch size)")
+_TL = typer.Option(60.0, "--time-limit", help="seconds to search")
+_SEED = typer.Option(0, "--seed", help="seed of the search's tie-breaking")
+_CHUNKS = typer.Option(3, "--chunks-max", help="most stages per rank")
+_NOCP = typer.Option(False, "--no-cpsat", help="skip the CP-SAT partition + placement seeds")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``tune`` and ``compare`` to the planner's command line."""
+
+    @app.command()
+    @guarded
+    def tune(
+        profile_path: Optional[Path] = typer.Argument(None, metavar="[PROFILE]", help="profile (default: newest in profiles/)"),
+        gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
+        output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
+        microbatches: Optional[int] = _MB, pp: Optional[int] = _PP, global_batch: Optional[int] = _GB,
+        time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
+        gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
+        inter_node_gbps: float = _INTER, latency_us: float = _LAT,
+    ) -> None:
+        """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
+        from octoplan.plan import save_plan
+
+        opts = ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us)
+        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, opts)
+        save_plan(result.plan, output)
+        console.print(_table(result))
+        plan = result.plan
+        console.print(f"tuned plan for {gpus} GPUs ({result.candidate.config.label()}, {plan.num_stages} stages) -> "
+                      f"{output}: predicted {plan.predicted['iteration_ms']:.2f} ms, bubble "
+                      f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "
+                      f"({result.stats['evaluations']} plans simulated in {result.stats['wall_s']:.1f} s)")
+
+    @app.command()
+    @guarded
+    def compare(
+        profile_path: Optional[Path] = typer.Argument(None, metavar="[PROFILE]", help="profile (default: newest in profiles/)"),
+        gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
+        microbatches: Optional[int] = _MB, pp: Optional[int] = _PP, global_batch: Optional[int] = _GB,
+        time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
+        gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
+        inter_node_gbps: float = _INTER, latency_us: float = _LAT,
+    ) -> None:
+        """Tune, and print the tuned plan against every baseline without writing a plan."""
+        opts = ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us)
+        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, opts)
+        console.print(_table(result))

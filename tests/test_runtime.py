@@ -1,0 +1,176 @@
+"""octorun on real gloo processes: pipelined training equals a single-process reference.
+
+Jobs are grouped by world size and run as one batch per group of processes (see
+runtime_helpers.launch); each parametrized case then checks its own job's losses and final
+parameters (max abs diff <= 1e-5, float32) against the reference, on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import runtime_helpers as h
+from octoplan.plan import save_plan
+from octorun.runtime import RunConfig
+
+TOL = 1e-5
+STEPS = 3
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev")
+LR = {"sgd": 0.1, "adamw": 0.01}
+
+
+class Batch:
+    """Jobs for one world size; runs them all on first use and remembers what each expects."""
+
+    def __init__(self, world: int, folder: Path):
+        self.world = world
+        self.folder = folder
+        self.jobs: list[h.Job] = []
+        self.expect: dict[str, tuple] = {}
+        self.launched: h.Launch | None = None
+
+    def add(self, name: str, plan, model_path: Path, config: dict, *, optimizer: str, microbatch_size: int = 2,
+            metrics: bool = False) -> None:
+        assert plan.cluster.gpus == self.world
+        path = self.folder / f"{name}.yaml"
+        save_plan(plan, path)
+        extra = {}
+        if metrics:
+            extra = {"metrics_path": str(self.folder / f"{name}.metrics.jsonl"), "trace_path": str(self.folder / f"{name}.trace.json")}
+        self.jobs.append(h.Job(name, RunConfig(plan_path=str(path), steps=STEPS, optimizer=optimizer, lr=LR[optimizer],
+                                               timeout_s=30, **extra)))
+        self.expect[name] = (model_path, config, plan, optimizer, microbatch_size)
+
+    def run(self) -> h.Launch:
+        if self.launched is None:
+            self.launched = h.launch(self.world, self.jobs, self.folder / "out", timeout_s=60 + 10 * len(self.jobs))
+        return self.launched
+
+    def check(self, name: str) -> None:
+        launched = self.run()
+        assert launched.exitcodes == [0] * self.world, "\n".join(launched.logs)
+        model_path, config, plan, optimizer, mbs = self.expect[name]
+        ref = h.reference(model_path, config, steps=STEPS, microbatches=plan.microbatches, dp=plan.parallel.dp,
+                          microbatch_size=mbs, optimizer=optimizer, lr=LR[optimizer])
+        metrics = launched.result(name, 0)["metrics"]
+        assert [m.step for m in metrics] == list(range(STEPS))
+        assert [m.loss for m in metrics] == pytest.approx(ref.losses, abs=TOL)
+        replicas: dict[int, dict] = {}
+        for rank in range(self.world):
+            out = launched.result(name, rank)
+            replicas.setdefault(out["dp_rank"], {}).update(out["state"])
+        assert sorted(replicas) == list(range(plan.parallel.dp))
+        for dp_rank, state in replicas.items():  # every replica holds every layer, equal to the reference
+            assert h.max_abs_diff(state, ref.state) <= TOL, f"replica {dp_rank}"
+
+
+def _hand_batches(folder: Path) -> dict[int, Batch]:
+    model_path, config = h.model_spec("tiny", folder)
+    batches = {w: Batch(w, folder / f"w{w}") for w in (2, 3, 4)}
+    for batch in batches.values():
+        batch.folder.mkdir(parents=True, exist_ok=True)
+    for index, (name, (plan, world)) in enumerate(h.hand_plans(model_path, config, 6).items()):
+        batches[world].add(name, plan, model_path, config, optimizer=("sgd", "adamw")[index % 2], metrics=name == "v-shape-iw")
+    # every baseline schedule on two ranks (microbatches 4: DualPipeV needs 2 * pp)
+    for index, schedule in enumerate(SCHEDULES):
+        plan = h.baseline_plan(schedule, model_path, config, folder, gpus=2, pp=2, microbatches=4)
+        batches[2].add(f"tiny-{schedule}-pp2", plan, model_path, config, optimizer=("sgd", "adamw")[index % 2])
+    # and on four: pp 4 for the V and interleaved ones (8 stages), pp 2 x dp 2 for 1F1B
+    model10, config10 = h.model_spec("tiny10", folder)
+    for schedule in ("interleaved-1f1b", "zbv", "dualpipev"):
+        batches[4].add(f"tiny-{schedule}-pp4", h.baseline_plan(schedule, model10, config10, folder, gpus=4, pp=4, microbatches=8),
+                       model10, config10, optimizer="sgd")
+    batches[4].add("tiny-1f1b-pp2-dp2", h.baseline_plan("1f1b", model_path, config, folder, gpus=4, pp=2, microbatches=3),
+                   model_path, config, optimizer="adamw")
+    return batches
+
+
+def _example_batch(folder: Path) -> Batch:
+    batch = Batch(4, folder / "examples")
+    batch.folder.mkdir(parents=True, exist_ok=True)
+    for model in ("tiny_gpt", "vlm", "hybrid"):
+        model_path, config = h.model_spec(model, folder)
+        for schedule in SCHEDULES:
+            # sgd on pp 4 (two-chunk schedules: 8 one-layer stages), adamw on pp 2 x dp 2
+            plan = h.baseline_plan(schedule, model_path, config, folder / model, gpus=4, pp=4, microbatches=8)
+            batch.add(f"{model}-{schedule}-sgd-pp4", plan, model_path, config, optimizer="sgd")
+            plan = h.baseline_plan(schedule, model_path, config, folder / model, gpus=4, pp=2, microbatches=4)
+            batch.add(f"{model}-{schedule}-adamw-pp2dp2", plan, model_path, config, optimizer="adamw")
+    return batch
+
+
+@pytest.fixture(scope="module")
+def hand_batches(tmp_path_factory) -> dict[int, Batch]:
+    return _hand_batches(tmp_path_factory.mktemp("hand"))
+
+
+@pytest.fixture(scope="module")
+def example_batch(tmp_path_factory) -> Batch:
+    return _example_batch(tmp_path_factory.mktemp("examples"))
+
+
+def _hand_cases() -> list[tuple[int, str]]:
+    folder = Path("/nonexistent")  # names only; nothing is written
+    names = [(world, name) for name, (_, world) in h.hand_plans(folder / "m.py", {}, 6).items()]
+    names += [(2, f"tiny-{s}-pp2") for s in SCHEDULES]
+    names += [(4, f"tiny-{s}-pp4") for s in ("interleaved-1f1b", "zbv", "dualpipev")] + [(4, "tiny-1f1b-pp2-dp2")]
+    return names
+
+
+HAND_CASES = _hand_cases()
+
+
+@pytest.mark.parametrize("world,name", HAND_CASES, ids=[f"{n}" for _, n in HAND_CASES])
+def test_pipelined_training_equals_reference(hand_batches, world, name):
+    hand_batches[world].check(name)
+
+
+EXAMPLE_CASES = [f"{m}-{s}-{o}" for m in ("tiny_gpt", "vlm", "hybrid") for s in SCHEDULES for o in ("sgd-pp4", "adamw-pp2dp2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXAMPLE_CASES)
+def test_example_models_equal_reference(example_batch, name):
+    example_batch.check(name)
+
+
+def test_metrics_and_trace_are_written(hand_batches):
+    batch = hand_batches[2]
+    launched = batch.run()
+    assert launched.exitcodes == [0, 0], "\n".join(launched.logs)
+    _, _, plan, _, _ = batch.expect["v-shape-iw"]
+    lines = (batch.folder / "v-shape-iw.metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records:
+        assert {"step", "loss", "iteration_ms", "bubble_ratio", "step_ms"} <= set(record)
+        assert record["iteration_ms"] > 0 and 0 <= record["bubble_ratio"] < 1
+        assert "predicted_iteration_ms" not in record  # hand plans carry no prediction
+    assert [r["loss"] for r in records] == pytest.approx([m.loss for m in launched.result("v-shape-iw", 0)["metrics"]])
+    trace = json.loads((batch.folder / "v-shape-iw.trace.json").read_text())
+    events = trace["traceEvents"]
+    expected = {(rank, str(op)) for rank, ops in enumerate(plan.schedule) for op in ops}
+    assert {(e["tid"], e["name"]) for e in events} == expected
+    assert len(events) == len(expected)
+    assert min(e["ts"] for e in events) == 0
+    for event in events:
+        assert event["ph"] == "X" and event["pid"] == 0 and event["dur"] >= 0
+        assert event["cat"] == event["name"][len(str(event["args"]["stage"]))]
+        assert event["name"] == f'{event["args"]["stage"]}{event["cat"]}{event["args"]["mb"]}'
+    # per rank, ops appear in the plan's order and never overlap
+    for rank, ops in enumerate(plan.schedule):
+        mine = sorted((e for e in events if e["tid"] == rank), key=lambda e: e["ts"])
+        assert [e["name"] for e in mine] == [str(op) for op in ops]
+        for a, b in zip(mine, mine[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
+
+
+def test_baseline_metrics_report_the_prediction(hand_batches):
+    launched = hand_batches[2].run()
+    assert launched.exitcodes == [0, 0], "\n".join(launched.logs)
+    _, _, plan, _, _ = hand_batches[2].expect["tiny-1f1b-pp2"]
+    metrics = launched.result("tiny-1f1b-pp2", 0)["metrics"]
+    assert [m.predicted_iteration_ms for m in metrics] == [plan.predicted["iteration_ms"]] * STEPS

@@ -1,0 +1,127 @@
+"""The tuner end to end: valid plans, never worse than the best baseline, memory, determinism."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from octoplan.cli import app
+from octoplan.errors import InputError
+from octoplan.plan import check_structure, load_plan, plan_to_dict
+from octoplan.simulator import simulate
+from octoplan.tuner import TuneOptions, configs_for, tune
+from octoplan.yamlio import file_sha256
+from tests.conftest import free_cluster, make_profile
+
+KINDS = ["embedding"] + ["layer"] * 10 + ["head"]
+
+
+def heavy_head(head_params: int = 10**6, block_params: int = 10**6):
+    """An embedding, ten equal blocks and a head six times a block (a large vocabulary)."""
+    profile = make_profile([(0.5, 0.5, 0.5)] + [(1, 1, 1)] * 10 + [(6, 6, 6)], act=10**6, out=10**6,
+                           params=block_params, kinds=KINDS)
+    layers = list(profile.layers)
+    layers[-1] = layers[-1].__class__(**{**layers[-1].__dict__, "param_bytes": head_params})
+    return profile.with_layers(layers)
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    # converges in a few seconds; the generous limit keeps the result independent of the clock
+    return tune(heavy_head(), free_cluster(4), TuneOptions(gpus=4, pp=4, microbatches=8, time_limit_s=120, seed=0))
+
+
+def test_tuned_plan_is_valid_and_its_prediction_reproduces(tuned):
+    profile = heavy_head()
+    check_structure(tuned.plan, num_layers=profile.num_layers)
+    result = simulate(tuned.plan, profile)  # no DeadlockError
+    assert result.iteration_ms == pytest.approx(tuned.plan.predicted["iteration_ms"], abs=1e-3)
+    assert result.fits_memory
+    assert set(tuned.plan.predicted) == {"iteration_ms", "bubble_ratio", "efficiency"}
+    assert tuned.plan.extra["tuner"]["seed"] == 0
+
+
+def test_heavy_head_beats_megatron_1f1b_clearly(tuned):
+    rows = {row.name: row.scored.iteration_ms for row in tuned.baselines}
+    # 1F1B, uniform: the last stage holds 2 blocks + the head = 24 ms per microbatch; the first
+    # microbatch reaches it after 3.5 + 3 + 2 ms of forwards, it then runs 8 x 24 ms, and the
+    # last gradient drains back through 4 + 6 + 7 ms of backwards: 217.5 ms
+    assert rows["1f1b/uniform"] == pytest.approx(217.5)
+    # the head alone on a rank bounds any plan below by 8 x 18 = 144 ms; the tuned plan
+    # (the head alone, I/W split, Ws deferred into the drain) gets within 10.5 ms of that
+    assert tuned.scored.iteration_ms == pytest.approx(154.5)
+    assert rows["1f1b/uniform"] / tuned.scored.iteration_ms > 1.4
+
+
+def test_never_worse_than_the_best_fitting_baseline(tuned):
+    best = tuned.best_baseline()
+    assert best is not None
+    assert tuned.scored.iteration_ms <= best.scored.iteration_ms + 1e-9
+    # every baseline of SPEC section 6 that applies is in the table (dualpipev needs 2pp = 8 mbs)
+    names = {row.name for row in tuned.baselines}
+    assert {"gpipe/uniform", "1f1b/uniform", "interleaved-1f1b/uniform", "zb-h1/balanced", "zb-h2/uniform",
+            "zbv/balanced", "dualpipev/uniform"} <= names
+
+
+def test_same_seed_same_plan():
+    opts = TuneOptions(gpus=4, pp=4, microbatches=8, time_limit_s=120, seed=3)
+    first = tune(heavy_head(), free_cluster(4), opts)
+    second = tune(heavy_head(), free_cluster(4), opts)
+    strip = lambda plan: {k: v for k, v in plan_to_dict(plan).items() if k != "tuner"}
+    assert strip(first.plan) == strip(second.plan)
+    assert first.stats["evaluations"] == second.stats["evaluations"]
+
+
+def test_fits_memory_when_a_plan_can():
+    # the head's 1e9 fp32 bytes of weights need 4 GB of weights, gradients and Adam state, a
+    # block's 1e8 bytes 0.4 GB; with 4.5 GB per GPU the uniform split (head + 2 blocks, 4.8 GB)
+    # does not fit, the head alone does
+    profile = heavy_head(head_params=10**9, block_params=10**8)
+    cluster = free_cluster(4, memory_gb=4.5)
+    result = tune(profile, cluster, TuneOptions(gpus=4, pp=4, microbatches=8, time_limit_s=20, use_cpsat=False))
+    rows = {row.name: row.scored for row in result.baselines}
+    assert not rows["1f1b/uniform"].fits
+    assert result.scored.fits
+    assert max(simulate(result.plan, profile).peak_memory_bytes) <= 4.5e9
+
+
+def test_nothing_fits_names_the_least_memory():
+    profile = heavy_head(head_params=10**9)
+    with pytest.raises(InputError) as info:
+        tune(profile, free_cluster(4, memory_gb=1.0),
+             TuneOptions(gpus=4, pp=4, microbatches=8, time_limit_s=10, use_cpsat=False))
+    assert "no plan fits 1 GB per GPU; the leanest plan found needs 4" in str(info.value)
+    assert info.value.field == "--memory-gb"
+
+
+def test_configs_follow_the_global_batch():
+    profile = heavy_head()
+    configs = configs_for(profile, TuneOptions(gpus=4, global_batch=16))
+    assert [(c.pp, c.dp, c.microbatches, c.rank_order) for c in configs] == [
+        (1, 4, 4, "pp-inner"), (1, 4, 4, "dp-inner"), (2, 2, 8, "pp-inner"), (2, 2, 8, "dp-inner"), (4, 1, 16, "pp-inner"),
+    ]
+    with pytest.raises(InputError):
+        configs_for(profile, TuneOptions(gpus=4, pp=3))
+    with pytest.raises(InputError):
+        configs_for(profile, TuneOptions(gpus=4, global_batch=16, microbatches=4))
+
+
+def test_cli_tune_writes_a_plan_and_compare_prints_the_table(profile_file, tmp_path):
+    path = profile_file(heavy_head())
+    out = tmp_path / "plan.yaml"
+    runner = CliRunner()
+    args = [str(path), "--gpus", "4", "--pp", "4", "--microbatches", "8", "--time-limit", "20",
+            "--latency-us", "0", "--intra-node-gbps", "1e12", "--inter-node-gbps", "1e12"]
+    result = runner.invoke(app, ["tune", *args, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert plan.profile == str(path)
+    assert plan.profile_sha256 == file_sha256(path)
+    assert plan.predicted["iteration_ms"] == pytest.approx(154.5)
+    assert runner.invoke(app, ["validate", str(out)]).exit_code == 0
+    compare = runner.invoke(app, ["compare", *args])
+    assert compare.exit_code == 0, compare.output
+    assert "1f1b/uniform" in compare.output and "tuned" in compare.output
+    failed = runner.invoke(app, ["tune", str(path), "--gpus", "4", "--pp", "3", "-o", str(out)])
+    assert failed.exit_code == 2
+    assert "--pp" in failed.output
