@@ -431,10 +431,18 @@ def _layer_inputs(previous: Any, *, first: bool) -> tuple[torch.Tensor, ...]:
     return tuple(args)
 
 
+def _exc_text(exc: BaseException) -> str:
+    """``Type: message`` on one line (the CLI prints one line), shortened if long."""
+    text = " ".join(str(exc).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _fail(mf: ModelFile, field_name: str, problem: str, exc: BaseException, fix: str) -> InputError:
     if isinstance(exc, InputError):  # the model file already said what is wrong
         return exc.in_file(mf.path)
-    return InputError(mf.path, field_name, f"{problem}: {type(exc).__name__}: {exc}", fix)
+    return InputError(mf.path, field_name, f"{problem}: {_exc_text(exc)}", fix)
 
 
 def _optional(mf: ModelFile, name: str, index: int) -> str | None:
@@ -551,7 +559,6 @@ class _LayerRun:
                 f"returned a {_describe(output)}",
                 "return a tensor or a tuple of tensors",
             )
-        step = None
         if self.last:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 loss = _loss(self.mf, self.index, self.name, output, self.targets)
@@ -574,7 +581,7 @@ class _LayerRun:
         else:
             problem = f"cannot take the output of layer {self.index - 1}"
             fix = f"make layer {self.index - 1}'s output match layer {self.index}'s forward arguments"
-        return InputError(self.mf.path, field_name, f"{problem}: {type(exc).__name__}: {exc}", fix)
+        return InputError(self.mf.path, field_name, f"{problem}: {_exc_text(exc)}", fix)
 
     def flops(self) -> float | None:
         try:
@@ -593,6 +600,7 @@ class _LayerRun:
 
 
 def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -> tuple[Layer, Any]:
+    """One layer's profile entry (kind left blank) and its output, the next layer's input."""
     step, activation_bytes = run.first_forward()
     flops = run.flops()
     field_name = f"layer {run.index} ({run.name})"
@@ -611,7 +619,7 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
     except InputError:
         raise
     except Exception as exc:
-        raise InputError(run.mf.path, field_name, f"failed during measurement: {type(exc).__name__}: {exc}", "fix the layer") from None
+        raise InputError(run.mf.path, field_name, f"failed during measurement: {_exc_text(exc)}", "fix the layer") from None
     layer = Layer(
         name=run.name,
         kind="",  # filled by the caller
@@ -690,23 +698,19 @@ def profile_model_file(
             del run, module
             if on_layer is not None:
                 on_layer(index, total, name)
+    # Kept in the profile (SPEC section 2 allows extra fields): timings mean little without them.
+    settings: dict[str, Any] = {"repeat": repeat, "warmup": warmup, "seed": seed, "clock": clock.kind}
+    if dev.type == "cpu":
+        settings["threads"] = used_threads
+    settings["torch"] = str(torch.__version__)
+    settings["split_backward"] = "boundary-capture"  # how I and W were separated (module docstring)
     return Profile(
         model=ModelRef(name=str(mf.name), source=str(path), config=dict(mf.config)),
         layers=tuple(layers),
         device=_device_info(dev),
         microbatch_size=microbatch_size,
         dtype=_dtype_name(dtypes),
-        extra={
-            "profiler": {
-                "threads": used_threads if dev.type == "cpu" else None,
-                "repeat": repeat,
-                "warmup": warmup,
-                "seed": seed,
-                "torch": str(torch.__version__),
-                "clock": clock.kind,
-                "split_backward": "boundary-capture",
-            }
-        },
+        extra={"profiler": settings},
     )
 
 
@@ -747,4 +751,4 @@ def measure_whole_model_ms(
         except InputError as exc:
             raise exc.in_file(mf.path) from None
         except Exception as exc:
-            raise InputError(mf.path, None, f"the whole model failed: {type(exc).__name__}: {exc}", "profile it for the failing layer") from None
+            raise InputError(mf.path, None, f"the whole model failed: {_exc_text(exc)}", "profile it for the failing layer") from None

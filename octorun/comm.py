@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from octorun.lowering import Message
+from octorun.watchdog import gist
 
 __all__ = ["Channel", "Mailbox", "Transport", "encode_header", "decode_header", "wait_work", "HEADER_SLOTS"]
 
@@ -201,8 +202,7 @@ class Transport:
                         torch.cuda.current_stream(self.device).synchronize()
                     self.mailbox.put(step, message, tuple(tensors))
         except Exception as exc:  # a dead peer closes the connection: tell whoever waits on it
-            text = str(exc).strip().splitlines()[0].split(". ")[0][:300] if str(exc).strip() else ""
-            self.mailbox.fail(channel.src, f"{type(exc).__name__}: {text}")
+            self.mailbox.fail(channel.src, gist(exc))
 
 
 def wait_work(work: Any, seconds: float, *, polled: bool) -> bool:

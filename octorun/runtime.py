@@ -35,7 +35,7 @@ from octoplan.plan import Plan, load_plan, load_plan_profile, resolve_profile_pa
 from octorun.comm import Channel, Transport, wait_work
 from octorun.lowering import Lowered, Message, RankProgram, ScheduleError, check_runnable, lower
 from octorun.stage import StageExecutor, Tape, floating
-from octorun.watchdog import EXIT_BAD_INPUT, Watchdog
+from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
 
 __all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "OPTIMIZERS"]
 
@@ -313,7 +313,7 @@ class _Interpreter:
         try:
             dist.barrier(group=self.groups.control)
         except Exception as exc:
-            self.watchdog.fail(f"{what}: {type(exc).__name__}: {_first_line(exc)}")
+            self.watchdog.fail(f"{what}: {gist(exc)}")
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, Any]:
@@ -339,7 +339,7 @@ class _Interpreter:
             try:
                 outgoing = self._run_op(op, state)
             except Exception as exc:
-                self.watchdog.fail(f"op {op} of step {step} raised {type(exc).__name__}: {_first_line(exc)}")
+                self.watchdog.fail(f"op {op} of step {step} raised {gist(exc)}")
             self.timer.add(op, begin, self.timer.mark())
             for message in instr.sends:
                 self.transport.send(message, outgoing, dst=self._global(message.dst))
@@ -355,7 +355,7 @@ class _Interpreter:
             try:
                 finished = wait_work(work, max(deadline - time.monotonic(), 0.001), polled=self.device.type == "cuda")
             except RuntimeError as exc:
-                self.watchdog.fail(f"gradient all-reduce of stage {stage}, step {step}, failed: {_first_line(exc)}")
+                self.watchdog.fail(f"gradient all-reduce of stage {stage}, step {step}, failed: {gist(exc)}")
             if not finished:
                 self.watchdog.fail(f"gradient all-reduce of stage {stage}, step {step}, did not finish within {self.config.timeout_s:g} s")
             for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
@@ -440,7 +440,7 @@ class _Interpreter:
                 try:
                     dist.gather_object(record, gathered, dst=0, group=self.groups.control)
                 except Exception as exc:
-                    self.watchdog.fail(f"gathering the metrics of step {step}: {_first_line(exc)}")
+                    self.watchdog.fail(f"gathering the metrics of step {step}: {gist(exc)}")
                 if self.me != 0:
                     continue
                 step_metrics = self._summarize(step, gathered)
@@ -491,15 +491,6 @@ def _write_trace(path: str, records: list[dict[str, Any]]) -> None:
     Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
-def _first_line(exc: BaseException) -> str:
-    """The gist of an exception: its first sentence of its first line (gloo appends advice)."""
-    text = str(exc).strip()
-    if not text:
-        return type(exc).__name__
-    line = text.splitlines()[0]
-    return line.split(". ")[0][:300]
-
-
 def run(config: RunConfig) -> RunResult:
     """Train ``config.steps`` steps of the plan on this process's share of the job.
 
@@ -541,18 +532,18 @@ def run(config: RunConfig) -> RunResult:
     except InputError as exc:
         watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
     except Exception as exc:
-        watchdog.fail(f"building the stages failed while {watchdog.activity}: {type(exc).__name__}: {_first_line(exc)}")
+        watchdog.fail(f"building the stages failed while {watchdog.activity}: {gist(exc)}")
     try:
         metrics = interpreter.train()
     except Exception as exc:  # anything unexpected still ends the whole job, with its reason
-        watchdog.fail(f"{type(exc).__name__} while {watchdog.activity}: {_first_line(exc)}")
+        watchdog.fail(f"failed while {watchdog.activity}: {gist(exc)}")
     # Peers that finish may close the store; stop polling it, then meet once more (with a
     # deadline: the control group's timeout) so nobody leaves while another still sends.
     watchdog.stop()
     try:
         dist.barrier(group=groups.control)
     except Exception as exc:
-        watchdog.fail(f"final barrier: {type(exc).__name__}: {_first_line(exc)}")
+        watchdog.fail(f"final barrier: {gist(exc)}")
     result = RunResult(global_rank=me, pp_rank=interpreter.pp_rank, dp_rank=interpreter.dp_rank,
                        metrics=metrics, state=interpreter.state())
     if owns_group:

@@ -15,18 +15,32 @@ an exception, and Python's normal shutdown would join the very threads that are 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-__all__ = ["Watchdog", "ABORT_KEY", "EXIT_FAILURE", "EXIT_BAD_INPUT"]
+__all__ = ["Watchdog", "gist", "ABORT_KEY", "EXIT_FAILURE", "EXIT_BAD_INPUT"]
 
 ABORT_KEY = "octorun/abort"
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 _POLL_S = 0.25
+
+
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def gist(exc: BaseException) -> str:
+    """An exception in one short line: its type and its first sentence, without the C++ source
+    location and the advice that gloo and c10d append."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    line = _SOURCE_LOCATION.sub("", text.splitlines()[0]).split(". ")[0][:300]
+    return f"{type(exc).__name__}: {line}"
 
 
 @dataclass
@@ -83,6 +97,11 @@ class Watchdog:
                 self._failing = True
                 if self.store is not None:
                     try:
+                        # A peer that failed first sets the key before it exits, so a broken
+                        # connection to it is a symptom: report the peer's cause, not ours.
+                        if self.store.check([ABORT_KEY]):
+                            cause = self.store.get(ABORT_KEY).decode(errors="replace")
+                            self._exit(f"stopping because {cause}; this rank then saw: {problem}")
                         self.store.set(ABORT_KEY, f"rank {self.global_rank} failed: {problem}")
                     except Exception:  # the store may be gone with a dead peer; still exit
                         pass

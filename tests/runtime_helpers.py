@@ -359,8 +359,9 @@ def _worker(rank: int, world: int, port: int, jobs: list[Job], folder: str) -> N
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
+    # like torchrun: the launcher hosts the store, so it outlives any worker
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     import datetime
 
@@ -385,6 +386,8 @@ def _worker(rank: int, world: int, port: int, jobs: list[Job], folder: str) -> N
 def launch(world: int, jobs: list[Job], folder: Path, *, timeout_s: float = 120.0) -> Launch:
     """Run ``jobs`` one after another on ``world`` fresh gloo processes; kill them at the deadline.
 
+    Like torchrun, this process hosts the rendezvous store, so the store outlives any worker.
+
     Forked by default: the children inherit this process's imported torch (and torch._dynamo,
     which the first optimizer imports: seconds per process on a small CPU). The parent never
     creates a process group, and the children use one intra-op thread, so nothing forked is in
@@ -400,6 +403,13 @@ def launch(world: int, jobs: list[Job], folder: Path, *, timeout_s: float = 120.
     procs = [ctx.Process(target=_worker, args=(r, world, port, jobs, str(folder)), daemon=True) for r in range(world)]
     for proc in procs:
         proc.start()
+    # The store is created after forking, so no child inherits a copy of its server.
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=timeout_s))
     deadline = started + timeout_s
     for proc in procs:
         proc.join(max(deadline - time.monotonic(), 0.01))
@@ -411,6 +421,7 @@ def launch(world: int, jobs: list[Job], folder: Path, *, timeout_s: float = 120.
             codes.append(None)
         else:
             codes.append(proc.exitcode)
+    del store
     logs = [(folder / f"rank{r}.log").read_text() if (folder / f"rank{r}.log").exists() else "" for r in range(world)]
     return Launch(codes, logs, time.monotonic() - started, folder)
 

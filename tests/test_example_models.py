@@ -25,6 +25,9 @@ EXAMPLES = {
     "vlm": (["embedding", "vision", "vision", "projector", "decoder", "decoder", "decoder", "head"], 4096),
     "hybrid": (["embedding", "mamba", "attention", "mamba", "moe", "mamba", "attention", "mamba", "moe", "head"], 4096),
 }
+# The loss of knowing only which tokens occur, not the sequence structure: ln(data_vocab = 256)
+# for the counting sequences; at most ln(8 classes x 16 caption tokens) for the VLM.
+UNIGRAM_NATS = {"tiny_gpt": math.log(256), "hybrid": math.log(256), "vlm": math.log(8 * 16)}
 MICROBATCH = 4
 
 
@@ -136,7 +139,10 @@ def test_per_layer_input_weight_split_matches_full_backward(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_trains_on_its_data_stream(name: str) -> None:
-    """Adam on the SPEC-seeded stream (two microbatches a step) clearly lowers the loss."""
+    """Adam on the SPEC-seeded stream (two microbatches a step) clearly lowers the loss.
+
+    Measured (torch 2.13, CPU): first-5 / last-5 mean losses gpt 8.29 / 3.03, vlm 7.04 / 0.10,
+    hybrid 7.79 / 2.20."""
     model = _load(name)
     layers = _build(model)
     optimizer = torch.optim.Adam([p for layer in layers for p in layer.parameters()], lr=3e-3)
@@ -154,6 +160,8 @@ def test_trains_on_its_data_stream(name: str) -> None:
         losses.append(total)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.8 * first, losses
+    # Below the unigram loss: it learned the structure, not just which tokens occur.
+    assert last < UNIGRAM_NATS[name], losses
 
 
 def test_tiny_gpt_head_costs_several_blocks() -> None:

@@ -25,7 +25,12 @@ Layer i is a :class:`ReplayLayer`. Its output is ``input_path(resize(x)) + weigh
 The two sleeps sit on separate branches of the graph, and autograd runs only the nodes that lead
 to the tensors asked for: ``torch.autograd.grad(out, x)`` sleeps the input time only,
 ``torch.autograd.grad(out, layer.parameters())`` the weight time only, and a fused backward both.
-This is exactly the per-layer I/W split the runtime and the profiler use.
+This is exactly the per-layer I/W split the runtime and the profiler use (the profiler's
+boundary-capture W, which restarts at the add where the weight branch leaves the input path, also
+sleeps the weight time only).
+
+The times are wall-clock sleeps on the host: a clock that counts only CPU time (octoplan's
+profiler on a CPU with one thread) sees none of them; time this model by the wall clock.
 
 Sizes: the tensor after layer i has ``max(MIN_ELEMENTS, round(output_bytes * bytes_scale / 4 /
 microbatch_size))`` elements per sample, ``microbatch_size`` being the profile's. The profile

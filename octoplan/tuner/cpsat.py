@@ -2,21 +2,20 @@
 each stage, chosen together.
 
 This is line balancing (OR-Tools' ``line_balancing_sat`` example) with a pipeline's twists:
-- the layers are cut into ``num_stages`` contiguous stages; boundary ``b[j]`` is a variable
-  over layer indices, and a stage's F, I, W, weight and activation sizes are differences of
-  prefix sums read with element constraints, so the model stays small for any layer count;
-- any stage -> rank map, 1..``max_per_rank`` stages per rank, never two neighbouring stages on
-  one rank (they would be one stage);
+- every layer goes to one rank; a stage is a maximal run of consecutive layers on one rank,
+  so stages are contiguous by construction and any stage -> rank map is possible, with
+  1..``max_per_rank`` stages per rank (neighbouring stages are never on one rank: they would
+  be one stage). Rank loads are plain sums of layer costs, which keeps the relaxation tight;
 - each rank's F + I + W load is balanced (the steady state of any schedule runs at the pace
   of the busiest rank), with the per-kind maxima as a tie-breaker (they set warm-up and
   cool-down), and every cut edge pays its forward + backward transfer, more when its two
   ranks sit on different nodes (``cluster.node_of`` of their global ranks);
-- memory: each rank's static bytes (:func:`octoplan.memory.static_bytes`) plus each stage's
+- memory: each rank's static bytes (:func:`octoplan.memory.static_bytes`) plus each layer's
   activation bytes times an estimate of the microbatches in flight (1F1B's count for the
-  stage's position) fit the GPU.
+  layer's position in the model) fit the GPU.
 
 Times are integer ticks via :func:`octoplan.costs.to_ticks`; bytes are whole megabytes. The
-greedy answer (balanced partition, loop placement) is the hint; status, objective, bound and
+greedy answer (balanced partition, one stage per rank in order) is the hint; status, objective, bound and
 wall time are logged and returned.
 """
 
@@ -26,7 +25,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Sequence
 
 from ortools.sat.python import cp_model
@@ -84,9 +82,10 @@ class PartitionSolution:
                 "bound": self.bound, "wall_s": round(self.wall_s, 3), "max_load_ticks": self.max_load}
 
 
-def inflight_estimate(stage: int, num_stages: int, num_ranks: int, microbatches: int) -> int:
-    """Microbatches a stage holds at once under 1F1B-like warm-up: the ranks still ahead."""
-    ahead = math.ceil((num_stages - stage) * num_ranks / num_stages)
+def inflight_estimate(position: float, num_ranks: int, microbatches: int) -> int:
+    """Microbatches a layer holds at once under 1F1B-like warm-up: the ranks still ahead of
+    it, for a layer ``position`` (0..1) of the way through the model."""
+    ahead = math.ceil((1.0 - position) * num_ranks)
     return max(1, min(microbatches, ahead))
 
 
@@ -96,140 +95,114 @@ def solve_partition(
     hint: tuple[Sequence[int], Sequence[int]] | None = None,
     time_limit_s: float = 5.0,
     seed: int = 0,
+    exact_stages: bool = False,
 ) -> PartitionSolution | None:
-    """The CP-SAT optimum (or best found in the time limit); None when infeasible."""
-    L, S, P = problem.num_layers, problem.num_stages, problem.num_ranks
-    if S > L or S < P or S > P * problem.max_per_rank or (P == 1 and S > 1):
+    """The CP-SAT optimum (or best found in the time limit); None when infeasible.
+
+    The model assigns every *layer* to a rank (``a[l, r]``); a stage is a maximal run of
+    layers on one rank, so contiguity is free and neighbouring stages are on different ranks
+    by construction. Rank loads are then plain sums of layer costs, which keeps the LP
+    relaxation tight. ``problem.num_stages`` caps the stage count (fixes it with
+    ``exact_stages``); ``max_per_rank`` caps each rank's runs.
+    """
+    L, P = problem.num_layers, problem.num_ranks
+    max_stages = min(problem.num_stages, L, P * problem.max_per_rank)
+    if max_stages < P or (exact_stages and problem.num_stages > max_stages):
         return None
     total = [f + i + w for f, i, w in zip(problem.forward, problem.backward_input, problem.backward_weight)]
-    pre_t = [0, *accumulate(total)]
-    pre_f = [0, *accumulate(problem.forward)]
-    pre_i = [0, *accumulate(problem.backward_input)]
-    pre_w = [0, *accumulate(problem.backward_weight)]
-    horizon = pre_t[-1]
     model = cp_model.CpModel()
-
-    # boundaries: b[0] = 0 < b[1] < ... < b[S] = L, so every stage is non-empty and contiguous
-    b = [model.new_constant(0)] + [model.new_int_var(j, L - S + j, f"b{j}") for j in range(1, S)] + [model.new_constant(L)]
-    for j in range(S):
-        model.add(b[j + 1] >= b[j] + 1)
-
-    def prefix_at(values: list[int], name: str) -> list:
-        """values[b[j]] for every boundary, by element constraints."""
-        out = []
-        for j in range(S + 1):
-            var = model.new_int_var(min(values), max(values), f"{name}{j}")
-            model.add_element(b[j], values, var)
-            out.append(var)
-        return out
-
-    at_t, at_f, at_i, at_w = prefix_at(pre_t, "pt"), prefix_at(pre_f, "pf"), prefix_at(pre_i, "pi"), prefix_at(pre_w, "pw")
-    stage_t = [at_t[j + 1] - at_t[j] for j in range(S)]
-    stage_kind = {"F": [at_f[j + 1] - at_f[j] for j in range(S)], "I": [at_i[j + 1] - at_i[j] for j in range(S)],
-                  "W": [at_w[j + 1] - at_w[j] for j in range(S)]}
-
-    # placement: every stage on one rank; every rank 1..max_per_rank stages; neighbours apart
-    x = {(j, r): model.new_bool_var(f"x{j}_{r}") for j in range(S) for r in range(P)}
-    for j in range(S):
-        model.add_exactly_one(x[j, r] for r in range(P))
+    a = {(l, r): model.new_bool_var(f"a{l}_{r}") for l in range(L) for r in range(P)}
+    for l in range(L):
+        model.add_exactly_one(a[l, r] for r in range(P))
+    # start[l, r]: a stage of rank r begins at layer l (a run of the rank's layers starts)
+    start = {}
     for r in range(P):
-        model.add(sum(x[j, r] for j in range(S)) >= 1)
-        model.add(sum(x[j, r] for j in range(S)) <= problem.max_per_rank)
-        if P > 1:
-            for j in range(S - 1):
-                model.add_bool_or([x[j, r].Not(), x[j + 1, r].Not()])
-    # rank 0 holds stage 0: the first stage's rank is a free relabelling otherwise only when
-    # all ranks are alike, so this is the one symmetry broken
+        start[0, r] = a[0, r]
+        for l in range(1, L):
+            st = model.new_bool_var(f"s{l}_{r}")
+            model.add_implication(st, a[l, r])
+            model.add_implication(st, a[l - 1, r].Not())
+            model.add_bool_or([a[l, r].Not(), a[l - 1, r], st])  # a[l] and not a[l-1] -> start
+            start[l, r] = st
+        runs = sum(start[l, r] for l in range(L))
+        model.add(runs >= 1)  # every rank holds a stage
+        model.add(runs <= problem.max_per_rank)
+    num_stages = sum(start[l, r] for l in range(L) for r in range(P))
+    if exact_stages:
+        model.add(num_stages == problem.num_stages)
+    else:
+        model.add(num_stages <= max_stages)
+    # the first layer's rank is a free relabelling when all ranks are alike
     if not problem.rank_class or len(set(problem.rank_class)) == 1:
-        model.add(x[0, 0] == 1)
+        model.add(a[0, 0] == 1)
 
-    def rank_load(per_stage: list, name: str, upper: int) -> list:
-        """Per rank, the sum of ``per_stage`` over its stages (lower bounds: the objective
-        presses on the maximum)."""
-        loads = []
-        for r in range(P):
-            parts = []
-            for j in range(S):
-                y = model.new_int_var(0, upper, f"{name}{j}_{r}")
-                model.add(y >= per_stage[j] - upper * (1 - x[j, r]))
-                parts.append(y)
-            loads.append(sum(parts))
-        return loads
+    # balance: the busiest rank's F + I + W sets the pace of any schedule's steady state; the
+    # per-kind maxima break ties (they shape warm-up and cool-down)
+    z = model.new_int_var(0, sum(total), "max_load")
+    kinds = (problem.forward, problem.backward_input, problem.backward_weight)
+    kind_max = [model.new_int_var(0, max(1, sum(k)), f"max_kind{i}") for i, k in enumerate(kinds)]
+    for r in range(P):
+        model.add(z >= sum(total[l] * a[l, r] for l in range(L)))
+        for zk, costs in zip(kind_max, kinds):
+            model.add(zk >= sum(costs[l] * a[l, r] for l in range(L)))
 
-    z = model.new_int_var(0, horizon, "max_load")
-    for load in rank_load(stage_t, "y", horizon):
-        model.add(z >= load)
-    kind_max = []
-    for kind, per_stage in stage_kind.items():
-        upper = max(1, pre_f[-1] if kind == "F" else pre_i[-1] if kind == "I" else pre_w[-1])
-        zk = model.new_int_var(0, upper, f"max_{kind}")
-        for load in rank_load(per_stage, f"y{kind}", upper):
-            model.add(zk >= load)
-        kind_max.append(zk)
-
-    # transfers: every edge is cut (neighbours are never on one rank); an edge between node
-    # classes pays the inter-node time. A link carries one transfer per microbatch each way,
-    # so it also bounds the pace (z >= one-way time).
+    # transfers: a stage boundary at layer l sends layer l-1's output forward and its gradient
+    # back; it is inter-node when the two ranks' node classes differ. A link carries one
+    # transfer per microbatch each way, so one transfer also bounds the pace (z >= it).
     xfer_terms = []
-    if problem.intra_ticks and S > 1:
+    if problem.intra_ticks:
         classes = sorted(set(problem.rank_class))
-        big = max(problem.inter_ticks) + 1
-        for j in range(1, S):
-            intra = model.new_int_var(0, max(problem.intra_ticks), f"ci{j}")
-            inter = model.new_int_var(0, max(problem.inter_ticks), f"ce{j}")
-            model.add_element(b[j] - 1, list(problem.intra_ticks), intra)
-            model.add_element(b[j] - 1, list(problem.inter_ticks), inter)
-            xfer = model.new_int_var(0, big, f"xfer{j}")
-            model.add(xfer >= intra)
-            if len(classes) > 1:
-                crossing = model.new_bool_var(f"cross{j}")
+        for l in range(1, L):
+            cut = sum(start[l, r] for r in range(P))  # 0 or 1: a stage starts here
+            intra, inter = problem.intra_ticks[l - 1], problem.inter_ticks[l - 1]
+            term = intra * cut
+            model.add(z >= intra * cut)
+            if len(classes) > 1 and inter > intra:
+                crossing = model.new_bool_var(f"cross{l}")
                 for c in classes:
                     members = [r for r in range(P) if problem.rank_class[r] == c]
-                    model.add(crossing >= sum(x[j - 1, r] for r in members) - sum(x[j, r] for r in members))
-                model.add(xfer >= inter - big * (1 - crossing))
-            model.add(z >= xfer)
-            xfer_terms.append(xfer)
+                    model.add(crossing >= sum(a[l - 1, r] for r in members) - sum(a[l, r] for r in members))
+                term = term + (inter - intra) * crossing
+                model.add(z >= term)
+            xfer_terms.append(term)
 
-    # memory: static bytes + activations x in-flight estimate, per rank
+    # memory: static bytes + activations x in-flight estimate for the layer's position
     if problem.memory_mb is not None and problem.static_mb:
-        pre_s = [0, *accumulate(problem.static_mb)]
-        pre_a = [0, *accumulate(problem.activation_mb)]
-        at_s, at_a = prefix_at(pre_s, "ps"), prefix_at(pre_a, "pa")
-        mem_stage = []
-        upper = pre_s[-1] + pre_a[-1] * problem.microbatches
-        for j in range(S):
-            inflight = inflight_estimate(j, S, P, problem.microbatches)
-            mem_stage.append((at_s[j + 1] - at_s[j]) + inflight * (at_a[j + 1] - at_a[j]))
-        for load in rank_load(mem_stage, "m", upper):
-            model.add(load <= problem.memory_mb)
+        for r in range(P):
+            model.add(sum((problem.static_mb[l] + inflight_estimate(l / L, P, problem.microbatches)
+                           * problem.activation_mb[l]) * a[l, r] for l in range(L)) <= problem.memory_mb)
 
     model.minimize(problem.microbatches * z + 2 * sum(xfer_terms) + sum(kind_max))
 
     if hint is not None:
         hint_bounds, hint_ranks = hint
-        for j in range(1, S):
-            model.add_hint(b[j], hint_bounds[j])
-        for j in range(S):
-            for r in range(P):
-                model.add_hint(x[j, r], 1 if hint_ranks[j] == r else 0)
+        for j, r_hint in enumerate(hint_ranks):
+            for l in range(hint_bounds[j], hint_bounds[j + 1]):
+                for r in range(P):
+                    model.add_hint(a[l, r], 1 if r == r_hint else 0)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1  # one worker: deterministic for a seed (and the machine is shared)
     solver.parameters.random_seed = seed
-    start = time.perf_counter()
+    began = time.perf_counter()
     status = solver.solve(model)
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - began
     name = solver.status_name(status)
-    log.info("cp-sat %d layers -> %d stages on %d ranks: %s, objective %s, bound %s, %.2f s", L, S, P, name,
-             solver.objective_value if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None,
-             solver.best_objective_bound, wall)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    log.info("cp-sat %d layers on %d ranks (<= %d stages): %s, objective %s, bound %s, %.2f s", L, P, max_stages, name,
+             solver.objective_value if found else None, solver.best_objective_bound, wall)
+    if not found:
         return None
-    bounds = tuple(int(solver.value(v)) for v in b)
-    ranks = tuple(next(r for r in range(P) if solver.value(x[j, r])) for j in range(S))
-    return PartitionSolution(bounds, ranks, name, float(solver.objective_value), float(solver.best_objective_bound),
-                             wall, int(solver.value(z)))
+    owner = [next(r for r in range(P) if solver.value(a[l, r])) for l in range(L)]
+    bounds, ranks = [0], [owner[0]]
+    for l in range(1, L):
+        if owner[l] != owner[l - 1]:
+            bounds.append(l)
+            ranks.append(owner[l])
+    bounds.append(L)
+    return PartitionSolution(tuple(bounds), tuple(ranks), name, float(solver.objective_value),
+                             float(solver.best_objective_bound), wall, int(solver.value(z)))
 
 
 def _rank_classes(cluster: Cluster, config: Config) -> tuple[int, ...]:
@@ -272,22 +245,26 @@ def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_pe
 
 def cpsat_seeds(evaluator: Evaluator, config: Config, *, chunks_max: int, time_limit_s: float,
                 seed: int = 0) -> tuple[list[Candidate], list[dict]]:
-    """Candidates from CP-SAT for 1..chunks_max stages per rank, with policy-scheduler knobs."""
+    """Candidates from CP-SAT with at most 1 and at most ``chunks_max`` stages per rank, each
+    with policy-scheduler knobs (I/W split at two warm-up depths, and plain B)."""
     profile = evaluator.profile
-    seeds, stats = [], []
-    for per_rank in range(1, max(1, chunks_max) + 1):
-        num_stages = per_rank * config.pp
-        if num_stages > profile.num_layers or (config.pp == 1 and per_rank > 1):
-            break
-        problem = problem_for(evaluator, config, num_stages, max_per_rank=max(1, chunks_max))
-        hint = (bounds_of(balanced_partition(profile, num_stages)), loop_placement(config.pp, num_stages))
+    seeds, stats, solutions = [], [], []
+    caps = sorted({1, max(1, chunks_max)}) if config.pp > 1 else [1]
+    for cap in caps:
+        num_stages = min(cap * config.pp, profile.num_layers)
+        problem = problem_for(evaluator, config, num_stages, max_per_rank=cap)
+        hint_stages = config.pp
+        hint = (bounds_of(balanced_partition(profile, hint_stages)), loop_placement(config.pp, hint_stages))
         solution = solve_partition(problem, hint=hint, time_limit_s=time_limit_s, seed=seed)
         if solution is None:
-            stats.append({"stages": num_stages, "status": "INFEASIBLE or no solution"})
+            stats.append({"config": config.label(), "max_per_rank": cap, "status": "no solution"})
             continue
-        stats.append({"config": config.label(), **solution.stats()})
+        stats.append({"config": config.label(), "max_per_rank": cap, **solution.stats()})
+        if any(solution.ranks == s.ranks and solution.bounds == s.bounds for s in solutions):
+            continue
+        solutions.append(solution)
         for split, depth in ((True, 1.0), (True, 2.0), (False, 1.0)):
             policies = default_policies(solution.ranks, config.pp, config.microbatches, split=split, depth=depth)
             seeds.append(Candidate(config, solution.bounds, solution.ranks, policies, None,
-                                   f"cp-sat x{per_rank}, split={split}, depth={depth:g}"))
+                                   f"cp-sat <= {cap}/rank, split={split}, depth={depth:g}"))
     return seeds, stats

@@ -1,0 +1,126 @@
+"""Failures end every octorun process quickly, with one line that names the op and the rank;
+bad input exits 2 with one line and no traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import runtime_helpers as h
+from octoplan.errors import InputError
+from octoplan.plan import save_plan
+from octorun.runtime import RunConfig, prepare, run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _two_rank_plan(folder: Path, name: str = "plan", schedule=("0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1B0 1F1 1B1 1F2 1B2")) -> Path:
+    model_path, config = h.model_spec("tiny", folder)
+    plan = h.make_plan(model_path, config, stages=h.even_stages(6, [0, 1]), schedule=list(schedule), microbatches=3)
+    path = folder / f"{name}.yaml"
+    save_plan(plan, path)
+    return path
+
+
+def _octorun(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    clean.update(env or {})
+    return subprocess.run([sys.executable, "-m", "octorun", *args], capture_output=True, text=True, cwd=ROOT, env=clean, timeout=120)
+
+
+def test_world_size_mismatch_exits_2_with_one_line(tmp_path):
+    plan = _two_rank_plan(tmp_path)
+    done = _octorun(str(plan))  # no torchrun: a world of one process
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"octorun: {plan}: cluster.gpus: the plan needs 2 processes (pp 2 x dp 1) but WORLD_SIZE is 1 "
+        "(launch with torchrun --nproc-per-node 2)"
+    ]
+
+
+def test_bad_plan_file_exits_2_with_one_line(tmp_path):
+    missing = _octorun(str(tmp_path / "missing.yaml"))
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [f"octorun: {tmp_path / 'missing.yaml'}: no such plan file (check the path)"]
+    bad_flag = _octorun(str(tmp_path / "missing.yaml"), "--optimizer", "lamb")
+    assert bad_flag.returncode == 2 and len(bad_flag.stderr.strip().splitlines()) == 1 and "lamb" in bad_flag.stderr
+
+
+def test_schedule_that_cannot_run_is_bad_input_naming_the_ops(tmp_path):
+    plan = _two_rank_plan(tmp_path, schedule=("0F0 0B0 0F1 0B1 0F2 0B2", "1F0 1F1 1B0 1B1 1F2 1B2"))
+    with pytest.raises(InputError) as info:
+        prepare(RunConfig(plan_path=str(plan)))
+    assert info.value.field == "schedule"
+    assert "rank 0 stuck at 0B0 (step 1) waiting for 1B0 on rank 1" in info.value.line()
+    assert "rank 1 stuck at 1F1 (step 1) waiting for 0F1 on rank 0" in info.value.line()
+
+
+def test_world_size_is_checked_before_any_process_group(tmp_path, monkeypatch):
+    plan = _two_rank_plan(tmp_path)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(InputError, match="the plan needs 2 processes .* but WORLD_SIZE is 4"):
+        run(RunConfig(plan_path=str(plan)))
+
+
+def test_plan_with_wrong_layer_count_is_bad_input(tmp_path):
+    model_path, config = h.model_spec("tiny", tmp_path)
+    plan = h.make_plan(model_path, config, stages=[(0, 3, 0), (3, 5, 1)], schedule=["0F0 0B0", "1F0 1B0"], microbatches=1)
+    save_plan(plan, tmp_path / "short.yaml")
+    with pytest.raises(InputError, match="stages: cover 5 layers but .* has 6"):
+        prepare(RunConfig(plan_path=str(tmp_path / "short.yaml")))
+
+
+def _launch_fault(tmp_path: Path, fault: dict, *, timeout_s: float = 5.0) -> h.Launch:
+    plan = _two_rank_plan(tmp_path)
+    job = h.Job("faulty", RunConfig(plan_path=str(plan), steps=2, timeout_s=timeout_s), fault=fault)
+    return h.launch(2, [job], tmp_path / "out", timeout_s=60)
+
+
+def test_process_that_dies_ends_the_others_with_a_message(tmp_path):
+    launched = _launch_fault(tmp_path, {"rank": 1, "kind": "die", "op": "1B1"}, timeout_s=20)
+    assert launched.exitcodes[1] == 17  # the process that vanished
+    assert launched.exitcodes[0] == 1, launched.logs
+    line = launched.logs[0].strip().splitlines()[-1]
+    # rank 0 waits for a gradient of rank 1 (1B0's may die unsent with its process) when it vanishes
+    assert re.fullmatch(
+        r"octorun: rank 0: op 0B([01]) of step 0 cannot receive the gradient out of stage 0 mb \1 from rank 1 to rank 0 "
+        r"\(global rank 1\): RuntimeError: (Read error \S+: Connection reset by peer|Connection closed by peer \S+)", line
+    ), line
+    assert launched.seconds < 20  # the closed connection is noticed long before the deadline
+
+
+def test_op_that_raises_stops_every_rank(tmp_path):
+    launched = _launch_fault(tmp_path, {"rank": 0, "kind": "raise", "op": "0F1"}, timeout_s=20)
+    assert launched.exitcodes == [1, 1]
+    assert "octorun: rank 0: op 0F1 of step 0 raised RuntimeError: injected failure" in launched.logs[0]
+    assert "octorun: rank 1: stopping because rank 0 failed: op 0F1 of step 0 raised RuntimeError: injected failure" in launched.logs[1]
+
+
+def test_missing_message_times_out_naming_the_op_and_the_peer(tmp_path):
+    # rank 0 never sends the last activation: rank 1 waits past the deadline at 1F2
+    began = time.monotonic()
+    launched = _launch_fault(tmp_path, {"rank": 0, "kind": "drop-send", "message": ("act", 1, 2)}, timeout_s=3)
+    assert launched.exitcodes == [1, 1], launched.logs
+    assert (
+        "octorun: rank 1: op 1F2 of step 0 waited 3 s for the activation into stage 1 mb 2 from rank 0 to rank 1 (global rank 0)"
+        in launched.logs[1]
+    )
+    assert "stopping because rank 1 failed" in launched.logs[0]
+    assert time.monotonic() - began < 30
+
+
+def test_out_of_order_message_is_a_protocol_error_not_wrong_data(tmp_path):
+    # rank 0 skips the activation of mb 0: rank 1 receives mb 1's where it expects mb 0's
+    launched = _launch_fault(tmp_path, {"rank": 0, "kind": "drop-send", "message": ("act", 1, 0)}, timeout_s=10)
+    assert launched.exitcodes == [1, 1], launched.logs
+    assert (
+        "octorun: rank 1: op 1F0 of step 0 cannot receive the activation into stage 1 mb 0 from rank 0 to rank 1 (global rank 0): "
+        "RuntimeError: protocol error: expected the activation into stage 1 mb 0 from rank 0 to rank 1, received act 1.1 instead"
+    ) in launched.logs[1]
