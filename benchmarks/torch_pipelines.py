@@ -22,7 +22,9 @@ the first) are dropped; ``median_ms`` is the median of the next ``steps``.
 
 Beside each measurement stands ``sim_ms``: octoplan's simulator run on the very op order torch
 executed (read back from the schedule object), with the replay's times and free communication —
-what that order costs with no runtime overhead. ``run_torch_plan`` runs an octoplan plan instead,
+what that order costs with no runtime overhead — and ``sim_latency_ms``, the same with a measured
+gloo one-way latency on every transfer between ranks (on a busy machine that latency is a
+process wake-up, milliseconds). ``run_torch_plan`` runs an octoplan plan instead,
 exported with :func:`octoplan.export.export_torch_csv` and loaded into torch's
 ``_PipelineScheduleRuntime``.
 
@@ -71,6 +73,7 @@ __all__ = [
     "run_torch_schedule",
     "run_torch_plan",
     "check_iw_split",
+    "measure_gloo_latency_ms",
     "demo_profile",
     "markdown_table",
 ]
@@ -280,13 +283,14 @@ def _launch(job: _Job, nprocs: int) -> dict[str, Any]:
     return out
 
 
-def _simulated_ms(profile: Profile, job: _Job, order: dict[str, list[str]], pp: int) -> float:
-    """octoplan's simulator on torch's executed order, replay times, free communication."""
+def _simulated_ms(profile: Profile, job: _Job, order: dict[str, list[str]], pp: int, *, latency_ms: float = 0.0) -> float:
+    """octoplan's simulator on torch's executed order, replay times; each transfer between ranks
+    costs ``latency_ms`` (the replay's tensors are a few KB: bandwidth is left free)."""
     from octoplan.simulator import simulate
 
     plan = Plan(
         model=profile.model,
-        cluster=Cluster(gpus=pp, gpus_per_node=pp, latency_us=0.0, intra_node_gbps=1e9, inter_node_gbps=1e9),
+        cluster=Cluster(gpus=pp, gpus_per_node=pp, latency_us=1000.0 * latency_ms, intra_node_gbps=1e9, inter_node_gbps=1e9),
         parallel=Parallel(pp=pp, microbatches=job.microbatches),
         stages=tuple(Stage(a, b, r) for a, b, r in job.stages),
         schedule=tuple(tuple(parse_op(s) for s in order[str(r)]) for r in range(pp)),
@@ -294,8 +298,13 @@ def _simulated_ms(profile: Profile, job: _Job, order: dict[str, list[str]], pp: 
     return simulate(plan, _scaled(profile, job.time_scale)).iteration_ms
 
 
-def _summary(raw: dict[str, Any], profile: Profile, job: _Job, pp: int, **extra: Any) -> dict[str, Any]:
+def _summary(raw: dict[str, Any], profile: Profile, job: _Job, pp: int, *, latency_ms: float | None, **extra: Any) -> dict[str, Any]:
     all_ms = [round(ms, 3) for ms in raw["all_ms"]]
+    timed = job.time_scale > 0  # with time_scale 0 the run measures the runtime's own overhead
+    with_latency = {}
+    if latency_ms is not None:
+        sim = _simulated_ms(profile, job, raw["order"], pp, latency_ms=latency_ms) if timed else 0.0
+        with_latency = {"latency_ms": latency_ms, "sim_latency_ms": round(sim, 3)}
     return {
         **extra,
         "nprocs": pp,
@@ -304,8 +313,8 @@ def _summary(raw: dict[str, Any], profile: Profile, job: _Job, pp: int, **extra:
         "stages": [list(s) for s in job.stages],
         "median_ms": round(statistics.median(all_ms), 3),
         "all_ms": all_ms,
-        # with time_scale 0 the run measures the runtime's own overhead; nothing to simulate
-        "sim_ms": round(_simulated_ms(profile, job, raw["order"], pp), 3) if job.time_scale > 0 else 0.0,
+        "sim_ms": round(_simulated_ms(profile, job, raw["order"], pp), 3) if timed else 0.0,
+        **with_latency,
         "losses": raw["losses"],
     }
 
@@ -325,11 +334,13 @@ def run_torch_schedule(
     steps: int,
     warmup: int = 2,
     partition_method: str = "balanced",
+    latency_ms: float | None = None,
 ) -> dict[str, Any]:
     """Median iteration of the replay of ``profile_path`` under one of torch's schedules.
 
-    Returns ``median_ms``, ``all_ms`` (the timed steps), ``sim_ms`` (see module docstring), the
-    stage layout, and the mean loss of every step (warm-up included) as a sign of life.
+    Returns ``median_ms``, ``all_ms`` (the timed steps), ``sim_ms`` (see module docstring; with
+    ``latency_ms`` also ``sim_latency_ms``, the same with that cost per transfer), the stage
+    layout, and the mean loss of every step (warm-up included) as a sign of life.
     """
     if schedule_name not in TORCH_SCHEDULES:
         raise InputError(None, "schedule", f"unknown torch schedule {schedule_name!r}", f"use one of {', '.join(TORCH_SCHEDULES)}")
@@ -345,10 +356,12 @@ def run_torch_schedule(
     )
     log.info("torch %s on %d processes: stages %s", schedule_name, nprocs, job.stages)
     raw = _launch(job, nprocs)
-    return _summary(raw, profile, job, nprocs, schedule=schedule_name, partition=partition_method)
+    return _summary(raw, profile, job, nprocs, latency_ms=latency_ms, schedule=schedule_name, partition=partition_method)
 
 
-def run_torch_plan(plan_path: str | Path, *, time_scale: float, steps: int, warmup: int = 2) -> dict[str, Any]:
+def run_torch_plan(
+    plan_path: str | Path, *, time_scale: float, steps: int, warmup: int = 2, latency_ms: float | None = None,
+) -> dict[str, Any]:
     """An octoplan plan (e.g. a tuned one), exported to torch's CSV, run by torch's runtime on the
     replay of the plan's profile; same measurement as :func:`run_torch_schedule`."""
     from octoplan.export import export_torch_csv
@@ -371,7 +384,38 @@ def run_torch_plan(plan_path: str | Path, *, time_scale: float, steps: int, warm
             csv_path=csv_path,
         )
         raw = _launch(job, plan.pp)
-    return _summary(raw, profile, job, plan.pp, schedule=f"plan:{Path(plan_path).name}", partition="plan")
+    return _summary(raw, profile, job, plan.pp, latency_ms=latency_ms, schedule=f"plan:{Path(plan_path).name}", partition="plan")
+
+
+def _ping_worker(rank: int, port: int, rounds: int, result_path: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        tensor = torch.zeros(1024)
+        round_trips = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            if rank == 0:
+                torch.distributed.send(tensor, 1)
+                torch.distributed.recv(tensor, 1)
+            else:
+                torch.distributed.recv(tensor, 0)
+                torch.distributed.send(tensor, 0)
+            round_trips.append(time.perf_counter() - t0)
+        if rank == 0:
+            Path(result_path).write_text(json.dumps(round_trips[rounds // 10:]))  # drop connection set-up
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def measure_gloo_latency_ms(rounds: int = 200) -> float:
+    """Median one-way time of a 4 KB gloo send between two processes on this machine (half a
+    ping-pong round trip). On a machine whose cores are all busy this is a wake-up latency,
+    milliseconds, not a network one."""
+    with tempfile.TemporaryDirectory(prefix="octopipe-ping-") as tmp:
+        result = os.path.join(tmp, "ping.json")
+        torch.multiprocessing.spawn(_ping_worker, args=(_free_port(), rounds, result), nprocs=2, join=True)
+        round_trips = json.loads(Path(result).read_text())
+    return round(1000.0 * statistics.median(round_trips) / 2, 3)
 
 
 def check_iw_split(profile_path: str | Path, *, time_scale: float, layers: tuple[int, int] = (1, 4)) -> dict[str, float]:
@@ -413,14 +457,18 @@ def check_iw_split(profile_path: str | Path, *, time_scale: float, layers: tuple
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| schedule | procs | stages | microbatches | median ms | min–max ms | sim ms (no overhead) | measured / sim |",
-        "|---|---|---|---|---|---|---|---|",
+        "| schedule | procs | stages | microbatches | median ms | min–max ms | sim ms (free comm) | measured / sim "
+        "| sim ms (measured latency) | measured / sim |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         ratio = f"{row['median_ms'] / row['sim_ms']:.3f}" if row["sim_ms"] > 0 else "–"
+        sim_lat = row.get("sim_latency_ms", 0.0)
+        ratio_lat = f"{row['median_ms'] / sim_lat:.3f}" if sim_lat > 0 else "–"
         lines.append(
             f"| {row['schedule']} | {row['nprocs']} | {len(row['stages'])} | {row['microbatches']} | {row['median_ms']:.1f} | "
-            f"{min(row['all_ms']):.1f}–{max(row['all_ms']):.1f} | {row['sim_ms']:.1f} | {ratio} |"
+            f"{min(row['all_ms']):.1f}–{max(row['all_ms']):.1f} | {row['sim_ms']:.1f} | {ratio} | "
+            f"{sim_lat:.1f} | {ratio_lat} |"
         )
     return "\n".join(lines)
 
@@ -437,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--partition", default="balanced", choices=["balanced", "uniform"])
+    parser.add_argument("--latency-ms", type=float, default=None,
+                        help="per-transfer cost for the second simulation (default: measure gloo's one-way latency)")
     parser.add_argument("--json", help="write all results here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -447,19 +497,22 @@ def main(argv: list[str] | None = None) -> int:
         if not args.profile and not args.plan:
             parser.error("give --profile, --write-profile or --plan")
         rows = []
+        latency_ms = args.latency_ms if args.latency_ms is not None else measure_gloo_latency_ms()
+        log.info("gloo one-way latency: %.3f ms", latency_ms)
         if args.profile:
             split = check_iw_split(args.profile, time_scale=args.time_scale)
             log.info("torch I/W split on replay layers %s", split)
             for name in [n for n in args.schedules.split(",") if n]:
                 rows.append(run_torch_schedule(
                     args.profile, name, nprocs=args.nprocs, microbatches=args.microbatches, time_scale=args.time_scale,
-                    steps=args.steps, warmup=args.warmup, partition_method=args.partition,
+                    steps=args.steps, warmup=args.warmup, partition_method=args.partition, latency_ms=latency_ms,
                 ))
                 log.info("%s: median %.1f ms (sim %.1f)", name, rows[-1]["median_ms"], rows[-1]["sim_ms"])
         else:
             split = None
         for plan_path in args.plan:
-            rows.append(run_torch_plan(plan_path, time_scale=args.time_scale, steps=args.steps, warmup=args.warmup))
+            rows.append(run_torch_plan(plan_path, time_scale=args.time_scale, steps=args.steps, warmup=args.warmup,
+                                       latency_ms=latency_ms))
             log.info("%s: median %.1f ms (sim %.1f)", plan_path, rows[-1]["median_ms"], rows[-1]["sim_ms"])
     except InputError as exc:
         print(f"error: {exc.line()}", file=sys.stderr)
@@ -467,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(rows)
     print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"iw_split": split, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"iw_split": split, "gloo_latency_ms": latency_ms, "rows": rows}, indent=2))
     return 0 if all(math.isfinite(r["median_ms"]) for r in rows) else 1
 
 

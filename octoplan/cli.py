@@ -47,6 +47,7 @@ def profile(
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree (analytic)"),
     repeat: int = typer.Option(10, "--repeat", help="timed repeats per layer; the median is kept"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)"),
+    clock: str = typer.Option("auto", "--clock", help="auto, wall or cpu (thread CPU time; wall for models that sleep)"),
     config: List[str] = typer.Option([], "--config", help="model config override key=value (repeatable)"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile file to write"),
 ) -> None:
@@ -88,7 +89,7 @@ def profile(
 
             result = profile_model_file(
                 str(model), config=overrides, microbatch_size=microbatch_size or 4, repeat=repeat,
-                device=device, on_layer=on_layer,
+                device=device, on_layer=on_layer, clock=clock,
             )
         out = output or Path("profiles") / f"{result.model.name}.yaml"
     else:

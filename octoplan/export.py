@@ -18,8 +18,9 @@ What the CSV does not carry, and the user of torch must set to match the plan:
 
 Data parallelism (``dp > 1``) lies outside the pipeline: the CSV is the schedule of one pipeline,
 and each of the ``dp`` replicas runs the same CSV in its own pipeline process group (the plan's
-``rank_order`` says which global ranks form a group). Averaging gradients across replicas is
-then the user's job (torch's ``REDUCE_GRAD`` acts only on FSDP- or DDP-wrapped stages).
+``rank_order`` says which global ranks form a group). Torch averages gradients across replicas
+only when the stage modules are wrapped in DDP or FSDP (it syncs on each stage's last backward);
+with plain modules that all-reduce is the user's job.
 
 Torch's runtime differs from octorun in one place that changes timing, not results: on stage 0
 its ``I`` does nothing (the stage input carries no gradient) and its ``W`` runs the stage's whole

@@ -88,25 +88,43 @@ class PendingWeightGrads:
     captured: dict[Node, tuple[torch.Tensor | None, ...]]
 
 
-def _graph(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
-    """Every node reachable from ``roots``, children before parents, and each node's children
-    (read once: ``next_functions`` builds a new tuple on every access). Iterative, because
-    graphs can be deeper than Python's recursion limit."""
-    order: list[Node] = []
+def _collect(roots: list[Node]) -> dict[Node, list[Node]]:
+    """Every node reachable from ``roots`` with its children (``next_functions`` read once)."""
     children: dict[Node, list[Node]] = {}
-    stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
+    stack = list(roots)
     while stack:
-        node, done = stack.pop()
-        if done:
-            order.append(node)
-            continue
+        node = stack.pop()
         if node in children:
             continue
         kids = [child for child, _ in node.next_functions if child is not None]
         children[node] = kids
-        stack.append((node, True))
-        stack.extend((child, False) for child in kids if child not in children)
-    return order, children
+        stack.extend(kids)
+    return children
+
+
+def _post_order(children: dict[Node, list[Node]]) -> list[Node]:
+    """The nodes, children before parents, by depth-first search (iterative: graphs can be
+    deeper than Python's recursion limit)."""
+    order: list[Node] = []
+    done: set[Node] = set()
+    for root in children:
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                order.append(node)
+            elif node not in done:
+                done.add(node)
+                stack.append((node, True))
+                stack.extend((kid, False) for kid in children[node] if kid not in done)
+    return order
+
+
+def _creation_order(children: dict[Node, list[Node]]) -> list[Node]:
+    """The nodes sorted by creation: autograd numbers each node as the forward creates it,
+    after the nodes of its inputs, so this puts children first (leaves have no number that
+    fits, and no children: they go first). Much cheaper than a search; the caller checks it."""
+    return sorted(children, key=lambda node: node._sequence_nr() if children[node] else -1)
 
 
 def _plan_weight_groups(
@@ -115,17 +133,31 @@ def _plan_weight_groups(
     """Split the graph below ``roots`` into the input path (nodes from which an input is
     reachable) and parameter branches, and group the branch sources by shared parameters.
 
-    Runs on every I op, so it is written for speed: parameter sets are int bitmasks.
+    Runs on every I op, so it is written for speed: parameter sets are int bitmasks, and the
+    graph is ordered by creation unless that order turns out not to put children first.
     """
+    children = _collect([edge.node for edge, _ in roots])
+    try:
+        return _plan_in_order(_creation_order(children), children, roots, inputs, params)
+    except KeyError:  # a child after its parent (e.g. a node made by another thread)
+        return _plan_in_order(_post_order(children), children, roots, inputs, params)
+
+
+def _plan_in_order(
+    order: list[Node],
+    children: dict[Node, list[Node]],
+    roots: list[tuple[GradientEdge, torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> list[_WeightGroup]:
     input_ids = {id(t) for t in inputs}
     param_bit = {id(p): 1 << i for i, p in enumerate(params)}
-    order, children = _graph([edge.node for edge, _ in roots])
     on_path: dict[Node, bool] = {}
     reach: dict[Node, int] = {}  # off-path nodes: parameters reachable from them
     # Sources: input-path nodes with an off-path child reaching parameters, and outputs that are
     # off the path altogether (all of a first layer's outputs when its inputs are token ids).
     sources: list[tuple[Any, int]] = []
-    for node in order:  # children first
+    for node in order:  # children first; a child not seen yet raises KeyError
         kids = children[node]
         if not kids:  # a leaf; gradient accumulators expose their tensor as ``variable``
             leaf_id = id(getattr(node, "variable", None))
@@ -297,9 +329,14 @@ class _Clock:
     with more threads: wall time (the pool's threads work in parallel).
     """
 
-    def __init__(self, device: torch.device, *, threads: int):
+    def __init__(self, device: torch.device, *, threads: int, clock: str = "auto"):
         self.cuda = device.type == "cuda"
-        self.kind = "cuda-events" if self.cuda else "thread-cpu-time" if threads == 1 else "wall"
+        if self.cuda:
+            self.kind = "cuda-events"
+        elif clock == "wall" or threads != 1:
+            self.kind = "wall"  # also for models that sleep or wait (the replay model)
+        else:
+            self.kind = "thread-cpu-time"
         self.now_ns = time.thread_time_ns if self.kind == "thread-cpu-time" else time.perf_counter_ns
 
     def sync(self) -> None:
@@ -656,13 +693,19 @@ def profile_model_file(
     threads: int | None = None,
     seed: int = 0,
     on_layer: Callable[[int, int, str], None] | None = None,
+    clock: str = "auto",
 ) -> Profile:
     """Measure every layer of the model file at ``path`` into a :class:`Profile`.
 
     ``config`` overrides the file's ``CONFIG``; ``device`` defaults to CUDA when available;
     ``threads`` (CPU only) defaults to :data:`DEFAULT_CPU_THREADS`. ``on_layer(index, total,
-    name)`` is called after each layer is measured. Bad model files raise :class:`InputError`.
+    name)`` is called after each layer is measured. ``clock``: ``auto`` (CUDA events on a GPU,
+    the thread's CPU time on one CPU thread, else wall time), ``wall`` (always wall time: for
+    layers that sleep or wait, like the replay model's) or ``cpu``. Bad model files raise
+    :class:`InputError`.
     """
+    if clock not in ("auto", "wall", "cpu"):
+        raise InputError(None, "--clock", f"is {clock!r}", "use auto, wall or cpu")
     _check_positive(microbatch_size, "--microbatch-size", 1)
     _check_positive(repeat, "--repeat", 1)
     _check_positive(warmup, "--warmup", 0)
@@ -670,7 +713,7 @@ def profile_model_file(
     mf = load_model_file(path, config, seed=seed)
     with _Threads(dev, threads) as used_threads:
         total = mf.num_layers()
-        clock = _Clock(dev, threads=used_threads)
+        timer = _Clock(dev, threads=used_threads, clock=clock)
         previous, targets = _first_batch(mf, microbatch_size, dev)
         layers: list[Layer] = []
         dtypes: list[torch.dtype] = []
@@ -688,7 +731,7 @@ def profile_model_file(
                 targets=targets if index == total - 1 else None,
                 seed=seed,
             )
-            layer, output = _measure_layer(run, clock=clock, repeat=repeat, warmup=warmup)
+            layer, output = _measure_layer(run, clock=timer, repeat=repeat, warmup=warmup)
             layers.append(replace(layer, kind=kind))
             log.info(
                 "layer %d/%d %s: F %.3f ms, I %.3f ms, W %.3f ms",
@@ -699,7 +742,7 @@ def profile_model_file(
             if on_layer is not None:
                 on_layer(index, total, name)
     # Kept in the profile (SPEC section 2 allows extra fields): timings mean little without them.
-    settings: dict[str, Any] = {"repeat": repeat, "warmup": warmup, "seed": seed, "clock": clock.kind}
+    settings: dict[str, Any] = {"repeat": repeat, "warmup": warmup, "seed": seed, "clock": timer.kind}
     if dev.type == "cpu":
         settings["threads"] = used_threads
     settings["torch"] = str(torch.__version__)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from octorun.lowering import Message
+from octorun.lowering import ACT, GRAD, Message
 from octorun.watchdog import gist
 
 __all__ = ["Channel", "Mailbox", "Transport", "encode_header", "decode_header", "wait_work", "HEADER_SLOTS"]
@@ -47,7 +47,7 @@ _DTYPES = (
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
-_KINDS = ("act", "grad")
+_KINDS = (ACT, GRAD)
 
 
 def encode_header(message: Message, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

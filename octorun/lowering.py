@@ -30,6 +30,8 @@ from octoplan.ops import Kind, Op
 from octoplan.plan import Plan
 
 __all__ = [
+    "ACT",
+    "GRAD",
     "Message",
     "Instr",
     "RankProgram",

@@ -33,8 +33,8 @@ from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.ops import Kind, Op
 from octoplan.plan import Plan, load_plan, load_plan_profile, resolve_profile_path
 from octorun.comm import Channel, Transport, wait_work
-from octorun.lowering import Lowered, Message, RankProgram, ScheduleError, check_runnable, lower
-from octorun.stage import StageExecutor, Tape, floating
+from octorun.lowering import ACT, Lowered, Message, RankProgram, ScheduleError, check_runnable, lower
+from octorun.stage import StageExecutor, Tape
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
 
 __all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "OPTIMIZERS"]
@@ -187,11 +187,14 @@ def _make_groups(prepared: Prepared, *, backend: str, timeout: datetime.timedelt
     program = prepared.lowered.programs[pp_rank]
     outgoing: dict[int, Channel] = {}
     incoming: dict[int, Channel] = {}
+    # Receiver threads wait ahead of need, so a channel's own timeout is set past the deadline
+    # the compute thread enforces: the failure then names the op that waits, not a thread.
+    channel_timeout = timeout * 2 + datetime.timedelta(seconds=30)
     for dp in range(parallel.dp):
         for src_pp, dst_pp in prepared.lowered.channels:
             src, dst = parallel.global_rank(src_pp, dp), parallel.global_rank(dst_pp, dp)
-            data = dist.new_group([src, dst], timeout=timeout, backend=backend)
-            meta = data if backend == "gloo" else dist.new_group([src, dst], timeout=timeout, backend="gloo")
+            data = dist.new_group([src, dst], timeout=channel_timeout, backend=backend)
+            meta = data if backend == "gloo" else dist.new_group([src, dst], timeout=channel_timeout, backend="gloo")
             if me == src:
                 outgoing[dst] = Channel(src, dst, data, meta, program.outgoing[dst_pp])
             elif me == dst:
@@ -286,9 +289,10 @@ class _Interpreter:
             self.executors[s] = StageExecutor(mods, first=s == 0, last=s == self.last_stage,
                                               loss_fn=model.loss, loss_scale=scale)
         params = [p for layer in self.layers.values() for p in layer.parameters() if p.requires_grad]
-        if config.optimizer == "sgd":
+        self.optimizer: torch.optim.Optimizer | None = None  # a rank of parameterless layers has none
+        if params and config.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0, weight_decay=0)
-        else:
+        elif params:
             self.optimizer = torch.optim.AdamW(params, lr=config.lr)
         self.transport = Transport(outgoing=groups.outgoing, incoming=groups.incoming, device=device,
                                    steps=config.steps, timeout_s=config.timeout_s)
@@ -349,7 +353,8 @@ class _Interpreter:
         self.watchdog.doing(f"waiting for the sends of step {step} to complete")
         late = self.transport.wait_sends(deadline=deadline)
         if late is not None:
-            self.watchdog.fail(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) did not complete within {self.config.timeout_s:g} s")
+            self.watchdog.fail(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) "
+                               f"did not complete within {self.config.timeout_s:g} s")
         for work, flat, grads, stage in reductions:
             self.watchdog.doing(f"waiting for the gradient all-reduce of stage {stage}, step {step}")
             try:
@@ -357,12 +362,14 @@ class _Interpreter:
             except RuntimeError as exc:
                 self.watchdog.fail(f"gradient all-reduce of stage {stage}, step {step}, failed: {gist(exc)}")
             if not finished:
-                self.watchdog.fail(f"gradient all-reduce of stage {stage}, step {step}, did not finish within {self.config.timeout_s:g} s")
+                self.watchdog.fail(f"gradient all-reduce of stage {stage}, step {step}, "
+                                   f"did not finish within {self.config.timeout_s:g} s")
             for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(reduced)
         self.watchdog.doing(f"running the optimizer of step {step}")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         spans = self.timer.resolve()
         step_s = time.perf_counter() - started
         loss_sum = float(sum(loss.item() for loss in state.losses))
@@ -383,7 +390,7 @@ class _Interpreter:
             )
         except ConnectionError as exc:
             self.watchdog.fail(f"op {op} of step {step} cannot receive the {message} (global rank {src}): {exc}")
-        if message.kind == "act":
+        if message.kind == ACT:
             state.inputs[(message.stage, message.mb)] = value[0] if len(value) == 1 else value
         else:
             state.grads[(message.stage, message.mb)] = value
@@ -512,6 +519,8 @@ def run(config: RunConfig) -> RunResult:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl"):
         raise InputError(None, "--backend", f"is {backend!r}", "use auto, gloo or nccl")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise InputError(None, "--backend", "is nccl but this machine has no CUDA device", "use --backend gloo")
     timeout = datetime.timedelta(seconds=config.timeout_s)
     device = torch.device("cpu")
     if backend == "nccl":

@@ -23,7 +23,7 @@ import torch
 
 from octoplan.modelfile import as_args, load_model_file
 from octoplan.ops import Kind, Op, parse_ops
-from octoplan.plan import Cluster, Parallel, Plan, Stage, save_plan
+from octoplan.plan import Cluster, Parallel, Plan, Stage
 from octoplan.profile import ModelRef
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -266,9 +266,33 @@ class Reference:
 
 def reference(
     model_path: Path, config: dict[str, Any], *, steps: int, microbatches: int, dp: int, microbatch_size: int,
-    optimizer: str, lr: float, seed: int = 0,
+    optimizer: str, lr: float, seed: int = 0, dtype: str = "float32",
 ) -> Reference:
-    """Every layer in one process; per step the mean loss over all microbatches of all replicas."""
+    """Every layer in one process; per step the mean loss over all microbatches of all replicas.
+
+    Memoized: every schedule of one model, microbatch count and optimizer shares one reference.
+    """
+    key = (str(model_path), repr(sorted(config.items())), steps, microbatches, dp, microbatch_size, optimizer, lr, seed, dtype)
+    if key not in _REFERENCES:
+        previous, threads = torch.get_default_dtype(), torch.get_num_threads()
+        torch.set_default_dtype(getattr(torch, dtype))
+        torch.set_num_threads(1)  # tiny ops: threads only contend on a shared 2-core machine
+        try:
+            _REFERENCES[key] = _reference(model_path, config, steps=steps, microbatches=microbatches, dp=dp,
+                                          microbatch_size=microbatch_size, optimizer=optimizer, lr=lr, seed=seed)
+        finally:
+            torch.set_default_dtype(previous)
+            torch.set_num_threads(threads)
+    return _REFERENCES[key]
+
+
+_REFERENCES: dict[tuple, Reference] = {}
+
+
+def _reference(
+    model_path: Path, config: dict[str, Any], *, steps: int, microbatches: int, dp: int, microbatch_size: int,
+    optimizer: str, lr: float, seed: int,
+) -> Reference:
     model = load_model_file(model_path, config, seed=seed)
     layers = [model.build_layer(i) for i in range(model.num_layers())]
     params = [p for layer in layers for p in layer.parameters()]
@@ -306,6 +330,7 @@ class Job:
     name: str
     config: Any  # octorun.runtime.RunConfig
     fault: dict[str, Any] = field(default_factory=dict)  # see _apply_fault
+    dtype: str = "float32"  # torch's default dtype while the job runs
 
 
 @dataclass(frozen=True)
@@ -373,6 +398,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[Job], folder: str) -> N
     for job in jobs:
         if job.fault:
             _apply_fault(job.fault, rank)
+        torch.set_default_dtype(getattr(torch, job.dtype))
         began = time.monotonic()
         result = run(job.config)
         print(f"job {job.name}: {time.monotonic() - began:.2f} s", flush=True)

@@ -135,6 +135,13 @@ def test_unrunnable_orders_are_refused_before_writing(tmp_path, model_path):
     assert not out.exists()
 
 
+def test_data_parallel_plans_export_their_one_pipeline(tmp_path, model_path):
+    plan = make_baseline(_profile(model_path), schedule="zb-h1", gpus=4, pp=2, microbatches=3)
+    assert plan.parallel.dp == 2
+    # dp lies outside the pipeline: one row per pipeline rank, not per global rank
+    assert torch_csv_rows(plan) == [[str(op) for op in ops] for ops in plan.schedule]
+
+
 def test_unknown_format_names_the_known_ones(tmp_path, model_path):
     plan = make_baseline(_profile(model_path), schedule="1f1b", gpus=2, microbatches=2)
     with pytest.raises(InputError, match="torch-csv"):

@@ -3,6 +3,7 @@ overrides, profile files, and per-layer times that add up to the whole model's t
 
 from __future__ import annotations
 
+import statistics
 import textwrap
 from pathlib import Path
 
@@ -390,6 +391,22 @@ def test_split_backward_without_input_gradient():
     _split_matches_autograd(layer, [ids], [layer(ids)])
 
 
+def test_split_backward_without_creation_order(monkeypatch):
+    """The graph is normally ordered by autograd's creation numbers; when that order is wrong
+    the planner falls back to a search and the gradients are still exact."""
+    import octoplan.profiler as profiler
+
+    fallbacks = []
+    real_post_order = profiler._post_order
+    monkeypatch.setattr(profiler, "_creation_order", lambda children: list(children))  # parents first
+    monkeypatch.setattr(profiler, "_post_order", lambda children: fallbacks.append(1) or real_post_order(children))
+    torch.manual_seed(0)
+    layer = _Tied()
+    x = torch.randn(3, 8, requires_grad=True)
+    _split_matches_autograd(layer, [x], list(layer(x)))
+    assert fallbacks
+
+
 def test_split_weight_pass_skips_the_input_path():
     """W must not redo I's work: with the input gradient captured, a deep stack of
     parameter-free ops before the first Linear is not walked again by W."""
@@ -429,29 +446,28 @@ def test_split_weight_pass_skips_the_input_path():
 # ----------------------------------------------------------------------------- accuracy
 
 
-def _accuracy(path: str, *, config=None, microbatch_size: int = 4, repeat: int = 10, rounds: int = 5) -> tuple[float, float]:
-    """Sum over layers of F+I+W and the whole model's time, from interleaved rounds (whole,
-    profile, whole, profile, ..., whole). Other processes on a shared machine slow some rounds
-    down, by up to 2x here, so each layer's time and the whole model's time is the minimum over
-    the rounds: its least disturbed estimate. Interleaving exposes both to the same conditions.
-    Stops once they agree within 15%."""
+def _accuracy(path: str, *, config=None, microbatch_size: int = 4, repeat: int = 10, rounds: int = 5) -> list[float]:
+    """Ratios of the sum over layers of F+I+W to the whole model's time, one per round, each
+    profile sandwiched between two whole-model measurements (whole, profile, whole, profile,
+    ..., whole) so that both see the same conditions on a shared machine, where other processes
+    slow a stretch of seconds down by up to 2x. Stops once the median ratio is within 15%."""
     kwargs = dict(config=config, microbatch_size=microbatch_size, repeat=repeat, device="cpu", seed=0)
-    wholes = [measure_whole_model_ms(path, **kwargs)]
-    per_layer: list[list[float]] = []
+    before = measure_whole_model_ms(path, **kwargs)
+    ratios = []
     for _ in range(rounds):
-        profile = profile_model_file(path, **kwargs)
-        per_layer.append([layer.total_ms for layer in profile.layers])
-        wholes.append(measure_whole_model_ms(path, **kwargs))
-        total = sum(min(times) for times in zip(*per_layer))
-        if abs(total / min(wholes) - 1) <= 0.15:
+        total = sum(layer.total_ms for layer in profile_model_file(path, **kwargs).layers)
+        after = measure_whole_model_ms(path, **kwargs)
+        ratios.append(total / ((before + after) / 2))
+        before = after
+        if abs(statistics.median(ratios) - 1) <= 0.15:
             break
-    return total, min(wholes)
+    return ratios
 
 
 def test_layer_sum_matches_whole_model_small(tmp_path):
     path = write_model(tmp_path, TOKENS)
-    total, whole = _accuracy(path, config={"hidden": 96, "blocks": 4, "vocab": 512}, microbatch_size=8)
-    assert abs(total / whole - 1) <= 0.15, f"sum of layers {total:.3f} ms vs whole model {whole:.3f} ms"
+    ratios = _accuracy(path, config={"hidden": 128, "blocks": 3, "vocab": 256}, microbatch_size=8)
+    assert abs(statistics.median(ratios) - 1) <= 0.15, f"sum of layers / whole model per round: {ratios}"
 
 
 @pytest.mark.slow
@@ -460,6 +476,6 @@ def test_layer_sum_matches_whole_model_examples(model):
     path = EXAMPLES / f"{model}.py"
     if not path.exists():
         pytest.skip(f"examples/models/{model}.py is not written yet")
-    total, whole = _accuracy(str(path))
-    print(f"{model}: sum of layers {total:.3f} ms, whole model {whole:.3f} ms, ratio {total / whole:.3f}")
-    assert abs(total / whole - 1) <= 0.15, f"{model}: sum of layers {total:.3f} ms vs whole model {whole:.3f} ms"
+    ratios = _accuracy(str(path))
+    print(f"{model}: sum of layers / whole model per round: {[round(r, 3) for r in ratios]}")
+    assert abs(statistics.median(ratios) - 1) <= 0.15, f"{model}: sum of layers / whole model per round: {ratios}"

@@ -113,9 +113,10 @@ def test_baseline_schedules_lower(tmp_path):
         plan = h.baseline_plan(schedule, model_path, config, tmp_path, gpus=4, pp=4, microbatches=8)
         check_runnable(plan)
         lowered = lower(plan)
-        assert sum(len(m) for p in lowered.programs for m in p.incoming.values()) == 2 * (plan.num_stages - 1) * 8 - 2 * 8 * sum(
-            1 for s in range(plan.num_stages - 1) if plan.stages[s].rank == plan.stages[s + 1].rank
-        )
+        crossings = sum(1 for s in range(plan.num_stages - 1) if plan.stages[s].rank != plan.stages[s + 1].rank)
+        assert sum(len(m) for p in lowered.programs for m in p.incoming.values()) == 2 * crossings * 8
+        if schedule in ("zbv", "dualpipev"):  # V: the two middle stages share the last rank
+            assert crossings == plan.num_stages - 2
 
 
 def test_random_plans_pass_the_planners_structure_check():

@@ -10,6 +10,15 @@ from octoplan.modelfile import as_args, load_model_file
 from octorun.stage import StageExecutor
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny ops: intra-op threads only contend on a shared 2-core machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _setup(tmp_path, name):
     model_path, config = h.model_spec(name, tmp_path)
     model = load_model_file(model_path, config)

@@ -13,8 +13,8 @@ from tests.conftest import make_profile
 
 
 def _brute_force(costs, num_ranks, num_stages, max_per_rank=3):
-    """The least max-rank load over every contiguous split and every placement that keeps
-    neighbouring stages apart (what the model allows)."""
+    """The least max-rank load over every contiguous split into exactly ``num_stages`` stages
+    and every placement that keeps neighbouring stages apart (what the model allows)."""
     n = len(costs)
     best = None
     for cuts in itertools.combinations(range(1, n), num_stages - 1):
@@ -38,7 +38,7 @@ def _problem(costs, ranks, stages, **kwargs):
 
 def test_two_ranks_two_stages_by_hand():
     # layers 1..6 (sum 21): the best cut is after layer 4, 1+2+3+4 = 10 against 5+6 = 11
-    solution = solve_partition(_problem([1, 2, 3, 4, 5, 6], 2, 2))
+    solution = solve_partition(_problem([1, 2, 3, 4, 5, 6], 2, 2), exact_stages=True)
     assert solution.status == "OPTIMAL"
     assert solution.max_load == 11
     assert solution.bounds == (0, 4, 6)
@@ -47,7 +47,7 @@ def test_two_ranks_two_stages_by_hand():
 
 def test_three_ranks_five_stages_by_hand():
     # 21 over 3 ranks needs at least 7; [1][2][3,4][5][6] on ranks 0,1,2,1,0 gives 7, 7, 7
-    solution = solve_partition(_problem([1, 2, 3, 4, 5, 6], 3, 5))
+    solution = solve_partition(_problem([1, 2, 3, 4, 5, 6], 3, 5), exact_stages=True)
     assert solution.max_load == 7
     loads = [0, 0, 0]
     b = solution.bounds
@@ -59,9 +59,23 @@ def test_three_ranks_five_stages_by_hand():
 @pytest.mark.parametrize("ranks,stages", [(2, 3), (2, 4), (3, 3), (3, 6), (2, 5)])
 def test_matches_brute_force(ranks, stages):
     costs = [3, 1, 4, 1, 5, 9, 2]
-    solution = solve_partition(_problem(costs, ranks, stages))
-    assert solution.status == "OPTIMAL"
-    assert solution.max_load == _brute_force(costs, ranks, stages)
+    exact = solve_partition(_problem(costs, ranks, stages), exact_stages=True)
+    assert exact.status == "OPTIMAL"
+    assert len(exact.ranks) == stages
+    assert exact.max_load == _brute_force(costs, ranks, stages)
+    # with the stage count free up to the cap, the optimum is the best over every count
+    free = solve_partition(_problem(costs, ranks, stages))
+    assert free.max_load == min(_brute_force(costs, ranks, s) for s in range(ranks, stages + 1))
+
+
+def test_stages_per_rank_cap():
+    # [4, 4, 1, 1] on 2 ranks: one contiguous stage each gives at best [4] | [4, 1, 1] = 6;
+    # two stages per rank give [4] [4, 1] [1] on ranks 0, 1, 0 = 5 | 5
+    costs = [4, 4, 1, 1]
+    assert solve_partition(_problem(costs, 2, 2, max_per_rank=1)).max_load == 6
+    two = solve_partition(_problem(costs, 2, 4, max_per_rank=2))
+    assert two.max_load == 5
+    assert two.bounds == (0, 1, 3, 4) and two.ranks == (0, 1, 0)
 
 
 def test_memory_limit_moves_the_cut_and_can_make_it_infeasible():

@@ -26,20 +26,23 @@ def placements(draw):
         for _ in range(pp)
     )
     times = [(draw(st.integers(1, 5)), draw(st.integers(1, 5)), draw(st.integers(0, 5))) for _ in range(num_stages)]
-    return pp, tuple(order), microbatches, policies, times
+    # activation budgets from "not even one microbatch" to "no limit"
+    budget = draw(st.one_of(st.none(), st.lists(st.integers(0, 6000), min_size=pp, max_size=pp)))
+    return pp, tuple(order), microbatches, policies, times, budget
 
 
 @settings(max_examples=150, deadline=None)
 @given(placements())
 def test_any_placement_gets_a_valid_deadlock_free_order(case):
-    pp, ranks, microbatches, policies, times = case
+    pp, ranks, microbatches, policies, times, budget = case
     profile = make_profile(times, act=1000, out=1000, params=1000)
     cluster = free_cluster(pp, gpus_per_node=2)
     cluster = type(cluster)(**{**cluster.to_dict(), "latency_us": 5.0, "inter_node_gbps": 1e-3})
     parallel = Parallel(pp=pp, microbatches=microbatches)
     stages = tuple(Stage(s, s + 1, r) for s, r in enumerate(ranks))
     costs = stage_costs(stages, LayerTable(profile))
-    ops = policy_schedule(ranks, costs, microbatches=microbatches, policies=policies, cluster=cluster, parallel=parallel)
+    ops = policy_schedule(ranks, costs, microbatches=microbatches, policies=policies, cluster=cluster,
+                          parallel=parallel, activation_budget_bytes=budget)
     plan = Plan(model=profile.model, cluster=cluster, parallel=parallel, stages=stages, schedule=tuple(map(tuple, ops)))
     check_structure(plan, num_layers=profile.num_layers)  # every op once, on its rank, I before W
     result = simulate_costs(plan, costs)  # raises DeadlockError on a cycle
@@ -71,3 +74,18 @@ def test_split_with_deferred_w_matches_zero_bubble_h1_time():
                           cluster=zb.cluster, parallel=zb.parallel)
     ours = simulate(zb.with_schedule(ops), profile).iteration_ms
     assert ours <= simulate(zb, profile).iteration_ms
+
+
+def test_activation_budget_caps_the_warm_up():
+    # 1 layer per stage, 1000 activation bytes each; a budget of 2500 bytes lets rank 0 hold
+    # two microbatches at once instead of the four 1F1B's warm-up would admit
+    profile = uniform_profile(4, act=1000, out=0, params=0)
+    base = make_baseline(profile, schedule="1f1b", gpus=4, microbatches=8, cluster=free_cluster(4))
+    ranks = [s.rank for s in base.stages]
+    costs = stage_costs(base.stages, LayerTable(profile))
+    free = policy_schedule(ranks, costs, microbatches=8, policies=default_policies(ranks, 4, 8),
+                           cluster=base.cluster, parallel=base.parallel)
+    capped = policy_schedule(ranks, costs, microbatches=8, policies=default_policies(ranks, 4, 8),
+                             cluster=base.cluster, parallel=base.parallel, activation_budget_bytes=[2500] * 4)
+    assert simulate(base.with_schedule(free), profile).peak_memory_bytes[0] == 4000
+    assert simulate(base.with_schedule(capped), profile).peak_memory_bytes[0] == 2000

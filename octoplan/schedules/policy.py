@@ -13,12 +13,16 @@ free it runs the ready op its :class:`RankPolicy` prefers:
 3. a forward, the later stage first when ``deep_first`` (drives microbatches to the end of the
    pipeline sooner) else the oldest microbatch; a forward of the rank's first stage admits a
    new microbatch to the rank and waits while ``inflight`` microbatches are admitted and not
-   yet through that stage's backward (the warm-up depth);
+   yet through that stage's backward (the warm-up depth), or while admitting it could push
+   the rank's activations past its ``activation_budget_bytes`` (each admission reserves the
+   microbatch's activations on all the rank's stages; B or W releases them);
 4. a deferred W, to fill a gap where nothing else is ready.
 
 Why it cannot deadlock: each stage runs its F and its backward in microbatch order and a rank
 admits microbatches in order, so the oldest unfinished microbatch is always admitted (or
-admissible) on every rank; its next op becomes ready and nothing blocks it, so time advances.
+admissible: memory held by older ones is released by their pending Ws, which can always run,
+and an empty rank admits regardless of its budget) on every rank; its next op becomes ready
+and nothing blocks it, so time advances.
 
 The scheduler emits compute ops only; the simulator remains the judge of the order it emits.
 """
@@ -79,8 +83,13 @@ def policy_schedule(
     policies: Sequence[RankPolicy],
     cluster: Cluster,
     parallel: Parallel,
+    activation_budget_bytes: Sequence[float] | None = None,
 ) -> list[list[Op]]:
-    """Per-rank op lists for stages placed by ``rank_of_stage`` (stage -> pipeline rank)."""
+    """Per-rank op lists for stages placed by ``rank_of_stage`` (stage -> pipeline rank).
+
+    ``activation_budget_bytes``: per rank, the memory left for activations after weights,
+    gradients and optimizer state (None: no memory limit beyond the in-flight knobs).
+    """
     num_stages = len(rank_of_stage)
     num_ranks = len(policies)
     num_mb = microbatches
@@ -116,6 +125,10 @@ def policy_schedule(
     next_b = [0] * num_stages
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
     admitted = [0] * num_ranks
+    act = [c.activation_bytes for c in costs]
+    footprint = [sum(act[s] for s in held) for held in stages_of]  # one microbatch on the whole rank
+    budget = list(activation_budget_bytes) if activation_budget_bytes is not None else [_INF] * num_ranks
+    reserved = [0.0] * num_ranks  # activations admitted microbatches hold or will hold
     free = [0.0] * num_ranks
     link_free: dict[tuple[int, int], float] = {}
     out: list[list[Op]] = [[] for _ in range(num_ranks)]
@@ -144,8 +157,11 @@ def policy_schedule(
             m = next_f[s]
             if m >= num_mb:
                 continue
-            if s == first[r] and admitted[r] >= policy.inflight:
-                continue
+            if s == first[r]:
+                if admitted[r] >= policy.inflight:
+                    continue
+                if reserved[r] + footprint[r] > budget[r] and (reserved[r] > 0 or pending_w[r]):
+                    continue
             if s == 0:
                 found.append((t, 0, s, m))
             else:
@@ -202,12 +218,14 @@ def policy_schedule(
             s, m = pending_w[r].pop(0)
             out[r].append(Op(s, Kind.W, m))
             end = start + w_ms[s]
+            reserved[r] -= act[s]
         elif kind == 0:
             out[r].append(Op(s, Kind.F, m))
             end = start + f_ms[s]
             next_f[s] += 1
             if s == first[r]:
                 admitted[r] += 1
+                reserved[r] += footprint[r]
             dst = fwd_to[s]
             if dst < 0:
                 pass
@@ -224,6 +242,7 @@ def policy_schedule(
             else:
                 out[r].append(Op(s, Kind.B, m))
                 end = start + b_ms[s]
+                reserved[r] -= act[s]
             next_b[s] += 1
             if s == first[r]:
                 admitted[r] -= 1

@@ -132,9 +132,25 @@ def solve_partition(
         model.add(num_stages == problem.num_stages)
     else:
         model.add(num_stages <= max_stages)
-    # the first layer's rank is a free relabelling when all ranks are alike
-    if not problem.rank_class or len(set(problem.rank_class)) == 1:
-        model.add(a[0, 0] == 1)
+    # Ranks of one node class are interchangeable; break that symmetry by ordering them by
+    # the first layer they hold (seen[l, r]: rank r holds one of layers 0..l).
+    rank_class = problem.rank_class or (0,) * P
+    seen = {}
+    for r in range(P):
+        for l in range(L):
+            v = model.new_bool_var(f"seen{l}_{r}")
+            model.add_implication(a[l, r], v)
+            if l == 0:
+                model.add(v <= a[l, r])
+            else:
+                model.add_implication(seen[l - 1, r], v)
+                model.add(v <= seen[l - 1, r] + a[l, r])
+            seen[l, r] = v
+    for r in range(P):
+        later = next((q for q in range(r + 1, P) if rank_class[q] == rank_class[r]), None)
+        if later is not None:
+            for l in range(L):
+                model.add_implication(seen[l, later], seen[l, r])
 
     # balance: the busiest rank's F + I + W sets the pace of any schedule's steady state; the
     # per-kind maxima break ties (they shape warm-up and cool-down)
@@ -150,6 +166,7 @@ def solve_partition(
     # back; it is inter-node when the two ranks' node classes differ. A link carries one
     # transfer per microbatch each way, so one transfer also bounds the pace (z >= it).
     xfer_terms = []
+    crossings = {}
     if problem.intra_ticks:
         classes = sorted(set(problem.rank_class))
         for l in range(1, L):
@@ -159,6 +176,7 @@ def solve_partition(
             model.add(z >= intra * cut)
             if len(classes) > 1 and inter > intra:
                 crossing = model.new_bool_var(f"cross{l}")
+                crossings[l] = crossing
                 for c in classes:
                     members = [r for r in range(P) if problem.rank_class[r] == c]
                     model.add(crossing >= sum(a[l - 1, r] for r in members) - sum(a[l, r] for r in members))
@@ -175,34 +193,69 @@ def solve_partition(
     model.minimize(problem.microbatches * z + 2 * sum(xfer_terms) + sum(kind_max))
 
     if hint is not None:
+        # a complete hint (every auxiliary variable too) so CP-SAT starts from a full solution
         hint_bounds, hint_ranks = hint
+        owner = [0] * L
         for j, r_hint in enumerate(hint_ranks):
             for l in range(hint_bounds[j], hint_bounds[j + 1]):
-                for r in range(P):
-                    model.add_hint(a[l, r], 1 if r == r_hint else 0)
+                owner[l] = r_hint
+        for r in range(P):
+            held = False
+            for l in range(L):
+                model.add_hint(a[l, r], owner[l] == r)
+                if l > 0:  # start[0, r] is a[0, r] itself
+                    model.add_hint(start[l, r], owner[l] == r and owner[l - 1] != r)
+                held = held or owner[l] == r
+                model.add_hint(seen[l, r], held)
+        for l, crossing in crossings.items():
+            model.add_hint(crossing, rank_class[owner[l - 1]] != rank_class[owner[l]])
 
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 1  # one worker: deterministic for a seed (and the machine is shared)
-    solver.parameters.random_seed = seed
-    began = time.perf_counter()
-    status = solver.solve(model)
-    wall = time.perf_counter() - began
+    def solve(fix_hint: bool) -> tuple[cp_model.CpSolver, int, float]:
+        solver = cp_model.CpSolver()
+        # one worker and a limit in deterministic time (work, not seconds): the same answer on
+        # a busy machine as on an idle one; the wall-clock limit is only a safety net
+        solver.parameters.num_workers = 1
+        solver.parameters.max_deterministic_time = time_limit_s
+        solver.parameters.max_time_in_seconds = 4 * time_limit_s
+        solver.parameters.random_seed = seed
+        solver.parameters.fix_variables_to_their_hinted_value = fix_hint
+        began = time.perf_counter()
+        status = solver.solve(model)
+        return solver, status, time.perf_counter() - began
+
+    def read(solver: cp_model.CpSolver) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        owner = [next(r for r in range(P) if solver.value(a[l, r])) for l in range(L)]
+        bounds, ranks = [0], [owner[0]]
+        for l in range(1, L):
+            if owner[l] != owner[l - 1]:
+                bounds.append(l)
+                ranks.append(owner[l])
+        bounds.append(L)
+        return tuple(bounds), tuple(ranks)
+
+    ok = (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    greedy = None
+    if hint is not None:
+        # the hint alone, priced by the model: CP-SAT with one worker does not always find its
+        # way back to a hint within a short limit, and the greedy answer is a floor
+        solver, status, _ = solve(fix_hint=True)
+        if status in ok:
+            greedy = (solver.objective_value, read(solver), int(solver.value(z)))
+    solver, status, wall = solve(fix_hint=False)
     name = solver.status_name(status)
-    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    log.info("cp-sat %d layers on %d ranks (<= %d stages): %s, objective %s, bound %s, %.2f s", L, P, max_stages, name,
-             solver.objective_value if found else None, solver.best_objective_bound, wall)
-    if not found:
-        return None
-    owner = [next(r for r in range(P) if solver.value(a[l, r])) for l in range(L)]
-    bounds, ranks = [0], [owner[0]]
-    for l in range(1, L):
-        if owner[l] != owner[l - 1]:
-            bounds.append(l)
-            ranks.append(owner[l])
-    bounds.append(L)
-    return PartitionSolution(tuple(bounds), tuple(ranks), name, float(solver.objective_value),
-                             float(solver.best_objective_bound), wall, int(solver.value(z)))
+    found = status in ok
+    log.info("cp-sat %d layers on %d ranks (<= %d stages): %s, objective %s, bound %s, %.2f s (hint objective %s)",
+             L, P, max_stages, name, solver.objective_value if found else None, solver.best_objective_bound, wall,
+             greedy[0] if greedy else None)
+    if found and (greedy is None or solver.objective_value <= greedy[0]):
+        bounds, ranks = read(solver)
+        return PartitionSolution(bounds, ranks, name, float(solver.objective_value),
+                                 float(solver.best_objective_bound), wall, int(solver.value(z)))
+    if greedy is not None:
+        objective, (bounds, ranks), max_load = greedy
+        return PartitionSolution(bounds, ranks, f"{name} (hint kept)", float(objective),
+                                 float(solver.best_objective_bound), wall, max_load)
+    return None
 
 
 def _rank_classes(cluster: Cluster, config: Config) -> tuple[int, ...]:

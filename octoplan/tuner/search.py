@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -269,8 +269,9 @@ def tune(
         if opts.use_cpsat and {"partition", "placement"} <= set(opts.dimensions):
             from octoplan.tuner.cpsat import cpsat_seeds  # OR-Tools only when the tuner runs
 
+            # CP-SAT's limit is deterministic time (work), so the seeds do not depend on the clock
             found, stats = cpsat_seeds(evaluator, config, chunks_max=opts.chunks_max,
-                                       time_limit_s=max(1.0, min(10.0, opts.time_limit_s / (8 * len(configs)))),
+                                       time_limit_s=max(0.5, min(5.0, opts.time_limit_s / (20 * len(configs)))),
                                        seed=opts.seed)
             seeds.extend(found)
             cpsat_stats.extend(stats)
@@ -280,6 +281,7 @@ def tune(
             break
         ranked.append((search.offer(cand).score, index, cand))
     ranked.sort(key=lambda item: (item[0], item[1]))
+    seeded_s = search.clock.elapsed()
 
     # Climb from the best seed of each family (configuration x stage count x fixed or policy
     # schedule), best families first, in the most promising configurations; each climb gets
@@ -320,6 +322,7 @@ def tune(
         "evaluations": evaluator.evaluations,
         "configs": len(configs),
         "seeds": len(seeds),
+        "seeding_s": round(seeded_s, 3),
         "origin": best.origin,
         "moves_accepted": len(search.accepted_moves),
         "dimensions": list(opts.dimensions),
@@ -327,7 +330,7 @@ def tune(
     }
     if best.policies is not None:
         stats["policies"] = [p.to_dict() for p in best.policies]
-    plan = Plan(**{**plan.__dict__, "extra": {"tuner": stats}})
+    plan = replace(plan, extra={"tuner": stats})
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     return TuneResult(plan, best_scored, best, tuple(baselines), stats)
 

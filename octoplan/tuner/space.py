@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from octoplan.costs import LayerTable, StageCost, lower_bound_ms
+from octoplan.memory import static_bytes
 from octoplan.ops import Op
 from octoplan.plan import Cluster, Parallel, Plan, Stage
 from octoplan.profile import Profile
@@ -108,11 +109,21 @@ class Evaluator:
         if cand.fixed is not None:
             return cand.fixed
         assert cand.policies is not None
+        costs = self.costs(cand)
         ops = policy_schedule(
-            cand.ranks, self.costs(cand), microbatches=cand.config.microbatches, policies=cand.policies,
+            cand.ranks, costs, microbatches=cand.config.microbatches, policies=cand.policies,
             cluster=self.cluster, parallel=cand.config.parallel(),
+            activation_budget_bytes=self.activation_budget(cand, costs),
         )
         return tuple(tuple(rank_ops) for rank_ops in ops)
+
+    def activation_budget(self, cand: Candidate, costs: Sequence[StageCost]) -> list[float]:
+        """Per rank, the GPU memory left for activations once the static bytes are placed."""
+        limit = self.cluster.memory_gb * 1e9
+        budget = [limit] * cand.config.pp
+        for cost, rank in zip(costs, cand.ranks):
+            budget[rank] -= static_bytes(cost.param_bytes, dtype_bytes=self.profile.dtype_bytes, optimizer=self.optimizer)
+        return budget
 
     def plan(self, cand: Candidate) -> Plan:
         return Plan(
