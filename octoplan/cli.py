@@ -229,6 +229,20 @@ def show(
         out.print(timeline.render_comparison(rows, title=f"predicted vs measured ({measured})"))
 
 
+@app.command()
+@guarded
+def export(
+    plan_path: Path = typer.Argument(..., metavar="PLAN"),
+    format: str = typer.Option("torch-csv", "--format", help="torch-csv: torch.distributed.pipelining's compute-only CSV"),
+    output: Path = typer.Option(..., "-o", "--output", help="file to write"),
+) -> None:
+    """Write PLAN in another tool's format."""
+    from octoplan.export import export_plan
+
+    export_plan(load_plan(plan_path), output, format=format, file=str(plan_path))
+    console.print(f"{format} -> {output}")
+
+
 def _register_optional() -> None:
     """Commands that live beside their libraries (tuner, exporter)."""
     try:

@@ -15,10 +15,9 @@ Two kinds of message exist: ``act`` (the input of stage ``s`` for microbatch ``m
 ``F(s-1, mb)``) and ``grad`` (the gradient of stage ``s``'s output, produced by ``I``/``B`` of
 stage ``s+1``). Adjacent stages on one rank hand tensors over directly: no message.
 
-:func:`check_runnable` replays the per-rank orders against the SPEC dependencies with unbounded,
-asynchronous sends — the runtime's own model — and raises :class:`ScheduleError` naming the op
-each rank is stuck on when the orders cannot run to the end. Both are pure functions of the plan:
-no torch, no I/O.
+Whether the orders can run to the end at all is checked before lowering, by the planner's own
+validator (:func:`octoplan.validate.check_runnable`): the runtime's sends never block, which is
+the simulator's model too. Lowering is a pure function of the plan: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -36,10 +35,7 @@ __all__ = [
     "Instr",
     "RankProgram",
     "Lowered",
-    "ScheduleError",
     "lower",
-    "check_runnable",
-    "dependencies",
 ]
 
 ACT = "act"
@@ -106,30 +102,6 @@ class Lowered:
     channels: tuple[tuple[int, int], ...]  # directed (src, dst) pairs that carry messages, sorted
 
 
-class ScheduleError(ValueError):
-    """The per-rank orders cannot run to the end; the message names what each rank waits for."""
-
-
-def dependencies(plan: Plan, op: Op) -> list[Op]:
-    """The ops that ``op`` needs (SPEC section 1), given which backward form the plan uses."""
-    last = plan.num_stages - 1
-    if op.kind is Kind.F:
-        return [Op(op.stage - 1, Kind.F, op.mb)] if op.stage > 0 else []
-    if op.kind is Kind.W:
-        return [Op(op.stage, Kind.I, op.mb)]
-    deps = [Op(op.stage, Kind.F, op.mb)]
-    if op.stage < last:
-        deps.append(_input_grad_op(plan, op.stage + 1, op.mb))
-    return deps
-
-
-def _input_grad_op(plan: Plan, stage: int, mb: int) -> Op:
-    """The op computing stage ``stage``'s input gradient: its I, or its B when it is fused."""
-    i_op = Op(stage, Kind.I, mb)
-    rank = plan.stages[stage].rank
-    return i_op if i_op in set(plan.schedule[rank]) else Op(stage, Kind.B, mb)
-
-
 def lower(plan: Plan) -> Lowered:
     """Derive every rank's communication program from the plan's compute op lists."""
     last = plan.num_stages - 1
@@ -174,35 +146,3 @@ def lower(plan: Plan) -> Lowered:
         )
     channels = tuple(sorted((src, dst) for src, per in outgoing.items() for dst, msgs in per.items() if msgs))
     return Lowered(programs=tuple(programs), channels=channels)
-
-
-def check_runnable(plan: Plan) -> None:
-    """Raise :class:`ScheduleError` unless every rank's op list can run to the end.
-
-    Replays the orders with the runtime's semantics: a rank runs its next op as soon as the ops
-    it depends on have run anywhere (sends never block). If no rank can move, the error lists,
-    per rank, the op it is stuck on and the op (and rank) that op waits for.
-    """
-    done: set[Op] = set()
-    position = [0] * plan.pp
-    remaining = sum(len(ops) for ops in plan.schedule)
-    while remaining:
-        moved = False
-        for rank, ops in enumerate(plan.schedule):
-            while position[rank] < len(ops):
-                op = ops[position[rank]]
-                if not all(dep in done for dep in dependencies(plan, op)):
-                    break
-                done.add(op)
-                position[rank] += 1
-                remaining -= 1
-                moved = True
-        if not moved:
-            waits = []
-            for rank, ops in enumerate(plan.schedule):
-                if position[rank] < len(ops):
-                    op = ops[position[rank]]
-                    missing = [dep for dep in dependencies(plan, op) if dep not in done]
-                    needs = ", ".join(f"{dep} on rank {plan.stages[dep.stage].rank}" for dep in missing)
-                    waits.append(f"rank {rank} stuck at {op} (step {position[rank]}) waiting for {needs}")
-            raise ScheduleError("schedule cannot run to the end: " + "; ".join(waits))

@@ -32,8 +32,9 @@ from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.ops import Kind, Op
 from octoplan.plan import Plan, load_plan, load_plan_profile, resolve_profile_path
+from octoplan.validate import check_runnable
 from octorun.comm import Channel, Transport, wait_work
-from octorun.lowering import ACT, Lowered, Message, RankProgram, ScheduleError, check_runnable, lower
+from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
 from octorun.stage import StageExecutor, Tape
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
 
@@ -114,10 +115,7 @@ def prepare(config: RunConfig) -> Prepared:
         raise InputError(None, "--timeout", f"is {config.timeout_s}", "give a positive number of seconds")
     plan = load_plan(config.plan_path)
     microbatch_size = _microbatch_size(plan, config.plan_path)
-    try:
-        check_runnable(plan)
-    except ScheduleError as exc:
-        raise InputError(config.plan_path, "schedule", str(exc), "fix the op order (octoplan validate PLAN)") from None
+    check_runnable(plan, file=config.plan_path)
     model = load_model_file(_model_path(plan, config.plan_path), plan.model.config, seed=config.seed)
     num_layers = model.num_layers()
     if plan.stages[-1].end != num_layers:

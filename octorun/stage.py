@@ -2,10 +2,11 @@
 
 Assumptions (shared with the profiler): each layer's forward input is detached and, for floating
 tensors, made to require grad, so a layer's backward touches that layer only. ``I`` walks the
-stage's layers from last to first with ``torch.autograd.grad(outputs, inputs, grad_outputs,
-retain_graph=True)`` and keeps each layer's output gradient; ``W`` later takes the same
-outputs and kept gradients to the layer's parameters and accumulates into ``.grad``. ``B`` does
-both in one pass per layer. Values are a Tensor or a tuple of Tensors; integer tensors pass
+stage's layers from last to first with :func:`octoplan.splitgrad.backward_input`, which also
+captures where each layer's parameter branches leave the input path; ``W`` later runs only
+those branches (:func:`octoplan.splitgrad.backward_weight`) and accumulates into ``.grad`` —
+the same split the profiler measures, so I + W costs about one fused backward. ``B`` does both
+in one autograd pass per layer. Values are a Tensor or a tuple of Tensors; integer tensors pass
 through without gradients. The gradient travelling between stages is a tuple with one tensor
 per floating tensor of the stage input, in order (zeros where the input was unused).
 """
@@ -18,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from octoplan.modelfile import as_args
+from octoplan.splitgrad import PendingWeightGrads, backward_input, backward_weight
 
 __all__ = ["StageExecutor", "Tape", "floating"]
 
@@ -32,6 +34,7 @@ class _LayerTape:
     inputs: list[torch.Tensor]  # the detached floating inputs (leaves that require grad)
     outputs: list[torch.Tensor]  # floating outputs (the scaled loss for the model's last layer)
     grad_outputs: list[torch.Tensor] | None = None
+    pending: PendingWeightGrads | None = None  # left by I for W
 
 
 @dataclass
@@ -88,11 +91,11 @@ class StageExecutor:
     def backward_input(self, tape: Tape, grad_output: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
         """I: gradients w.r.t. the stage's floating inputs; keeps each layer's output gradient."""
         grads = self._output_grads(tape, grad_output)
-        for layer_tape in reversed(tape.layers):
+        for layer_tape, params in zip(reversed(tape.layers), reversed(self.params)):
             layer_tape.grad_outputs = list(grads)
             outs, gouts = self._differentiable(layer_tape)
-            if outs and layer_tape.inputs:
-                found = torch.autograd.grad(outs, layer_tape.inputs, gouts, retain_graph=True, allow_unused=True)
+            if outs:
+                found, layer_tape.pending = backward_input(outs, gouts, layer_tape.inputs, params)
                 grads = _zeros_for_none(found, layer_tape.inputs)
             else:
                 grads = tuple(torch.zeros_like(t) for t in layer_tape.inputs)
@@ -100,11 +103,11 @@ class StageExecutor:
 
     def backward_weight(self, tape: Tape) -> None:
         """W: parameter gradients from the kept output gradients, accumulated into ``.grad``."""
-        for layer_tape, params in zip(tape.layers, self.params):
-            outs, gouts = self._differentiable(layer_tape)
-            if outs and params:
-                _accumulate(params, torch.autograd.grad(outs, params, gouts, allow_unused=True))
-            layer_tape.outputs = layer_tape.grad_outputs = layer_tape.inputs = []  # free the graph
+        for layer_tape in tape.layers:
+            if layer_tape.pending is not None:
+                _accumulate(layer_tape.pending.params, backward_weight(layer_tape.pending))
+            layer_tape.pending = None  # free the graph
+            layer_tape.outputs = layer_tape.grad_outputs = layer_tape.inputs = []
 
     def backward(self, tape: Tape, grad_output: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
         """B: I and W fused, one autograd pass per layer."""

@@ -89,7 +89,7 @@ def _baselines(profile: Profile) -> dict[str, Plan]:
 def _tuned(profile: Profile) -> Plan:
     from octoplan.tuner import TuneOptions, tune
 
-    opts = TuneOptions(gpus=2, pp=2, microbatches=4, time_limit_s=3.0, use_cpsat=False)
+    opts = TuneOptions(gpus=2, pp=2, microbatches=4, time_limit_s=2.0, use_cpsat=False)
     return tune(profile, Cluster(gpus=2), opts).plan
 
 

@@ -12,7 +12,8 @@ import torch
 import runtime_helpers as h
 from octoplan.ops import Kind
 from octorun.comm import HEADER_SLOTS, decode_header, encode_header
-from octorun.lowering import Message, ScheduleError, check_runnable, lower
+from octoplan.validate import check_runnable
+from octorun.lowering import Message, lower
 
 MODEL = Path("/nonexistent/model.py")  # lowering never reads the model
 
@@ -80,16 +81,6 @@ def test_every_message_is_sent_once_received_once_in_sender_order(seed):
             for m in instr.recvs:
                 assert (m.stage, m.mb) == (instr.op.stage, instr.op.mb)
                 assert (instr.op.kind is Kind.F) == (m.kind == "act")
-
-
-def test_unrunnable_schedule_names_the_stuck_ops():
-    # rank 0 waits for 1B0's gradient before sending 0F1; rank 1 runs 1F1 before 1B0: a cycle
-    plan = _plan([0, 1], ["0F0 0B0 0F1 0B1", "1F0 1F1 1B0 1B1"], 2)
-    with pytest.raises(ScheduleError) as info:
-        check_runnable(plan)
-    text = str(info.value)
-    assert "rank 0 stuck at 0B0 (step 1) waiting for 1B0 on rank 1" in text
-    assert "rank 1 stuck at 1F1 (step 1) waiting for 0F1 on rank 0" in text
 
 
 def test_header_round_trips_tuples_of_any_dtype():

@@ -16,7 +16,8 @@ free it runs the ready op its :class:`RankPolicy` prefers:
    yet through that stage's backward (the warm-up depth), or while admitting it could push
    the rank's activations past its ``activation_budget_bytes`` (each admission reserves the
    microbatch's activations on all the rank's stages; B or W releases them);
-4. a deferred W, to fill a gap where nothing else is ready.
+4. a deferred W, to fill a gap where nothing else is ready — with ``w_fits_gap``, only if no
+   op whose input is already on its way would arrive before the W ends.
 
 Why it cannot deadlock: each stage runs its F and its backward in microbatch order and a rank
 admits microbatches in order, so the oldest unfinished microbatch is always admitted (or
@@ -50,9 +51,11 @@ class RankPolicy:
     split: bool = False  # backward as I then a deferred W, rather than one B
     w_cap: int = 0  # deferred Ws kept pending before one is forced (with split)
     deep_first: bool = True  # among ready forwards, the rank's later stage first
+    w_fits_gap: bool = True  # a gap-filling W waits if a known arrival would come before it ends
 
     def to_dict(self) -> dict:
-        return {"inflight": self.inflight, "split": self.split, "w_cap": self.w_cap, "deep_first": self.deep_first}
+        return {"inflight": self.inflight, "split": self.split, "w_cap": self.w_cap, "deep_first": self.deep_first,
+                "w_fits_gap": self.w_fits_gap}
 
 
 def default_policies(rank_of_stage: Sequence[int], num_ranks: int, microbatches: int, *, split: bool = False,
@@ -210,7 +213,15 @@ def policy_schedule(
                 _, _, s, m = fwds[0] if policy.deep_first else min(fwds, key=lambda c: (c[3], c[2]))
                 choice = (0, s, m)
         if choice is None:
-            choice = (2, -1, -1)  # only a deferred W is ready: fill the gap with it
+            # only a deferred W is ready: fill the gap with it, unless an op whose input is
+            # already on its way would arrive before the W ends (the W would delay it)
+            arriving = min((c[0] for c in cached[r] if c[1] != 2 and c[0] > when), default=_INF)
+            w_stage = pending_w[r][0][0]
+            if policy.w_fits_gap and arriving < when + w_ms[w_stage]:
+                version[r] += 1
+                heapq.heappush(heap, (arriving, r, version[r]))
+                continue
+            choice = (2, -1, -1)
         kind, s, m = choice
         start = when
         touched = -1

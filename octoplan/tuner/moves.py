@@ -5,7 +5,10 @@ Every move changes one of the three dimensions the tuner co-optimizes:
 - ``placement``: move or swap stages between ranks; swap two ranks' whole contents (which
   changes which node each part of the model sits on);
 - ``schedule``: a rank's warm-up depth (in-flight limit), B split into I + W, how long Ws
-  may wait, which chunk goes first; a baseline's fixed order turned into the policy scheduler.
+  may wait, which chunk goes first; a baseline's fixed order turned into the policy scheduler;
+  and direct reorders of an explicit op order at its bubbles: a deferred W moved into the gap
+  where its rank idles, or the op a rank waits for moved ahead of the op before it (an
+  order with a cycle is rejected by the simulator's DeadlockError).
 
 The order comes from the simulated timeline: a rank's *heat* is its busy time plus the idle
 time it causes on others (``SimResult.bubbles``: who waits on whose op). Layers move from hot
@@ -21,6 +24,7 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Iterator
 
+from octoplan.ops import Kind, Op
 from octoplan.schedules.policy import default_policies
 from octoplan.simulator import SimResult
 from octoplan.tuner.space import Candidate
@@ -231,6 +235,58 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
     return out
 
 
+def _reorder_moves(cand: Candidate, result: SimResult, breadth: int) -> list[tuple[float, Candidate]]:
+    """Op-order edits at the longest bubbles of ``result`` (whose schedule is ``cand``'s)."""
+    schedule = [[span.op for span in result.spans(r)] for r in range(result.num_ranks)]
+    index = [{op: i for i, op in enumerate(ops)} for ops in schedule]
+    # the warm-up wait before a rank's first op cannot be reordered away: skip it
+    bubbles = sorted((b for b in result.bubbles if b.reason != "drain" and b.waits_for is not None and b.start_ms > 0),
+                     key=lambda b: (-b.duration_ms, b.rank, b.start_ms))
+    out = []
+    tag = cand.fixed_id.split("#")[0] if cand.fixed_id else "policy"
+
+    def emit(gain: float, new_schedule: list[list[Op]], why: str) -> None:
+        frozen = tuple(tuple(ops) for ops in new_schedule)
+        key = f"{tag}#{hash(frozen) & 0xFFFFFFFFFFFF:x}"
+        out.append((gain, Candidate(cand.config, cand.bounds, cand.ranks, None, frozen, why, key)))
+
+    for bubble in bubbles[: 4 * breadth]:
+        need = bubble.waits_for
+        r = bubble.rank
+        # the op on rank r that waited: the consumer of ``need``
+        if need.kind is Kind.F:
+            waiting = [Op(need.stage + 1, Kind.F, need.mb)]
+        else:
+            waiting = [Op(need.stage - 1, Kind.I, need.mb), Op(need.stage - 1, Kind.B, need.mb)]
+        at = next((index[r][op] for op in waiting if op in index[r]), None)
+        if at is None:
+            continue
+        # a W of this rank whose I already ran: move it into the gap
+        for k in range(at + 1, len(schedule[r])):
+            op = schedule[r][k]
+            if op.kind is Kind.W and index[r].get(Op(op.stage, Kind.I, op.mb), len(schedule[r])) < at:
+                new = [list(ops) for ops in schedule]
+                new[r].insert(at, new[r].pop(k))
+                emit(bubble.duration_ms, new, f"rank {r}: {op} into the gap before {schedule[r][at]}")
+                break
+        # the producer of ``need`` one step earlier, and ahead of the Ws right before it
+        q = bubble.from_rank
+        j = index[q].get(need) if q is not None else None
+        if j is None or j == 0:
+            continue
+        new = [list(ops) for ops in schedule]
+        new[q][j - 1], new[q][j] = new[q][j], new[q][j - 1]
+        emit(bubble.duration_ms * 0.8, new, f"rank {q}: {need} one op earlier")
+        first_w = j
+        while first_w > 0 and schedule[q][first_w - 1].kind is Kind.W:
+            first_w -= 1
+        if first_w < j - 1:
+            new = [list(ops) for ops in schedule]
+            new[q].insert(first_w, new[q].pop(j))
+            emit(bubble.duration_ms * 0.9, new, f"rank {q}: {need} ahead of {j - first_w} Ws")
+    return out
+
+
 def neighbours(
     cand: Candidate,
     result: SimResult,
@@ -255,6 +311,7 @@ def neighbours(
         groups.append(_placement_moves(cand, heat, rng, breadth))
     if "schedule" in dimensions:
         groups.append(_schedule_moves(cand, heat, memory_first))
+        groups.append(_reorder_moves(cand, result, breadth))
     seq = 0
     for group in groups:
         for gain, moved in group:

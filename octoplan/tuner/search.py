@@ -32,6 +32,7 @@ from octoplan.plan import Cluster, Plan, check_structure
 from octoplan.profile import Profile
 from octoplan.schedules import SCHEDULES, loop_placement, v_placement
 from octoplan.schedules.policy import default_policies
+from octoplan.simulator import DeadlockError
 from octoplan.tuner.moves import DIMENSIONS, neighbours
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored, bounds_of
 from octoplan.yamlio import file_sha256
@@ -224,7 +225,7 @@ class _Search:
                     break
                 try:
                     scored = self.offer(moved)
-                except ValueError as exc:  # a move that breaks a structural rule: skip it
+                except (ValueError, DeadlockError) as exc:  # a move that breaks a rule or the order: skip it
                     log.debug("move %s rejected: %s", moved.origin, exc)
                     continue
                 if scored.score < current_score and _better_enough(scored.score, current_score):
