@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics", metavar="FILE.jsonl", help="global rank 0 writes one JSON object per step")
     parser.add_argument("--trace", metavar="FILE.json", help="Chrome trace of the last step's ops on every rank")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S", help="deadline of every wait, seconds (default 300)")
+    parser.add_argument("--replay", nargs="?", type=float, const=1.0, metavar="SCALE",
+                        help="run the plan's profile through the replay model: every op sleeps its profiled time x SCALE "
+                             "(default 1), so CPU processes emulate the plan's GPUs")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="auto: nccl with CUDA, else gloo")
     return parser
 
@@ -45,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = RunConfig(
         plan_path=args.plan, steps=args.steps, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
         metrics_path=args.metrics, trace_path=args.trace, timeout_s=args.timeout, backend=args.backend,
+        replay_time_scale=args.replay,
     )
     try:
         result = run(config)

@@ -56,6 +56,7 @@ class RunConfig:
     trace_path: str | None = None
     timeout_s: float = 300.0
     backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
+    replay_time_scale: float | None = None  # run the plan's profile through the replay model
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,10 @@ def prepare(config: RunConfig) -> Prepared:
     plan = load_plan(config.plan_path)
     microbatch_size = _microbatch_size(plan, config.plan_path)
     check_runnable(plan, file=config.plan_path)
-    model = load_model_file(_model_path(plan, config.plan_path), plan.model.config, seed=config.seed)
+    if config.replay_time_scale is not None:
+        model = _replay_model(plan, config)
+    else:
+        model = load_model_file(_model_path(plan, config.plan_path), plan.model.config, seed=config.seed)
     num_layers = model.num_layers()
     if plan.stages[-1].end != num_layers:
         raise InputError(config.plan_path, "stages", f"cover {plan.stages[-1].end} layers but {model.path} has {num_layers}",
@@ -132,6 +136,20 @@ def _microbatch_size(plan: Plan, plan_path: str) -> int:
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise InputError(plan_path, "microbatch_size", f"is {size!r}", "write a positive integer")
     return size
+
+
+def _replay_model(plan: Plan, config: RunConfig) -> ModelFile:
+    """The replay model of the plan's own profile: every op sleeps its profiled time (scaled),
+    so CPU processes emulate the plan's GPUs — for plans of models too large to run here."""
+    from octorun import replay
+
+    if config.replay_time_scale < 0:
+        raise InputError(None, "--replay", f"is {config.replay_time_scale}", "give a time scale >= 0")
+    profile_path = resolve_profile_path(plan, config.plan_path)
+    if profile_path is None:
+        raise InputError(config.plan_path, "profile", f"profile {plan.profile!r} not found", "--replay needs the plan's profile")
+    load_plan_profile(plan, config.plan_path)  # the hash and layer count must still match
+    return load_model_file(replay.__file__, {"profile": str(profile_path), "time_scale": config.replay_time_scale}, seed=config.seed)
 
 
 def _model_path(plan: Plan, plan_path: str) -> str:
@@ -469,7 +487,9 @@ class _Interpreter:
         last = max((s[4] for s in spans), default=0.0)
         iteration_s = max(last - first, 1e-12)
         busy_s = sum(s[4] - s[3] for s in spans)
-        predicted = (self.plan.predicted or {}).get("iteration_ms")
+        # A replay at another time scale is not the plan's predicted iteration any more.
+        scaled = self.config.replay_time_scale not in (None, 1.0)
+        predicted = None if scaled else (self.plan.predicted or {}).get("iteration_ms")
         return StepMetrics(
             step=step, loss=loss, iteration_ms=iteration_s * 1e3,
             step_ms=max(r["step_s"] for r in records) * 1e3,

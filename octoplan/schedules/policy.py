@@ -13,7 +13,9 @@ free it runs the ready op its :class:`RankPolicy` prefers:
 3. a forward, the later stage first when ``deep_first`` (drives microbatches to the end of the
    pipeline sooner) else the oldest microbatch; a forward of the rank's first stage admits a
    new microbatch to the rank and waits while ``inflight`` microbatches are admitted and not
-   yet through that stage's backward (the warm-up depth), or while admitting it could push
+   yet through that stage's backward, or — until the rank has run anything but its first
+   stage's forwards — once it has run ``warmup`` of them (the warm-up depth: how far ahead the
+   rank fills before it turns to its other stages, ZB-V's 2(pp-r)-1), or while admitting it could push
    the rank's activations past its ``activation_budget_bytes`` (each admission reserves the
    microbatch's activations on all the rank's stages; B or W releases them);
 4. a deferred W, to fill a gap where nothing else is ready — with ``w_fits_gap``, only if no
@@ -48,33 +50,49 @@ class RankPolicy:
     """The knobs of one rank's list-scheduling policy."""
 
     inflight: int  # most microbatches admitted to the rank and not yet through its first stage's backward
+    warmup: int = 1 << 30  # first-stage forwards before the rank first runs anything else
     split: bool = False  # backward as I then a deferred W, rather than one B
     w_cap: int = 0  # deferred Ws kept pending before one is forced (with split)
     deep_first: bool = True  # among ready forwards, the rank's later stage first
     w_fits_gap: bool = True  # a gap-filling W waits if a known arrival would come before it ends
 
     def to_dict(self) -> dict:
-        return {"inflight": self.inflight, "split": self.split, "w_cap": self.w_cap, "deep_first": self.deep_first,
-                "w_fits_gap": self.w_fits_gap}
+        return {"inflight": self.inflight, "warmup": self.warmup, "split": self.split, "w_cap": self.w_cap,
+                "deep_first": self.deep_first, "w_fits_gap": self.w_fits_gap}
 
 
 def default_policies(rank_of_stage: Sequence[int], num_ranks: int, microbatches: int, *, split: bool = False,
-                     depth: float = 1.0) -> tuple[RankPolicy, ...]:
+                     depth: float = 1.0, warmup_gap: bool = True) -> tuple[RankPolicy, ...]:
     """1F1B-like knobs for any placement: a rank admits as many microbatches as there are
     ranks between its first stage and the pipeline's end (``depth`` scales that), so the
-    pipeline fills; with ``split``, Ws wait while the rank would otherwise idle."""
+    pipeline fills; with ``split``, Ws wait while the rank would otherwise idle. With
+    ``warmup_gap`` the warm-up stops when the first microbatch can be back on the rank;
+    without, only the in-flight limit bounds it."""
     num_stages = len(rank_of_stage)
     first_stage = [num_stages] * num_ranks
     for s, r in enumerate(rank_of_stage):
         first_stage[r] = min(first_stage[r], s)
+    second_stage = [num_stages] * num_ranks
+    for s, r in enumerate(rank_of_stage):
+        if s > first_stage[r] and second_stage[r] == num_stages:
+            second_stage[r] = s
     out = []
     for r in range(num_ranks):
         # ranks the microbatch still visits after this rank's first stage, counted in stages
         # scaled to ranks: a loop of V chunks revisits every rank V times
         remaining = (num_stages - first_stage[r]) * num_ranks / max(num_stages, 1)
         inflight = max(1, min(microbatches, int(round(remaining * depth))))
+        # warm-up: the stages a microbatch crosses before it is back on this rank — as the
+        # forward of the rank's next stage (a V: 2(pp-r)-1, as ZB-V), or as the gradient, after
+        # which the steady state runs one more forward first (1F1B: pp-r)
+        if second_stage[r] < num_stages:
+            gap = second_stage[r] - first_stage[r]
+        else:
+            gap = num_stages - first_stage[r]
+        warmup = max(1, min(microbatches, gap)) if warmup_gap else microbatches
         # with split, Ws wait for gaps without a cap: the in-flight limit already bounds memory
-        out.append(RankPolicy(inflight=inflight, split=split, w_cap=microbatches * num_stages if split else 0))
+        out.append(RankPolicy(inflight=inflight, warmup=warmup, split=split,
+                              w_cap=microbatches * num_stages if split else 0))
     return tuple(out)
 
 
@@ -128,6 +146,8 @@ def policy_schedule(
     next_b = [0] * num_stages
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
     admitted = [0] * num_ranks
+    warming = [True] * num_ranks  # the rank has run only first-stage forwards so far
+    warm_count = [0] * num_ranks
     act = [c.activation_bytes for c in costs]
     footprint = [sum(act[s] for s in held) for held in stages_of]  # one microbatch on the whole rank
     budget = list(activation_budget_bytes) if activation_budget_bytes is not None else [_INF] * num_ranks
@@ -161,7 +181,7 @@ def policy_schedule(
             if m >= num_mb:
                 continue
             if s == first[r]:
-                if admitted[r] >= policy.inflight:
+                if admitted[r] >= policy.inflight or (warming[r] and warm_count[r] >= policy.warmup):
                     continue
                 if reserved[r] + footprint[r] > budget[r] and (reserved[r] > 0 or pending_w[r]):
                     continue
@@ -223,6 +243,10 @@ def policy_schedule(
                 continue
             choice = (2, -1, -1)
         kind, s, m = choice
+        if kind == 0 and s == first[r]:
+            warm_count[r] += 1
+        else:
+            warming[r] = False
         start = when
         touched = -1
         if kind == 2:

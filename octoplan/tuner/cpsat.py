@@ -316,8 +316,9 @@ def cpsat_seeds(evaluator: Evaluator, config: Config, *, chunks_max: int, time_l
         if any(solution.ranks == s.ranks and solution.bounds == s.bounds for s in solutions):
             continue
         solutions.append(solution)
-        for split, depth in ((True, 1.0), (True, 2.0), (False, 1.0)):
-            policies = default_policies(solution.ranks, config.pp, config.microbatches, split=split, depth=depth)
+        for split, depth, gap in ((True, 1.0, False), (True, 2.0, False), (True, 2.0, True), (False, 1.0, False)):
+            policies = default_policies(solution.ranks, config.pp, config.microbatches, split=split, depth=depth,
+                                        warmup_gap=gap)
             seeds.append(Candidate(config, solution.bounds, solution.ranks, policies, None,
-                                   f"cp-sat <= {cap}/rank, split={split}, depth={depth:g}"))
+                                   f"cp-sat <= {cap}/rank, split={split}, depth={depth:g}, warm-up gap={gap}"))
     return seeds, stats

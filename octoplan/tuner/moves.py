@@ -79,7 +79,8 @@ def _with_layout(cand: Candidate, bounds: tuple[int, ...], ranks: tuple[int, ...
         fresh = default_policies(ranks, pp, num_mb, split=split)
         if policies is not None:
             # keep the tuned knobs, re-deriving only the warm-up depth the new placement needs
-            fresh = tuple(replace(old, inflight=new.inflight) for old, new in zip(policies, fresh))
+            fresh = tuple(replace(old, inflight=new.inflight, warmup=new.warmup if old.warmup < num_mb else old.warmup)
+                          for old, new in zip(policies, fresh))
         policies = fresh
     return Candidate(cand.config, bounds, ranks, policies, None, origin, "")
 
@@ -214,6 +215,8 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
         every(1.0, "every rank in-flight -1", lambda p: replace(p, inflight=max(1, p.inflight - 1)))
     every(2.0 * max(heat.idle), "every rank splits B", lambda p: replace(p, split=True, w_cap=max(p.w_cap, pp)))
     every(1.5 * max(heat.idle), "every rank in-flight +1", lambda p: replace(p, inflight=min(num_mb, p.inflight + 1)))
+    every(1.4 * max(heat.idle), "every rank warm-up +1", lambda p: replace(p, warmup=min(num_mb, p.warmup + 1)))
+    every(1.3 * max(heat.idle), "every rank warm-up -1", lambda p: replace(p, warmup=max(1, p.warmup - 1)))
     for r in sorted(range(pp), key=lambda r: (-heat.idle[r], r)):
         p = policies[r]
         gain = heat.idle[r]
@@ -221,6 +224,10 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
             knob(r, gain, "split B into I+W", split=True, w_cap=max(p.w_cap, pp))
         if p.inflight < num_mb:
             knob(r, gain * 0.9, f"in-flight {p.inflight + 1}", inflight=p.inflight + 1)
+        if p.warmup < num_mb:
+            knob(r, gain * 0.85, f"warm-up {p.warmup + 1}", warmup=p.warmup + 1)
+        if p.warmup > 1:
+            knob(r, gain * 0.8, f"warm-up {p.warmup - 1}", warmup=p.warmup - 1)
         if p.split:
             for cap in (0, max(1, p.w_cap // 2), p.w_cap * 2 if p.w_cap else pp, num_mb * 3):
                 if cap != p.w_cap:

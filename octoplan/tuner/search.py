@@ -171,9 +171,9 @@ def _policy_seeds(profile: Profile, config: Config, chunks_max: int) -> list[Can
         if per_rank == 2:
             placements.append(("V", tuple(v_placement(pp, num_stages))))
         for name, ranks in placements:
-            for split, depth in ((False, 1.0), (True, 1.0), (True, 2.0)):
-                policies = default_policies(ranks, pp, num_mb, split=split, depth=depth)
-                origin = f"policy seed: balanced, {name} x{per_rank}, split={split}, depth={depth:g}"
+            for split, depth, gap in ((False, 1.0, False), (True, 1.0, False), (True, 2.0, False), (True, 2.0, True)):
+                policies = default_policies(ranks, pp, num_mb, split=split, depth=depth, warmup_gap=gap)
+                origin = f"policy seed: balanced, {name} x{per_rank}, split={split}, depth={depth:g}, warm-up gap={gap}"
                 out.append(Candidate(config, bounds, ranks, policies, None, origin))
     return out
 

@@ -1,0 +1,206 @@
+"""The replay model: a model file that takes exactly the times a profile says it takes.
+
+Given any profile (measured or analytic, e.g. a 70B model on an H100), this builds a chain of
+tiny layers whose forward, input-gradient and weight-gradient each *sleep* for ``time_scale``
+times the profile's ``forward_ms``, ``backward_input_ms`` and ``backward_weight_ms``. The runtime
+can then execute a plan for a model it could never hold, on a laptop, and the measured
+iteration can be compared with the simulator's prediction.
+
+Config (the keyword arguments of every function, e.g. a profile's ``model.config``):
+
+    profile      path of the profile YAML to replay (relative to the working directory); required
+    time_scale   multiplies every time (default 1.0)
+    bytes_scale  multiplies each layer's ``output_bytes`` to size the float32 tensor it passes on
+                 (default 1e-3, at least ``MIN_ELEMENTS`` elements per sample), so transfers
+                 keep the profile's proportions while staying small
+
+Layer i is a :class:`ReplayLayer`. Its output is ``input_path(resize(x)) + weight_path(w)``:
+
+- ``resize`` averages (shrink) or repeats (grow) the (mbs, n_in) input into (mbs, n_out), with
+  no parameters;
+- ``input_path`` is the identity whose backward sleeps ``backward_input_ms``;
+- ``weight_path`` is the identity on the layer's weight (a real (n_out,) parameter, so SGD
+  changes it) whose backward sleeps ``backward_weight_ms``; forward sleeps ``forward_ms``.
+
+The two sleeps sit on separate branches of the graph, and autograd runs only the nodes that lead
+to the tensors asked for: ``torch.autograd.grad(out, x)`` sleeps the input time only,
+``torch.autograd.grad(out, layer.parameters())`` the weight time only, and a fused backward both.
+This is exactly the per-layer I/W split the runtime and the profiler use (the profiler's
+boundary-capture W, which restarts at the add where the weight branch leaves the input path, also
+sleeps the weight time only).
+
+The times are wall-clock sleeps on the host: a clock that counts only CPU time (octoplan's
+profiler on a CPU with one thread) sees none of them; time this model by the wall clock.
+
+Sizes: the tensor after layer i has ``max(MIN_ELEMENTS, round(output_bytes * bytes_scale / 4 /
+microbatch_size))`` elements per sample, ``microbatch_size`` being the profile's. The profile
+does not record the model's input, so ``sample_batch`` gives a (mbs, n) float tensor with layer
+0's output size, and targets shaped like the last layer's output; ``loss_fn`` is the mean squared
+difference.
+
+Optional extension (not in SPEC section 4): ``layer_kind`` / ``layer_name`` return the replayed
+profile's ``kind`` / ``name``, so profiling this model reproduces the profile's layer names.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from octoplan.errors import InputError
+from octoplan.profile import Profile, load_profile
+
+__all__ = [
+    "NAME",
+    "CONFIG",
+    "MIN_ELEMENTS",
+    "num_layers",
+    "build_layer",
+    "sample_batch",
+    "loss_fn",
+    "layer_kind",
+    "layer_name",
+    "ReplayLayer",
+]
+
+NAME = "replay"
+MIN_ELEMENTS = 8
+CONFIG = {"profile": None, "time_scale": 1.0, "bytes_scale": 1e-3}
+
+
+@dataclass(frozen=True)
+class _Replay:
+    profile: Profile
+    time_scale: float
+    bytes_scale: float
+
+    def elements(self, index: int) -> int:
+        """Elements per sample of the tensor layer ``index`` outputs (and layer index+1 reads)."""
+        layer = self.profile.layers[index]
+        scaled = layer.output_bytes * self.bytes_scale / 4 / self.profile.microbatch_size
+        return max(MIN_ELEMENTS, round(scaled))
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, mtime_ns: int) -> Profile:
+    del mtime_ns  # part of the cache key only: an edited profile is read again
+    return load_profile(path)
+
+
+def _replay(profile: str | None = None, time_scale: float = 1.0, bytes_scale: float = 1e-3) -> _Replay:
+    if not profile:
+        raise InputError(__file__, "config.profile", "is not set", "set model.config.profile to the profile YAML to replay")
+    try:
+        mtime_ns = os.stat(profile).st_mtime_ns
+    except OSError:
+        raise InputError(str(profile), None, "no such profile to replay", "check config.profile of the replay model") from None
+    for field, value in (("time_scale", time_scale), ("bytes_scale", bytes_scale)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise InputError(__file__, f"config.{field}", f"is {value!r}", "give a number >= 0")
+    return _Replay(profile=_load(str(profile), mtime_ns), time_scale=float(time_scale), bytes_scale=float(bytes_scale))
+
+
+def _sleep_ms(ms: float) -> None:
+    if ms > 0:
+        time.sleep(ms / 1000.0)
+
+
+class _SleepOnBackward(torch.autograd.Function):
+    """Identity whose backward sleeps ``ms``: the cost of one branch of a layer's backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, ms: float) -> torch.Tensor:
+        ctx.ms = ms
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _sleep_ms(ctx.ms)
+        return grad, None
+
+
+class ReplayLayer(nn.Module):
+    """One profile layer: sleeps its forward time, and its I and W times on separate branches."""
+
+    def __init__(
+        self, *, name: str, kind: str, in_elements: int, out_elements: int, forward_ms: float, input_ms: float, weight_ms: float
+    ):
+        super().__init__()
+        self.name = name
+        self.kind = kind
+        self.out_elements = out_elements
+        self.forward_ms = forward_ms
+        self.input_ms = input_ms
+        self.weight_ms = weight_ms
+        self.weight = nn.Parameter(0.1 * torch.randn(out_elements))
+        # Resizing by index (never a pooling op or a matmul): on a CPU those run on the thread
+        # pool even for a few elements, and waking pool threads after a sleep can cost more than
+        # the sleep on a busy machine. Every input element reaches the output either way.
+        if out_elements >= in_elements:  # grow: output j repeats input j * n_in // n_out
+            self.register_buffer("pick", torch.arange(out_elements) * in_elements // out_elements, persistent=False)
+        else:  # shrink: input j joins bucket j * n_out // n_in, each bucket averaged
+            bucket = torch.arange(in_elements) * out_elements // in_elements
+            self.register_buffer("bucket", bucket, persistent=False)
+            self.register_buffer("inverse_count", 1.0 / torch.bincount(bucket).float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _sleep_ms(self.forward_ms)
+        through = _SleepOnBackward.apply(self._resize(x), self.input_ms)
+        return through + _SleepOnBackward.apply(self.weight, self.weight_ms)
+
+    def _resize(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "pick"):
+            return x.index_select(1, self.pick)
+        summed = x.new_zeros(x.shape[0], self.out_elements).index_add(1, self.bucket, x)
+        return summed * self.inverse_count
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.name!r}, kind={self.kind!r}, out={self.out_elements}, F={self.forward_ms:.3g} ms, "
+            f"I={self.input_ms:.3g} ms, W={self.weight_ms:.3g} ms"
+        )
+
+
+def num_layers(**config) -> int:
+    return _replay(**config).profile.num_layers
+
+
+def layer_kind(index: int, **config) -> str:
+    return _replay(**config).profile.layers[index].kind
+
+
+def layer_name(index: int, **config) -> str:
+    return _replay(**config).profile.layers[index].name
+
+
+def build_layer(index: int, **config) -> nn.Module:
+    replay = _replay(**config)
+    if not 0 <= index < replay.profile.num_layers:
+        raise IndexError(f"layer {index} out of range 0..{replay.profile.num_layers - 1}")
+    layer = replay.profile.layers[index]
+    scale = replay.time_scale
+    return ReplayLayer(
+        name=layer.name,
+        kind=layer.kind,
+        in_elements=replay.elements(max(index - 1, 0)),
+        out_elements=replay.elements(index),
+        forward_ms=scale * layer.forward_ms,
+        input_ms=scale * layer.backward_input_ms,
+        weight_ms=scale * layer.backward_weight_ms,
+    )
+
+
+def sample_batch(microbatch_size: int, generator: torch.Generator, **config) -> tuple[torch.Tensor, torch.Tensor]:
+    replay = _replay(**config)
+    inputs = torch.randn(microbatch_size, replay.elements(0), generator=generator)
+    targets = torch.randn(microbatch_size, replay.elements(replay.profile.num_layers - 1), generator=generator)
+    return inputs, targets
+
+
+def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs - targets).pow(2).mean()
