@@ -54,7 +54,7 @@ class RankPolicy:
     split: bool = False  # backward as I then a deferred W, rather than one B
     w_cap: int = 0  # deferred Ws kept pending before one is forced (with split)
     deep_first: bool = True  # among ready forwards, the rank's later stage first
-    w_fits_gap: bool = True  # a gap-filling W waits if a known arrival would come before it ends
+    w_fits_gap: bool = False  # a gap-filling W waits if a known arrival would come before it ends
 
     def to_dict(self) -> dict:
         return {"inflight": self.inflight, "warmup": self.warmup, "split": self.split, "w_cap": self.w_cap,

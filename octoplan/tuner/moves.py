@@ -215,6 +215,7 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
         every(1.0, "every rank in-flight -1", lambda p: replace(p, inflight=max(1, p.inflight - 1)))
     every(2.0 * max(heat.idle), "every rank splits B", lambda p: replace(p, split=True, w_cap=max(p.w_cap, pp)))
     every(1.5 * max(heat.idle), "every rank in-flight +1", lambda p: replace(p, inflight=min(num_mb, p.inflight + 1)))
+    every(1.45 * max(heat.idle), "every rank: Ws only in gaps they fit", lambda p: replace(p, w_fits_gap=not p.w_fits_gap))
     every(1.4 * max(heat.idle), "every rank warm-up +1", lambda p: replace(p, warmup=min(num_mb, p.warmup + 1)))
     every(1.3 * max(heat.idle), "every rank warm-up -1", lambda p: replace(p, warmup=max(1, p.warmup - 1)))
     for r in sorted(range(pp), key=lambda r: (-heat.idle[r], r)):
@@ -232,6 +233,8 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
             for cap in (0, max(1, p.w_cap // 2), p.w_cap * 2 if p.w_cap else pp, num_mb * 3):
                 if cap != p.w_cap:
                     knob(r, gain * 0.5, f"w_cap {cap}", w_cap=cap)
+        if p.split:
+            knob(r, gain * 0.45, f"w_fits_gap {not p.w_fits_gap}", w_fits_gap=not p.w_fits_gap)
         if len(cand.stages_of(r)) > 1:
             knob(r, gain * 0.4, "deep_first" if not p.deep_first else "oldest first", deep_first=not p.deep_first)
         if p.inflight > 1:
