@@ -104,6 +104,8 @@ def test_configs_follow_the_global_batch():
         configs_for(profile, TuneOptions(gpus=4, pp=3))
     with pytest.raises(InputError):
         configs_for(profile, TuneOptions(gpus=4, global_batch=16, microbatches=4))
+    with pytest.raises(InputError, match="--time-limit"):
+        tune(profile, free_cluster(4), TuneOptions(gpus=4, time_limit_s=0))
 
 
 def test_cli_tune_writes_a_plan_and_compare_prints_the_table(profile_file, tmp_path):

@@ -89,3 +89,14 @@ def test_activation_budget_caps_the_warm_up():
                              cluster=base.cluster, parallel=base.parallel, activation_budget_bytes=[2500] * 4)
     assert simulate(base.with_schedule(free), profile).peak_memory_bytes[0] == 4000
     assert simulate(base.with_schedule(capped), profile).peak_memory_bytes[0] == 2000
+
+
+def test_default_warm_up_matches_1f1b_and_zb_v():
+    from octoplan.schedules import loop_placement, v_placement
+
+    loop = default_policies(loop_placement(4, 4), 4, 16)
+    assert [p.warmup for p in loop] == [4, 3, 2, 1]  # 1F1B: pp - r forwards before the first B
+    assert [p.inflight for p in loop] == [4, 3, 2, 1]
+    v = default_policies(v_placement(4, 8), 4, 16)
+    assert [p.warmup for p in v] == [7, 5, 3, 1]  # ZB-V: 2(pp - r) - 1 forwards of chunk 0
+    assert [p.warmup for p in default_policies(v_placement(4, 8), 4, 16, warmup_gap=False)] == [16] * 4

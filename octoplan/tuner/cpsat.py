@@ -14,9 +14,12 @@ This is line balancing (OR-Tools' ``line_balancing_sat`` example) with a pipelin
   activation bytes times an estimate of the microbatches in flight (1F1B's count for the
   layer's position in the model) fit the GPU.
 
-Times are integer ticks via :func:`octoplan.costs.to_ticks`; bytes are whole megabytes. The
-greedy answer (balanced partition, one stage per rank in order) is the hint; status, objective, bound and
-wall time are logged and returned.
+Times are integer ticks via :func:`octoplan.costs.to_ticks`; bytes are whole megabytes. Ranks
+of one node class are ordered by the first layer they hold (symmetry breaking). The greedy
+answer (balanced partition, one stage per rank in order) is the hint, priced on its own first
+and kept when the search does not beat it in time. The limit is CP-SAT's deterministic time
+with one worker, so the answer does not depend on the machine's load. Status, objective,
+bound and wall time are logged and returned.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class PartitionProblem:
     backward_input: tuple[int, ...]
     backward_weight: tuple[int, ...]
     num_ranks: int
-    num_stages: int
+    num_stages: int  # the most stages (or exactly this many, with solve_partition(exact_stages=True))
     microbatches: int = 1
     static_mb: tuple[int, ...] = ()  # per layer; empty: no memory constraint
     activation_mb: tuple[int, ...] = ()

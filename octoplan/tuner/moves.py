@@ -215,7 +215,7 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
         every(1.0, "every rank in-flight -1", lambda p: replace(p, inflight=max(1, p.inflight - 1)))
     every(2.0 * max(heat.idle), "every rank splits B", lambda p: replace(p, split=True, w_cap=max(p.w_cap, pp)))
     every(1.5 * max(heat.idle), "every rank in-flight +1", lambda p: replace(p, inflight=min(num_mb, p.inflight + 1)))
-    every(1.45 * max(heat.idle), "every rank: Ws only in gaps they fit", lambda p: replace(p, w_fits_gap=not p.w_fits_gap))
+    every(1.45 * max(heat.idle), "every rank toggles w_fits_gap", lambda p: replace(p, w_fits_gap=not p.w_fits_gap))
     every(1.4 * max(heat.idle), "every rank warm-up +1", lambda p: replace(p, warmup=min(num_mb, p.warmup + 1)))
     every(1.3 * max(heat.idle), "every rank warm-up -1", lambda p: replace(p, warmup=max(1, p.warmup - 1)))
     for r in sorted(range(pp), key=lambda r: (-heat.idle[r], r)):
@@ -257,6 +257,8 @@ def _reorder_moves(cand: Candidate, result: SimResult, breadth: int) -> list[tup
 
     def emit(gain: float, new_schedule: list[list[Op]], why: str) -> None:
         frozen = tuple(tuple(ops) for ops in new_schedule)
+        # the digest only names the order inside this run (cache identity); no decision
+        # depends on its value, so per-process hash seeds do not break determinism
         key = f"{tag}#{hash(frozen) & 0xFFFFFFFFFFFF:x}"
         out.append((gain, Candidate(cand.config, cand.bounds, cand.ranks, None, frozen, why, key)))
 

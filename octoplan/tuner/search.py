@@ -253,6 +253,8 @@ def tune(
     progress: ProgressFn | None = None,
 ) -> TuneResult:
     """The fastest plan the search finds that fits memory; ``InputError`` if none fits."""
+    if not opts.time_limit_s > 0:
+        raise InputError(None, "--time-limit", f"is {opts.time_limit_s:g}", "give the search a positive number of seconds")
     configs = configs_for(profile, opts)
     if cluster.gpus != opts.gpus:
         cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})

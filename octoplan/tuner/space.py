@@ -25,7 +25,7 @@ from octoplan.profile import Profile
 from octoplan.schedules.policy import RankPolicy, policy_schedule
 from octoplan.simulator import SimResult, simulate_costs
 
-__all__ = ["Config", "Candidate", "Scored", "Evaluator"]
+__all__ = ["Config", "Candidate", "Scored", "Evaluator", "bounds_of"]
 
 
 @dataclass(frozen=True, order=True)
@@ -53,7 +53,9 @@ class Candidate:
     policies: tuple[RankPolicy, ...] | None = None
     fixed: tuple[tuple[Op, ...], ...] | None = field(default=None, compare=False, hash=False)
     origin: str = field(default="", compare=False, hash=False)
-    fixed_id: str = ""  # names the fixed schedule (baseline) so that equality and caching work
+    # names the fixed order (a baseline's label, plus a digest once reordered): the order itself
+    # is left out of equality and hashing, which would cost a pass over every op per lookup
+    fixed_id: str = ""
 
     @property
     def num_stages(self) -> int:
@@ -152,9 +154,6 @@ class Evaluator:
             hit = self._cache[cand]
         return hit
 
-    def known(self, cand: Candidate) -> bool:
-        return cand in self._cache
-
     def least_memory(self) -> int | None:
         return min((s.peak_memory_bytes for s in self._cache.values()), default=None)
 
@@ -170,4 +169,5 @@ def _scored(result: SimResult) -> Scored:
 
 
 def bounds_of(pairs: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Stage boundaries (S + 1 cut points) of a list of [start, end) layer ranges."""
     return tuple([pairs[0][0]] + [end for _, end in pairs])
