@@ -62,7 +62,8 @@ from octoplan.baseline import make_baseline  # noqa: E402
 from octoplan.ops import Kind, parse_op  # noqa: E402
 from octoplan.plan import Cluster, Plan, load_plan, save_plan  # noqa: E402
 from octoplan.profile import Layer, ModelRef, Profile, load_profile, save_profile  # noqa: E402
-from octoplan.simulator import simulate  # noqa: E402
+from octoplan.costs import LayerTable, stage_costs  # noqa: E402
+from octoplan.simulator import simulate, simulate_costs  # noqa: E402
 
 __all__ = [
     "REPLAY_MODEL",
@@ -275,12 +276,23 @@ def free_comm(cluster: Cluster) -> Cluster:
     return replace(cluster, latency_us=0.0, intra_node_gbps=1e12, inter_node_gbps=1e12)
 
 
-def predict(plan: Plan, profile: Profile) -> dict[str, float]:
-    """The simulator's iteration on the plan's cluster and with free communication."""
+def predict(plan: Plan, profile: Profile, *, op_ms: float | None = None) -> dict[str, float]:
+    """The simulator's iteration on the plan's cluster and with free communication; with
+    ``op_ms``, also with that much added to every op (a stage's fused B counts it once)."""
     with_comm = simulate(plan, profile)
     free = simulate(replace(plan, cluster=free_comm(plan.cluster)), profile)
-    return {"predicted_ms": round(with_comm.iteration_ms, 3), "predicted_free_ms": round(free.iteration_ms, 3),
-            "predicted_bubble": round(with_comm.bubble_ratio, 4)}
+    out = {"predicted_ms": round(with_comm.iteration_ms, 3), "predicted_free_ms": round(free.iteration_ms, 3),
+           "predicted_bubble": round(with_comm.bubble_ratio, 4)}
+    if op_ms is not None:
+        fused = {op.stage for ops in plan.schedule for op in ops if op.kind is Kind.B}
+        costs = []
+        for s, cost in enumerate(stage_costs(plan.stages, LayerTable(profile))):
+            backward = op_ms / 2 if s in fused else op_ms
+            costs.append(replace(cost, forward_ms=cost.forward_ms + op_ms, backward_input_ms=cost.backward_input_ms + backward,
+                                 backward_weight_ms=cost.backward_weight_ms + backward))
+        result = simulate_costs(plan, costs, dtype_bytes=profile.dtype_bytes)
+        out["predicted_op_cost_ms"] = round(result.iteration_ms, 3)
+    return out
 
 
 def _free_port() -> int:
@@ -415,7 +427,8 @@ def case_profiles(case: Case, case_dir: Path, *, per_layer_ms: dict[str, float] 
 
 def bench_fidelity(cases: Sequence[Case], link: Link, out_dir: str | Path, *, nprocs: int, microbatches: int,
                    steps: int, warmup: int, tune_seconds: float, per_layer_ms: dict[str, float] | None = None,
-                   chunks_max: int = 3, bytes_scale: float = DEFAULT_BYTES_SCALE) -> list[dict]:
+                   op_ms: float | None = None, chunks_max: int = 3,
+                   bytes_scale: float = DEFAULT_BYTES_SCALE) -> list[dict]:
     """Tuned and 1F1B plans of each case's replay: predicted vs measured, and the speedups."""
     rows = []
     cluster = link.cluster(nprocs)
@@ -431,10 +444,12 @@ def bench_fidelity(cases: Sequence[Case], link: Link, out_dir: str | Path, *, np
         for name in ("1f1b", "tuned"):
             plan = load_plan(paths[name])
             measured = run_octorun(paths[name], steps=steps, warmup=warmup, out_dir=case_dir, tag=name)
-            entry = {**predict(plan, profile), **_plan_shape(plan), **_op_ms(profiles.nominal, plan), **measured,
+            entry = {**predict(plan, profile, op_ms=op_ms), **_plan_shape(plan), **_op_ms(profiles.nominal, plan), **measured,
                      "predicted_nominal_ms": round(simulate(plan, profiles.nominal).iteration_ms, 3),
                      "trace_split": trace_overheads(plan, profile, measured["trace"])}
             entry["error"] = round(entry["median_ms"] / entry["predicted_ms"] - 1, 4)
+            if op_ms is not None:
+                entry["error_op_cost"] = round(entry["median_ms"] / entry["predicted_op_cost_ms"] - 1, 4)
             row[name] = entry
             log.info("%s %s: predicted %.1f ms, measured %.1f ms (%+.1f%%)", case.name, name, entry["predicted_ms"],
                      entry["median_ms"], 100 * entry["error"])
@@ -442,25 +457,42 @@ def bench_fidelity(cases: Sequence[Case], link: Link, out_dir: str | Path, *, np
         row["predicted_speedup"] = round(row["1f1b"]["predicted_ms"] / row["tuned"]["predicted_ms"], 4)
         row["measured_speedup"] = round(row["1f1b"]["median_ms"] / row["tuned"]["median_ms"], 4)
         row["speedup_error"] = round(row["measured_speedup"] / row["predicted_speedup"] - 1, 4)
+        if op_ms is not None:
+            row["op_ms"] = op_ms
+            row["predicted_op_cost_speedup"] = round(row["1f1b"]["predicted_op_cost_ms"] / row["tuned"]["predicted_op_cost_ms"], 4)
+            row["speedup_error_op_cost"] = round(row["measured_speedup"] / row["predicted_op_cost_speedup"] - 1, 4)
         rows.append(row)
     return rows
 
 
 def fidelity_table(rows: list[dict]) -> str:
+    """Per case and plan: predictions (nominal; the planner's, from the calibrated profile the
+    plan was made with; and that plus the runtime's per-op cost), the measured median and the
+    errors, then the speedups tuned / 1F1B."""
     lines = [
-        "| profile (time scale) | plan | stages | op ms | predicted ms (nominal) | predicted ms | measured ms (min–max) "
-        "| error | predicted speedup | measured speedup | speedup error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| profile (time scale) | plan | stages | op ms | predicted ms: nominal | planner's | + per-op cost "
+        "| measured ms (min–max) | error vs planner's | vs + per-op | speedup: predicted (planner's) "
+        "| predicted (+ per-op) | measured | error vs planner's | vs + per-op |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def pct(value: float | None) -> str:
+        return "–" if value is None else f"{100 * value:+.1f}%"
+
     for row in rows:
         for name in ("1f1b", "tuned"):
             e = row[name]
-            speed = (f"{row['predicted_speedup']:.3f} | {row['measured_speedup']:.3f} | {100 * row['speedup_error']:+.1f}%"
-                     if name == "tuned" else "| |")
+            if name == "tuned":
+                speed = (f"{row['predicted_speedup']:.3f} | {row.get('predicted_op_cost_speedup', float('nan')):.3f} "
+                         f"| {row['measured_speedup']:.3f} | {pct(row['speedup_error'])} | {pct(row.get('speedup_error_op_cost'))}")
+            else:
+                speed = "| | | |"
             lines.append(
                 f"| {row['case']} ({row['time_scale']:g}) | {name} | {e['stages']}{' I/W' if e['split_backward'] else ''} "
                 f"| {e['min_op_ms']:.0f}–{e['max_op_ms']:.0f} | {e['predicted_nominal_ms']:.1f} | {e['predicted_ms']:.1f} "
-                f"| {e['median_ms']:.1f} ({min(e['all_ms']):.0f}–{max(e['all_ms']):.0f}) | {100 * e['error']:+.1f}% | {speed} |"
+                f"| {e.get('predicted_op_cost_ms', float('nan')):.1f} "
+                f"| {e['median_ms']:.1f} ({min(e['all_ms']):.0f}–{max(e['all_ms']):.0f}) | {pct(e['error'])} "
+                f"| {pct(e.get('error_op_cost'))} | {speed} |"
             )
     return "\n".join(lines)
 
@@ -561,8 +593,10 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
       another rank held it up (its input message, if any, was there first): pure runtime time;
     - ``transfer_ms``: for ops whose input message came last, their start - the producing op's
       end on the other rank (send + receive + hand-over to the compute thread). Clocks: each
-      rank's times are relative to its own start of the step, so this includes the skew of the
-      ranks leaving the step's barrier.
+      rank's times are relative to its own start of the step (octorun's trace), so this includes
+      the offset between the ranks leaving the step's barrier; ``transfer_both_ways_ms`` cancels
+      it (the median over rank pairs of the mean of both directions' median waits) and
+      ``clock_offset_ms`` shows it per pair.
     """
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
     by_name = {e["name"]: e for e in events}
@@ -576,6 +610,7 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
         stage_ms.update({(s, "F"): f, (s, "I"): i, (s, "W"): w, (s, "B"): i + w})
     excess, gaps, transfers = [], [], []
     per_layer: dict[str, list[float]] = {}
+    waits: dict[tuple[int, int], list[float]] = {}  # (src rank, dst rank) -> transfer waits
     per_rank: dict[int, list[dict]] = {}
     for e in events:
         per_rank.setdefault(e["tid"], []).append(e)
@@ -597,6 +632,7 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
                 gaps.append(start - prev_end)
             elif ready is not None and (prev_end is None or ready > prev_end):
                 transfers.append(start - ready)
+                waits.setdefault((by_name[producer]["tid"], e["tid"]), []).append(start - ready)
             prev_end = (e["ts"] + e["dur"]) / 1e3
 
     def stats(xs: list[float]) -> dict[str, float]:
@@ -605,7 +641,17 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
         return {"count": len(xs), "mean": round(statistics.fmean(xs), 4), "median": round(statistics.median(xs), 4),
                 "max": round(max(xs), 4)}
 
+    # Each rank's clock starts when it leaves the step's barrier, so a wait a -> b reads
+    # latency + offset and b -> a latency - offset: their mean is free of the offset.
+    pair_ms, skew_ms = [], {}
+    for (a, b), xs in sorted(waits.items()):
+        if a < b and (b, a) in waits:
+            there, back = statistics.median(xs), statistics.median(waits[(b, a)])
+            pair_ms.append((there + back) / 2)
+            skew_ms[f"{a}-{b}"] = round((there - back) / 2, 3)
     return {"op_excess_ms": stats(excess), "dispatch_gap_ms": stats(gaps), "transfer_ms": stats(transfers),
+            "transfer_both_ways_ms": round(statistics.median(pair_ms), 4) if pair_ms else None,
+            "clock_offset_ms": skew_ms,
             "excess_per_layer_ms": {kind: round(statistics.median(xs), 4) for kind, xs in sorted(per_layer.items())}}
 
 
@@ -664,6 +710,7 @@ class Calibration:
 
     per_layer_ms: dict[str, float]  # F, I, W: a replay layer's cost beyond its sleep
     latency_ms: float  # a transfer: producing op's end -> consuming op's start, when it waited
+    op_ms: float  # the runtime's time between two ops of a rank when none waits for a message
 
     def link(self, measured: Link) -> Link:
         """``measured`` with this latency: the cluster plans are made and predicted for."""
@@ -675,18 +722,23 @@ def calibrate(overhead_rows: list[dict]) -> Calibration:
 
     Per layer and op kind: the median over that run's last step of (measured op - profile op):
     on a loaded machine mostly the wait for a core after each sleep, plus autograd's work and
-    the runtime's inside the op. Latency: the median time from a producing op's end to the
-    consuming op's start on another rank, over the ops that waited for their message (send,
-    receive, hand-over to the compute thread). A two-process ping-pong (:func:`measure_link`)
+    the runtime's inside the op. Latency: the time from a producing op's end to the consuming
+    op's start on another rank, for ops that waited for their message (send, receive, hand-over
+    to the compute thread), both directions averaged (``transfer_both_ways_ms``). Per op: the
+    mean gap between consecutive ops of a rank that waited for nothing (not in the cost model;
+    :func:`predict` adds it to show what it explains). A two-process ping-pong (:func:`measure_link`)
     swings between 0.15 and 2 ms from one minute to the next here and misses the hand-over; this
     is measured in a job of the same processes as the runs it is used for.
     """
     row = next((r for r in overhead_rows if r["schedule"] == "zb-h1"), None)
     if row is None:
         raise ValueError("calibration needs the overhead benchmark's zb-h1 run")
-    per_layer = row["trace"]["excess_per_layer_ms"]
-    return Calibration(per_layer_ms={kind: max(0.0, per_layer[kind]) for kind in "FIW"},
-                       latency_ms=max(0.0, row["trace"]["transfer_ms"]["median"]))
+    trace = row["trace"]
+    latency = trace["transfer_both_ways_ms"]
+    if latency is None:
+        latency = trace["transfer_ms"]["median"]
+    return Calibration(per_layer_ms={kind: max(0.0, trace["excess_per_layer_ms"][kind]) for kind in "FIW"},
+                       latency_ms=max(0.0, latency), op_ms=max(0.0, trace["dispatch_gap_ms"]["mean"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -731,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
                                "args": {k: v for k, v in vars(args).items() if k not in ("case", "torch_case")},
                                "cases": [vars(c) for c in cases]}
     tables = []
-    per_layer = None
+    per_layer = op_ms = None
     if args.bench in ("overhead", "all") or not args.no_calibrate:
         # the overhead runs double as the calibration of the replay layer's fixed cost
         schedules = ("1f1b", "zb-h1") if args.bench in ("overhead", "all") else ("zb-h1",)
@@ -739,12 +791,12 @@ def main(argv: list[str] | None = None) -> int:
         tables.append("## Overhead\n\n" + overhead_table(results["overhead"]))
         if not args.no_calibrate:
             calibration = calibrate(results["overhead"])
-            per_layer, link = calibration.per_layer_ms, calibration.link(link)
-            results["calibration"] = {"per_layer_ms": per_layer, "latency_ms": calibration.latency_ms}
+            per_layer, op_ms, link = calibration.per_layer_ms, calibration.op_ms, calibration.link(link)
+            results["calibration"] = {"per_layer_ms": per_layer, "latency_ms": calibration.latency_ms, "op_ms": op_ms}
             log.info("calibration: %s", calibration)
     if args.bench in ("fidelity", "all"):
         results["fidelity"] = bench_fidelity(cases, link, out, tune_seconds=args.tune_seconds, per_layer_ms=per_layer,
-                                             chunks_max=args.chunks_max, **common)
+                                             op_ms=op_ms, chunks_max=args.chunks_max, **common)
         tables.append("## Fidelity\n\n" + fidelity_table(results["fidelity"]))
     if args.bench in ("torch", "all"):
         case = args.torch_case or cases[0]
@@ -760,8 +812,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gloo ping-pong: one-way latency mean {ping['latency_ms']:.3f} ms (median {ping['latency_median_ms']:.3f}), "
           f"{ping['gbps']:.2f} GB/s")
     if "calibration" in results:
-        print(f"calibration (in-job): transfer {results['calibration']['latency_ms']:.3f} ms, replay layer cost beyond "
-              f"its sleep per layer {results['calibration']['per_layer_ms']} ms")
+        cal = results["calibration"]
+        print(f"calibration (in-job): transfer {cal['latency_ms']:.3f} ms, runtime per op {cal['op_ms']:.3f} ms, "
+              f"replay layer cost beyond its sleep per layer {cal['per_layer_ms']} ms")
     print()
     print("\n\n".join(tables))
     return 0

@@ -14,6 +14,7 @@ from octoplan.cliutil import ClusterOptions, cluster_from, dump_json, guarded, l
 from octoplan.errors import InputError
 from octoplan.plan import Plan, load_plan, load_plan_profile, save_plan
 from octoplan.profile import Profile, load_profile, save_profile
+from octoplan.tuner.cli import register as register_tuner_commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="OctoPipe planner: profile, tune, simulate and show pipeline plans.")
 console = Console()
@@ -243,16 +244,8 @@ def export(
     console.print(f"{format} -> {output}")
 
 
-def _register_optional() -> None:
-    """Commands that live beside their libraries (tuner, exporter)."""
-    try:
-        from octoplan.tuner.cli import register
-    except ImportError:  # the tuner is optional at import time only while it is being built
-        return
-    register(app)
-
-
-_register_optional()
+# tune and compare live beside the tuner they drive.
+register_tuner_commands(app)
 
 
 def main() -> None:

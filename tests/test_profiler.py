@@ -394,7 +394,7 @@ def test_split_backward_without_input_gradient():
 def test_split_backward_without_creation_order(monkeypatch):
     """The graph is normally ordered by autograd's creation numbers; when that order is wrong
     the planner falls back to a search and the gradients are still exact."""
-    import octoplan.profiler as profiler
+    import octoplan.splitgrad as profiler
 
     fallbacks = []
     real_post_order = profiler._post_order

@@ -9,20 +9,36 @@ from octoplan.profiler import profile_model_file
 
 from conftest import REPO, make_profile
 
+FIELDS = ("forward_ms", "backward_input_ms", "backward_weight_ms")
+
+
+def _misses(measured, source, scale) -> list[str]:
+    misses = []
+    for index, (got, want) in enumerate(zip(measured.layers, source.layers)):
+        for field in FIELDS:
+            if field == "backward_input_ms" and index == 0:
+                continue  # the first layer's input is data: it gets no gradient
+            expected = scale * getattr(want, field)
+            if getattr(got, field) != pytest.approx(expected, rel=0.05):
+                misses.append(f"{got.name}.{field}: {getattr(got, field):.2f} vs {expected:.2f}")
+    return misses
+
 
 @pytest.mark.slow
 def test_replayed_profile_matches_the_source_times_the_scale(profile_file):
     source = make_profile([(10, 12, 8), (20, 16, 24), (8, 10, 14), (30, 25, 20)], out=40_000, act=10)
     path = profile_file(source, "source.yaml")
     scale = 1.5  # ops of 12-45 ms
-    measured = profile_model_file(
-        str(REPO / "examples/models/replay.py"), config={"profile": str(path), "time_scale": scale},
-        microbatch_size=1, repeat=5, warmup=1, clock="wall",
-    )
-    assert measured.num_layers == source.num_layers
-    for got, want in zip(measured.layers, source.layers):
-        for field in ("forward_ms", "backward_input_ms", "backward_weight_ms"):
-            expected = scale * getattr(want, field)
-            if field == "backward_input_ms" and got is measured.layers[0]:
-                continue  # the first layer's input is data: it gets no gradient
-            assert getattr(got, field) == pytest.approx(expected, rel=0.05), (got.name, field)
+    # Sleeps overshoot when other processes hold the cores; a busy moment can spoil one
+    # profile, so up to three are taken and one must match throughout.
+    attempts = []
+    for _ in range(3):
+        measured = profile_model_file(
+            str(REPO / "examples/models/replay.py"), config={"profile": str(path), "time_scale": scale},
+            microbatch_size=1, repeat=5, warmup=1, clock="wall",
+        )
+        assert measured.num_layers == source.num_layers
+        attempts.append(_misses(measured, source, scale))
+        if not attempts[-1]:
+            break
+    assert not attempts[-1], attempts

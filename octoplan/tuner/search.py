@@ -25,14 +25,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from octoplan.baseline import make_baseline
 from octoplan.errors import InputError
-from octoplan.partition import balanced_partition
+from octoplan.partition import balanced_partition, partition
 from octoplan.plan import Cluster, Plan, check_structure
 from octoplan.profile import Profile
-from octoplan.schedules import SCHEDULES, loop_placement, v_placement
+from octoplan.schedules import SCHEDULES, get_schedule, loop_placement, v_placement
 from octoplan.schedules.policy import default_policies
 from octoplan.simulator import DeadlockError
+from octoplan.tuner.arrange import start_aware
 from octoplan.tuner.moves import DIMENSIONS, neighbours
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored, bounds_of
 from octoplan.yamlio import file_sha256
@@ -144,18 +144,22 @@ def _baseline_label(schedule: str, partition: str, chunks: int) -> str:
 
 
 def _baseline_candidates(profile: Profile, cluster: Cluster, config: Config, chunks_max: int) -> list[tuple[str, Candidate]]:
+    """Every baseline that applies, built the way ``make_baseline`` builds it (same partition,
+    placement and generated order) but left unsimulated: the search prices each one once."""
     out = []
-    for schedule, partition, chunks in _baseline_names(chunks_max):
+    for schedule, partition_method, chunks in _baseline_names(chunks_max):
+        spec = get_schedule(schedule)
+        if config.microbatches < spec.min_microbatches(config.pp):
+            continue  # the schedule does not apply here (too few microbatches)
         try:
-            plan = make_baseline(
-                profile, schedule=schedule, gpus=cluster.gpus, microbatches=config.microbatches, pp=config.pp,
-                partition_method=partition, chunks=chunks, cluster=cluster, rank_order=config.rank_order,
-            )
+            num_stages = spec.num_stages(config.pp, chunks)
+            pairs = partition(profile, num_stages, partition_method)
         except (InputError, ValueError):
-            continue  # the schedule does not apply here (too few microbatches or layers)
-        label = _baseline_label(schedule, partition, chunks)
-        bounds = bounds_of([(s.start, s.end) for s in plan.stages])
-        out.append((label, Candidate(config, bounds, tuple(s.rank for s in plan.stages), None, plan.schedule, label, label)))
+            continue  # too few layers for the schedule's stages
+        ranks = tuple(spec.placement(config.pp, num_stages))
+        order = tuple(tuple(ops) for ops in spec.generate(config.pp, config.microbatches, chunks))
+        label = _baseline_label(schedule, partition_method, chunks)
+        out.append((label, Candidate(config, bounds_of(pairs), ranks, None, order, label, label)))
     return out
 
 
@@ -175,6 +179,33 @@ def _policy_seeds(profile: Profile, config: Config, chunks_max: int) -> list[Can
                 policies = default_policies(ranks, pp, num_mb, split=split, depth=depth, warmup_gap=gap)
                 origin = f"policy seed: balanced, {name} x{per_rank}, split={split}, depth={depth:g}, warm-up gap={gap}"
                 out.append(Candidate(config, bounds, ranks, policies, None, origin))
+    return out
+
+
+def _start_aware_seeds(evaluator: Evaluator, seeds: Sequence[Candidate], config: Config,
+                       chunks_max: int) -> list[Candidate]:
+    """The seeds' layouts re-placed so the busiest ranks hold early stages and late-starting
+    ranks carry less (:func:`octoplan.tuner.arrange.start_aware`), with policy knobs."""
+    out: list[Candidate] = []
+    done: set = set()
+    for cand in seeds:
+        layout = (cand.bounds, cand.ranks)
+        if layout in done or cand.num_stages < 2:
+            continue
+        done.add(layout)
+        costs = evaluator.costs(cand)
+        work = [c.forward_ms + c.backward_input_ms + c.backward_weight_ms for c in costs]
+        lead = [c.forward_ms + c.backward_input_ms for c in costs]
+        per_rank = max(max(cand.ranks.count(r) for r in range(config.pp)), max(1, chunks_max))
+        ranks = start_aware(cand.ranks, work, lead, num_ranks=config.pp, microbatches=config.microbatches,
+                            max_per_rank=per_rank)
+        if ranks == cand.ranks or (cand.bounds, ranks) in done:
+            continue
+        done.add((cand.bounds, ranks))
+        for split, depth, gap in ((True, 1.0, False), (True, 2.0, False), (True, 2.0, True)):
+            policies = default_policies(ranks, config.pp, config.microbatches, split=split, depth=depth, warmup_gap=gap)
+            out.append(Candidate(config, cand.bounds, ranks, policies, None,
+                                 f"start-aware placement of {cand.origin}, split={split}, depth={depth:g}, warm-up gap={gap}"))
     return out
 
 
@@ -217,7 +248,7 @@ class _Search:
         current = start
         current_score = self.offer(current).score
         while self.clock.elapsed() < deadline:
-            result = self.ev.simulate(current)
+            result = self.ev.timeline(current)
             improved = False
             for moved in neighbours(current, result, dimensions=self.opts.dimensions, rng=self.rng,
                                     max_stages_per_rank=max(1, self.opts.chunks_max)):
@@ -278,6 +309,8 @@ def tune(
                                        seed=opts.seed)
             seeds.extend(found)
             cpsat_stats.extend(stats)
+        if "placement" in opts.dimensions:
+            seeds.extend(_start_aware_seeds(evaluator, [c for c in seeds if c.config == config], config, opts.chunks_max))
     ranked = []
     for index, cand in enumerate(seeds):
         if search.clock.out() and search.best is not None:

@@ -96,6 +96,7 @@ class Evaluator:
         self._stage_cache: dict[tuple[int, int], StageCost] = {}
         self._cache: dict[Candidate, Scored] = {}
         self.evaluations = 0  # simulations actually run (cache misses)
+        self._last: tuple[Candidate, SimResult] | None = None  # the latest timeline, for the climb
 
     def stage_cost(self, start: int, end: int) -> StageCost:
         key = (start, end)
@@ -145,7 +146,15 @@ class Evaluator:
         )
         self.evaluations += 1
         self._cache[cand] = _scored(result)
+        self._last = (cand, result)
         return result
+
+    def timeline(self, cand: Candidate) -> SimResult:
+        """``cand``'s simulated timeline: the latest one when it is ``cand``'s (a climb asks for
+        the move it just accepted), else simulated again (only scores are cached)."""
+        if self._last is not None and self._last[0] == cand and self._last[0].fixed_id == cand.fixed_id:
+            return self._last[1]
+        return self.simulate(cand)
 
     def score(self, cand: Candidate) -> Scored:
         hit = self._cache.get(cand)
