@@ -8,17 +8,11 @@ from octoplan.tuner.space import Candidate, Config, Evaluator
 from tests.conftest import free_cluster, make_profile
 
 
-def test_heavy_last_stage_moves_to_the_front():
-    # stage 3 (work 2) starts after 0.5 * 3 ms of lead; in front it starts at once
+def test_one_stage_per_rank_has_nothing_to_move():
+    # stage 3 (work 2) waits 1.5 ms of lead on any rank: with one stage per rank a swap only
+    # renames ranks, so the placement is kept
     work, lead = [1, 1, 1, 2], [0.5, 0.5, 0.5, 1]
     assert rank_times((0, 1, 2, 3), work, lead, num_ranks=4, microbatches=4) == [4, 4.5, 5, 9.5]
-    ranks = start_aware((0, 1, 2, 3), work, lead, num_ranks=4, microbatches=4, max_per_rank=1)
-    assert ranks == (3, 1, 2, 0)
-    assert rank_times(ranks, work, lead, num_ranks=4, microbatches=4) == [5.5, 4.5, 5, 8]
-
-
-def test_already_start_aware_placement_is_kept():
-    work, lead = [2, 1, 1, 1], [1, 0.5, 0.5, 0.5]
     assert start_aware((0, 1, 2, 3), work, lead, num_ranks=4, microbatches=4, max_per_rank=1) == (0, 1, 2, 3)
 
 

@@ -41,7 +41,7 @@ def rank_times(ranks: Sequence[int], work: Sequence[float], lead: Sequence[float
     return [microbatches * load[r] + (prefix[first[r]] if first[r] >= 0 else 0.0) for r in range(num_ranks)]
 
 
-def _key(times: list[float]) -> tuple[float, float]:
+def _key(times: Sequence[float]) -> tuple[float, float]:
     # the worst rank first, then the spread (so ties in the worst rank still make progress)
     return (max(times), sum(t * t for t in times))
 
@@ -54,50 +54,67 @@ def _valid(ranks: Sequence[int], s: int) -> bool:
 
 
 def start_aware(ranks: Sequence[int], work: Sequence[float], lead: Sequence[float], *, num_ranks: int,
-                microbatches: int, max_per_rank: int, max_rounds: int = 60) -> tuple[int, ...]:
+                microbatches: int, max_per_rank: int, max_rounds: int = 200) -> tuple[int, ...]:
     """A placement of the same stages with a lower ``max_r T_r`` (or ``ranks`` unchanged):
     best-improvement moves and swaps of a stage of the worst rank, every rank keeping at least
     one and at most ``max_per_rank`` stages."""
     current = list(ranks)
-    counts = [0] * num_ranks
-    for r in current:
-        counts[r] += 1
-    times = rank_times(current, work, lead, num_ranks=num_ranks, microbatches=microbatches)
-    best_key = _key(times)
     num_stages = len(current)
+    prefix = [0.0]
+    for value in lead:
+        prefix.append(prefix[-1] + value)
+    held: list[list[int]] = [[] for _ in range(num_ranks)]
+    for s, r in enumerate(current):
+        held[r].append(s)
+
+    def t_of(stages: list[int]) -> float:
+        # stages in any order; a rank with none costs nothing
+        if not stages:
+            return 0.0
+        return microbatches * sum(work[s] for s in stages) + prefix[min(stages)]
+
+    times = [t_of(h) for h in held]
+    best_key = _key(times)
     for _ in range(max_rounds):
         worst = max(range(num_ranks), key=lambda r: (times[r], -r))
+        base_sq = best_key[1] - times[worst] ** 2
         found = None
-        for a in range(num_stages):
-            if current[a] != worst:
-                continue
+
+        def consider(q: int, new_w: list[int], new_q: list[int], trial_at: tuple) -> None:
+            nonlocal found
+            tw, tq = t_of(new_w), t_of(new_q)
+            others = max((times[r] for r in range(num_ranks) if r not in (worst, q)), default=0.0)
+            key = (max(others, tw, tq), base_sq - times[q] ** 2 + tw * tw + tq * tq)
+            if key < best_key and (found is None or key < found[0]):
+                found = (key, trial_at)
+
+        for a in list(held[worst]):
             for b in range(num_stages):
                 q = current[b]
                 if q == worst:
                     continue
-                # swap stages a and b between the worst rank and q
-                trial = list(current)
-                trial[a], trial[b] = q, worst
-                if _valid(trial, a) and _valid(trial, b):
-                    key = _key(rank_times(trial, work, lead, num_ranks=num_ranks, microbatches=microbatches))
-                    if key < best_key and (found is None or key < found[0]):
-                        found = (key, trial, None)
-            if counts[worst] > 1:
-                # move stage a to another rank with room
+                current[a], current[b] = q, worst
+                if _valid(current, a) and _valid(current, b):
+                    consider(q, [s for s in held[worst] if s != a] + [b], [s for s in held[q] if s != b] + [a],
+                             ("swap", a, b, q))
+                current[a], current[b] = worst, q
+            if len(held[worst]) > 1:
                 for q in range(num_ranks):
-                    if q == worst or counts[q] >= max_per_rank:
+                    if q == worst or len(held[q]) >= max_per_rank:
                         continue
-                    trial = list(current)
-                    trial[a] = q
-                    if _valid(trial, a):
-                        key = _key(rank_times(trial, work, lead, num_ranks=num_ranks, microbatches=microbatches))
-                        if key < best_key and (found is None or key < found[0]):
-                            found = (key, trial, (worst, q))
+                    current[a] = q
+                    if _valid(current, a):
+                        consider(q, [s for s in held[worst] if s != a], held[q] + [a], ("move", a, -1, q))
+                    current[a] = worst
         if found is None:
             break
-        best_key, current, moved = found
-        if moved is not None:
-            counts[moved[0]] -= 1
-            counts[moved[1]] += 1
-        times = rank_times(current, work, lead, num_ranks=num_ranks, microbatches=microbatches)
+        best_key, (how, a, b, q) = found
+        current[a] = q
+        held[worst].remove(a)
+        held[q].append(a)
+        if how == "swap":
+            current[b] = worst
+            held[q].remove(b)
+            held[worst].append(b)
+        times[worst], times[q] = t_of(held[worst]), t_of(held[q])
     return tuple(current)

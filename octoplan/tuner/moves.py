@@ -27,6 +27,7 @@ from typing import Iterator
 from octoplan.ops import Kind, Op
 from octoplan.schedules.policy import default_policies
 from octoplan.simulator import SimResult
+from octoplan.tuner.arrange import start_aware
 from octoplan.tuner.space import Candidate
 
 __all__ = ["DIMENSIONS", "neighbours", "Heat", "heat_of"]
@@ -183,6 +184,18 @@ def _placement_moves(cand: Candidate, heat: Heat, rng: random.Random, breadth: i
     return out
 
 
+def _start_aware_moves(cand: Candidate, work: tuple, max_per_rank: int) -> list[tuple[float, Candidate]]:
+    """The same stages re-placed so the busiest ranks start early (:mod:`octoplan.tuner.arrange`)."""
+    stage_work, stage_lead = work
+    per_rank = max(max_per_rank, max(cand.ranks.count(r) for r in set(cand.ranks)))
+    ranks = start_aware(cand.ranks, stage_work, stage_lead, num_ranks=cand.config.pp,
+                        microbatches=cand.config.microbatches, max_per_rank=per_rank)
+    if ranks == cand.ranks:
+        return []
+    # tried right after the turn to the policy scheduler: one move that may fix many bubbles
+    return [(1e8, _with_layout(cand, cand.bounds, ranks, "start-aware placement"))]
+
+
 def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tuple[float, Candidate]]:
     out = []
     pp, num_mb = cand.config.pp, cand.config.microbatches
@@ -307,8 +320,10 @@ def neighbours(
     rng: random.Random,
     max_stages_per_rank: int = 3,
     breadth: int = 3,
+    work: tuple | None = None,
 ) -> Iterator[Candidate]:
-    """The candidates one move away, the most promising first; each is yielded once."""
+    """The candidates one move away, the most promising first; each is yielded once.
+    ``work``: per stage, (F + I + W, F + I) ms of one microbatch, for the start-aware move."""
     heat = heat_of(result)
     memory_first = not result.fits_memory
     scored: list[tuple[float, int, Candidate]] = []
@@ -321,6 +336,8 @@ def neighbours(
         groups.append(_stage_count_moves(cand, heat, max_stages_per_rank))
     if "placement" in dimensions:
         groups.append(_placement_moves(cand, heat, rng, breadth))
+        if work is not None and cand.num_stages > cand.config.pp:
+            groups.append(_start_aware_moves(cand, work, max_stages_per_rank))
     if "schedule" in dimensions:
         groups.append(_schedule_moves(cand, heat, memory_first))
         groups.append(_reorder_moves(cand, result, breadth))

@@ -250,8 +250,11 @@ class _Search:
         while self.clock.elapsed() < deadline:
             result = self.ev.timeline(current)
             improved = False
+            costs = self.ev.costs(current)
+            work = ([c.forward_ms + c.backward_input_ms + c.backward_weight_ms for c in costs],
+                    [c.forward_ms + c.backward_input_ms for c in costs])
             for moved in neighbours(current, result, dimensions=self.opts.dimensions, rng=self.rng,
-                                    max_stages_per_rank=max(1, self.opts.chunks_max)):
+                                    max_stages_per_rank=max(1, self.opts.chunks_max), work=work):
                 if self.clock.elapsed() >= deadline:
                     break
                 try:
@@ -340,6 +343,16 @@ def tune(
             break
         share = (opts.time_limit_s - search.clock.elapsed()) / (len(starts) - index)
         search.climb(start, deadline=search.clock.elapsed() + share)
+    # Time the climbs left unused (they stopped at local optima): climb from the next-best
+    # seeds, any family, best first, so a converged search keeps looking elsewhere.
+    used = set(starts)
+    for _, _, cand in ranked:
+        if search.clock.elapsed() >= opts.time_limit_s - min(2.0, 0.05 * opts.time_limit_s):
+            break
+        if cand in used or configs_seen.index(cand.config) >= opts.max_configs:
+            continue
+        used.add(cand)
+        search.climb(cand, deadline=opts.time_limit_s - min(2.0, 0.05 * opts.time_limit_s))
 
     best, best_scored = search.best, search.best_scored
     if best is None or best_scored is None or not best_scored.fits:
