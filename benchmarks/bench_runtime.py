@@ -78,6 +78,12 @@ __all__ = [
     "make_plans",
     "run_octorun",
     "predict",
+    "posthoc",
+    "report",
+    "CaseProfiles",
+    "case_profiles",
+    "octorun_command",
+    "priority",
     "bench_fidelity",
     "bench_torch",
     "bench_overhead",
@@ -448,6 +454,8 @@ def bench_fidelity(cases: Sequence[Case], link: Link, out_dir: str | Path, *, np
                      "predicted_nominal_ms": round(simulate(plan, profiles.nominal).iteration_ms, 3),
                      "trace_split": trace_overheads(plan, profile, measured["trace"])}
             entry["error"] = round(entry["median_ms"] / entry["predicted_ms"] - 1, 4)
+            entry["posthoc_ms"] = round(posthoc(plan, profile, entry["trace_split"]), 3)
+            entry["error_posthoc"] = round(entry["median_ms"] / entry["posthoc_ms"] - 1, 4)
             if op_ms is not None:
                 entry["error_op_cost"] = round(entry["median_ms"] / entry["predicted_op_cost_ms"] - 1, 4)
             row[name] = entry
@@ -465,15 +473,37 @@ def bench_fidelity(cases: Sequence[Case], link: Link, out_dir: str | Path, *, np
     return rows
 
 
+def posthoc(plan: Plan, profile: Profile, split: dict[str, Any]) -> float:
+    """The simulator's iteration with the costs the run itself showed (from its trace,
+    :func:`trace_overheads`): each layer's F, I, W plus the run's median excess per layer (a
+    fused B's excess goes to I when the plan has no split one), its mean runtime gap per op, and its transfer time both ways
+    averaged as the latency. Not a prediction: it tells whether the simulator's model of the
+    schedule is right once the costs are, i.e. how much of an error is in the costs."""
+    extra = dict(split["excess_per_layer_ms"])
+    fused = extra.pop("B", None)
+    if fused is not None and "I" not in extra:  # only fused backwards: their excess goes to I
+        extra["I"] = fused
+    layers = tuple(replace(layer, forward_ms=max(0.0, layer.forward_ms + extra.get("F", 0.0)),
+                           backward_input_ms=max(0.0, layer.backward_input_ms + extra.get("I", 0.0)),
+                           backward_weight_ms=max(0.0, layer.backward_weight_ms + extra.get("W", 0.0)))
+                   for layer in profile.layers)
+    latency = split["transfer_both_ways_ms"]
+    if latency is None:
+        latency = split["transfer_ms"].get("median", 0.0)
+    measured = replace(plan, cluster=replace(plan.cluster, latency_us=1000.0 * max(0.0, latency)))
+    result = predict(measured, replace(profile, layers=layers), op_ms=max(0.0, split["dispatch_gap_ms"].get("mean", 0.0)))
+    return result["predicted_op_cost_ms"]
+
+
 def fidelity_table(rows: list[dict]) -> str:
     """Per case and plan: predictions (nominal; the planner's, from the calibrated profile the
     plan was made with; and that plus the runtime's per-op cost), the measured median and the
     errors, then the speedups tuned / 1F1B."""
     lines = [
         "| profile (time scale) | plan | stages | op ms | predicted ms: nominal | planner's | + per-op cost "
-        "| measured ms (min–max) | error vs planner's | vs + per-op | speedup: predicted (planner's) "
+        "| measured ms (min–max) | error vs planner's | vs + per-op | post hoc ms (error) | speedup: predicted (planner's) "
         "| predicted (+ per-op) | measured | error vs planner's | vs + per-op |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def pct(value: float | None) -> str:
@@ -492,7 +522,8 @@ def fidelity_table(rows: list[dict]) -> str:
                 f"| {e['min_op_ms']:.0f}–{e['max_op_ms']:.0f} | {e['predicted_nominal_ms']:.1f} | {e['predicted_ms']:.1f} "
                 f"| {e.get('predicted_op_cost_ms', float('nan')):.1f} "
                 f"| {e['median_ms']:.1f} ({min(e['all_ms']):.0f}–{max(e['all_ms']):.0f}) | {pct(e['error'])} "
-                f"| {pct(e.get('error_op_cost'))} | {speed} |"
+                f"| {pct(e.get('error_op_cost'))} | {e.get('posthoc_ms', float('nan')):.1f} ({pct(e.get('error_posthoc'))}) "
+                f"| {speed} |"
             )
     return "\n".join(lines)
 
@@ -746,9 +777,39 @@ def calibrate(overhead_rows: list[dict]) -> Calibration:
 # ---------------------------------------------------------------------------------------------
 
 
+def report(results: dict[str, Any]) -> str:
+    """The markdown of a run's results (what ``main`` prints, and ``report`` prints again)."""
+    ping = results["link"]
+    parts = [f"gloo ping-pong: one-way latency mean {ping['latency_ms']:.3f} ms (median {ping['latency_median_ms']:.3f}), "
+             f"{ping['gbps']:.2f} GB/s"]
+    if "calibration" in results:
+        cal = results["calibration"]
+        parts.append(f"calibration (in-job): transfer {cal['latency_ms']:.3f} ms, runtime per op {cal.get('op_ms', 0):.3f} ms, "
+                     f"replay layer cost beyond its sleep per layer {cal['per_layer_ms']} ms")
+    if "overhead" in results:
+        parts.append("## Overhead\n\n" + overhead_table(results["overhead"]))
+    if "fidelity" in results:
+        for row in results["fidelity"]:  # runs from before post hoc existed: add it from the files
+            for name in ("1f1b", "tuned"):
+                e = row[name]
+                if "posthoc_ms" not in e and Path(e["trace"]).exists():
+                    plan = load_plan(e["plan"])
+                    # the profile beside the plan: the one it was made with, even if the folder moved
+                    beside = Path(e["plan"]).parent / "replay-profile.yaml"
+                    profile = load_profile(beside if beside.exists() else plan.profile)
+                    e["posthoc_ms"] = round(posthoc(plan, profile, trace_overheads(plan, profile, e["trace"])), 3)
+                    e["error_posthoc"] = round(e["median_ms"] / e["posthoc_ms"] - 1, 4)
+        parts.append("## Fidelity\n\n" + fidelity_table(results["fidelity"]))
+    if "torch" in results:
+        parts.append("## Side by side with PyTorch\n\n" + torch_table(results["torch"]))
+    return "\n\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("bench", choices=["fidelity", "torch", "overhead", "all"])
+    parser.add_argument("bench", choices=["fidelity", "torch", "overhead", "all", "report"],
+                        help="report: print the tables of an earlier run's JSON (--out/all.json or --json)")
+    parser.add_argument("--json", help="with report: the results file (default OUT/all.json)")
     parser.add_argument("--case", action="append", type=Case.parse, default=[],
                         help="PROFILE.yaml:TIME_SCALE (repeatable; default: the three of DEFAULT_CASES)")
     parser.add_argument("--torch-case", type=Case.parse, help="case of the torch comparison (default: the first case)")
@@ -770,6 +831,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("octoplan.tuner").setLevel(logging.WARNING)
     out = Path(args.out)
+    if args.bench == "report":
+        print(report(json.loads(Path(args.json or out / "all.json").read_text())))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     cases = args.case or list(DEFAULT_CASES)
     if args.latency_us is not None:
@@ -782,13 +846,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"link": link.to_dict(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                "args": {k: v for k, v in vars(args).items() if k not in ("case", "torch_case")},
                                "cases": [vars(c) for c in cases]}
-    tables = []
     per_layer = op_ms = None
     if args.bench in ("overhead", "all") or not args.no_calibrate:
         # the overhead runs double as the calibration of the replay layer's fixed cost
         schedules = ("1f1b", "zb-h1") if args.bench in ("overhead", "all") else ("zb-h1",)
         results["overhead"] = bench_overhead(link, out, schedules=schedules, **common)
-        tables.append("## Overhead\n\n" + overhead_table(results["overhead"]))
         if not args.no_calibrate:
             calibration = calibrate(results["overhead"])
             per_layer, op_ms, link = calibration.per_layer_ms, calibration.op_ms, calibration.link(link)
@@ -797,7 +859,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench in ("fidelity", "all"):
         results["fidelity"] = bench_fidelity(cases, link, out, tune_seconds=args.tune_seconds, per_layer_ms=per_layer,
                                              op_ms=op_ms, chunks_max=args.chunks_max, **common)
-        tables.append("## Fidelity\n\n" + fidelity_table(results["fidelity"]))
     if args.bench in ("torch", "all"):
         case = args.torch_case or cases[0]
         tuned = None
@@ -805,18 +866,9 @@ def main(argv: list[str] | None = None) -> int:
             tuned = out / case.name / "tuned.yaml"
         results["torch"] = bench_torch(case, link, out, tune_seconds=args.tune_seconds, tuned_plan=tuned,
                                        per_layer_ms=per_layer, chunks_max=args.chunks_max, **common)
-        tables.append("## Side by side with PyTorch\n\n" + torch_table(results["torch"]))
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     (out / f"{args.bench}.json").write_text(json.dumps(results, indent=2))
-    ping = results["link"]
-    print(f"gloo ping-pong: one-way latency mean {ping['latency_ms']:.3f} ms (median {ping['latency_median_ms']:.3f}), "
-          f"{ping['gbps']:.2f} GB/s")
-    if "calibration" in results:
-        cal = results["calibration"]
-        print(f"calibration (in-job): transfer {cal['latency_ms']:.3f} ms, runtime per op {cal['op_ms']:.3f} ms, "
-              f"replay layer cost beyond its sleep per layer {cal['per_layer_ms']} ms")
-    print()
-    print("\n\n".join(tables))
+    print(report(results))
     return 0
 
 

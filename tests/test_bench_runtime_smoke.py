@@ -47,7 +47,7 @@ def test_derive_profile_scales_times_and_sizes_what_the_replay_sends(tmp_path):
     assert [layer.output_bytes for layer in derived.layers] == [4 * 8 * 2] * 4
 
 
-def test_fidelity_and_overhead_run_end_to_end_on_two_processes(tmp_path):
+def test_fidelity_runs_end_to_end_on_two_processes(tmp_path):
     source = _tiny_source(tmp_path / "tiny.yaml")
     link = bench.Link(latency_ms=0.5, latency_median_ms=0.5, gbps=1.0)
     rows = bench.bench_fidelity([bench.Case(str(source), 1.0)], link, tmp_path / "out", nprocs=2, microbatches=4,

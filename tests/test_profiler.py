@@ -473,9 +473,6 @@ def test_layer_sum_matches_whole_model_small(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny_gpt", "vlm", "hybrid"])
 def test_layer_sum_matches_whole_model_examples(model):
-    path = EXAMPLES / f"{model}.py"
-    if not path.exists():
-        pytest.skip(f"examples/models/{model}.py is not written yet")
-    ratios = _accuracy(str(path))
+    ratios = _accuracy(str(EXAMPLES / f"{model}.py"))
     print(f"{model}: sum of layers / whole model per round: {[round(r, 3) for r in ratios]}")
     assert abs(statistics.median(ratios) - 1) <= 0.15, f"{model}: sum of layers / whole model per round: {ratios}"

@@ -3,7 +3,8 @@
 Every move changes one of the three dimensions the tuner co-optimizes:
 - ``partition``: shift a stage boundary by one layer; split a stage in two; merge two stages;
 - ``placement``: move or swap stages between ranks; swap two ranks' whole contents (which
-  changes which node each part of the model sits on);
+  changes which node each part of the model sits on); re-place the stages so the busiest
+  ranks start early (:func:`octoplan.tuner.arrange.start_aware`, given per-stage times);
 - ``schedule``: a rank's warm-up depth (in-flight limit), B split into I + W, how long Ws
   may wait, which chunk goes first; a baseline's fixed order turned into the policy scheduler;
   and direct reorders of an explicit op order at its bubbles: a deferred W moved into the gap

@@ -7,10 +7,12 @@ Steps:
 2. Seed with every baseline of SPEC section 6 that applies (schedule x partition, interleaved
    1F1B with 2..``chunks_max`` chunks), so the answer is never worse than the best baseline
    that fits; add policy-scheduled seeds (balanced partitions in loop and V placements) and
-   the CP-SAT partition + placement (:mod:`octoplan.tuner.cpsat`).
+   the CP-SAT partition + placement (:mod:`octoplan.tuner.cpsat`); and every seed layout
+   re-placed so that late-starting ranks carry less (:mod:`octoplan.tuner.arrange`).
 3. Hill-climb from the best seeds with bubble-aware moves (:mod:`octoplan.tuner.moves`):
    simulate, read who waits on whom, try the most promising moves first, keep the first one
    that is faster (or, while nothing fits, leaner), until no move helps or time runs out.
+   Time the climbs leave unused goes to climbs from the next-best seeds.
 
 Deterministic for a given seed: moves are tried in a fixed order with ties broken by
 ``random.Random(seed)``; the clock only decides when to stop.

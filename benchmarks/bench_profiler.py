@@ -1,0 +1,46 @@
+"""Profiler accuracy: the sum over layers of F+I+W against a measured whole-model
+forward+backward of the same microbatch, for every example model (target: within 15%).
+
+Run: .venv/bin/python benchmarks/bench_profiler.py [--rounds 4]
+
+Each round profiles the model between two whole-model measurements and compares with their
+mean, so both see the same conditions on a shared machine; the median ratio is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from octoplan.profiler import measure_whole_model_ms, profile_model_file
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=10)
+    args = parser.parse_args()
+    print("| model | layers | sum of layers F+I+W ms | whole model ms | ratio (median of rounds) | rounds |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name in ("tiny_gpt", "vlm", "hybrid"):
+        path = str(EXAMPLES / f"{name}.py")
+        kwargs = dict(microbatch_size=4, repeat=args.repeat, device="cpu", seed=0)
+        before = measure_whole_model_ms(path, **kwargs)
+        sums, wholes, ratios = [], [], []
+        for _ in range(args.rounds):
+            profile = profile_model_file(path, **kwargs)
+            after = measure_whole_model_ms(path, **kwargs)
+            sums.append(sum(layer.total_ms for layer in profile.layers))
+            wholes.append((before + after) / 2)
+            ratios.append(sums[-1] / wholes[-1])
+            before = after
+        rounds = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"| {name} | {profile.num_layers} | {statistics.median(sums):.1f} | {statistics.median(wholes):.1f} | "
+              f"{statistics.median(ratios):.3f} | {rounds} |")
+
+
+if __name__ == "__main__":
+    main()
