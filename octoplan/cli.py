@@ -24,6 +24,7 @@ _MEM = typer.Option(80.0, "--memory-gb", help="memory per GPU, GB")
 _INTRA = typer.Option(450.0, "--intra-node-gbps", help="GB/s between GPUs of a node")
 _INTER = typer.Option(50.0, "--inter-node-gbps", help="GB/s between nodes")
 _LAT = typer.Option(10.0, "--latency-us", help="latency per point-to-point transfer, us")
+_OVH = typer.Option(0.0, "--op-overhead-us", help="fixed runtime cost added to every op, us (CPU stand-ins for GPUs)")
 
 
 def _load_plan_with_profile(path: Path) -> tuple[Plan, Profile]:
@@ -130,14 +131,15 @@ def baseline(
     pp: Optional[int] = typer.Option(None, "--pp", help="pipeline degree (default: all GPUs)"),
     output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
     gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
-    inter_node_gbps: float = _INTER, latency_us: float = _LAT,
+    inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
 ) -> None:
     """Write a plan of a known schedule, for comparison (SPEC section 6)."""
     from octoplan.baseline import make_baseline, split_gpus
 
     path = newest_profile(profile_path)
     prof = load_profile(path)
-    cluster = cluster_from(gpus, ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us))
+    cluster = cluster_from(gpus, ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us,
+                                                op_overhead_us))
     pp_value, _ = split_gpus(gpus, pp)
     plan = make_baseline(prof, schedule=schedule, gpus=gpus, pp=pp_value, microbatches=microbatches or 2 * pp_value,
                          partition_method=partition, chunks=chunks, cluster=cluster, profile_path=path)

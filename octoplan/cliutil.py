@@ -56,6 +56,7 @@ class ClusterOptions:
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
     latency_us: float = 10.0
+    op_overhead_us: float = 0.0
 
 
 def cluster_from(gpus: int, opts: ClusterOptions) -> Cluster:
@@ -65,12 +66,13 @@ def cluster_from(gpus: int, opts: ClusterOptions) -> Cluster:
     for name, value in (("--intra-node-gbps", opts.intra_node_gbps), ("--inter-node-gbps", opts.inter_node_gbps)):
         if value <= 0:
             raise InputError(None, name, f"is {value}", "use a positive bandwidth")
-    for name, value in (("--memory-gb", opts.memory_gb), ("--latency-us", opts.latency_us)):
+    for name, value in (("--memory-gb", opts.memory_gb), ("--latency-us", opts.latency_us),
+                        ("--op-overhead-us", opts.op_overhead_us)):
         if value < 0:
             raise InputError(None, name, f"is {value}", "use a non-negative value")
     return Cluster(gpus=gpus, gpus_per_node=opts.gpus_per_node, memory_gb=opts.memory_gb,
                    intra_node_gbps=opts.intra_node_gbps, inter_node_gbps=opts.inter_node_gbps,
-                   latency_us=opts.latency_us)
+                   latency_us=opts.latency_us, op_overhead_us=opts.op_overhead_us)
 
 
 def newest_profile(given: Optional[Path]) -> Path:

@@ -45,6 +45,9 @@ class Cluster:
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
     latency_us: float = 10.0
+    # Optional extension of SPEC section 3: a fixed cost added to every op, for runtimes whose
+    # per-op overhead is not negligible against the ops (CPU processes standing in for GPUs).
+    op_overhead_us: float = 0.0
 
     def node_of(self, global_rank: int) -> int:
         return global_rank // self.gpus_per_node
@@ -57,6 +60,7 @@ class Cluster:
             "intra_node_gbps": self.intra_node_gbps,
             "inter_node_gbps": self.inter_node_gbps,
             "latency_us": self.latency_us,
+            **({"op_overhead_us": self.op_overhead_us} if self.op_overhead_us else {}),
         }
 
 
@@ -172,6 +176,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
         intra_node_gbps=c.number("intra_node_gbps", 450.0, minimum=1e-9),
         inter_node_gbps=c.number("inter_node_gbps", 50.0, minimum=1e-9),
         latency_us=c.number("latency_us", 10.0),
+        op_overhead_us=c.number("op_overhead_us", 0.0),
     )
     p = top.mapping("parallel")
     parallel = Parallel(

@@ -299,7 +299,8 @@ def simulate_costs(
         cost = costs[stage]
         rank = rank_of_stage[stage]
         base = stage * 4 * num_mb
-        f_ms, i_ms, w_ms = cost.forward_ms, cost.backward_input_ms, cost.backward_weight_ms
+        overhead = cluster.op_overhead_us / 1000.0
+        f_ms, i_ms, w_ms = cost.forward_ms + overhead, cost.backward_input_ms + overhead, cost.backward_weight_ms + overhead
         next_rank = rank_of_stage[stage + 1] if stage + 1 < num_stages else -1
         prev_rank = rank_of_stage[stage - 1] if stage > 0 else -1
         fwd_wire = wire_ms(rank, next_rank, cost.output_bytes) if next_rank >= 0 else 0.0
@@ -309,7 +310,7 @@ def simulate_costs(
             ki = base + num_mb + mb
             kw = base + 2 * num_mb + mb
             kb = base + 3 * num_mb + mb
-            dur[kf], dur[ki], dur[kw], dur[kb] = f_ms, i_ms, w_ms, i_ms + w_ms
+            dur[kf], dur[ki], dur[kw], dur[kb] = f_ms, i_ms, w_ms, i_ms + w_ms - overhead
             act[kf] = cost.activation_bytes
             act[kw] = act[kb] = -cost.activation_bytes  # W exists only where I does
             if stage > 0:

@@ -393,6 +393,7 @@ class _Interpreter:
             "rank": self.me, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
             "loss_sum": loss_sum, "loss_count": len(state.losses), "step_s": step_s,
             "spans": [(op.stage, op.kind.value, op.mb, start, end) for op, start, end in spans],
+            "origin_s": self.timer.origin_host, "host": socket.gethostname(),
         }
 
     def _receive(self, step: int, op: Op, message: Message, state: _StepState) -> None:
@@ -466,6 +467,7 @@ class _Interpreter:
                     self.watchdog.fail(f"gathering the metrics of step {step}: {gist(exc)}")
                 if self.me != 0:
                     continue
+                _align_clocks(gathered)
                 step_metrics = self._summarize(step, gathered)
                 metrics.append(step_metrics)
                 log.info("step %d loss %.6f iteration %.2f ms", step, step_metrics.loss, step_metrics.iteration_ms)
@@ -499,6 +501,23 @@ class _Interpreter:
 
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
         return {i: {k: v.detach().cpu().clone() for k, v in layer.state_dict().items()} for i, layer in self.layers.items()}
+
+
+def _align_clocks(records: list[dict[str, Any]]) -> None:
+    """Put every rank's op times on one clock.
+
+    Each rank times its ops from the moment it left the step's barrier, and ranks leave it a
+    few milliseconds apart. On one host ``perf_counter`` is the system's monotonic clock, shared
+    by all processes, so each rank's times are shifted by how much later it left the barrier.
+    Across hosts the clocks are unrelated and the barrier exit stays the common origin (good to
+    about a network latency).
+    """
+    if len({r["host"] for r in records}) != 1:
+        return
+    origin = min(r["origin_s"] for r in records)
+    for record in records:
+        shift = record["origin_s"] - origin
+        record["spans"] = [(stage, kind, mb, start + shift, end + shift) for stage, kind, mb, start, end in record["spans"]]
 
 
 def _write_trace(path: str, records: list[dict[str, Any]]) -> None:

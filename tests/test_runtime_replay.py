@@ -27,7 +27,9 @@ def test_replay_of_a_profile_without_model_file_matches_the_prediction(tmp_path,
     path = tmp_path / "plan.yaml"
     save_plan(plan, path)
     metrics = tmp_path / "m.jsonl"
-    job = h.Job("replay", RunConfig(plan_path=str(path), steps=3, replay_time_scale=1.0, metrics_path=str(metrics)))
+    trace = tmp_path / "t.json"
+    job = h.Job("replay", RunConfig(plan_path=str(path), steps=3, replay_time_scale=1.0, metrics_path=str(metrics),
+                                    trace_path=str(trace)))
     launched = h.launch(2, [job], tmp_path / "out", timeout_s=90)
     assert launched.exitcodes == [0, 0], launched.logs
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -40,6 +42,12 @@ def test_replay_of_a_profile_without_model_file_matches_the_prediction(tmp_path,
     # fidelity benchmark (docs/BENCHMARKS.md) measures the real error. Skipping a sleep (a
     # third less) or sleeping twice would still fail here.
     assert measured == pytest.approx(predicted, rel=0.25)
+    # The ranks' op times share one clock: every op starts after the op on the other rank
+    # whose output it consumes has ended.
+    times = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in json.loads(trace.read_text())["traceEvents"]}
+    for mb in range(4):
+        assert times[f"1F{mb}"][0] >= times[f"0F{mb}"][1]
+        assert times[f"0B{mb}"][0] >= times[f"1B{mb}"][1]
 
 
 def test_replay_without_the_profile_is_bad_input(tmp_path, profile_file):

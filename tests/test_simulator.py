@@ -186,3 +186,16 @@ def test_random_valid_plans_never_deadlock_nor_beat_the_lower_bound(seed, num_ra
     for rank in range(num_ranks):
         spans = result.spans(rank)
         assert all(b.start_ms >= a.end_ms - 1e-9 for a, b in zip(spans, spans[1:]))
+
+
+def test_op_overhead_is_added_to_every_op_once():
+    # 1F1B on 2 ranks, F = 1, B = 2 per stage, free links, 0.5 ms per op:
+    # (M + p - 1) x (F + B + 2 x 0.5) = 5 x 4.
+    profile = make_profile([(1, 1, 1)] * 2)
+    cluster = Cluster(gpus=2, latency_us=0, intra_node_gbps=1e12, op_overhead_us=500.0)
+    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"],
+                 cluster=cluster, microbatches=4)
+    assert simulate(plan, profile).iteration_ms == pytest.approx(5 * 4)
+    split = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0I0 0W0", "1F0 1I0 1W0"], cluster=cluster, microbatches=1)
+    # 0F0 [0, 1.5], 1F0 [1.5, 3], 1I0 [3, 4.5], 1W0 [4.5, 6]
+    assert simulate(split, profile).op_times()[Op(1, Kind.W, 0)] == pytest.approx((4.5, 6.0))
