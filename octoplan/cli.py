@@ -10,7 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from octoplan.cliutil import ClusterOptions, cluster_from, dump_json, guarded, log_setup, newest_profile
+from octoplan.cliutil import (
+    GPUS_PER_NODE, INTER_NODE_GBPS, INTRA_NODE_GBPS, LATENCY_US, MEMORY_GB, OP_OVERHEAD_US,
+    ClusterOptions, cluster_from, dump_json, guarded, log_setup, newest_profile,
+)
 from octoplan.errors import InputError
 from octoplan.plan import Plan, load_plan, load_plan_profile, save_plan
 from octoplan.profile import Profile, load_profile, save_profile
@@ -19,12 +22,7 @@ from octoplan.tuner.cli import register as register_tuner_commands
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="OctoPipe planner: profile, tune, simulate and show pipeline plans.")
 console = Console()
 
-_GPN = typer.Option(8, "--gpus-per-node", help="GPUs per node")
-_MEM = typer.Option(80.0, "--memory-gb", help="memory per GPU, GB")
-_INTRA = typer.Option(450.0, "--intra-node-gbps", help="GB/s between GPUs of a node")
-_INTER = typer.Option(50.0, "--inter-node-gbps", help="GB/s between nodes")
-_LAT = typer.Option(10.0, "--latency-us", help="latency per point-to-point transfer, us")
-_OVH = typer.Option(0.0, "--op-overhead-us", help="fixed runtime cost added to every op, us (CPU stand-ins for GPUs)")
+_GPN, _MEM, _INTRA, _INTER, _LAT, _OVH = GPUS_PER_NODE, MEMORY_GB, INTRA_NODE_GBPS, INTER_NODE_GBPS, LATENCY_US, OP_OVERHEAD_US
 
 
 def _load_plan_with_profile(path: Path) -> tuple[Plan, Profile]:

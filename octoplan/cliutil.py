@@ -16,7 +16,16 @@ import yaml
 from octoplan.errors import InputError
 from octoplan.plan import Cluster
 
-__all__ = ["guarded", "fail", "ClusterOptions", "cluster_from", "newest_profile", "log_setup"]
+__all__ = ["guarded", "fail", "ClusterOptions", "cluster_from", "newest_profile", "log_setup",
+           "GPUS_PER_NODE", "MEMORY_GB", "INTRA_NODE_GBPS", "INTER_NODE_GBPS", "LATENCY_US", "OP_OVERHEAD_US"]
+
+# The cluster options of SPEC section 5, shared by every command that takes them.
+GPUS_PER_NODE = typer.Option(8, "--gpus-per-node", help="GPUs per node")
+MEMORY_GB = typer.Option(80.0, "--memory-gb", help="memory per GPU, GB")
+INTRA_NODE_GBPS = typer.Option(450.0, "--intra-node-gbps", help="GB/s between GPUs of a node")
+INTER_NODE_GBPS = typer.Option(50.0, "--inter-node-gbps", help="GB/s between nodes")
+LATENCY_US = typer.Option(10.0, "--latency-us", help="latency per point-to-point transfer, us")
+OP_OVERHEAD_US = typer.Option(0.0, "--op-overhead-us", help="fixed runtime cost added to every op, us (CPU stand-ins for GPUs)")
 
 
 def fail(error: InputError) -> None:

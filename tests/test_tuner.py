@@ -72,6 +72,18 @@ def test_same_seed_same_plan():
     assert first.stats["evaluations"] == second.stats["evaluations"]
 
 
+def test_a_plan_budget_makes_the_search_independent_of_the_clock():
+    # A larger profile whose search would not converge in the budget: with --max-plans the
+    # stopping point is counted in plans, so two runs agree even though their timings differ.
+    opts = TuneOptions(gpus=4, pp=4, microbatches=8, time_limit_s=1.0, max_plans=150, seed=5)
+    first = tune(heavy_head(), free_cluster(4), opts)
+    second = tune(heavy_head(), free_cluster(4), opts)
+    strip = lambda plan: {k: v for k, v in plan_to_dict(plan).items() if k != "tuner"}
+    assert strip(first.plan) == strip(second.plan)
+    assert first.stats["evaluations"] == second.stats["evaluations"]
+    assert first.stats["evaluations"] <= 150 + 60  # the budget, plus the climb step that crossed it
+
+
 def test_fits_memory_when_a_plan_can():
     # the head's 1e9 fp32 bytes of weights need 4 GB of weights, gradients and Adam state, a
     # block's 1e8 bytes 0.4 GB; with 4.5 GB per GPU the uniform split (head + 2 blocks, 4.8 GB)

@@ -15,7 +15,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from octoplan.cliutil import ClusterOptions, cluster_from, guarded, newest_profile
+from octoplan.cliutil import (
+    GPUS_PER_NODE, INTER_NODE_GBPS, INTRA_NODE_GBPS, LATENCY_US, MEMORY_GB, OP_OVERHEAD_US,
+    ClusterOptions, cluster_from, guarded, newest_profile,
+)
 
 __all__ = ["register", "comparison_rows"]
 
@@ -62,7 +65,8 @@ def _table(result) -> Table:
     return table
 
 
-def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts):
+def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,
+         max_plans=None):
     from rich.live import Live
 
     from octoplan.profile import load_profile
@@ -72,7 +76,8 @@ def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, c
     profile = load_profile(path)
     cluster = cluster_from(gpus, cluster_opts)
     opts = TuneOptions(gpus=gpus, pp=pp, microbatches=microbatches, global_batch=global_batch,
-                       time_limit_s=time_limit, seed=seed, chunks_max=chunks_max, use_cpsat=not no_cpsat)
+                       time_limit_s=time_limit, seed=seed, chunks_max=chunks_max, use_cpsat=not no_cpsat,
+                       max_plans=max_plans)
     with Live(console=console, transient=True, refresh_per_second=4) as live:
         live.update(f"tuning {path} on {gpus} GPUs ...")
 
@@ -85,11 +90,7 @@ def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, c
     return result
 
 
-_GPN = typer.Option(8, "--gpus-per-node", help="GPUs per node")
-_MEM = typer.Option(80.0, "--memory-gb", help="memory per GPU, GB")
-_INTRA = typer.Option(450.0, "--intra-node-gbps", help="GB/s between GPUs of a node")
-_INTER = typer.Option(50.0, "--inter-node-gbps", help="GB/s between nodes")
-_LAT = typer.Option(10.0, "--latency-us", help="latency per point-to-point transfer, us")
+_GPN, _MEM, _INTRA, _INTER, _LAT, _OVH = GPUS_PER_NODE, MEMORY_GB, INTRA_NODE_GBPS, INTER_NODE_GBPS, LATENCY_US, OP_OVERHEAD_US
 _MB = typer.Option(None, "--microbatches", help="microbatches per pipeline (pins them)")
 _PP = typer.Option(None, "--pp", help="pipeline degree (pins it; default: every divisor of --gpus)")
 _GB = typer.Option(None, "--global-batch", help="samples per iteration (default 2 x GPUs x microbatch size)")
@@ -97,6 +98,8 @@ _TL = typer.Option(60.0, "--time-limit", help="seconds to search")
 _SEED = typer.Option(0, "--seed", help="seed of the search's tie-breaking")
 _CHUNKS = typer.Option(3, "--chunks-max", help="most stages per rank")
 _NOCP = typer.Option(False, "--no-cpsat", help="skip the CP-SAT partition + placement seeds")
+_MAXP = typer.Option(None, "--max-plans", help="stop after simulating this many plans instead of at --time-limit: "
+                                             "the same plan on any machine at any load")
 
 
 def register(app: typer.Typer) -> None:
@@ -111,13 +114,15 @@ def register(app: typer.Typer) -> None:
         microbatches: Optional[int] = _MB, pp: Optional[int] = _PP, global_batch: Optional[int] = _GB,
         time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
         gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
-        inter_node_gbps: float = _INTER, latency_us: float = _LAT,
+        inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
+        max_plans: Optional[int] = _MAXP,
     ) -> None:
         """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
         from octoplan.plan import save_plan
 
-        opts = ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us)
-        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, opts)
+        opts = ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us)
+        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, opts,
+                      max_plans)
         save_plan(result.plan, output)
         console.print(_table(result))
         plan = result.plan
@@ -134,9 +139,11 @@ def register(app: typer.Typer) -> None:
         microbatches: Optional[int] = _MB, pp: Optional[int] = _PP, global_batch: Optional[int] = _GB,
         time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
         gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
-        inter_node_gbps: float = _INTER, latency_us: float = _LAT,
+        inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
+        max_plans: Optional[int] = _MAXP,
     ) -> None:
         """Tune, and print the tuned plan against every baseline without writing a plan."""
-        opts = ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us)
-        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, opts)
+        opts = ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us)
+        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, opts,
+                      max_plans)
         console.print(_table(result))

@@ -53,6 +53,9 @@ class TuneOptions:
     microbatches: int | None = None
     global_batch: int | None = None
     time_limit_s: float = 60.0
+    # A budget of simulated plans instead of seconds: the search then measures its progress in
+    # plans, so the result no longer depends on the machine's speed or load.
+    max_plans: int | None = None
     seed: int = 0
     chunks_max: int = 3  # most stages per rank (and interleaved-1F1B chunks among the baselines)
     dimensions: tuple[str, ...] = DIMENSIONS
@@ -212,11 +215,18 @@ def _start_aware_seeds(evaluator: Evaluator, seeds: Sequence[Candidate], config:
 
 
 class _Clock:
-    def __init__(self, limit_s: float):
+    """Progress of the search in seconds of its budget: wall seconds, or — with a plan budget —
+    the share of plans simulated so far, scaled to the time limit (deterministic)."""
+
+    def __init__(self, limit_s: float, *, max_plans: int | None = None, plans: Callable[[], int] = lambda: 0):
         self.start = time.perf_counter()
         self.limit_s = limit_s
+        self.max_plans = max_plans
+        self.plans = plans
 
     def elapsed(self) -> float:
+        if self.max_plans:
+            return self.plans() / self.max_plans * self.limit_s
         return time.perf_counter() - self.start
 
     def out(self) -> bool:
@@ -228,7 +238,7 @@ class _Search:
         self.ev = evaluator
         self.opts = opts
         self.progress = progress
-        self.clock = _Clock(opts.time_limit_s)
+        self.clock = _Clock(opts.time_limit_s, max_plans=opts.max_plans, plans=lambda: evaluator.evaluations)
         self.rng = random.Random(opts.seed)
         self.best: Candidate | None = None
         self.best_scored: Scored | None = None
