@@ -31,7 +31,7 @@ the slowest rank (after the step's barrier: ops, waits, optimizer). torch's harn
 ``schedule.step`` from the first process entering to the last leaving; ``step_ms`` is the fair
 figure to put beside it, and both are reported.
 
-Command line (see docs/bench/runtime.md for the runs and their results)::
+Command line (see docs/BENCHMARKS.md for the runs and their results)::
 
     .venv/bin/python benchmarks/bench_runtime.py all --out out/bench-runtime
     .venv/bin/python benchmarks/bench_runtime.py fidelity --case profiles/gemma2-27b-h100.yaml:0.3

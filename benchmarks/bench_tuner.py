@@ -4,7 +4,7 @@ and tuning time at 64 and 1024 GPUs.
     .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME]
     .venv/bin/python benchmarks/bench_tuner.py scale --gpus 64 --time-limit 60
 
-Prints markdown tables (docs/bench/tuner.md holds a run's output). Megatron-LM = uniform
+Prints markdown tables (docs/BENCHMARKS.md holds a run's output). Megatron-LM = uniform
 partition, the better of 1F1B and interleaved 1F1B (2 chunks); best baseline = the fastest
 fitting plan of every SPEC section 6 schedule x partition. Efficiency = SPEC section 7's
 lower_bound_ms / iteration_ms.

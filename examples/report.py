@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -26,11 +27,11 @@ def main(pairs: list[str]) -> None:
         measured = statistics.median(s["iteration_ms"] for s in (steps[1:] or steps))
         rows.append((plan_path, plan.predicted["iteration_ms"], measured, steps[-1]["loss"]))
     table = Table(title="predicted vs measured iteration")
-    for column in ("plan", "predicted ms", "measured ms", "error", "speedup of the first: predicted", "measured"):
-        table.add_column(column, justify="left" if column == "plan" else "right")
+    for column in ("plan", "predicted ms", "measured ms", "error", "first is faster: predicted", "measured"):
+        table.add_column(column, justify="left" if column == "plan" else "right", no_wrap=column == "plan")
     first_pred, first_meas = rows[0][1], rows[0][2]
     for path, predicted, measured, _ in rows:
-        table.add_row(path, f"{predicted:.1f}", f"{measured:.1f}", f"{measured / predicted - 1:+.1%}",
+        table.add_row(Path(path).name, f"{predicted:.1f}", f"{measured:.1f}", f"{measured / predicted - 1:+.1%}",
                       f"{predicted / first_pred:.2f}x", f"{measured / first_meas:.2f}x")
     Console().print(table)
 
