@@ -261,12 +261,10 @@ def policy_schedule(
             if s == first[r]:
                 admitted[r] += 1
                 reserved[r] += footprint[r]
-            dst = fwd_to[s]
-            if dst < 0:
-                pass
-            elif dst == r:
+            dst = fwd_to[s]  # -1: the output goes nowhere (last forward, first backward)
+            if dst == r:
                 fwd_arrive[s][m] = end
-            else:
+            elif dst >= 0:
                 fwd_arrive[s][m] = send(r, dst, end, fwd_wire[s])
                 touched = dst
         else:
@@ -281,12 +279,10 @@ def policy_schedule(
             next_b[s] += 1
             if s == first[r]:
                 admitted[r] -= 1
-            dst = bwd_to[s]
-            if dst < 0:
-                pass
-            elif dst == r:
+            dst = bwd_to[s]  # -1: the output goes nowhere (last forward, first backward)
+            if dst == r:
                 bwd_arrive[s][m] = end
-            else:
+            elif dst >= 0:
                 bwd_arrive[s][m] = send(r, dst, end, bwd_wire[s])
                 touched = dst
         free[r] = end
