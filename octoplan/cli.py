@@ -139,7 +139,7 @@ def baseline(
     cluster = cluster_from(gpus, ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us,
                                                 op_overhead_us))
     pp_value, _ = split_gpus(gpus, pp)
-    plan = make_baseline(prof, schedule=schedule, gpus=gpus, pp=pp_value, microbatches=microbatches or 2 * pp_value,
+    plan = make_baseline(prof, schedule=schedule, gpus=gpus, pp=pp_value, microbatches=2 * pp_value if microbatches is None else microbatches,
                          partition_method=partition, chunks=chunks, cluster=cluster, profile_path=path)
     save_plan(plan, output)
     console.print(f"{schedule} plan for {gpus} GPUs (pp={plan.pp}, dp={plan.parallel.dp}, "

@@ -123,3 +123,21 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("format: [unclosed")
     run = _octoplan("validate", bad)
     assert run.returncode == 2 and "not valid YAML" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--microbatches", "0"], "--microbatches"),
+    (["--pp", "3"], "--pp"),
+    (["--schedule", "2f2b"], "--schedule"),
+    (["--partition", "random"], "--partition"),
+    (["--latency-us", "-1"], "--latency-us"),
+])
+def test_bad_baseline_options_exit_2_naming_the_option(profile_file, tmp_path, args, field):
+    profile = make_profile([(1, 1, 1)] * 8)
+    base = {"--schedule": "1f1b"}
+    options = dict(base, **dict(zip(args[::2], args[1::2])))
+    flat = [item for pair in options.items() for item in pair]
+    run = _octoplan("baseline", profile_file(profile), "--gpus", 4, *flat, "-o", tmp_path / "plan.yaml")
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("\n") == 1 and field in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "plan.yaml").exists()
