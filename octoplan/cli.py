@@ -249,7 +249,20 @@ register_tuner_commands(app)
 
 
 def main() -> None:
-    app()
+    """Run the command line; usage errors are bad input too: one line, exit 2 (SPEC section 5)."""
+    try:
+        from click import ClickException as UsageProblem  # typer before 0.2x builds on click
+    except ImportError:
+        from typer.exceptions import TyperException as UsageProblem
+    try:
+        app(standalone_mode=False)
+    except typer.Exit as exc:  # --help and friends
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        raise SystemExit(130) from None
+    except UsageProblem as exc:
+        typer.echo(f"error: {exc.format_message()} (see octoplan --help)", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,9 @@ def guarded(fn: Callable) -> Callable:
             raise
         except BrokenPipeError:
             raise SystemExit(0)
+        except OSError as exc:  # a path the user gave that cannot be read or written
+            where = exc.filename if exc.filename else None
+            fail(InputError(str(where) if where else None, None, exc.strerror or str(exc), "check the path"))
         except Exception as exc:  # a failure of ours, not bad input: keep the trace for debugging
             logging.getLogger("octoplan").debug("failure", exc_info=True)
             typer.echo(f"error: {type(exc).__name__}: {exc}", err=True)
@@ -72,6 +76,11 @@ def cluster_from(gpus: int, opts: ClusterOptions) -> Cluster:
     for name, value in (("--gpus", gpus), ("--gpus-per-node", opts.gpus_per_node)):
         if value < 1:
             raise InputError(None, name, f"is {value}", "use a positive number")
+    numbers = (("--memory-gb", opts.memory_gb), ("--latency-us", opts.latency_us), ("--op-overhead-us", opts.op_overhead_us),
+               ("--intra-node-gbps", opts.intra_node_gbps), ("--inter-node-gbps", opts.inter_node_gbps))
+    for name, value in numbers:
+        if not math.isfinite(value):
+            raise InputError(None, name, f"is {value}", "use a finite number")
     for name, value in (("--intra-node-gbps", opts.intra_node_gbps), ("--inter-node-gbps", opts.inter_node_gbps)):
         if value <= 0:
             raise InputError(None, name, f"is {value}", "use a positive bandwidth")

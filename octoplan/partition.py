@@ -34,7 +34,11 @@ def uniform_partition(profile: Profile, num_stages: int, *, file: str | None = N
     sizes[0] += lead
     sizes[-1] += tail
     if min(sizes) < 1:
-        raise _too_few(profile, num_stages, file)
+        pinned = " with the embedding and head pinned to the first and last stage" if lead or tail else ""
+        raise InputError(
+            file, "layers", f"{body} layers{pinned} cannot fill {num_stages} stages uniformly",
+            "use --partition balanced, fewer GPUs, a smaller --pp or --chunks",
+        )
     bounds, start = [], 0
     for size in sizes:
         bounds.append((start, start + size))

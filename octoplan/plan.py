@@ -133,10 +133,11 @@ def _parse_schedule(raw: Any, *, file: str, pp: int) -> tuple[tuple[Op, ...], ..
         raise InputError(file, "schedule", "must map each pipeline rank to its ops", "see SPEC section 3")
     keyed: dict[int, Any] = {}
     for key, value in raw.items():
-        try:
-            rank = int(key)
-        except (TypeError, ValueError):
-            raise InputError(file, f"schedule.{key}", "is not a pipeline rank", f"use ranks 0..{pp - 1}") from None
+        if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())):
+            raise InputError(file, f"schedule.{key}", "is not a pipeline rank", f"use ranks 0..{pp - 1}")
+        rank = int(key)
+        if rank in keyed:
+            raise InputError(file, f"schedule.{key}", f"rank {rank} is listed twice", "keep one op list per rank")
         if not 0 <= rank < pp:
             raise InputError(file, f"schedule.{key}", f"rank {rank} is outside 0..{pp - 1}", "remove it or raise parallel.pp")
         keyed[rank] = value

@@ -4,6 +4,8 @@ the file and the field instead of a traceback."""
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +16,31 @@ from octoplan.errors import InputError
 __all__ = ["read_yaml", "write_yaml", "file_sha256", "Fields"]
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2's floats: PyYAML follows YAML 1.1, where ``1.2e9`` and ``1e-3`` (no dot, or no
+    sign in the exponent) are strings — but the SPEC's own example writes ``flops: 1.2e9``."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
 def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise InputError(str(path), None, f"no such {what} file", "check the path")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_Loader)
+    except (OSError, UnicodeDecodeError) as exc:
+        problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not readable as UTF-8 text"
+        raise InputError(str(path), None, f"cannot read the {what} file: {problem}", f"give a {what} YAML file") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else None
@@ -43,8 +64,12 @@ _Dumper.add_representer(list, _represent_list)
 
 def write_yaml(path: str | Path, data: dict[str, Any]) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=120))
+    text = yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=120)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise InputError(str(path), None, f"cannot write: {exc.strerror or exc}", "give a writable file path") from None
 
 
 def file_sha256(path: str | Path) -> str:
@@ -89,7 +114,9 @@ class Fields:
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self._error(key, f"must be a number, got {value!r}", "write a number")
-        if value != value or value < minimum:
+        if not math.isfinite(value):
+            raise self._error(key, f"must be a finite number, got {value!r}", "write a number")
+        if value < minimum:
             raise self._error(key, f"must be >= {minimum:g}, got {value!r}", f"use a value >= {minimum:g}")
         return float(value)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -112,8 +113,15 @@ def prepare(config: RunConfig) -> Prepared:
         raise InputError(None, "--optimizer", f"is {config.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
     if config.steps < 1:
         raise InputError(None, "--steps", f"is {config.steps}", "train at least one step")
-    if config.timeout_s <= 0:
+    if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
         raise InputError(None, "--timeout", f"is {config.timeout_s}", "give a positive number of seconds")
+    if not (math.isfinite(config.lr) and config.lr >= 0):
+        raise InputError(None, "--lr", f"is {config.lr}", "give a learning rate >= 0")
+    if not 0 <= config.seed < 2**63 // 1_000_003 // 1_009 // 10_007:
+        raise InputError(None, "--seed", f"is {config.seed}", "give a seed from 0 to 10**9")
+    for flag, path in (("--metrics", config.metrics_path), ("--trace", config.trace_path)):
+        if path and Path(path).is_dir():
+            raise InputError(path, None, f"{flag} names a folder", "give a file path")
     plan = load_plan(config.plan_path)
     microbatch_size = _microbatch_size(plan, config.plan_path)
     check_runnable(plan, file=config.plan_path)

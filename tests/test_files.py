@@ -141,3 +141,26 @@ def test_bad_baseline_options_exit_2_naming_the_option(profile_file, tmp_path, a
     assert run.returncode == 2, run.stderr
     assert run.stderr.count("\n") == 1 and field in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "plan.yaml").exists()
+
+
+def test_spec_example_numbers_and_non_finite_values(tmp_path):
+    # SPEC section 2 writes flops: 1.2e9 — a float in YAML 1.2 though a string in YAML 1.1.
+    text = """format: octoplan-profile/1
+model: {name: t}
+layers:
+  - {name: a, kind: embedding, forward_ms: 1e-3, backward_input_ms: 0.05, backward_weight_ms: 0.30,
+     param_bytes: 6291456, activation_bytes: 1048576, output_bytes: 262144, flops: 1.2e9}
+"""
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    layer = load_profile(path).layers[0]
+    assert (layer.forward_ms, layer.flops) == (0.001, 1.2e9)
+    path.write_text(text.replace("forward_ms: 1e-3", "forward_ms: .inf"))
+    with pytest.raises(InputError, match="must be a finite number"):
+        load_profile(path)
+
+
+def test_usage_errors_are_one_line_exit_2(tmp_path):
+    for args in (["simulate"], ["frobnicate"], ["validate", tmp_path]):
+        run = _octoplan(*args)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, (args, run.stderr)

@@ -64,3 +64,27 @@ def test_replay_without_the_profile_is_bad_input(tmp_path, profile_file):
     ppath.unlink()
     with pytest.raises(InputError, match="--replay needs the plan's profile"):
         prepare(RunConfig(plan_path=str(path), replay_time_scale=1.0))
+
+
+@pytest.mark.parametrize("override,flag", [
+    ({"timeout_s": float("nan")}, "--timeout"),
+    ({"timeout_s": float("inf")}, "--timeout"),
+    ({"lr": -1.0}, "--lr"),
+    ({"lr": float("nan")}, "--lr"),
+    ({"seed": 10**20}, "--seed"),
+])
+def test_bad_flags_are_refused_before_anything_runs(tmp_path, override, flag):
+    from octoplan.errors import InputError
+    from octorun.runtime import prepare
+
+    with pytest.raises(InputError) as info:
+        prepare(RunConfig(plan_path=str(tmp_path / "missing.yaml"), **override))
+    assert info.value.field == flag
+
+
+def test_a_metrics_path_that_is_a_folder_is_refused(tmp_path):
+    from octoplan.errors import InputError
+    from octorun.runtime import prepare
+
+    with pytest.raises(InputError, match="--metrics names a folder"):
+        prepare(RunConfig(plan_path=str(tmp_path / "missing.yaml"), metrics_path=str(tmp_path)))

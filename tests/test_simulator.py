@@ -182,6 +182,11 @@ def test_random_valid_plans_never_deadlock_nor_beat_the_lower_bound(seed, num_ra
             assert start >= times[Op(s - 1, Kind.F, m)][1] - 1e-9
         if k is Kind.W:
             assert start >= times[Op(s, Kind.I, m)][1] - 1e-9
+        if k in (Kind.I, Kind.B):
+            assert start >= times[Op(s, Kind.F, m)][1] - 1e-9
+            if s + 1 < num_stages:
+                downstream = times.get(Op(s + 1, Kind.I, m)) or times[Op(s + 1, Kind.B, m)]
+                assert start >= downstream[1] - 1e-9
     # Ops on one rank never overlap.
     for rank in range(num_ranks):
         spans = result.spans(rank)

@@ -301,6 +301,10 @@ def tune(
     """The fastest plan the search finds that fits memory; ``InputError`` if none fits."""
     if not opts.time_limit_s > 0:
         raise InputError(None, "--time-limit", f"is {opts.time_limit_s:g}", "give the search a positive number of seconds")
+    if opts.max_plans is not None and opts.max_plans < 1:
+        raise InputError(None, "--max-plans", f"is {opts.max_plans}", "give a positive number of plans, or leave it out")
+    if opts.chunks_max < 1:
+        raise InputError(None, "--chunks-max", f"is {opts.chunks_max}", "allow at least 1 stage per rank")
     configs = configs_for(profile, opts)
     if cluster.gpus != opts.gpus:
         cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
