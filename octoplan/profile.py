@@ -28,7 +28,10 @@ __all__ = [
 
 PROFILE_FORMAT = "octoplan-profile/1"
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8, "fp8": 1}
+DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8,
+    "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class Profile:
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES.get(self.dtype, 4)
+        return DTYPE_BYTES[self.dtype]
 
     def with_layers(self, layers: list[Layer] | tuple[Layer, ...]) -> "Profile":
         return replace(self, layers=tuple(layers))
@@ -122,13 +125,16 @@ def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profi
             raise InputError(file, f"layers[{i}].kind", "'embedding' is reserved for the first layer", "rename the kind")
         if layer.kind == "head" and i != len(layers) - 1:
             raise InputError(file, f"layers[{i}].kind", "'head' is reserved for the last layer", "rename the kind")
+    dtype = top.str("dtype", "float32")
+    if dtype not in DTYPE_BYTES:
+        raise InputError(file, "dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPE_BYTES)}")
     known = {"format", "model", "device", "microbatch_size", "dtype", "layers"}
     return Profile(
         model=ModelRef(name=model.str("name"), source=model.str("source", None), config=dict(config)),
         layers=layers,
         device=dict(device.data),
         microbatch_size=top.int("microbatch_size", 1, minimum=1),
-        dtype=top.str("dtype", "float32"),
+        dtype=dtype,
         extra={k: v for k, v in data.items() if k not in known},
     )
 

@@ -164,3 +164,13 @@ def test_usage_errors_are_one_line_exit_2(tmp_path):
     for args in (["simulate"], ["frobnicate"], ["validate", tmp_path]):
         run = _octoplan(*args)
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, (args, run.stderr)
+
+
+def test_an_unknown_dtype_is_refused_not_guessed(tmp_path):
+    data = profile_to_dict(make_profile([(1, 1, 1)]))
+    data["dtype"] = "int4"
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError) as info:
+        load_profile(path)
+    assert info.value.field == "dtype" and "bf16" in info.value.fix

@@ -128,7 +128,7 @@ def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
         raise InputError(
             None, "--global-batch",
             f"{opts.global_batch} samples do not split into whole microbatches of {mbs} for any dp dividing {gpus}",
-            f"use a multiple of {mbs * gpus}",
+            f"use a multiple of {mbs} x a dp that divides {gpus}, e.g. {mbs * gpus}",
         )
     return out
 
