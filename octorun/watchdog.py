@@ -14,6 +14,7 @@ an exception, and Python's normal shutdown would join the very threads that are 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 __all__ = ["Watchdog", "gist", "ABORT_KEY", "EXIT_FAILURE", "EXIT_BAD_INPUT"]
+
+log = logging.getLogger("octorun.watchdog")
 
 ABORT_KEY = "octorun/abort"
 EXIT_FAILURE = 1
@@ -103,8 +106,8 @@ class Watchdog:
                             cause = self.store.get(ABORT_KEY).decode(errors="replace")
                             self._exit(f"stopping because {cause}; this rank then saw: {problem}")
                         self.store.set(ABORT_KEY, f"rank {self.global_rank} failed: {problem}")
-                    except Exception:  # the store may be gone with a dead peer; still exit
-                        pass
+                    except Exception as exc:  # the store may be gone with a dead peer; exit all the same
+                        log.debug("could not reach the rendezvous store while failing: %s", exc)
         self._exit(problem, code=code)
 
     def _exit(self, problem: str, *, code: int = EXIT_FAILURE) -> NoReturn:

@@ -120,8 +120,8 @@ def register(app: typer.Typer) -> None:
         """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
         from octoplan.plan import save_plan
 
-        opts = ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us)
-        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, opts,
+        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
+                      ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
                       max_plans)
         save_plan(result.plan, output)
         console.print(_table(result))
@@ -143,7 +143,7 @@ def register(app: typer.Typer) -> None:
         max_plans: Optional[int] = _MAXP,
     ) -> None:
         """Tune, and print the tuned plan against every baseline without writing a plan."""
-        opts = ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us)
-        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, opts,
+        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
+                      ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
                       max_plans)
         console.print(_table(result))
