@@ -137,15 +137,18 @@ class Link:
     latency_ms: float  # mean one-way time of a small message
     latency_median_ms: float
     gbps: float  # GB/s (1e9 bytes/s), from the extra time of a large message
+    op_overhead_ms: float = 0.0  # the runtime's time between two ops (calibrated; cluster.op_overhead_us)
 
     def cluster(self, gpus: int, *, memory_gb: float = 1e4) -> Cluster:
         """One node of ``gpus`` processes with these costs; memory large enough never to bind
         (the replay holds a few KB whatever the profile says)."""
         return Cluster(gpus=gpus, gpus_per_node=gpus, memory_gb=memory_gb, intra_node_gbps=self.gbps,
-                       inter_node_gbps=self.gbps, latency_us=round(1000.0 * self.latency_ms, 1))
+                       inter_node_gbps=self.gbps, latency_us=round(1000.0 * self.latency_ms, 1),
+                       op_overhead_us=round(1000.0 * self.op_overhead_ms, 1))
 
     def to_dict(self) -> dict[str, float]:
-        return {"latency_ms": self.latency_ms, "latency_median_ms": self.latency_median_ms, "gbps": self.gbps}
+        return {"latency_ms": self.latency_ms, "latency_median_ms": self.latency_median_ms, "gbps": self.gbps,
+                "op_overhead_ms": self.op_overhead_ms}
 
 
 _SMALL, _LARGE = 1 << 10, 1 << 20  # float32 elements: 4 KB and 4 MB
@@ -278,8 +281,8 @@ def make_plans(profile: Profile, profile_path: str | Path, cluster: Cluster, out
 
 
 def free_comm(cluster: Cluster) -> Cluster:
-    """The same cluster with transfers that cost nothing."""
-    return replace(cluster, latency_us=0.0, intra_node_gbps=1e12, inter_node_gbps=1e12)
+    """The same cluster with a runtime that costs nothing: free transfers, no per-op overhead."""
+    return replace(cluster, latency_us=0.0, intra_node_gbps=1e12, inter_node_gbps=1e12, op_overhead_us=0.0)
 
 
 def predict(plan: Plan, profile: Profile, *, op_ms: float | None = None) -> dict[str, float]:
@@ -330,18 +333,18 @@ def priority(nice: int | None):
 
 
 def octorun_command(plan_path: str | Path, *, nprocs: int, steps: int, metrics: str | Path, trace: str | Path,
-                    timeout_s: float = 120.0, port: int | None = None) -> list[str]:
+                    timeout_s: float = 120.0, port: int | None = None, extra_args: Sequence[str] = ()) -> list[str]:
     """The torchrun command line that runs a plan under octorun (run from the project folder)."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
         "--master-addr", "127.0.0.1", "--master-port", str(port or _free_port()),
         "-m", "octorun", str(plan_path), "--steps", str(steps), "--metrics", str(metrics), "--trace", str(trace),
-        "--timeout", f"{timeout_s:g}",
+        "--timeout", f"{timeout_s:g}", *extra_args,
     ]
 
 
 def run_octorun(plan_path: str | Path, *, steps: int, warmup: int, out_dir: str | Path, tag: str,
-                timeout_s: float = 120.0) -> dict[str, Any]:
+                timeout_s: float = 120.0, extra_args: Sequence[str] = ()) -> dict[str, Any]:
     """Run a plan with torchrun + octorun for ``warmup + steps`` steps; medians of the timed steps.
 
     Returns ``median_ms`` (iteration, SPEC section 7), ``step_median_ms``, ``all_ms``, the
@@ -352,7 +355,7 @@ def run_octorun(plan_path: str | Path, *, steps: int, warmup: int, out_dir: str 
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics, trace = out_dir / f"{tag}.metrics.jsonl", out_dir / f"{tag}.trace.json"
     cmd = octorun_command(Path(plan_path).resolve(), nprocs=plan.cluster.gpus, steps=warmup + steps,
-                          metrics=metrics.resolve(), trace=trace.resolve(), timeout_s=timeout_s)
+                          metrics=metrics.resolve(), trace=trace.resolve(), timeout_s=timeout_s, extra_args=extra_args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log.info("octorun %s: %s", tag, " ".join(cmd))
     started = time.perf_counter()
@@ -433,9 +436,10 @@ def case_profiles(case: Case, case_dir: Path, *, per_layer_ms: dict[str, float] 
 
 def bench_fidelity(cases: Sequence[Case], link: Link, out_dir: str | Path, *, nprocs: int, microbatches: int,
                    steps: int, warmup: int, tune_seconds: float, per_layer_ms: dict[str, float] | None = None,
-                   op_ms: float | None = None, chunks_max: int = 3,
-                   bytes_scale: float = DEFAULT_BYTES_SCALE) -> list[dict]:
-    """Tuned and 1F1B plans of each case's replay: predicted vs measured, and the speedups."""
+                   chunks_max: int = 3, bytes_scale: float = DEFAULT_BYTES_SCALE) -> list[dict]:
+    """Tuned and 1F1B plans of each case's replay: predicted vs measured, and the speedups. The
+    link's calibrated per-op overhead is the planning cluster's ``op_overhead_us``, so the tuner
+    weighs it and the planner's prediction includes it."""
     rows = []
     cluster = link.cluster(nprocs)
     for case in cases:
@@ -450,14 +454,12 @@ def bench_fidelity(cases: Sequence[Case], link: Link, out_dir: str | Path, *, np
         for name in ("1f1b", "tuned"):
             plan = load_plan(paths[name])
             measured = run_octorun(paths[name], steps=steps, warmup=warmup, out_dir=case_dir, tag=name)
-            entry = {**predict(plan, profile, op_ms=op_ms), **_plan_shape(plan), **_op_ms(profiles.nominal, plan), **measured,
+            entry = {**predict(plan, profile), **_plan_shape(plan), **_op_ms(profiles.nominal, plan), **measured,
                      "predicted_nominal_ms": round(simulate(plan, profiles.nominal).iteration_ms, 3),
                      "trace_split": trace_overheads(plan, profile, measured["trace"])}
             entry["error"] = round(entry["median_ms"] / entry["predicted_ms"] - 1, 4)
             entry["posthoc_ms"] = round(posthoc(plan, profile, entry["trace_split"]), 3)
             entry["error_posthoc"] = round(entry["median_ms"] / entry["posthoc_ms"] - 1, 4)
-            if op_ms is not None:
-                entry["error_op_cost"] = round(entry["median_ms"] / entry["predicted_op_cost_ms"] - 1, 4)
             row[name] = entry
             log.info("%s %s: predicted %.1f ms, measured %.1f ms (%+.1f%%)", case.name, name, entry["predicted_ms"],
                      entry["median_ms"], 100 * entry["error"])
@@ -465,10 +467,6 @@ def bench_fidelity(cases: Sequence[Case], link: Link, out_dir: str | Path, *, np
         row["predicted_speedup"] = round(row["1f1b"]["predicted_ms"] / row["tuned"]["predicted_ms"], 4)
         row["measured_speedup"] = round(row["1f1b"]["median_ms"] / row["tuned"]["median_ms"], 4)
         row["speedup_error"] = round(row["measured_speedup"] / row["predicted_speedup"] - 1, 4)
-        if op_ms is not None:
-            row["op_ms"] = op_ms
-            row["predicted_op_cost_speedup"] = round(row["1f1b"]["predicted_op_cost_ms"] / row["tuned"]["predicted_op_cost_ms"], 4)
-            row["speedup_error_op_cost"] = round(row["measured_speedup"] / row["predicted_op_cost_speedup"] - 1, 4)
         rows.append(row)
     return rows
 
@@ -490,20 +488,19 @@ def posthoc(plan: Plan, profile: Profile, split: dict[str, Any]) -> float:
     latency = split["transfer_both_ways_ms"]
     if latency is None:
         latency = split["transfer_ms"].get("median", 0.0)
-    measured = replace(plan, cluster=replace(plan.cluster, latency_us=1000.0 * max(0.0, latency)))
+    measured = replace(plan, cluster=replace(plan.cluster, latency_us=1000.0 * max(0.0, latency), op_overhead_us=0.0))
     result = predict(measured, replace(profile, layers=layers), op_ms=max(0.0, split["dispatch_gap_ms"].get("mean", 0.0)))
     return result["predicted_op_cost_ms"]
 
 
 def fidelity_table(rows: list[dict]) -> str:
-    """Per case and plan: predictions (nominal; the planner's, from the calibrated profile the
-    plan was made with; and that plus the runtime's per-op cost), the measured median and the
-    errors, then the speedups tuned / 1F1B."""
+    """Per case and plan: predictions (nominal; the planner's, from the calibrated profile and
+    cluster the plan was made with), the measured median and the error, the post hoc check,
+    then the speedups tuned / 1F1B."""
     lines = [
-        "| profile (time scale) | plan | stages | op ms | predicted ms: nominal | planner's | + per-op cost "
-        "| measured ms (min–max) | error vs planner's | vs + per-op | post hoc ms (error) | speedup: predicted (planner's) "
-        "| predicted (+ per-op) | measured | error vs planner's | vs + per-op |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| profile (time scale) | plan | stages | op ms | predicted ms: nominal | planner's "
+        "| measured ms (min–max) | error | post hoc ms (error) | speedup: predicted | measured | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def pct(value: float | None) -> str:
@@ -513,16 +510,14 @@ def fidelity_table(rows: list[dict]) -> str:
         for name in ("1f1b", "tuned"):
             e = row[name]
             if name == "tuned":
-                speed = (f"{row['predicted_speedup']:.3f} | {row.get('predicted_op_cost_speedup', float('nan')):.3f} "
-                         f"| {row['measured_speedup']:.3f} | {pct(row['speedup_error'])} | {pct(row.get('speedup_error_op_cost'))}")
+                speed = f"{row['predicted_speedup']:.3f} | {row['measured_speedup']:.3f} | {pct(row['speedup_error'])}"
             else:
-                speed = "| | | |"
+                speed = "| |"
             lines.append(
                 f"| {row['case']} ({row['time_scale']:g}) | {name} | {e['stages']}{' I/W' if e['split_backward'] else ''} "
                 f"| {e['min_op_ms']:.0f}–{e['max_op_ms']:.0f} | {e['predicted_nominal_ms']:.1f} | {e['predicted_ms']:.1f} "
-                f"| {e.get('predicted_op_cost_ms', float('nan')):.1f} "
                 f"| {e['median_ms']:.1f} ({min(e['all_ms']):.0f}–{max(e['all_ms']):.0f}) | {pct(e['error'])} "
-                f"| {pct(e.get('error_op_cost'))} | {e.get('posthoc_ms', float('nan')):.1f} ({pct(e.get('error_posthoc'))}) "
+                f"| {e.get('posthoc_ms', float('nan')):.1f} ({pct(e.get('error_posthoc'))}) "
                 f"| {speed} |"
             )
     return "\n".join(lines)
@@ -622,6 +617,7 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
       autograd's own work inside the op); ``excess_per_layer_ms``: its median per layer, by kind;
     - ``dispatch_gap_ms``: the gap between an op and the previous op on its rank when nothing from
       another rank held it up (its input message, if any, was there first): pure runtime time;
+      ``dispatch_gap_share``: the largest sum of them on one rank over the iteration;
     - ``transfer_ms``: for ops whose input message came last, their start - the producing op's
       end on the other rank (send + receive + hand-over to the compute thread). Clocks: each
       rank's times are relative to its own start of the step (octorun's trace), so this includes
@@ -645,8 +641,10 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
     per_rank: dict[int, list[dict]] = {}
     for e in events:
         per_rank.setdefault(e["tid"], []).append(e)
-    for rank_events in per_rank.values():
+    gap_sum: dict[int, float] = {}  # rank -> its dispatch gaps, summed
+    for rank, rank_events in per_rank.items():
         rank_events.sort(key=lambda e: e["ts"])
+        gap_sum[rank] = 0.0
         prev_end = None
         for e in rank_events:
             op = parse_op(e["name"])
@@ -661,6 +659,7 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
                 ready = (p["ts"] + p["dur"]) / 1e3
             if prev_end is not None and (ready is None or ready <= prev_end):
                 gaps.append(start - prev_end)
+                gap_sum[rank] += gaps[-1]
             elif ready is not None and (prev_end is None or ready > prev_end):
                 transfers.append(start - ready)
                 waits.setdefault((by_name[producer]["tid"], e["tid"]), []).append(start - ready)
@@ -680,16 +679,22 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
             there, back = statistics.median(xs), statistics.median(waits[(b, a)])
             pair_ms.append((there + back) / 2)
             skew_ms[f"{a}-{b}"] = round((there - back) / 2, 3)
+    iteration_ms = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
     return {"op_excess_ms": stats(excess), "dispatch_gap_ms": stats(gaps), "transfer_ms": stats(transfers),
+            # octorun's own time on the rank it costs most: gaps while the next op's input was there
+            "dispatch_gap_share": round(max(gap_sum.values()) / iteration_ms, 4) if iteration_ms > 0 else None,
             "transfer_both_ways_ms": round(statistics.median(pair_ms), 4) if pair_ms else None,
             "clock_offset_ms": skew_ms,
             "excess_per_layer_ms": {kind: round(statistics.median(xs), 4) for kind, xs in sorted(per_layer.items())}}
 
 
 def bench_overhead(link: Link, out_dir: str | Path, *, nprocs: int, microbatches: int, steps: int, warmup: int,
-                   op_ms: float = 10.0, schedules: Sequence[str] = ("1f1b", "zb-h1")) -> list[dict]:
+                   op_ms: float = 10.0, schedules: Sequence[str] = ("1f1b", "zb-h1"),
+                   shapes: Sequence[str] = ("static",)) -> list[dict]:
     """Uniform 10 ms ops: measured vs the simulator with free communication (the runtime's whole
-    cost, transfers included) and with the measured link (the runtime's cost beyond the link)."""
+    cost, transfers included) and with the measured link (the runtime's cost beyond the link).
+    ``shapes``: ``static`` (octorun's default: layouts sent in step 0 only) and/or ``dynamic``
+    (``--dynamic-shapes``: a header before every message), each schedule run once per mode."""
     out_dir = Path(out_dir) / "overhead"
     profile_path = out_dir / "uniform-profile.yaml"
     profile = uniform_replay_profile(profile_path, num_layers=nprocs, op_ms=op_ms)
@@ -700,36 +705,47 @@ def bench_overhead(link: Link, out_dir: str | Path, *, nprocs: int, microbatches
                              cluster=cluster, profile_path=str(profile_path.resolve()))
         plan_path = out_dir / f"{schedule}.yaml"
         save_plan(plan, plan_path)
-        measured = run_octorun(plan_path, steps=steps, warmup=warmup, out_dir=out_dir, tag=schedule)
-        pred = predict(plan, profile)
-        ops_per_rank = max(len(ops) for ops in plan.schedule)
-        row = {
-            "schedule": schedule, "op_ms": op_ms, "nprocs": nprocs, "microbatches": microbatches, **pred, **measured,
-            "overhead": round((measured["median_ms"] - pred["predicted_free_ms"]) / measured["median_ms"], 4),
-            "overhead_beyond_link": round((measured["median_ms"] - pred["predicted_ms"]) / measured["median_ms"], 4),
-            "overhead_per_op_ms": round((measured["median_ms"] - pred["predicted_free_ms"]) / ops_per_rank, 4),
-            "ops_per_rank": ops_per_rank,
-            "trace": {**trace_overheads(plan, profile, measured["trace"]), "file": measured["trace"]},
-        }
-        rows.append(row)
-        log.info("overhead %s: measured %.1f ms, free-comm prediction %.1f ms: %.2f%%", schedule, row["median_ms"],
-                 row["predicted_free_ms"], 100 * row["overhead"])
+        for mode in shapes:
+            tag = schedule if mode == "static" else f"{schedule}-{mode}"
+            extra = ("--dynamic-shapes",) if mode == "dynamic" else ()
+            rows.append(_overhead_row(plan, profile, schedule, mode, run_octorun(plan_path, steps=steps, warmup=warmup,
+                                                                                 out_dir=out_dir, tag=tag, extra_args=extra),
+                                      op_ms=op_ms, nprocs=nprocs, microbatches=microbatches))
+            log.info("overhead %s (%s shapes): measured %.1f ms, free-comm prediction %.1f ms: %.2f%%", schedule, mode,
+                     rows[-1]["median_ms"], rows[-1]["predicted_free_ms"], 100 * rows[-1]["overhead"])
     return rows
+
+
+def _overhead_row(plan: Plan, profile: Profile, schedule: str, shapes: str, measured: dict, *, op_ms: float, nprocs: int,
+                  microbatches: int) -> dict:
+    pred = predict(plan, profile)
+    ops_per_rank = max(len(ops) for ops in plan.schedule)
+    return {
+        "schedule": schedule, "shapes": shapes, "op_ms": op_ms, "nprocs": nprocs, "microbatches": microbatches,
+        **pred, **measured,
+        "overhead": round((measured["median_ms"] - pred["predicted_free_ms"]) / measured["median_ms"], 4),
+        "overhead_beyond_link": round((measured["median_ms"] - pred["predicted_ms"]) / measured["median_ms"], 4),
+        "overhead_per_op_ms": round((measured["median_ms"] - pred["predicted_free_ms"]) / ops_per_rank, 4),
+        "ops_per_rank": ops_per_rank,
+        "trace": {**trace_overheads(plan, profile, measured["trace"]), "file": measured["trace"]},
+    }
 
 
 def overhead_table(rows: list[dict]) -> str:
     lines = [
-        "| plan | ops/rank | predicted, free comm ms | predicted, measured link ms | measured ms (min–max) "
-        "| overhead | beyond the link | per op ms | op excess ms (mean) | dispatch gap ms (median) | transfer ms (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| plan | shapes | ops/rank | predicted, free comm ms | predicted, measured link ms | measured ms (min–max) "
+        "| overhead | beyond the link | per op ms | op excess ms (mean) | dispatch gap ms (median) | octorun's gaps, busiest rank "
+        "| transfer ms (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = r["trace"]
         lines.append(
-            f"| {r['schedule']} | {r['ops_per_rank']} | {r['predicted_free_ms']:.1f} | {r['predicted_ms']:.1f} "
+            f"| {r['schedule']} | {r.get('shapes', 'dynamic')} | {r['ops_per_rank']} | {r['predicted_free_ms']:.1f} | {r['predicted_ms']:.1f} "
             f"| {r['median_ms']:.1f} ({min(r['all_ms']):.0f}–{max(r['all_ms']):.0f}) | {100 * r['overhead']:.2f}% "
             f"| {100 * r['overhead_beyond_link']:.2f}% | {r['overhead_per_op_ms']:.3f} "
             f"| {t['op_excess_ms'].get('mean', float('nan')):.3f} | {t['dispatch_gap_ms'].get('median', float('nan')):.3f} "
+            f"| {100 * (t.get('dispatch_gap_share') or float('nan')):.2f}% "
             f"| {t['transfer_ms'].get('median', float('nan')):.3f} |"
         )
     return "\n".join(lines)
@@ -744,8 +760,8 @@ class Calibration:
     op_ms: float  # the runtime's time between two ops of a rank when none waits for a message
 
     def link(self, measured: Link) -> Link:
-        """``measured`` with this latency: the cluster plans are made and predicted for."""
-        return replace(measured, latency_ms=self.latency_ms, latency_median_ms=self.latency_ms)
+        """``measured`` with this latency and per-op overhead: the cluster plans are made and predicted for."""
+        return replace(measured, latency_ms=self.latency_ms, latency_median_ms=self.latency_ms, op_overhead_ms=self.op_ms)
 
 
 def calibrate(overhead_rows: list[dict]) -> Calibration:
@@ -761,7 +777,7 @@ def calibrate(overhead_rows: list[dict]) -> Calibration:
     swings between 0.15 and 2 ms from one minute to the next here and misses the hand-over; this
     is measured in a job of the same processes as the runs it is used for.
     """
-    row = next((r for r in overhead_rows if r["schedule"] == "zb-h1"), None)
+    row = next((r for r in overhead_rows if r["schedule"] == "zb-h1" and r.get("shapes", "static") == "static"), None)
     if row is None:
         raise ValueError("calibration needs the overhead benchmark's zb-h1 run")
     trace = row["trace"]
@@ -846,19 +862,20 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"link": link.to_dict(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                "args": {k: v for k, v in vars(args).items() if k not in ("case", "torch_case")},
                                "cases": [vars(c) for c in cases]}
-    per_layer = op_ms = None
+    per_layer = None
     if args.bench in ("overhead", "all") or not args.no_calibrate:
         # the overhead runs double as the calibration of the replay layer's fixed cost
         schedules = ("1f1b", "zb-h1") if args.bench in ("overhead", "all") else ("zb-h1",)
-        results["overhead"] = bench_overhead(link, out, schedules=schedules, **common)
+        shapes = ("static", "dynamic") if args.bench == "overhead" else ("static",)
+        results["overhead"] = bench_overhead(link, out, schedules=schedules, shapes=shapes, **common)
         if not args.no_calibrate:
             calibration = calibrate(results["overhead"])
-            per_layer, op_ms, link = calibration.per_layer_ms, calibration.op_ms, calibration.link(link)
-            results["calibration"] = {"per_layer_ms": per_layer, "latency_ms": calibration.latency_ms, "op_ms": op_ms}
+            per_layer, link = calibration.per_layer_ms, calibration.link(link)
+            results["calibration"] = {"per_layer_ms": per_layer, "latency_ms": calibration.latency_ms, "op_ms": calibration.op_ms}
             log.info("calibration: %s", calibration)
     if args.bench in ("fidelity", "all"):
         results["fidelity"] = bench_fidelity(cases, link, out, tune_seconds=args.tune_seconds, per_layer_ms=per_layer,
-                                             op_ms=op_ms, chunks_max=args.chunks_max, **common)
+                                             chunks_max=args.chunks_max, **common)
     if args.bench in ("torch", "all"):
         case = args.torch_case or cases[0]
         tuned = None

@@ -1,7 +1,8 @@
 """The ``octorun`` command (SPEC section 5): parse, call :func:`octorun.runtime.run`, summarize.
 
 ``torchrun --nproc-per-node N octorun PLAN [--steps K] [--seed S] [--optimizer sgd|adamw]
-[--lr LR] [--metrics FILE.jsonl] [--trace FILE.json] [--timeout S]``. Without torchrun it runs
+[--lr LR] [--metrics FILE.jsonl] [--trace FILE.json] [--timeout S] [--replay [SCALE]]
+[--dynamic-shapes] [--backend auto|gloo|nccl]``. Without torchrun it runs
 as one process. Exit status: 0 success, 2 bad input (one line on stderr), 1 any other failure.
 """
 
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replay", nargs="?", type=float, const=1.0, metavar="SCALE",
                         help="run the plan's profile through the replay model: every op sleeps its profiled time x SCALE "
                              "(default 1), so CPU processes emulate the plan's GPUs")
+    parser.add_argument("--dynamic-shapes", action="store_true",
+                        help="send each message's shapes every step (default: only in step 0; later steps must match it)")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="auto: nccl with CUDA, else gloo")
     return parser
 
@@ -48,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = RunConfig(
         plan_path=args.plan, steps=args.steps, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
         metrics_path=args.metrics, trace_path=args.trace, timeout_s=args.timeout, backend=args.backend,
-        replay_time_scale=args.replay,
+        replay_time_scale=args.replay, dynamic_shapes=args.dynamic_shapes,
     )
     try:
         result = run(config)

@@ -48,6 +48,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -105,9 +106,36 @@ def _replay(profile: str | None = None, time_scale: float = 1.0, bytes_scale: fl
     return _Replay(profile=_load(str(profile), mtime_ns), time_scale=float(time_scale), bytes_scale=float(bytes_scale))
 
 
-def _sleep_ms(ms: float) -> None:
-    if ms > 0:
-        time.sleep(ms / 1000.0)
+class _Sleeper:
+    """Sleeps that last their time on average, as the GPU op they stand for would.
+
+    ``time.sleep`` wakes late: tens of microseconds on an idle machine, 0.3-2 ms on a loaded
+    2-core box, where a woken process waits for a core. Left alone, every replayed op inherits
+    that, and so would every fidelity figure measured with the replay. Each sleep is therefore
+    shortened by the lateness the earlier sleeps of this process showed (a running estimate;
+    each step moves it by at most ``STEP_S``, so one stall of a loaded machine cannot zero the
+    following sleeps), never below zero.
+    """
+
+    GAIN = 0.2
+    STEP_S = 0.001
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
+        self.clock = clock
+        self.sleep = sleep
+        self.early_s = 0.0  # how much earlier than asked to wake up
+
+    def __call__(self, ms: float) -> None:
+        if ms <= 0:
+            return
+        wanted = ms / 1000.0
+        end = self.clock() + wanted
+        self.sleep(max(0.0, wanted - self.early_s))
+        late = self.clock() - end
+        self.early_s = max(0.0, self.early_s + self.GAIN * max(-self.STEP_S, min(self.STEP_S, late)))
+
+
+_sleep_ms = _Sleeper()
 
 
 class _SleepOnBackward(torch.autograd.Function):

@@ -58,6 +58,7 @@ class RunConfig:
     timeout_s: float = 300.0
     backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
     replay_time_scale: float | None = None  # run the plan's profile through the replay model
+    dynamic_shapes: bool = False  # send every message's layout every step, not only in step 0
 
 
 @dataclass(frozen=True)
@@ -319,7 +320,7 @@ class _Interpreter:
         elif params:
             self.optimizer = torch.optim.AdamW(params, lr=config.lr)
         self.transport = Transport(outgoing=groups.outgoing, incoming=groups.incoming, device=device,
-                                   steps=config.steps, timeout_s=config.timeout_s)
+                                   steps=config.steps, timeout_s=config.timeout_s, static_shapes=not config.dynamic_shapes)
         self.timer = _Timer(device)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -370,7 +371,10 @@ class _Interpreter:
                 self.watchdog.fail(f"op {op} of step {step} raised {gist(exc)}")
             self.timer.add(op, begin, self.timer.mark())
             for message in instr.sends:
-                self.transport.send(message, outgoing, dst=self._global(message.dst))
+                try:
+                    self.transport.send(message, outgoing, dst=self._global(message.dst), step=step)
+                except (TypeError, ValueError) as exc:  # a dtype gloo cannot send, a shape that changed
+                    self.watchdog.fail(f"op {op} of step {step}: {exc}")
             if instr.allreduce_stage is not None and self.groups.dp_group is not None:
                 reductions.append(self._start_allreduce(instr.allreduce_stage))
         deadline = self.watchdog.deadline()

@@ -30,14 +30,15 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "models"
 
 # A chain with a tuple boundary: (float hidden, int64 ids) flows between layers, ids pass through
-# without gradient, and a float mask that needs no gradient rides along.
+# without gradient. ``vary`` > 0 makes the sequence length change from microbatch to microbatch
+# (up to ``vary`` more tokens), which octorun runs with --dynamic-shapes.
 TINY_MODEL = '''
 import torch
 from torch import nn
 
-CONFIG = {"vocab": 13, "hidden": 8, "depth": 6, "seq": 5}
+CONFIG = {"vocab": 13, "hidden": 8, "depth": 6, "seq": 5, "vary": 0}
 
-def num_layers(vocab, hidden, depth, seq):
+def num_layers(vocab, hidden, depth, seq, vary=0):
     return depth
 
 class Embed(nn.Module):
@@ -62,14 +63,16 @@ class Head(nn.Module):
     def forward(self, h, ids):
         return self.out(h)
 
-def build_layer(index, vocab, hidden, depth, seq):
+def build_layer(index, vocab, hidden, depth, seq, vary=0):
     if index == 0:
         return Embed(vocab, hidden)
     if index == depth - 1:
         return Head(vocab, hidden)
     return Block(vocab, hidden)
 
-def sample_batch(mbs, generator, vocab, hidden, depth, seq):
+def sample_batch(mbs, generator, vocab, hidden, depth, seq, vary=0):
+    if vary:  # a sequence length that changes from microbatch to microbatch
+        seq += int(torch.randint(0, vary + 1, (1,), generator=generator))
     ids = torch.randint(0, vocab, (mbs, seq), generator=generator)
     targets = torch.randint(0, vocab, (mbs, seq), generator=generator)
     return ids, targets
@@ -97,9 +100,12 @@ def write_tiny_model(folder: Path) -> Path:
 
 
 def model_spec(name: str, folder: Path) -> tuple[Path, dict[str, Any]]:
-    """(model file, config) of ``tiny`` (6 layers), ``tiny10`` (10 layers) or an example model."""
+    """(model file, config) of ``tiny`` (6 layers), ``tiny10`` (10 layers), ``tiny-vary`` (6 layers,
+    shapes that change between microbatches and steps) or an example model."""
     if name == "tiny":
         return write_tiny_model(folder), {}
+    if name == "tiny-vary":
+        return write_tiny_model(folder), {"vary": 2}
     if name == "tiny10":
         return write_tiny_model(folder), {"depth": 10}
     return EXAMPLES / f"{name}.py", dict(EXAMPLE_CONFIGS[name])
@@ -362,10 +368,10 @@ def _apply_fault(fault: dict[str, Any], rank: int) -> None:
     elif fault["kind"] == "drop-send":  # the named op's message is never sent
         original_send = comm.Transport.send
 
-        def dropping(self, message, tensors, *, dst):
+        def dropping(self, message, tensors, *, dst, step):
             if (message.kind, message.stage, message.mb) == tuple(fault["message"]):
                 return
-            return original_send(self, message, tensors, dst=dst)
+            return original_send(self, message, tensors, dst=dst, step=step)
 
         comm.Transport.send = dropping
     elif fault["kind"] == "raise":  # the named op raises

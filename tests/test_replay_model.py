@@ -236,3 +236,34 @@ def test_missing_profile_file_names_it(tmp_path: Path) -> None:
     with pytest.raises(InputError) as excinfo:
         model.build_layer(0)
     assert excinfo.value.file == str(missing)
+
+
+def test_sleeps_learn_the_machines_lateness_and_last_their_time():
+    """A fake clock whose every sleep wakes 0.6 ms late: after a few calls the replay asks for
+    0.6 ms less, so a 5 ms op lasts 5 ms; a single 50 ms stall moves the estimate by at most
+    GAIN x STEP_S, not by the stall."""
+    from octorun.replay import _Sleeper
+
+    now = [0.0]
+    asked = []
+
+    def sleep(seconds: float) -> None:
+        asked.append(seconds)
+        now[0] += seconds + 0.0006 + stall.pop() if stall else seconds + 0.0006
+
+    stall: list[float] = []
+    sleeper = _Sleeper(clock=lambda: now[0], sleep=sleep)
+    lasted = []
+    for _ in range(60):
+        begin = now[0]
+        sleeper(5.0)
+        lasted.append(now[0] - begin)
+    assert lasted[0] == pytest.approx(0.0056)
+    assert lasted[-1] == pytest.approx(0.005, abs=2e-6)
+    assert asked[-1] == pytest.approx(0.0044, abs=2e-6)
+    before = sleeper.early_s
+    stall.append(0.050)
+    sleeper(5.0)
+    assert sleeper.early_s - before == pytest.approx(_Sleeper.GAIN * _Sleeper.STEP_S)
+    sleeper(0.0)  # no time: no sleep at all
+    assert len(asked) == 61

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,7 +44,7 @@ class Batch:
         self.launched: h.Launch | None = None
 
     def add(self, name: str, plan, model_path: Path, config: dict, *, optimizer: str, microbatch_size: int = 2,
-            metrics: bool = False, dtype: str = "float32") -> None:
+            metrics: bool = False, dtype: str = "float32", **run: Any) -> None:
         assert plan.cluster.gpus == self.world
         path = self.folder / f"{name}.yaml"
         save_plan(plan, path)
@@ -51,7 +52,7 @@ class Batch:
         if metrics:
             extra = {"metrics_path": str(self.folder / f"{name}.metrics.jsonl"), "trace_path": str(self.folder / f"{name}.trace.json")}
         self.jobs.append(h.Job(name, RunConfig(plan_path=str(path), steps=STEPS, optimizer=optimizer, lr=LR[optimizer],
-                                               timeout_s=30, **extra), dtype=dtype))
+                                               timeout_s=30, **extra, **run), dtype=dtype))
         self.expect[name] = (model_path, config, plan, optimizer, microbatch_size, dtype)
 
     def run(self) -> h.Launch:
@@ -93,6 +94,11 @@ def _hand_batches(folder: Path) -> dict[int, Batch]:
     for schedule in ("interleaved-1f1b", "zbv", "dualpipev"):
         batches[4].add(f"tiny-{schedule}-pp4", h.baseline_plan(schedule, model10, config10, folder, gpus=4, pp=4, microbatches=8),
                        model10, config10, optimizer="sgd")
+    # shapes that change between microbatches and steps: every message carries its layout
+    vary_path, vary_config = h.model_spec("tiny-vary", folder)
+    for schedule in ("1f1b", "zbv"):
+        plan = h.baseline_plan(schedule, vary_path, vary_config, folder, gpus=2, pp=2, microbatches=4)
+        batches[2].add(f"tiny-vary-{schedule}-dynamic", plan, vary_path, vary_config, optimizer="sgd", dynamic_shapes=True)
     batches[4].add("tiny-1f1b-pp2-dp2", h.baseline_plan("1f1b", model_path, config, folder, gpus=4, pp=2, microbatches=3),
                    model_path, config, optimizer="adamw")
     return batches
@@ -125,7 +131,7 @@ def example_batch(tmp_path_factory) -> Batch:
 def _hand_cases() -> list[tuple[int, str]]:
     folder = Path("/nonexistent")  # names only; nothing is written
     names = [(world, name) for name, (_, world) in h.hand_plans(folder / "m.py", {}, 6).items()]
-    names += [(2, f"tiny-{s}-pp2") for s in SCHEDULES]
+    names += [(2, f"tiny-{s}-pp2") for s in SCHEDULES] + [(2, f"tiny-vary-{s}-dynamic") for s in ("1f1b", "zbv")]
     names += [(4, f"tiny-{s}-pp4") for s in ("interleaved-1f1b", "zbv", "dualpipev")] + [(4, "tiny-1f1b-pp2-dp2")]
     return names
 

@@ -11,7 +11,7 @@ import torch
 
 import runtime_helpers as h
 from octoplan.ops import Kind
-from octorun.comm import HEADER_SLOTS, decode_header, encode_header
+from octorun.comm import HEADER_SLOTS, decode_header, encode_header, layout_of
 from octoplan.validate import check_runnable
 from octorun.lowering import Message, lower
 
@@ -88,8 +88,8 @@ def test_header_round_trips_tuples_of_any_dtype():
     message = Message("grad", 3, 12, 1, 0)
     key, layout = decode_header(encode_header(message, tensors))
     assert key == ("grad", 3, 12)
-    assert layout == [(t.dtype, tuple(t.shape)) for t in tensors]
-    assert decode_header(encode_header(message, []))[1] == []
+    assert layout == layout_of(tensors) == tuple((t.dtype, tuple(t.shape)) for t in tensors)
+    assert decode_header(encode_header(message, []))[1] == ()
 
 
 def test_header_overflow_is_an_error_not_a_truncation():

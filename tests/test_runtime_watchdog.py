@@ -123,3 +123,21 @@ def test_out_of_order_message_is_a_protocol_error_not_wrong_data(tmp_path):
         "octorun: rank 1: op 1F0 of step 0 cannot receive the activation into stage 1 mb 0 from rank 0 to rank 1 (global rank 0): "
         "RuntimeError: protocol error: expected the activation into stage 1 mb 0 from rank 0 to rank 1, received act 1.1 instead"
     ) in launched.logs[1]
+
+
+def test_a_shape_that_changes_after_step_0_fails_naming_the_message(tmp_path):
+    # static shapes (the default) send no layout after step 0: a message whose shape changed must
+    # stop the run with a pointer to --dynamic-shapes, never be received into the wrong size
+    model_path, config = h.model_spec("tiny-vary", tmp_path)
+    plan = h.make_plan(model_path, config, stages=h.even_stages(6, [0, 1]), schedule=["0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1B0 1F1 1B1 1F2 1B2"],
+                       microbatches=3)
+    save_plan(plan, tmp_path / "vary.yaml")
+    job = h.Job("vary", RunConfig(plan_path=str(tmp_path / "vary.yaml"), steps=3, timeout_s=20))
+    launched = h.launch(2, [job], tmp_path / "out", timeout_s=60)
+    assert launched.exitcodes == [1, 1], launched.logs
+    line = next(line for line in launched.logs[0].splitlines() if line.startswith("octorun: rank 0:"))
+    assert re.fullmatch(
+        r"octorun: rank 0: op 0F(\d) of step (1|2): the activation into stage 1 mb \1 from rank 0 to rank 1 of step \2 has tensors "
+        r"float32\[2, (\d), 8\], int64\[2, \3\], in step 0 float32\[2, (?!\3)(\d), 8\], int64\[2, \4\]; "
+        r"run octorun with --dynamic-shapes for a model whose shapes change between steps", line), line
+    assert "stopping because rank 0 failed" in launched.logs[1]
