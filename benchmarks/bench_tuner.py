@@ -1,13 +1,21 @@
 """Tuner benchmark: efficiency and speedups on heterogeneous analytic workloads, an ablation,
 and tuning time at 64 and 1024 GPUs.
 
-    .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME]
+    .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME] [--split-blocks]
+    .venv/bin/python benchmarks/bench_tuner.py caps
     .venv/bin/python benchmarks/bench_tuner.py scale --gpus 64 --time-limit 60
 
 Prints markdown tables (docs/BENCHMARKS.md holds a run's output). Megatron-LM = uniform
 partition, the better of 1F1B and interleaved 1F1B (2 chunks); best baseline = the fastest
 fitting plan of every SPEC section 6 schedule x partition. Efficiency = SPEC section 7's
 lower_bound_ms / iteration_ms.
+
+``--split-blocks`` tunes on profiles whose blocks are split into mixer and MLP/MoE layers
+(``analytic_profile(split_blocks=True)``: the same work, finer boundaries). Megatron-LM is then
+still measured on whole blocks (it cannot cut a block), and the best baseline is the fastest of
+both granularities' baselines. ``caps`` prints, per workload and granularity, the best balance
+any assignment of whole layers to pp ranks allows (a CP-SAT bin packing): an upper bound on the
+efficiency of every plan, whatever its schedule.
 """
 
 from __future__ import annotations
@@ -16,12 +24,12 @@ import argparse
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from octoplan.arch import analytic_profile
 from octoplan.plan import Cluster
 from octoplan.simulator import simulate
-from octoplan.tuner import TuneOptions, tune
+from octoplan.tuner import TuneOptions, compare_baselines, tune
 
 
 @dataclass(frozen=True)
@@ -52,26 +60,33 @@ SUITE = [
 ABLATIONS = {"partition only": ("partition",), "placement only": ("placement",), "schedule only": ("schedule",)}
 
 
-def _profile_and_cluster(w: Workload):
-    profile = analytic_profile(w.arch, w.gpu, tp=w.tp)
+def _profile_and_cluster(w: Workload, *, split_blocks: bool = False):
+    profile = analytic_profile(w.arch, w.gpu, tp=w.tp, split_blocks=split_blocks)
     cluster = Cluster(gpus=w.gpus, gpus_per_node=w.gpus_per_node, memory_gb=profile.device["memory_gb"])
     return profile, cluster
 
 
-def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placement", "schedule"), seed: int = 0) -> dict:
-    profile, cluster = _profile_and_cluster(w)
+def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placement", "schedule"), seed: int = 0,
+            split_blocks: bool = False) -> dict:
+    profile, cluster = _profile_and_cluster(w, split_blocks=split_blocks)
     opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=time_limit, seed=seed,
                        dimensions=tuple(dimensions))
     start = time.perf_counter()
     result = tune(profile, cluster, opts)
     wall = time.perf_counter() - start
-    rows = {row.name: row.scored for row in result.baselines}
+    baselines = list(result.baselines)
+    if split_blocks:  # the whole-block baselines too: Megatron-LM's, and any that beat the split ones
+        block_profile, _ = _profile_and_cluster(w)
+        baselines = [replace(row, name=f"{row.name}/blocks") for row in compare_baselines(block_profile, cluster, opts)] + baselines
+    rows = {row.name: row.scored for row in baselines}
     # efficiency = balance x schedule: how close the busiest rank's work is to the lower
     # bound (whole layers cannot always split evenly), and how little that rank idles
     sim = simulate(result.plan, profile)
     busiest = max(sim.busy_ms)
-    megatron = [rows[n].iteration_ms for n in ("1f1b/uniform", "interleaved-1f1b/uniform") if n in rows and rows[n].fits]
-    best = result.best_baseline()
+    suffix = "/blocks" if split_blocks else ""
+    megatron = [rows[n + suffix].iteration_ms for n in ("1f1b/uniform", "interleaved-1f1b/uniform")
+                if n + suffix in rows and rows[n + suffix].fits]
+    best = min((row for row in baselines if row.scored.fits), key=lambda row: row.scored.iteration_ms, default=None)
     return {
         "workload": w.name, "pp": w.pp, "dp": w.gpus // w.pp, "microbatches": w.microbatches,
         "gpus_per_node": w.gpus_per_node, "tuned_ms": result.scored.iteration_ms,
@@ -94,7 +109,7 @@ def suite(args) -> None:
     chosen = [w for w in SUITE if not args.only or w.name in args.only]
     results = []
     for w in chosen:
-        r = run_one(w, time_limit=args.time_limit, seed=args.seed)
+        r = run_one(w, time_limit=args.time_limit, seed=args.seed, split_blocks=args.split_blocks)
         results.append(r)
         print(json.dumps(r), flush=True)
     print()
@@ -118,11 +133,51 @@ def suite(args) -> None:
         for w, full in zip(chosen, results):
             cells = []
             for dims in ABLATIONS.values():
-                r = run_one(w, time_limit=args.time_limit, dimensions=dims, seed=args.seed)
+                r = run_one(w, time_limit=args.time_limit, dimensions=dims, seed=args.seed, split_blocks=args.split_blocks)
                 print(json.dumps({"ablation": dims, **r}), flush=True)
                 cells.append(f"{r['tuned_ms']:.1f} ({r['efficiency']:.3f})")
             cells.append(f"{full['tuned_ms']:.1f} ({full['efficiency']:.3f})")
             print(f"| {w.name} | " + " | ".join(cells) + " |", flush=True)
+
+
+def balance_cap(profile, pp: int, *, time_limit_s: float = 10.0) -> tuple[float, float]:
+    """(best balance found, proven upper bound on the balance) of any assignment of the
+    profile's layers to ``pp`` ranks, stages of any shape: balance = SPEC section 7's lower
+    bound / the busiest rank's F + I + W per microbatch. CP-SAT bin packing (makespan), in
+    microseconds."""
+    from ortools.sat.python import cp_model
+
+    work = [round(1000 * (l.forward_ms + l.backward_input_ms + l.backward_weight_ms)) for l in profile.layers]
+    bound_ms = max(sum(work) / pp, max(work)) / 1000
+    model = cp_model.CpModel()
+    put = [[model.NewBoolVar(f"l{i}r{r}") for r in range(pp)] for i in range(len(work))]
+    for row in put:
+        model.AddExactlyOne(row)
+    model.Add(put[0][0] == 1)  # ranks are interchangeable
+    busiest = model.NewIntVar(0, sum(work), "busiest")
+    for r in range(pp):
+        model.Add(sum(w * row[r] for w, row in zip(work, put)) <= busiest)
+    model.Minimize(busiest)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return float("nan"), float("nan")
+    return bound_ms / (solver.ObjectiveValue() / 1000), bound_ms / (max(solver.BestObjectiveBound(), 1) / 1000)
+
+
+def caps(args) -> None:
+    print("| workload | pp | layers | balance cap, whole blocks | layers, split | balance cap, split blocks |")
+    print("|---|---|---|---|---|---|")
+    for w in SUITE:
+        cells = []
+        for split in (False, True):
+            profile, _ = _profile_and_cluster(w, split_blocks=split)
+            found, proven = balance_cap(profile, w.pp, time_limit_s=args.time_limit)
+            cells += [str(profile.num_layers), f"{found:.3f}" + ("" if proven - found < 5e-4 else f" (<= {proven:.3f})")]
+        print(f"| {w.name} | {w.pp} | " + " | ".join(cells) + " |", flush=True)
 
 
 def scale(args) -> None:
@@ -150,7 +205,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ablation", action="store_true")
     p.add_argument("--only", nargs="*")
+    p.add_argument("--split-blocks", action="store_true", help="tune on profiles with blocks split into mixer and MLP/MoE layers")
     p.set_defaults(fn=suite)
+    p = sub.add_parser("caps")
+    p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per workload and granularity")
+    p.set_defaults(fn=caps)
     p = sub.add_parser("scale")
     p.add_argument("--gpus", type=int, default=64)
     p.add_argument("--arch", default="llama3-70b")

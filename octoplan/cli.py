@@ -45,6 +45,8 @@ def profile(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="sequence length (analytic)"),
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", help="samples per microbatch"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree (analytic)"),
+    split_blocks: bool = typer.Option(False, "--split-blocks",
+                                      help="one layer per block's mixer and per its MLP/MoE (analytic): finer stage boundaries"),
     repeat: int = typer.Option(10, "--repeat", help="timed repeats per layer; the median is kept"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)"),
     clock: str = typer.Option("auto", "--clock", help="auto, wall or cpu (thread CPU time; wall for models that sleep)"),
@@ -71,8 +73,8 @@ def profile(
     if arch is not None:
         from octoplan.arch import analytic_profile
 
-        result = analytic_profile(arch, gpu, seq_len=seq_len, microbatch_size=microbatch_size, tp=tp)
-        out = output or Path("profiles") / f"{arch}-{gpu}{f'-tp{tp}' if tp > 1 else ''}.yaml"
+        result = analytic_profile(arch, gpu, seq_len=seq_len, microbatch_size=microbatch_size, tp=tp, split_blocks=split_blocks)
+        out = output or Path("profiles") / f"{arch}-{gpu}{f'-tp{tp}' if tp > 1 else ''}{'-split' if split_blocks else ''}.yaml"
     elif model is not None:
         from rich.progress import Progress
 

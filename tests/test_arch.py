@@ -251,3 +251,31 @@ def test_yaml_file_round_trip(tmp_path):
         loaded = load_profile(path)
         assert profile_to_dict(loaded) == profile_to_dict(profile)
         assert loaded.extra["cost_model"]["gpu"]["name"] == "a100"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_blocks_halves_add_up_to_the_block(arch):
+    whole = analytic_profile(arch, "h100")
+    split = analytic_profile(arch, "h100", split_blocks=True)
+    assert split.model.config["split_blocks"] is True
+    halves = {layer.name: layer for layer in split.layers}
+    paired = 0
+    for layer in whole.layers:
+        if layer.name in halves:  # embedding, head, projector: nothing to split
+            assert halves[layer.name] == layer
+            continue
+        mixer, ffn = halves[f"{layer.name}.mixer"], halves[f"{layer.name}.ffn"]
+        assert (mixer.kind, ffn.kind) == (f"{layer.kind}.mixer", f"{layer.kind}.ffn")
+        for name in ("forward_ms", "backward_input_ms", "backward_weight_ms", "flops"):
+            assert getattr(mixer, name) + getattr(ffn, name) == pytest.approx(getattr(layer, name), rel=1e-12), name
+        for name in ("param_bytes", "activation_bytes"):
+            assert abs(getattr(mixer, name) + getattr(ffn, name) - getattr(layer, name)) <= 1, name
+        assert mixer.output_bytes == ffn.output_bytes == layer.output_bytes  # the residual stream
+        assert mixer.forward_ms > 0 and ffn.forward_ms > 0
+        paired += 1
+    assert len(split.layers) == len(whole.layers) + paired
+    # Nemotron-H's layers are already one mixer or one MLP each; every other family has blocks with both
+    assert paired >= len(whole.layers) // 3 if arch != "nemotron-h-8b" else paired == 0
+    # the split profile's order: each block's mixer right before its feed-forward part
+    names = [layer.name for layer in split.layers]
+    assert all(names[names.index(f"{n[:-4]}.mixer") + 1] == n for n in names if n.endswith(".ffn"))

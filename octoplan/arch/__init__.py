@@ -104,11 +104,19 @@ def analytic_profile(
     seq_len: int | None = None,
     microbatch_size: int | None = None,
     tp: int = 1,
+    split_blocks: bool = False,
 ) -> Profile:
     """The profile of ``arch`` on one ``gpu`` of a ``tp``-way tensor-parallel group.
 
     seq_len defaults to the architecture's pre-training length, microbatch_size to 1. Unknown
     names or bad values raise :class:`InputError` naming the option and the valid choices.
+
+    ``split_blocks``: every block that has both a mixer (attention, MLA, Mamba) and a
+    feed-forward part (MLP, MoE) becomes two layers, ``NAME.mixer`` and ``NAME.ffn`` (kinds
+    ``KIND.mixer`` / ``KIND.ffn``), each passing the residual stream on. Their costs add up to the
+    block's exactly. A stage boundary may then fall inside a block: at high pp, whole blocks
+    cannot balance (llama3-70b on 16 stages: 5 of 80 blocks plus the head on the busiest stage),
+    half blocks can, if the model file builds its layers at that granularity too.
     """
     if arch not in ARCHITECTURES:
         raise InputError(None, "--arch", f"unknown architecture {arch!r}", f"use one of: {', '.join(ARCHITECTURES)}")
@@ -126,13 +134,19 @@ def analytic_profile(
         ("embed", "embedding", embedding_cost(spec, model, shape=shape), output_bytes(spec, None, shape=shape, tp=tp, first=True))
     ]
     for block in spec.blocks:
-        cost = block_cost(spec, block, model, shape=shape)
-        costs.append((block.name, block.kind, cost, output_bytes(spec, block, shape=shape, tp=tp)))
+        out = output_bytes(spec, block, shape=shape, tp=tp)
+        if split_blocks and block.mixer is not None and block.ffn is not None:
+            for part in ("mixer", "ffn"):
+                costs.append((f"{block.name}.{part}", f"{block.kind}.{part}", block_cost(spec, block, model, shape=shape, part=part), out))
+        else:
+            costs.append((block.name, block.kind, block_cost(spec, block, model, shape=shape), out))
     costs.append(("head", "head", head_cost(spec, model, shape=shape), 4))  # the fp32 loss
     layers = tuple(_layer(name, kind, cost, out) for name, kind, cost, out in costs)
     log.info("analytic profile of %s on %s (tp=%d): %d layers", arch, gpu, tp, len(layers))
 
     config: dict[str, Any] = {"seq_len": seq, "tp": tp, "hidden_size": spec.hidden, "vocab_size": spec.vocab}
+    if split_blocks:
+        config["split_blocks"] = True
     moe = next((b.ffn for b in spec.blocks if isinstance(b.ffn, Moe)), None)
     if moe is not None:
         config["ep"] = moe.ep

@@ -250,8 +250,12 @@ def embedding_cost(arch: Arch, model: CostModel, *, shape: Shape) -> LayerCost:
     return acct.result()
 
 
-def block_cost(arch: Arch, block: Block, model: CostModel, *, shape: Shape) -> LayerCost:
-    """One block: its optional MTP input stage, its mixer, its feed-forward part."""
+def block_cost(arch: Arch, block: Block, model: CostModel, *, shape: Shape, part: str = "all") -> LayerCost:
+    """One block: its optional MTP input stage, its mixer, its feed-forward part. ``part``:
+    ``all``, or ``mixer`` (MTP input stage + mixer) or ``ffn`` alone; every cost is a sum over
+    ops, so the two parts add up to the whole block exactly."""
+    if part not in ("all", "mixer", "ffn"):
+        raise ValueError(f"unknown block part {part!r}")
     acct = LayerAccount(model)
     if block.stream == "vision":
         assert arch.vision is not None
@@ -259,9 +263,10 @@ def block_cost(arch: Arch, block: Block, model: CostModel, *, shape: Shape) -> L
     else:
         hidden, seqs, seq = arch.hidden, shape.batch, shape.seq
     tokens = seqs * seq
-    if block.mtp:
+    mixer = block.mixer if part in ("all", "mixer") else None
+    ffn = block.ffn if part in ("all", "ffn") else None
+    if block.mtp and part != "ffn":
         _mtp_extra(acct, hidden, tokens=tokens)
-    mixer, ffn = block.mixer, block.ffn
     if isinstance(mixer, Attention):
         _attention(acct, mixer, hidden, seqs=seqs, seq=seq)
     elif isinstance(mixer, MLA):
