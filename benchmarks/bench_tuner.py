@@ -67,10 +67,10 @@ def _profile_and_cluster(w: Workload, *, split_blocks: bool = False):
 
 
 def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placement", "schedule"), seed: int = 0,
-            split_blocks: bool = False) -> dict:
+            split_blocks: bool = False, chunks_max: int = 3) -> dict:
     profile, cluster = _profile_and_cluster(w, split_blocks=split_blocks)
     opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=time_limit, seed=seed,
-                       dimensions=tuple(dimensions))
+                       dimensions=tuple(dimensions), chunks_max=chunks_max)
     start = time.perf_counter()
     result = tune(profile, cluster, opts)
     wall = time.perf_counter() - start
@@ -109,7 +109,7 @@ def suite(args) -> None:
     chosen = [w for w in SUITE if not args.only or w.name in args.only]
     results = []
     for w in chosen:
-        r = run_one(w, time_limit=args.time_limit, seed=args.seed, split_blocks=args.split_blocks)
+        r = run_one(w, time_limit=args.time_limit, seed=args.seed, split_blocks=args.split_blocks, chunks_max=args.chunks_max)
         results.append(r)
         print(json.dumps(r), flush=True)
     print()
@@ -133,7 +133,8 @@ def suite(args) -> None:
         for w, full in zip(chosen, results):
             cells = []
             for dims in ABLATIONS.values():
-                r = run_one(w, time_limit=args.time_limit, dimensions=dims, seed=args.seed, split_blocks=args.split_blocks)
+                r = run_one(w, time_limit=args.time_limit, dimensions=dims, seed=args.seed, split_blocks=args.split_blocks,
+                            chunks_max=args.chunks_max)
                 print(json.dumps({"ablation": dims, **r}), flush=True)
                 cells.append(f"{r['tuned_ms']:.1f} ({r['efficiency']:.3f})")
             cells.append(f"{full['tuned_ms']:.1f} ({full['efficiency']:.3f})")
@@ -206,6 +207,7 @@ def main() -> None:
     p.add_argument("--ablation", action="store_true")
     p.add_argument("--only", nargs="*")
     p.add_argument("--split-blocks", action="store_true", help="tune on profiles with blocks split into mixer and MLP/MoE layers")
+    p.add_argument("--chunks-max", type=int, default=3, help="the tuner's most stages per rank (octoplan tune --chunks-max)")
     p.set_defaults(fn=suite)
     p = sub.add_parser("caps")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per workload and granularity")
