@@ -279,3 +279,19 @@ def test_split_blocks_halves_add_up_to_the_block(arch):
     # the split profile's order: each block's mixer right before its feed-forward part
     names = [layer.name for layer in split.layers]
     assert all(names[names.index(f"{n[:-4]}.mixer") + 1] == n for n in names if n.endswith(".ffn"))
+
+
+def test_profile_command_writes_a_split_block_profile(tmp_path):
+    import subprocess
+    import sys
+
+    from octoplan.profile import load_profile
+
+    out = tmp_path / "llama-split.yaml"
+    done = subprocess.run([sys.executable, "-m", "octoplan.cli", "profile", "--arch", "llama3-8b", "--gpu", "h100",
+                           "--split-blocks", "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    profile = load_profile(out)
+    # embedding + 32 blocks x (mixer, ffn) + head
+    assert profile.num_layers == 66 and profile.layers[1].name.endswith(".mixer") and profile.layers[2].name.endswith(".ffn")
+    assert profile.model.config["split_blocks"] is True
