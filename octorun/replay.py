@@ -125,12 +125,14 @@ class _Sleeper:
         self.sleep = sleep
         self.early_s = 0.0  # how much earlier than asked to wake up
 
-    def __call__(self, ms: float) -> None:
+    def __call__(self, ms: float, *, since: float | None = None) -> None:
+        """Sleep ``ms``, counted from ``since`` (a ``clock()`` reading) when given: the work
+        done since then is absorbed into the sleep instead of adding to it."""
         if ms <= 0:
             return
         wanted = ms / 1000.0
-        end = self.clock() + wanted
-        self.sleep(max(0.0, wanted - self.early_s))
+        end = (self.clock() if since is None else since) + wanted
+        self.sleep(max(0.0, end - self.clock() - self.early_s))
         late = self.clock() - end
         self.early_s = max(0.0, self.early_s + self.GAIN * max(-self.STEP_S, min(self.STEP_S, late)))
 
@@ -177,9 +179,13 @@ class ReplayLayer(nn.Module):
             self.register_buffer("inverse_count", 1.0 / torch.bincount(bucket).float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _sleep_ms(self.forward_ms)
+        # the layer's own CPU work first, then the sleep to the forward time counted from entry:
+        # work that runs slowly after a wake-up (a cold core) is absorbed, not added
+        began = _sleep_ms.clock()
         through = _SleepOnBackward.apply(self._resize(x), self.input_ms)
-        return through + _SleepOnBackward.apply(self.weight, self.weight_ms)
+        out = through + _SleepOnBackward.apply(self.weight, self.weight_ms)
+        _sleep_ms(self.forward_ms, since=began)
+        return out
 
     def _resize(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "pick"):

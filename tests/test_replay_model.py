@@ -267,3 +267,9 @@ def test_sleeps_learn_the_machines_lateness_and_last_their_time():
     assert sleeper.early_s - before == pytest.approx(_Sleeper.GAIN * _Sleeper.STEP_S)
     sleeper(0.0)  # no time: no sleep at all
     assert len(asked) == 61
+    # counted from an earlier reading: 1 ms of work since then is taken off the sleep
+    fresh = _Sleeper(clock=lambda: now[0], sleep=sleep)
+    began = now[0]
+    now[0] += 0.001
+    fresh(5.0, since=began)
+    assert asked[-1] == pytest.approx(0.004) and now[0] - began == pytest.approx(0.0056)
