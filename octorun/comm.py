@@ -1,17 +1,20 @@
 """Point-to-point transport between pipeline ranks: one process group per directed channel.
 
 Wire format. Shapes are not known in advance (a layer may return a tuple of tensors of any shape
-and dtype, e.g. float features and int64 token ids), so every message is a fixed-size int64
+and dtype, e.g. float features and int64 token ids), so a message starts with a fixed-size int64
 header — the message's identity (kind, stage, mb), the tensor count, then dtype code, ndim and
 dims of each tensor — followed by one transfer per tensor. The receiver checks the identity
 against the message it expects next, so a protocol slip fails loudly instead of mixing data.
+
 The header is sent with every message of step 0. After that, by default (``static`` shapes),
 both sides reuse the layout step 0 had for the same message, so a message is one transfer per
-tensor: on a CPU box a header is a second gloo send and a second receiver wake-up per message,
-about half of octorun's time between ops. The sender compares each later message with its step-0
-layout and fails loudly naming the message if it changed — never a receive of the wrong size —
-and ``dynamic`` shapes (``octorun --dynamic-shapes``) send the header every step for models whose
-shapes change between steps.
+tensor. On a CPU box a header is a second gloo send and a second receiver wake-up per message:
+sending it only in step 0 halves a transfer's time and cuts octorun's gaps between ops by a
+third to a half (docs/BENCHMARKS.md). The message order is fixed by the lowering pass, so
+step 0's identity check covers the order of every step. The sender compares each later message
+with its step-0 layout and, if it changed, fails loudly naming the message: a receive of the
+wrong size never happens. ``dynamic`` shapes (``octorun --dynamic-shapes``) send the header
+every step, for models whose shapes change between steps.
 
 Channels. Each directed pair ``src -> dst`` of global ranks that exchanges messages gets its own
 process group, used by exactly one thread on each side: the sender's compute thread issues
