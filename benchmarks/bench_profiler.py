@@ -1,7 +1,7 @@
 """Profiler accuracy: the sum over layers of F+I+W against a measured whole-model
 forward+backward of the same microbatch, for every example model (target: within 15%).
 
-Run: .venv/bin/python benchmarks/bench_profiler.py [--rounds 4]
+Run: .venv/bin/python benchmarks/bench_profiler.py [--rounds 4] [--device cpu|cuda]
 
 Each round profiles the model between two whole-model measurements and compares with their
 mean, so both see the same conditions on a shared machine; the median ratio is reported.
@@ -22,12 +22,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (layers timed with CUDA events)")
     args = parser.parse_args()
     print("| model | layers | sum of layers F+I+W ms | whole model ms | ratio (median of rounds) | rounds |")
     print("|---|---:|---:|---:|---:|---|")
     for name in ("tiny_gpt", "vlm", "hybrid"):
         path = str(EXAMPLES / f"{name}.py")
-        kwargs = dict(microbatch_size=4, repeat=args.repeat, device="cpu", seed=0)
+        kwargs = dict(microbatch_size=4, repeat=args.repeat, device=args.device, seed=0)
         before = measure_whole_model_ms(path, **kwargs)
         sums, wholes, ratios = [], [], []
         for _ in range(args.rounds):

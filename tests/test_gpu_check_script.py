@@ -1,0 +1,31 @@
+"""The prepared GPU check (benchmarks/gpu_check.sh) runs end to end: here on the CPU, so that a
+session lent a GPU spends its minutes on the GPU, not on fixing the script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_on_the_cpu(tmp_path):
+    env = {**os.environ, "DEVICE": "cpu", "PY": sys.executable, "OUT": str(tmp_path), "ROUNDS": "1", "PYTEST": "0"}
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models.tar.gz", "profiler.md"]  # within the device tool's 8 files
+    table = (tmp_path / "profiler.md").read_text().splitlines()
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["tiny_gpt", "vlm", "hybrid"]
+    with tarfile.open(tmp_path / "models.tar.gz") as archive:
+        archive.extractall(tmp_path / "models", filter="data")
+    for model in ("tiny_gpt", "vlm", "hybrid"):
+        steps = [json.loads(line) for line in (tmp_path / "models" / f"{model}.metrics.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in steps] == [0, 1, 2] and all(s["iteration_ms"] > 0 for s in steps)
+        assert json.loads((tmp_path / "models" / f"{model}.trace.json").read_text())["traceEvents"]
