@@ -62,8 +62,7 @@ from octoplan.baseline import make_baseline  # noqa: E402
 from octoplan.ops import Kind, parse_op  # noqa: E402
 from octoplan.plan import Cluster, Plan, load_plan, save_plan  # noqa: E402
 from octoplan.profile import Layer, ModelRef, Profile, load_profile, save_profile  # noqa: E402
-from octoplan.costs import LayerTable, stage_costs  # noqa: E402
-from octoplan.simulator import simulate, simulate_costs  # noqa: E402
+from octoplan.simulator import simulate  # noqa: E402
 
 __all__ = [
     "REPLAY_MODEL",
@@ -285,22 +284,12 @@ def free_comm(cluster: Cluster) -> Cluster:
     return replace(cluster, latency_us=0.0, intra_node_gbps=1e12, inter_node_gbps=1e12, op_overhead_us=0.0)
 
 
-def predict(plan: Plan, profile: Profile, *, op_ms: float | None = None) -> dict[str, float]:
-    """The simulator's iteration on the plan's cluster and with free communication; with
-    ``op_ms``, also with that much added to every op (a stage's fused B counts it once)."""
+def predict(plan: Plan, profile: Profile) -> dict[str, float]:
+    """The simulator's iteration on the plan's cluster and with free communication."""
     with_comm = simulate(plan, profile)
     free = simulate(replace(plan, cluster=free_comm(plan.cluster)), profile)
     out = {"predicted_ms": round(with_comm.iteration_ms, 3), "predicted_free_ms": round(free.iteration_ms, 3),
            "predicted_bubble": round(with_comm.bubble_ratio, 4)}
-    if op_ms is not None:
-        fused = {op.stage for ops in plan.schedule for op in ops if op.kind is Kind.B}
-        costs = []
-        for s, cost in enumerate(stage_costs(plan.stages, LayerTable(profile))):
-            backward = op_ms / 2 if s in fused else op_ms
-            costs.append(replace(cost, forward_ms=cost.forward_ms + op_ms, backward_input_ms=cost.backward_input_ms + backward,
-                                 backward_weight_ms=cost.backward_weight_ms + backward))
-        result = simulate_costs(plan, costs, dtype_bytes=profile.dtype_bytes)
-        out["predicted_op_cost_ms"] = round(result.iteration_ms, 3)
     return out
 
 
@@ -488,9 +477,10 @@ def posthoc(plan: Plan, profile: Profile, split: dict[str, Any]) -> float:
     latency = split["transfer_both_ways_ms"]
     if latency is None:
         latency = split["transfer_ms"].get("median", 0.0)
-    measured = replace(plan, cluster=replace(plan.cluster, latency_us=1000.0 * max(0.0, latency), op_overhead_us=0.0))
-    result = predict(measured, replace(profile, layers=layers), op_ms=max(0.0, split["dispatch_gap_ms"].get("mean", 0.0)))
-    return result["predicted_op_cost_ms"]
+    # the run's gap per op is the cluster's per-op overhead (a fused B pays it once, as any op)
+    gap_ms = max(0.0, split["dispatch_gap_ms"].get("mean", 0.0))
+    measured = replace(plan, cluster=replace(plan.cluster, latency_us=1000.0 * max(0.0, latency), op_overhead_us=1000.0 * gap_ms))
+    return simulate(measured, replace(profile, layers=layers)).iteration_ms
 
 
 def fidelity_table(rows: list[dict]) -> str:
@@ -772,8 +762,8 @@ def calibrate(overhead_rows: list[dict]) -> Calibration:
     the runtime's inside the op. Latency: the time from a producing op's end to the consuming
     op's start on another rank, for ops that waited for their message (send, receive, hand-over
     to the compute thread), both directions averaged (``transfer_both_ways_ms``). Per op: the
-    mean gap between consecutive ops of a rank that waited for nothing (not in the cost model;
-    :func:`predict` adds it to show what it explains). A two-process ping-pong (:func:`measure_link`)
+    mean gap between consecutive ops of a rank that waited for nothing, which becomes the
+    planning cluster's ``op_overhead_us`` (:meth:`link`). A two-process ping-pong (:func:`measure_link`)
     swings between 0.15 and 2 ms from one minute to the next here and misses the hand-over; this
     is measured in a job of the same processes as the runs it is used for.
     """
