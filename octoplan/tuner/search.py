@@ -9,10 +9,14 @@ Steps:
    that fits; add policy-scheduled seeds (balanced partitions in loop and V placements) and
    the CP-SAT partition + placement (:mod:`octoplan.tuner.cpsat`); and every seed layout
    re-placed so that late-starting ranks carry less (:mod:`octoplan.tuner.arrange`).
-3. Hill-climb from the best seeds with bubble-aware moves (:mod:`octoplan.tuner.moves`):
-   simulate, read who waits on whom, try the most promising moves first, keep the first one
-   that is faster (or, while nothing fits, leaner), until no move helps or time runs out.
-   Time the climbs leave unused goes to climbs from the next-best seeds.
+3. Justify the orders of the best seeds (:mod:`octoplan.schedules.justify`: every op pushed
+   as late, then as early as its dataflow and its rank's gaps allow, which moves Ws into
+   bubbles and forwards ahead of them); the justified plans join the seeds.
+4. Hill-climb from the best seeds with bubble-aware moves (:mod:`octoplan.tuner.moves`),
+   the current order justified first: simulate, read who waits on whom, try the most
+   promising moves first, keep the first one that is faster (or, while nothing fits,
+   leaner), until no move helps or time runs out. Time the climbs leave unused goes to
+   climbs from the next-best seeds.
 
 Deterministic for a given seed: moves are tried in a fixed order with ties broken by
 ``random.Random(seed)``; the clock only decides when to stop.
@@ -20,12 +24,13 @@ Deterministic for a given seed: moves are tried in a fixed order with ties broke
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from octoplan.errors import InputError
 from octoplan.partition import balanced_partition, partition
@@ -265,8 +270,14 @@ class _Search:
             costs = self.ev.costs(current)
             work = ([c.forward_ms + c.backward_input_ms + c.backward_weight_ms for c in costs],
                     [c.forward_ms + c.backward_input_ms for c in costs])
-            for moved in neighbours(current, result, dimensions=self.opts.dimensions, rng=self.rng,
-                                    max_stages_per_rank=max(1, self.opts.chunks_max), work=work):
+            moves = neighbours(current, result, dimensions=self.opts.dimensions, rng=self.rng,
+                               max_stages_per_rank=max(1, self.opts.chunks_max), work=work)
+            if "schedule" in self.opts.dimensions:
+                # at a local optimum, the whole order justified: one move that can close many
+                # bubbles at once. Only then: it fixes the order, and the policy knobs that a
+                # policy-scheduled candidate still has to tune no longer apply to it.
+                moves = itertools.chain(moves, self._justified_later(current))
+            for moved in moves:
                 if self.clock.elapsed() >= deadline:
                     break
                 try:
@@ -282,6 +293,18 @@ class _Search:
             if not improved:
                 break
         return current
+
+
+    def _justified_later(self, cand: Candidate) -> Iterator[Candidate]:
+        # a generator: the pass over every op is paid only if the climb gets this far
+        yield from self._justified(cand)
+
+    def _justified(self, cand: Candidate) -> list[Candidate]:
+        try:
+            return self.ev.justified(cand)
+        except (ValueError, DeadlockError) as exc:  # an order whose dataflow has a cycle
+            log.debug("justifying %s failed: %s", cand.origin, exc)
+            return []
 
 
 def _better_enough(new: tuple[int, float], old: tuple[int, float]) -> bool:
@@ -336,6 +359,8 @@ def tune(
             break
         ranked.append((search.offer(cand).score, index, cand))
     ranked.sort(key=lambda item: (item[0], item[1]))
+    if "schedule" in opts.dimensions:
+        ranked = _with_justified_seeds(search, ranked)
     seeded_s = search.clock.elapsed()
 
     # Climb from the best seed of each family (configuration x stage count x fixed or policy
@@ -398,6 +423,30 @@ def tune(
     plan = replace(plan, extra={"tuner": stats})
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     return TuneResult(plan, best_scored, best, tuple(baselines), stats)
+
+
+JUSTIFIED_SEEDS = 8  # the best seeds whose orders are justified before the climbs
+
+
+def _with_justified_seeds(search: _Search, ranked: list) -> list:
+    """``ranked`` (score, index, candidate) with the justified orders of its best
+    ``JUSTIFIED_SEEDS`` layouts added, ranked again. Justification often closes most of a
+    list scheduler's bubbles on uneven or irregular layouts, so the climbs should start from
+    the justified plans. A count, not a share of the time, bounds the work, so which seeds are
+    justified does not depend on the machine's speed."""
+    out = list(ranked)
+    layouts: set = set()
+    for _, index, cand in ranked:
+        if len(layouts) >= JUSTIFIED_SEEDS or search.clock.out():
+            break
+        layout = (cand.config, cand.bounds, cand.ranks)
+        if layout in layouts:
+            continue
+        layouts.add(layout)
+        for moved in search._justified(cand):
+            out.append((search.offer(moved).score, index, moved))
+    out.sort(key=lambda item: (item[0], item[1]))
+    return out
 
 
 def _collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Config], opts: TuneOptions,

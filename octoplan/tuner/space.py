@@ -22,6 +22,7 @@ from octoplan.memory import static_bytes
 from octoplan.ops import Op
 from octoplan.plan import Cluster, Parallel, Plan, Stage
 from octoplan.profile import Profile
+from octoplan.schedules.justify import justify
 from octoplan.schedules.policy import RankPolicy, policy_schedule
 from octoplan.simulator import SimResult, simulate_costs
 
@@ -127,6 +128,28 @@ class Evaluator:
         for cost, rank in zip(costs, cand.ranks):
             budget[rank] -= static_bytes(cost.param_bytes, dtype_bytes=self.profile.dtype_bytes, optimizer=self.optimizer)
         return budget
+
+    def justified(self, cand: Candidate) -> list[Candidate]:
+        """``cand`` with its op order justified (:func:`octoplan.schedules.justify.justify`) as
+        fixed orders: keeping each stage's microbatches in flight, and free of that limit
+        (which can defer more Ws, for plans with memory to spare); the orders that differ
+        from ``cand``'s."""
+        schedule = tuple(tuple(ops) for ops in self.schedule(cand))
+        costs = self.costs(cand)
+        tag = cand.fixed_id.split("#")[0] if cand.fixed_id else "policy"
+        out: list[Candidate] = []
+        for keep in (True, False):
+            new, _ = justify(schedule, cand.ranks, costs, cluster=self.cluster, parallel=cand.config.parallel(),
+                             keep_memory=keep)
+            frozen = tuple(tuple(ops) for ops in new)
+            if frozen == schedule or any(frozen == c.fixed for c in out):
+                continue
+            # the digest only names the order inside this run (the cache's identity for it)
+            key = f"{tag}+justified#{hash(frozen) & 0xFFFFFFFFFFFF:x}"
+            base = cand.origin.split(", justified")[0]
+            origin = f"{base}, justified" + ("" if keep else " (in flight unbounded)")
+            out.append(Candidate(cand.config, cand.bounds, cand.ranks, None, frozen, origin, key))
+        return out
 
     def plan(self, cand: Candidate) -> Plan:
         return Plan(
