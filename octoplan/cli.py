@@ -234,6 +234,50 @@ def show(
 
 @app.command()
 @guarded
+def justify(
+    plan_path: Path = typer.Argument(..., metavar="PLAN"),
+    output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
+    unbounded: bool = typer.Option(False, "--unbounded-in-flight",
+                                   help="let stages hold more microbatches in flight than PLAN does (more memory)"),
+) -> None:
+    """Repair PLAN's op order: every op as late, then as early as its inputs and its rank's gaps
+    allow (same stages, same placement); writes the faster order that fits memory."""
+    from dataclasses import replace
+
+    from octoplan.costs import LayerTable, stage_costs
+    from octoplan.schedules.justify import justify as justify_order
+    from octoplan.simulator import simulate as run_simulation
+    from octoplan.validate import check_runnable
+
+    plan, prof = _load_plan_with_profile(plan_path)
+    check_runnable(plan, file=str(plan_path))
+    before = run_simulation(plan, prof)
+    costs = stage_costs(plan.stages, LayerTable(prof))
+    order, _ = justify_order(plan.schedule, [s.rank for s in plan.stages], costs, cluster=plan.cluster,
+                             parallel=plan.parallel, keep_memory=not unbounded)
+    candidate = plan.with_schedule(order)
+    after = run_simulation(candidate, prof)
+    better = after.iteration_ms < before.iteration_ms and (after.fits_memory or not before.fits_memory)
+    chosen, result = (candidate, after) if better else (plan, before)
+    predicted = {**(plan.predicted or {}), "iteration_ms": round(result.iteration_ms, 4),
+                 "bubble_ratio": round(result.bubble_ratio, 4), "efficiency": round(result.efficiency, 4)}
+    save_plan(replace(chosen, predicted=predicted), output)
+    table = Table(title=f"{plan_path} -> {output}")
+    for column in ("order", "iteration ms", "bubble", "peak GB", "fits"):
+        table.add_column(column, justify="right")
+    for name, res in (("given", before), ("justified", after)):
+        table.add_row(name, f"{res.iteration_ms:.3f}", f"{res.bubble_ratio:.1%}",
+                      f"{max(res.peak_memory_bytes) / 1e9:.2f}", "yes" if res.fits_memory else "[red]NO[/red]")
+    console.print(table)
+    if better:
+        console.print(f"justified order written: {before.iteration_ms / after.iteration_ms:.3f}x faster")
+    else:
+        why = "does not fit memory" if not after.fits_memory else "is not faster"
+        console.print(f"the justified order {why}; the given order was written unchanged")
+
+
+@app.command()
+@guarded
 def export(
     plan_path: Path = typer.Argument(..., metavar="PLAN"),
     format: str = typer.Option("torch-csv", "--format", help="torch-csv: torch.distributed.pipelining's compute-only CSV"),

@@ -106,3 +106,32 @@ def test_justified_orders_are_valid_and_never_slower(case):
                 for kinds in ("F", "IB", "W"):
                     mbs = [op.mb for op in rank_ops if op.stage == stage and op.kind.value in kinds]
                     assert mbs == sorted(mbs)
+
+
+def test_cli_justify_writes_the_faster_order(profile_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from octoplan.cli import app
+    from octoplan.plan import load_plan
+
+    path = profile_file(make_profile([(1, 1, 0)] + [(2, 2, 1)] * 6 + [(3, 3, 2)], act=10**6))
+    runner = CliRunner()
+    free = ["--latency-us", "0", "--intra-node-gbps", "1e12", "--inter-node-gbps", "1e12"]
+    zbv, kept, unbounded = tmp_path / "zbv.yaml", tmp_path / "kept.yaml", tmp_path / "free.yaml"
+    made = runner.invoke(app, ["baseline", str(path), "--gpus", "4", "--schedule", "zbv", "--microbatches", "8",
+                               *free, "-o", str(zbv)])
+    assert made.exit_code == 0, made.output
+    assert load_plan(zbv).predicted["iteration_ms"] == 95.0
+    result = runner.invoke(app, ["justify", str(zbv), "-o", str(kept)])
+    assert result.exit_code == 0, result.output
+    assert "justified order written" in result.output
+    assert load_plan(kept).predicted["iteration_ms"] == 88.0
+    assert runner.invoke(app, ["justify", str(zbv), "--unbounded-in-flight", "-o", str(unbounded)]).exit_code == 0
+    assert load_plan(unbounded).predicted["iteration_ms"] == 85.0
+    assert runner.invoke(app, ["validate", str(unbounded)]).exit_code == 0
+    # a tight order stays as it is
+    again = runner.invoke(app, ["justify", str(unbounded), "-o", str(tmp_path / "again.yaml")])
+    assert again.exit_code == 0 and "unchanged" in again.output
+    # bad input: exit 2, one line naming the file
+    missing = runner.invoke(app, ["justify", str(tmp_path / "nope.yaml"), "-o", str(tmp_path / "x.yaml")])
+    assert missing.exit_code == 2
