@@ -12,11 +12,11 @@ Steps:
 3. Justify the orders of the best seeds (:mod:`octoplan.schedules.justify`: every op pushed
    as late, then as early as its dataflow and its rank's gaps allow, which moves Ws into
    bubbles and forwards ahead of them); the justified plans join the seeds.
-4. Hill-climb from the best seeds with bubble-aware moves (:mod:`octoplan.tuner.moves`),
-   the current order justified first: simulate, read who waits on whom, try the most
-   promising moves first, keep the first one that is faster (or, while nothing fits,
-   leaner), until no move helps or time runs out. Time the climbs leave unused goes to
-   climbs from the next-best seeds.
+4. Hill-climb from the best seeds with bubble-aware moves (:mod:`octoplan.tuner.moves`):
+   simulate, read who waits on whom, try the most promising moves first, keep the first one
+   that is faster (or, while nothing fits, leaner); at a local optimum, justify its order
+   and go on from there if that is faster; until no move helps or time runs out. Time the
+   climbs leave unused goes to climbs from the next-best seeds.
 
 Deterministic for a given seed: moves are tried in a fixed order with ties broken by
 ``random.Random(seed)``; the clock only decides when to stop.
@@ -293,7 +293,6 @@ class _Search:
             if not improved:
                 break
         return current
-
 
     def _justified_later(self, cand: Candidate) -> Iterator[Candidate]:
         # a generator: the pass over every op is paid only if the climb gets this far
