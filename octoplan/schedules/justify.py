@@ -50,12 +50,9 @@ class _Problem:
         overhead = cluster.op_overhead_us / 1000.0
         num_stages = len(rank_of_stage)
         self.rank = [rank_of_stage[op.stage] for op in self.ops]
-        self.dur = []
-        for op in self.ops:
-            c = costs[op.stage]
-            ms = {Kind.F: c.forward_ms, Kind.I: c.backward_input_ms, Kind.W: c.backward_weight_ms,
-                  Kind.B: c.backward_input_ms + c.backward_weight_ms}[op.kind]
-            self.dur.append(ms + overhead)
+        op_ms = [{Kind.F: c.forward_ms, Kind.I: c.backward_input_ms, Kind.W: c.backward_weight_ms,
+                  Kind.B: c.backward_input_ms + c.backward_weight_ms} for c in costs]
+        self.dur = [op_ms[op.stage][op.kind] + overhead for op in self.ops]
         fwd_wire = [transfer_ms(cluster, parallel, rank_of_stage[s], rank_of_stage[s + 1], costs[s].output_bytes)
                     if s + 1 < num_stages else 0.0 for s in range(num_stages)]
         self.preds: list[list[tuple[int, float]]] = [[] for _ in self.ops]
@@ -168,18 +165,11 @@ def justify(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], cost
     n = len(problem.ops)
     num_ranks = parallel.pp
     # the given order's own times: each op after its rank's previous op and its inputs
-    position = [0.0] * n
-    i = 0
-    for rank_ops in schedule:
-        for j, _ in enumerate(rank_ops):
-            position[i] = float(j)
-            i += 1
+    position = [float(j) for rank_ops in schedule for j in range(len(rank_ops))]
     order_preds = [list(p) for p in problem.preds]
-    offset = 0
-    for rank_ops in schedule:
-        for j in range(1, len(rank_ops)):
-            order_preds[offset + j].append((offset + j - 1, 0.0))
-        offset += len(rank_ops)
+    for i in range(1, n):
+        if position[i] > 0:  # not a rank's first op: it follows the op before it
+            order_preds[i].append((i - 1, 0.0))
     order_succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     for b, preds in enumerate(order_preds):
         for a, lag in preds:
