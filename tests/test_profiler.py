@@ -3,7 +3,6 @@ overrides, profile files, and per-layer times that add up to the whole model's t
 
 from __future__ import annotations
 
-import statistics
 import textwrap
 from pathlib import Path
 
@@ -445,34 +444,82 @@ def test_split_weight_pass_skips_the_input_path():
 
 # ----------------------------------------------------------------------------- accuracy
 
+# Layers that burn a fixed amount of the thread's CPU time in their forward and on each backward
+# branch (the replay model's layout, spinning instead of sleeping). The profiler's default clock
+# is that thread's CPU time, which other processes on a shared machine do not advance, so what
+# it must recover is known exactly, under any load. How close the per-layer sum of a *real*
+# model comes to its whole-model time depends on caches and load; that is a benchmark
+# (benchmarks/bench_profiler.py, docs/BENCHMARKS.md), not a unit test.
+SPIN = """
+import time
+import torch
+from torch import nn
 
-def _accuracy(path: str, *, config=None, microbatch_size: int = 4, repeat: int = 10, rounds: int = 5) -> list[float]:
-    """Ratios of the sum over layers of F+I+W to the whole model's time, one per round, each
-    profile sandwiched between two whole-model measurements (whole, profile, whole, profile,
-    ..., whole) so that both see the same conditions on a shared machine, where other processes
-    slow a stretch of seconds down by up to 2x. Stops once the median ratio is within 15%."""
-    kwargs = dict(config=config, microbatch_size=microbatch_size, repeat=repeat, device="cpu", seed=0)
-    before = measure_whole_model_ms(path, **kwargs)
-    ratios = []
-    for _ in range(rounds):
-        total = sum(layer.total_ms for layer in profile_model_file(path, **kwargs).layers)
-        after = measure_whole_model_ms(path, **kwargs)
-        ratios.append(total / ((before + after) / 2))
-        before = after
-        if abs(statistics.median(ratios) - 1) <= 0.15:
-            break
-    return ratios
+# (forward, input-gradient, weight-gradient) ms of CPU time per layer; layer 0 gets token-free
+# data that needs no gradient, so its input branch never runs
+COSTS = [(2.0, 0.0, 1.0), (1.0, 2.5, 0.5), (3.0, 1.0, 2.0), (0.5, 1.5, 3.0)]
+CONFIG = {}
+
+def _spin(ms):
+    end = time.thread_time_ns() + int(ms * 1e6)
+    while time.thread_time_ns() < end:
+        pass
+
+class _SpinOnBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, ms):
+        ctx.ms = ms
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _spin(ctx.ms)
+        return grad, None
+
+class SpinLayer(nn.Module):
+    def __init__(self, forward_ms, input_ms, weight_ms):
+        super().__init__()
+        self.costs = (forward_ms, input_ms, weight_ms)
+        self.weight = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        forward_ms, input_ms, weight_ms = self.costs
+        _spin(forward_ms)
+        return _SpinOnBackward.apply(x, input_ms) + _SpinOnBackward.apply(self.weight, weight_ms)
+
+def num_layers():
+    return len(COSTS)
+
+def build_layer(index):
+    return SpinLayer(*COSTS[index])
+
+def sample_batch(microbatch_size, generator):
+    return torch.randn(microbatch_size, 8, generator=generator), torch.randn(microbatch_size, 8, generator=generator)
+
+def loss_fn(outputs, targets):
+    return torch.nn.functional.mse_loss(outputs, targets)
+"""
+SPIN_COSTS = [(2.0, 0.0, 1.0), (1.0, 2.5, 0.5), (3.0, 1.0, 2.0), (0.5, 1.5, 3.0)]
 
 
-def test_layer_sum_matches_whole_model_small(tmp_path):
-    path = write_model(tmp_path, TOKENS)
-    ratios = _accuracy(path, config={"hidden": 128, "blocks": 3, "vocab": 256}, microbatch_size=8)
-    assert abs(statistics.median(ratios) - 1) <= 0.15, f"sum of layers / whole model per round: {ratios}"
+def _close(measured: float, built: float) -> bool:
+    # every timed call spins at least its built time on the same clock; autograd and Python add
+    # 0.05-0.2 ms per call, while a lost or doubled branch would be off by 0.5 ms or more
+    return built <= measured <= built + 0.3 + 0.05 * built
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny_gpt", "vlm", "hybrid"])
-def test_layer_sum_matches_whole_model_examples(model):
-    ratios = _accuracy(str(EXAMPLES / f"{model}.py"))
-    print(f"{model}: sum of layers / whole model per round: {[round(r, 3) for r in ratios]}")
-    assert abs(statistics.median(ratios) - 1) <= 0.15, f"{model}: sum of layers / whole model per round: {ratios}"
+def test_profiler_recovers_known_forward_input_and_weight_times(tmp_path):
+    path = write_model(tmp_path, SPIN)
+    profile = profile_model_file(path, microbatch_size=4, repeat=5, warmup=1, device="cpu")
+    measured = [(layer.forward_ms, layer.backward_input_ms, layer.backward_weight_ms) for layer in profile.layers]
+    for index, (got, want) in enumerate(zip(measured, SPIN_COSTS)):
+        assert all(_close(g, w) for g, w in zip(got, want)), f"layer {index}: measured F, I, W {got}, built {want}"
+
+
+def test_layer_sum_equals_the_whole_model_time(tmp_path):
+    path = write_model(tmp_path, SPIN)
+    kwargs = dict(microbatch_size=4, repeat=5, device="cpu")
+    total = sum(layer.total_ms for layer in profile_model_file(path, **kwargs).layers)
+    whole = measure_whole_model_ms(path, **kwargs)
+    assert total >= sum(map(sum, SPIN_COSTS))
+    assert abs(whole - total) <= 1.0 + 0.03 * total, f"sum of layers {total:.2f} ms, whole model {whole:.2f} ms"
