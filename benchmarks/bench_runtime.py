@@ -59,7 +59,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from octoplan.baseline import make_baseline  # noqa: E402
-from octoplan.ops import Kind, parse_op  # noqa: E402
+from octoplan.calibrate import split_trace  # noqa: E402
+from octoplan.ops import Kind  # noqa: E402
 from octoplan.plan import Cluster, Plan, load_plan, save_plan  # noqa: E402
 from octoplan.profile import Layer, ModelRef, Profile, load_profile, save_profile  # noqa: E402
 from octoplan.simulator import simulate  # noqa: E402
@@ -585,23 +586,8 @@ def torch_table(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _producer(plan: Plan, op_name: str, names: set[str]) -> str | None:
-    """The op on another rank whose message ``op_name`` waits for, or None."""
-    op = parse_op(op_name)
-    rank_of = [s.rank for s in plan.stages]
-    if op.kind is Kind.F and op.stage > 0:
-        src = op.stage - 1
-        name = f"{src}F{op.mb}"
-    elif op.kind in (Kind.I, Kind.B) and op.stage < plan.num_stages - 1:
-        src = op.stage + 1
-        name = f"{src}I{op.mb}" if f"{src}I{op.mb}" in names else f"{src}B{op.mb}"
-    else:
-        return None
-    return name if rank_of[src] != rank_of[op.stage] else None
-
-
 def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dict[str, Any]:
-    """Split the last step's time per op, from octorun's trace.
+    """Split the last step's time per op, from octorun's trace (:func:`octoplan.calibrate.split_trace`).
 
     - ``op_excess_ms``: measured op duration - the profile's (sleep overshoot + the runtime's and
       autograd's own work inside the op); ``excess_per_layer_ms``: its median per layer, by kind;
@@ -609,51 +595,16 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
       another rank held it up (its input message, if any, was there first): pure runtime time;
       ``dispatch_gap_share``: the largest sum of them on one rank over the iteration;
     - ``transfer_ms``: for ops whose input message came last, their start - the producing op's
-      end on the other rank (send + receive + hand-over to the compute thread). Clocks: each
-      rank's times are relative to its own start of the step (octorun's trace), so this includes
-      the offset between the ranks leaving the step's barrier; ``transfer_both_ways_ms`` cancels
-      it (the median over rank pairs of the mean of both directions' median waits) and
-      ``clock_offset_ms`` shows it per pair.
+      end on the other rank (send + receive + hand-over to the compute thread), which includes
+      the offset between the ranks' clocks (an op whose message may still have been on its way
+      counts as neither a gap nor a transfer); ``transfer_both_ways_ms`` cancels it (the median
+      over rank pairs of the mean of both directions' median waits) and ``clock_offset_ms``
+      shows it per pair.
     """
-    events = json.loads(Path(trace_path).read_text())["traceEvents"]
-    by_name = {e["name"]: e for e in events}
-    names = set(by_name)
-    stage_ms: dict[tuple[int, str], float] = {}
-    for s, stage in enumerate(plan.stages):
-        layers = profile.layers[stage.start:stage.end]
-        f = sum(x.forward_ms for x in layers)
-        i = sum(x.backward_input_ms for x in layers)
-        w = sum(x.backward_weight_ms for x in layers)
-        stage_ms.update({(s, "F"): f, (s, "I"): i, (s, "W"): w, (s, "B"): i + w})
-    excess, gaps, transfers = [], [], []
+    split = split_trace(plan, profile, trace_path)
     per_layer: dict[str, list[float]] = {}
-    waits: dict[tuple[int, int], list[float]] = {}  # (src rank, dst rank) -> transfer waits
-    per_rank: dict[int, list[dict]] = {}
-    for e in events:
-        per_rank.setdefault(e["tid"], []).append(e)
-    gap_sum: dict[int, float] = {}  # rank -> its dispatch gaps, summed
-    for rank, rank_events in per_rank.items():
-        rank_events.sort(key=lambda e: e["ts"])
-        gap_sum[rank] = 0.0
-        prev_end = None
-        for e in rank_events:
-            op = parse_op(e["name"])
-            excess.append(e["dur"] / 1e3 - stage_ms[(op.stage, op.kind.value)])
-            num_layers = plan.stages[op.stage].end - plan.stages[op.stage].start
-            per_layer.setdefault(op.kind.value, []).append(excess[-1] / num_layers)
-            start = e["ts"] / 1e3
-            producer = _producer(plan, e["name"], names)
-            ready = None
-            if producer is not None:
-                p = by_name[producer]
-                ready = (p["ts"] + p["dur"]) / 1e3
-            if prev_end is not None and (ready is None or ready <= prev_end):
-                gaps.append(start - prev_end)
-                gap_sum[rank] += gaps[-1]
-            elif ready is not None and (prev_end is None or ready > prev_end):
-                transfers.append(start - ready)
-                waits.setdefault((by_name[producer]["tid"], e["tid"]), []).append(start - ready)
-            prev_end = (e["ts"] + e["dur"]) / 1e3
+    for o in split.ops:
+        per_layer.setdefault(o.op.kind.value, []).append(o.excess_ms / o.layers)
 
     def stats(xs: list[float]) -> dict[str, float]:
         if not xs:
@@ -661,20 +612,13 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
         return {"count": len(xs), "mean": round(statistics.fmean(xs), 4), "median": round(statistics.median(xs), 4),
                 "max": round(max(xs), 4)}
 
-    # Each rank's clock starts when it leaves the step's barrier, so a wait a -> b reads
-    # latency + offset and b -> a latency - offset: their mean is free of the offset.
-    pair_ms, skew_ms = [], {}
-    for (a, b), xs in sorted(waits.items()):
-        if a < b and (b, a) in waits:
-            there, back = statistics.median(xs), statistics.median(waits[(b, a)])
-            pair_ms.append((there + back) / 2)
-            skew_ms[f"{a}-{b}"] = round((there - back) / 2, 3)
-    iteration_ms = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
-    return {"op_excess_ms": stats(excess), "dispatch_gap_ms": stats(gaps), "transfer_ms": stats(transfers),
+    iteration_ms = split.iteration_ms
+    return {"op_excess_ms": stats([o.excess_ms for o in split.ops]), "dispatch_gap_ms": stats(split.gaps),
+            "transfer_ms": stats(split.transfers),
             # octorun's own time on the rank it costs most: gaps while the next op's input was there
-            "dispatch_gap_share": round(max(gap_sum.values()) / iteration_ms, 4) if iteration_ms > 0 else None,
-            "transfer_both_ways_ms": round(statistics.median(pair_ms), 4) if pair_ms else None,
-            "clock_offset_ms": skew_ms,
+            "dispatch_gap_share": round(max(split.gap_ms_by_thread.values()) / iteration_ms, 4) if iteration_ms > 0 else None,
+            "transfer_both_ways_ms": round(split.latency_ms, 4) if split.pairs else None,
+            "clock_offset_ms": {pair: round(ms, 3) for pair, ms in split.offsets_ms.items()},
             "excess_per_layer_ms": {kind: round(statistics.median(xs), 4) for kind, xs in sorted(per_layer.items())}}
 
 

@@ -278,6 +278,39 @@ def justify(
 
 @app.command()
 @guarded
+def calibrate(
+    plan_path: Path = typer.Argument(..., metavar="PLAN"),
+    trace_path: Path = typer.Argument(..., metavar="TRACE", help="octorun --trace of PLAN, measured on the target machine"),
+    flags: bool = typer.Option(False, "--flags", help="print only the cluster options to plan with (for scripts)"),
+) -> None:
+    """What a transfer and the runtime around each op cost in a measured run of PLAN: the
+    --latency-us and --op-overhead-us to tune and predict with on that machine."""
+    from octoplan.calibrate import calibrate as calibrate_trace
+    from octoplan.validate import check_runnable
+
+    plan, prof = _load_plan_with_profile(plan_path)
+    check_runnable(plan, file=str(plan_path))
+    cal = calibrate_trace(plan, prof, trace_path)
+    if flags:
+        typer.echo(cal.flags())
+        return
+    table = Table(title=f"calibration from {trace_path}")
+    table.add_column("figure")
+    table.add_column("measured", justify="right")
+    table.add_column("plan has", justify="right")
+    table.add_column("from")
+    latency = "-" if cal.latency_ms is None else f"{1000 * cal.latency_ms:.0f} us"
+    table.add_row("latency / transfer", latency, f"{plan.cluster.latency_us:.0f} us",
+                  f"{cal.counts['transfers']} waits, {cal.counts['pairs']} pairs both ways")
+    table.add_row("runtime gap / op", f"{1000 * cal.gap_ms:.0f} us", "", f"mean of {cal.counts['gaps']} gaps")
+    table.add_row("op excess", f"{1000 * cal.excess_ms:.0f} us", "", f"median of {cal.counts['ops']} ops: measured - profiled")
+    table.add_row("overhead / op", f"{1000 * cal.op_overhead_ms:.0f} us", f"{plan.cluster.op_overhead_us:.0f} us", "gap + excess")
+    console.print(table)
+    console.print(f"plan with: {cal.flags()}")
+
+
+@app.command()
+@guarded
 def export(
     plan_path: Path = typer.Argument(..., metavar="PLAN"),
     format: str = typer.Option("torch-csv", "--format", help="torch-csv: torch.distributed.pipelining's compute-only CSV"),

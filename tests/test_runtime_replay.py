@@ -10,6 +10,7 @@ import pytest
 
 import runtime_helpers as h
 from octoplan.baseline import make_baseline
+from octoplan.calibrate import calibrate
 from octoplan.plan import Cluster, save_plan
 from octorun.runtime import RunConfig
 
@@ -48,6 +49,14 @@ def test_replay_of_a_profile_without_model_file_matches_the_prediction(tmp_path,
     for mb in range(4):
         assert times[f"1F{mb}"][0] >= times[f"0F{mb}"][1]
         assert times[f"0B{mb}"][0] >= times[f"1B{mb}"][1]
+    # octoplan calibrate reads this trace: every op but rank 0's first either waited for its
+    # message or followed a runtime gap, or sat in between (its message possibly in flight)
+    cal = calibrate(plan, profile, trace)
+    assert cal.counts["ops"] == 16 and cal.counts["pairs"] == 1
+    assert cal.counts["transfers"] >= 2  # rank 1's first forward; rank 0's first backward
+    assert cal.counts["gaps"] + cal.counts["transfers"] <= 15
+    assert cal.latency_ms is not None and 0.0 <= cal.latency_ms < 20.0
+    assert 0.0 <= cal.op_overhead_ms < 10.0
 
 
 def test_replay_without_the_profile_is_bad_input(tmp_path, profile_file):

@@ -33,7 +33,7 @@ from octoplan.plan import Plan
 from octoplan.simulator import SimResult
 from octoplan.timeline._layout import KIND_ORDER, describe_plan, spans_by_rank, time_origin
 
-__all__ = ["trace_events", "write_trace", "compare_measured", "render_comparison"]
+__all__ = ["trace_events", "write_trace", "compare_measured", "render_comparison", "measured_ops", "MeasuredOp"]
 
 log = logging.getLogger(__name__)
 
@@ -145,15 +145,16 @@ def _read_events(path: Path) -> list[Any]:
     return events
 
 
-class _Measured(NamedTuple):
+class MeasuredOp(NamedTuple):
     thread: str  # pid and tid: one process's rank
+    process: str  # pid alone (octorun: the data-parallel replica)
     step: int | None  # args.step when the writer gave it
     op: Op
     start_ms: float
     dur_ms: float
 
 
-def _measured_ops(path: Path, plan: Plan) -> list[_Measured]:
+def measured_ops(path: Path, plan: Plan) -> list[MeasuredOp]:
     """Every op event of a measured trace, in file order; anything else is skipped."""
     file = str(path)
     stage_count, num_mb = plan.num_stages, plan.microbatches
@@ -185,8 +186,9 @@ def _measured_ops(path: Path, plan: Plan) -> list[_Measured]:
             )
         args = event.get("args")
         step = args.get("step") if isinstance(args, dict) else None
-        thread = f"{event.get('pid', 0)!r}/{event.get('tid', 0)!r}"
-        out.append(_Measured(thread, step if isinstance(step, int) and not isinstance(step, bool) else None,
+        process = repr(event.get("pid", 0))
+        thread = f"{process}/{event.get('tid', 0)!r}"
+        out.append(MeasuredOp(thread, process, step if isinstance(step, int) and not isinstance(step, bool) else None,
                              op, ts / _US_PER_MS, dur / _US_PER_MS))
     if not out:
         raise InputError(file, "traceEvents", "holds no op events", 'expect "ph": "X" events named like 0F3 (octorun --trace)')
@@ -243,7 +245,7 @@ def compare_measured(plan: Plan, result: SimResult, trace_path: str | Path) -> l
     per_kind: dict[Kind, tuple[list[float], list[float]]] = {kind: ([], []) for kind in KIND_ORDER}
     step_bounds: dict[int, list[float]] = {}
     seen_ops: set[Op] = set()
-    for event in sorted(_measured_ops(path, plan), key=lambda e: e.start_ms):
+    for event in sorted(measured_ops(path, plan), key=lambda e: e.start_ms):
         op = event.op
         if op not in predicted:
             raise InputError(

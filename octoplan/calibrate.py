@@ -1,0 +1,188 @@
+"""What a transfer and the runtime around each op really cost, read from a measured octorun
+trace: the cluster figures (``latency_us``, ``op_overhead_us``) to plan with on that machine.
+
+The planner predicts with the cluster's latency per transfer and its fixed cost per op (SPEC
+sections 3 and 7). Their true values depend on the machine and on how many processes share it
+(CPU stand-ins for GPUs), so they are best measured in a job of the same processes as the runs
+the plans are for. One step of any plan's trace holds what is needed:
+
+- per op, its measured duration less the profile's (``excess``: work around the op's compute);
+- when an op's input message was there before the rank finished its previous op, the gap
+  between the two ops is the runtime's own time (``gap``);
+- when the op waited for its message, the time from the producing op's end on the other rank to
+  its start is a transfer (send, receive, hand-over). Each rank's clock in octorun's trace
+  starts when it leaves the step's barrier, so one direction reads latency + offset and the
+  other latency - offset: the mean of both directions is free of the offset.
+
+The per-op overhead to plan with is the mean gap plus the median excess; the latency is the
+median over rank pairs of that two-way mean.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from octoplan.costs import LayerTable, op_ms, plan_stage_costs
+from octoplan.errors import InputError
+from octoplan.ops import Kind, Op
+from octoplan.plan import Plan
+from octoplan.profile import Profile
+from octoplan.timeline.trace import measured_ops
+
+__all__ = ["OpSplit", "TraceSplit", "Calibration", "split_trace", "calibrate"]
+
+
+@dataclass(frozen=True)
+class OpSplit:
+    """One measured op: where its time went."""
+
+    thread: str  # the process (pid/tid) that ran it: one rank of one pipeline
+    op: Op
+    excess_ms: float  # measured duration - the profile's
+    layers: int  # how many layers its stage holds
+    gap_ms: float | None  # runtime time before it, when nothing held it up
+    transfer_ms: float | None  # producer's end -> its start, when it waited for the message
+    producer_thread: str | None  # where that message came from
+
+
+@dataclass(frozen=True)
+class TraceSplit:
+    ops: list[OpSplit]
+    iteration_ms: float  # first op start to last op end
+    latency_ms: float | None  # the transfers' median, both ways where it can (see both_ways_ms)
+    pairs: int  # thread pairs with waits both ways
+    offsets_ms: dict[str, float]  # per such pair "a-b": half the difference of its two directions
+    gap_ms_by_thread: dict[str, float]  # the gaps summed per thread
+
+    @property
+    def gaps(self) -> list[float]:
+        return [o.gap_ms for o in self.ops if o.gap_ms is not None]
+
+    @property
+    def transfers(self) -> list[float]:
+        return [o.transfer_ms for o in self.ops if o.transfer_ms is not None]
+
+
+def _producer(plan: Plan, op: Op, present: set[Op]) -> Op | None:
+    """The op on another rank whose message ``op`` waits for, or None (first stage's forward,
+    last stage's backward, or a neighbour on the same rank, which hands over directly)."""
+    if op.kind is Kind.F and op.stage > 0:
+        src = Op(op.stage - 1, Kind.F, op.mb)
+    elif op.kind in (Kind.I, Kind.B) and op.stage < plan.num_stages - 1:
+        src = Op(op.stage + 1, Kind.I, op.mb)
+        if src not in present:
+            src = Op(op.stage + 1, Kind.B, op.mb)
+    else:
+        return None
+    return src if plan.stages[src.stage].rank != plan.stages[op.stage].rank else None
+
+
+def _latency(waits: dict[tuple[str, str], list[float]]) -> tuple[float | None, dict[str, float]]:
+    """Per pair of threads with waits both ways, the mean of the two directions' median waits
+    is free of their clock offset; the latency is the median of those means (of all waits when
+    no pair has both directions). Also each pair's offset, half the difference."""
+    means, offsets = [], {}
+    for (a, b), there in sorted(waits.items()):
+        if a < b and (b, a) in waits:
+            t, back = statistics.median(there), statistics.median(waits[(b, a)])
+            means.append((t + back) / 2)
+            offsets[f"{a}-{b}"] = (t - back) / 2
+    if means:
+        return max(0.0, statistics.median(means)), offsets
+    every = [x for xs in waits.values() for x in xs]
+    return (max(0.0, statistics.median(every)) if every else None), offsets
+
+
+def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSplit:
+    """Split the last measured step of ``trace_path`` (octorun ``--trace``) op by op.
+
+    An op waited for its message when the producer ended after the rank's previous op did (or
+    the op is the rank's first): that wait is a transfer. An op whose message was due (producer's
+    end + the latency those transfers show) by the end of the previous op, or that needs none,
+    follows a gap of pure runtime time. An op in between is neither: its message may still have
+    been on its way."""
+    events = measured_ops(Path(trace_path), plan)
+    # one step: the events' args.step when given, else the n-th occurrence of an op on a thread
+    occurrences: dict[tuple[str, Op], int] = defaultdict(int)
+    stepped = []
+    for event in sorted(events, key=lambda e: e.start_ms):
+        step = event.step
+        if step is None:
+            step = occurrences[(event.thread, event.op)]
+            occurrences[(event.thread, event.op)] += 1
+        stepped.append((step, event))
+    last = max(step for step, _ in stepped)
+    events = [e for step, e in stepped if step == last]
+
+    costs = plan_stage_costs(plan, LayerTable(profile))
+    # the producer runs in the same pipeline replica: the trace's process id (octorun: dp rank)
+    by_key = {(e.process, e.op): e for e in events}
+    present = {e.op for e in events}
+    per_thread: dict[str, list] = defaultdict(list)
+    for e in events:
+        per_thread[e.thread].append(e)
+    rows = []  # (event, previous op's end on its thread, producer event)
+    waits: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for thread, thread_events in sorted(per_thread.items()):
+        prev_end = None
+        for e in thread_events:  # already in start order
+            producer_op = _producer(plan, e.op, present)
+            producer = by_key.get((e.process, producer_op)) if producer_op is not None else None
+            rows.append((e, prev_end, producer))
+            if producer is not None and (prev_end is None or producer.start_ms + producer.dur_ms > prev_end):
+                waits[(producer.thread, thread)].append(e.start_ms - (producer.start_ms + producer.dur_ms))
+            prev_end = e.start_ms + e.dur_ms
+    latency, offsets = _latency(waits)
+
+    ops, gap_sum = [], defaultdict(float)
+    for e, prev_end, producer in rows:
+        ready = producer.start_ms + producer.dur_ms if producer is not None else None
+        gap = transfer = None
+        if ready is not None and (prev_end is None or ready > prev_end):
+            transfer = e.start_ms - ready
+        elif prev_end is not None and (ready is None or ready + (latency or 0.0) <= prev_end):
+            gap = e.start_ms - prev_end
+            gap_sum[e.thread] += gap
+        stage = plan.stages[e.op.stage]
+        ops.append(OpSplit(e.thread, e.op, e.dur_ms - op_ms(costs[e.op.stage], e.op.kind), stage.end - stage.start,
+                           gap, transfer, producer.thread if transfer is not None else None))
+    iteration = max(e.start_ms + e.dur_ms for e in events) - min(e.start_ms for e in events)
+    return TraceSplit(ops, iteration, latency, sum(1 for _ in offsets), offsets, dict(gap_sum))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The cluster figures one measured step implies (all in ms)."""
+
+    latency_ms: float | None  # None: no op waited for a message both ways (or at all)
+    gap_ms: float  # mean runtime gap between two ops of a rank
+    excess_ms: float  # median measured - profiled op duration
+    counts: dict[str, int]  # ops, gaps and transfers the figures come from
+
+    @property
+    def op_overhead_ms(self) -> float:
+        return max(0.0, self.gap_ms + self.excess_ms)
+
+    def flags(self) -> str:
+        """The cluster options of SPEC section 5 that plan for what was measured."""
+        out = [f"--op-overhead-us {1000 * self.op_overhead_ms:.0f}"]
+        if self.latency_ms is not None:
+            out.insert(0, f"--latency-us {1000 * self.latency_ms:.0f}")
+        return " ".join(out)
+
+
+def calibrate(plan: Plan, profile: Profile, trace_path: str | Path) -> Calibration:
+    split = split_trace(plan, profile, trace_path)
+    if len({o.thread for o in split.ops}) < 2:
+        raise InputError(str(trace_path), "traceEvents", "holds the ops of one rank only",
+                         "calibrate from the trace of a plan with 2 or more pipeline ranks")
+    gaps = split.gaps
+    return Calibration(
+        latency_ms=split.latency_ms,
+        gap_ms=statistics.fmean(gaps) if gaps else 0.0,
+        excess_ms=statistics.median(o.excess_ms for o in split.ops),
+        counts={"ops": len(split.ops), "gaps": len(gaps), "transfers": len(split.transfers), "pairs": split.pairs},
+    )

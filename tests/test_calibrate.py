@@ -1,0 +1,90 @@
+"""octoplan calibrate: the cluster figures a measured trace implies. On a trace the simulator
+wrote, they are the cluster it simulated, exactly; on octorun's own trace they are counted op by
+op (tests/test_runtime_replay.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from octoplan.baseline import make_baseline
+from octoplan.calibrate import calibrate, split_trace
+from octoplan.cli import app
+from octoplan.errors import InputError
+from octoplan.plan import Cluster, save_plan
+from octoplan.simulator import simulate
+from octoplan.timeline import write_trace
+
+from conftest import make_profile
+
+# Uneven stages and nothing to send: a transfer costs exactly the latency.
+PROFILE = make_profile([(3, 1, 2), (1, 1.5, 1), (2, 2, 2), (1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 1), (4, 3, 3)])
+
+
+def _simulated_trace(tmp_path, schedule: str, latency_us: float, overhead_us: float):
+    cluster = Cluster(gpus=4, latency_us=latency_us, op_overhead_us=overhead_us, intra_node_gbps=1e12)
+    plan = make_baseline(PROFILE, schedule=schedule, gpus=4, microbatches=8, cluster=cluster)
+    path = tmp_path / f"{schedule}.json"
+    write_trace(plan, simulate(plan, PROFILE), path)
+    return plan, path
+
+
+@pytest.mark.parametrize("schedule,latency_us,overhead_us", [("1f1b", 300.0, 150.0), ("zb-h1", 1200.0, 0.0),
+                                                               ("interleaved-1f1b", 50.0, 700.0)])
+def test_a_simulated_trace_gives_back_its_cluster(tmp_path, schedule, latency_us, overhead_us):
+    plan, path = _simulated_trace(tmp_path, schedule, latency_us, overhead_us)
+    cal = calibrate(plan, PROFILE, path)
+    # the simulator runs a rank's ops back to back unless one waits for a message, and puts the
+    # per-op cost inside each op: no gaps, every op's excess is that cost, every wait a latency
+    assert cal.gap_ms == pytest.approx(0.0, abs=1e-9)
+    assert cal.excess_ms == pytest.approx(overhead_us / 1000, abs=1e-9)
+    assert cal.latency_ms == pytest.approx(latency_us / 1000, abs=1e-9)
+    assert cal.flags() == f"--latency-us {latency_us:.0f} --op-overhead-us {overhead_us:.0f}"
+    ops = len(plan.stages) * 8 * (3 if schedule == "zb-h1" else 2)
+    assert cal.counts["ops"] == ops
+    assert cal.counts["gaps"] > 0 and cal.counts["transfers"] > 0
+    assert cal.counts["gaps"] + cal.counts["transfers"] <= ops - 1  # rank 0's first op is neither
+    assert cal.counts["pairs"] == (4 if schedule == "interleaved-1f1b" else 3)  # neighbours both ways; the loop closes
+
+
+def test_clock_offsets_cancel_both_ways(tmp_path):
+    plan, path = _simulated_trace(tmp_path, "1f1b", 800.0, 0.0)
+    doc = json.loads(path.read_text())
+    for event in doc["traceEvents"]:  # rank 3 left the step's barrier 0.2 ms after the others
+        if event.get("ph") == "X" and event.get("tid") == 3 and event.get("cat") in "FIWB":
+            event["ts"] -= 200.0
+    path.write_text(json.dumps(doc))
+    split = split_trace(plan, PROFILE, path)
+    assert split.offsets_ms["0/2-0/3"] == pytest.approx(-0.2, abs=1e-9)
+    assert calibrate(plan, PROFILE, path).latency_ms == pytest.approx(0.8, abs=1e-9)
+
+
+def test_a_trace_of_another_plan_is_bad_input(tmp_path):
+    plan, _ = _simulated_trace(tmp_path, "1f1b", 100.0, 0.0)
+    other = make_baseline(PROFILE, schedule="1f1b", gpus=4, microbatches=2, cluster=plan.cluster)
+    path = tmp_path / "other.json"
+    write_trace(plan, simulate(plan, PROFILE), path)
+    with pytest.raises(InputError, match="not in the plan"):
+        calibrate(other, PROFILE, path)
+
+
+def test_cli_prints_the_flags_and_the_table(tmp_path, profile_file):
+    ppath = profile_file(PROFILE)
+    cluster = Cluster(gpus=4, latency_us=300.0, op_overhead_us=150.0, intra_node_gbps=1e12)
+    plan = make_baseline(PROFILE, schedule="1f1b", gpus=4, microbatches=8, cluster=cluster, profile_path=ppath)
+    plan_path, trace = tmp_path / "plan.yaml", tmp_path / "t.json"
+    save_plan(plan, plan_path)
+    write_trace(plan, simulate(plan, PROFILE), trace)
+    runner = CliRunner()
+    flags = runner.invoke(app, ["calibrate", str(plan_path), str(trace), "--flags"])
+    assert flags.exit_code == 0, flags.output
+    assert flags.output == "--latency-us 300 --op-overhead-us 150\n"
+    table = runner.invoke(app, ["calibrate", str(plan_path), str(trace)], terminal_width=140)
+    assert table.exit_code == 0, table.output
+    assert "latency / transfer" in table.output and "plan with: --latency-us 300 --op-overhead-us 150" in table.output
+    trace.write_text("{not json")
+    bad = runner.invoke(app, ["calibrate", str(plan_path), str(trace)])
+    assert bad.exit_code == 2
+    assert bad.output.count("\n") == 1 and "is not JSON" in bad.output and str(trace) in bad.output
