@@ -160,38 +160,57 @@ def policy_schedule(
     cached: list[list] = [[] for _ in range(num_ranks)]  # the candidates found at the rank's last push
     heap: list[tuple[float, int, int]] = []
 
+    # the knobs per rank, read in the hot loop
+    inflight = [p.inflight for p in policies]
+    warmup = [p.warmup for p in policies]
+    w_cap = [p.w_cap for p in policies]
+    deep_first = [p.deep_first for p in policies]
+    w_fits_gap = [p.w_fits_gap for p in policies]
+    last_stage = num_stages - 1
+
     def ready_ops(r: int) -> tuple[float, list]:
         """The earliest time rank r can start something, and its candidates (ready_time, kind, stage, mb)."""
         t = free[r]
+        when = _INF
         found = []
-        policy = policies[r]
         if pending_w[r]:
             found.append((t, 2, -1, -1))
+            when = t
         for s in desc[r]:
             m = next_b[s]
             if m < next_f[s]:
-                if s + 1 == num_stages:
-                    found.append((t, 1, s, m))
+                if s == last_stage:
+                    a = t
                 else:
                     a = bwd_arrive[s + 1][m]
-                    if a >= 0.0:
-                        found.append((a if a > t else t, 1, s, m))
+                    if a < 0.0:
+                        continue
+                    if a < t:
+                        a = t
+                found.append((a, 1, s, m))
+                if a < when:
+                    when = a
+        first_r = first[r]
         for s in fwd_order[r]:
             m = next_f[s]
             if m >= num_mb:
                 continue
-            if s == first[r]:
-                if admitted[r] >= policy.inflight or (warming[r] and warm_count[r] >= policy.warmup):
+            if s == first_r:
+                if admitted[r] >= inflight[r] or (warming[r] and warm_count[r] >= warmup[r]):
                     continue
                 if reserved[r] + footprint[r] > budget[r] and (reserved[r] > 0 or pending_w[r]):
                     continue
             if s == 0:
-                found.append((t, 0, s, m))
+                a = t
             else:
                 a = fwd_arrive[s - 1][m]
-                if a >= 0.0:
-                    found.append((a if a > t else t, 0, s, m))
-        when = min((c[0] for c in found), default=_INF)
+                if a < 0.0:
+                    continue
+                if a < t:
+                    a = t
+            found.append((a, 0, s, m))
+            if a < when:
+                when = a
         return when, found
 
     def push(r: int) -> None:
@@ -217,31 +236,37 @@ def policy_schedule(
         when, r, ver = heapq.heappop(heap)
         if ver != version[r]:
             continue
-        ready = [c for c in cached[r] if c[0] <= when]
-        policy = policies[r]
-        choice = None
-        if pending_w[r] and len(pending_w[r]) > policy.w_cap:
+        if pending_w[r] and len(pending_w[r]) > w_cap[r]:
             choice = (2, -1, -1)
-        if choice is None:
-            backs = [c for c in ready if c[1] == 1]
-            if backs:
-                _, _, s, m = min(backs, key=lambda c: (c[3], -c[2]))
-                choice = (1, s, m)
-        if choice is None:
-            fwds = [c for c in ready if c[1] == 0]
-            if fwds:
-                _, _, s, m = fwds[0] if policy.deep_first else min(fwds, key=lambda c: (c[3], c[2]))
-                choice = (0, s, m)
-        if choice is None:
-            # only a deferred W is ready: fill the gap with it, unless an op whose input is
-            # already on its way would arrive before the W ends (the W would delay it)
-            arriving = min((c[0] for c in cached[r] if c[1] != 2 and c[0] > when), default=_INF)
-            w_stage = pending_w[r][0][0]
-            if policy.w_fits_gap and arriving < when + w_ms[w_stage]:
-                version[r] += 1
-                heapq.heappush(heap, (arriving, r, version[r]))
-                continue
-            choice = (2, -1, -1)
+        else:
+            # one pass over the ready candidates: the backward of the oldest microbatch (later
+            # stage on ties), else the forward the policy prefers, else a deferred W
+            back = fwd = None
+            by_age = not deep_first[r]
+            for c in cached[r]:
+                if c[0] > when:
+                    continue
+                kind = c[1]
+                if kind == 1:
+                    if back is None or c[3] < back[3] or (c[3] == back[3] and c[2] > back[2]):
+                        back = c
+                elif kind == 0:
+                    if fwd is None or (by_age and (c[3], c[2]) < (fwd[3], fwd[2])):
+                        fwd = c
+            if back is not None:
+                choice = (1, back[2], back[3])
+            elif fwd is not None:
+                choice = (0, fwd[2], fwd[3])
+            else:
+                # only a deferred W is ready: fill the gap with it, unless an op whose input is
+                # already on its way would arrive before the W ends (the W would delay it)
+                if w_fits_gap[r]:
+                    arriving = min((c[0] for c in cached[r] if c[1] != 2 and c[0] > when), default=_INF)
+                    if arriving < when + w_ms[pending_w[r][0][0]]:
+                        version[r] += 1
+                        heapq.heappush(heap, (arriving, r, version[r]))
+                        continue
+                choice = (2, -1, -1)
         kind, s, m = choice
         if kind == 0 and s == first[r]:
             warm_count[r] += 1
