@@ -51,6 +51,8 @@ def profile(
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)"),
     clock: str = typer.Option("auto", "--clock", help="auto, wall or cpu (thread CPU time; wall for models that sleep)"),
     config: List[str] = typer.Option([], "--config", help="model config override key=value (repeatable)"),
+    check_whole: bool = typer.Option(False, "--check-whole",
+                                     help="also time the whole model's forward+backward and compare the sum of the layers"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile file to write"),
 ) -> None:
     """Measure every layer of a model file, or write an analytic profile of a known architecture."""
@@ -96,8 +98,22 @@ def profile(
         out = output or Path("profiles") / f"{result.model.name}.yaml"
     else:
         raise InputError(None, "MODEL", "nothing to profile", "give a model file, or --arch NAME (see --list)")
+    if check_whole and model is None:
+        raise InputError(None, "--check-whole", "needs a model file to run", "drop it for --arch, or profile a model file")
     save_profile(result, out)
     _print_profile(result, out)
+    if check_whole:
+        from octoplan.profiler import measure_whole_model_ms
+
+        whole = measure_whole_model_ms(str(model), config=overrides, microbatch_size=microbatch_size or 4, repeat=repeat,
+                                       device=device, clock=clock)
+        layers = sum(layer.total_ms for layer in result.layers)
+        ratio = layers / whole if whole > 0 else float("nan")
+        console.print(f"whole model, forward + loss + backward: {whole:.3f} ms; sum of the layers' F+I+W: {layers:.3f} ms "
+                      f"(ratio {ratio:.3f})", soft_wrap=True)
+        if not 0.85 <= ratio <= 1.15:
+            console.print("[yellow]the layers' sum is off the whole model by more than 15%: per-call overheads (many "
+                          "small layers) or caches (a layer timed alone runs warm) weigh in; plans inherit that error[/]", soft_wrap=True)
 
 
 def _print_profile(result: Profile, out: Path) -> None:

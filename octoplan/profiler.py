@@ -539,9 +539,13 @@ def measure_whole_model_ms(
     seed: int = 0,
     warmup: int = 3,
     threads: int | None = None,
+    clock: str = "auto",
 ) -> float:
     """Median time of one training microbatch of the whole model: all layers chained as usual,
-    the loss, one fused ``backward()``. The reference the per-layer sum should approach."""
+    the loss, one fused ``backward()``. The reference the per-layer sum should approach; timed
+    with the same ``clock`` as :func:`profile_model_file`."""
+    if clock not in ("auto", "wall", "cpu"):
+        raise InputError(None, "--clock", f"is {clock!r}", "use auto, wall or cpu")
     _check_positive(microbatch_size, "--microbatch-size", 1)
     _check_positive(repeat, "--repeat", 1)
     dev = _resolve_device(device)
@@ -562,7 +566,7 @@ def measure_whole_model_ms(
 
         try:
             with _QuietGC():
-                return _Clock(dev, threads=used_threads).median_ms(step, repeat=repeat, warmup=warmup)
+                return _Clock(dev, threads=used_threads, clock=clock).median_ms(step, repeat=repeat, warmup=warmup)
         except InputError as exc:
             raise exc.in_file(mf.path) from None
         except Exception as exc:

@@ -3,6 +3,7 @@ overrides, profile files, and per-layer times that add up to the whole model's t
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -523,3 +524,23 @@ def test_layer_sum_equals_the_whole_model_time(tmp_path):
     whole = measure_whole_model_ms(path, **kwargs)
     assert total >= sum(map(sum, SPIN_COSTS))
     assert abs(whole - total) <= 1.0 + 0.03 * total, f"sum of layers {total:.2f} ms, whole model {whole:.2f} ms"
+
+
+def test_cli_check_whole_reports_the_ratio(tmp_path):
+    from typer.testing import CliRunner
+
+    from octoplan.cli import app
+
+    path = write_model(tmp_path, SPIN)
+    out = tmp_path / "spin.yaml"
+    runner = CliRunner()
+    done = runner.invoke(app, ["profile", path, "--repeat", "3", "--check-whole", "-o", str(out)], terminal_width=200)
+    assert done.exit_code == 0, done.output
+    line = next(line for line in done.output.splitlines() if line.startswith("whole model"))
+    whole, layers, ratio = (float(x) for x in re.findall(r"(\d+\.\d+)(?= ms|\))", line))
+    assert layers == pytest.approx(sum(layer.total_ms for layer in load_profile(out).layers), abs=1e-3)
+    assert ratio == pytest.approx(layers / whole, abs=1e-3)
+    assert abs(whole - layers) <= 1.0 + 0.03 * layers  # the spin model's times are exact (above)
+    assert "off the whole model" not in done.output
+    bad = runner.invoke(app, ["profile", "--arch", "llama3-8b", "--check-whole", "-o", str(tmp_path / "a.yaml")])
+    assert bad.exit_code == 2 and "--check-whole" in bad.output and bad.output.count("\n") == 1
