@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from octoplan.baseline import make_baseline  # noqa: E402
-from octoplan.calibrate import split_trace  # noqa: E402
+from octoplan.calibrate import calibration_of, split_trace  # noqa: E402
 from octoplan.ops import Kind  # noqa: E402
 from octoplan.plan import Cluster, Plan, load_plan, save_plan  # noqa: E402
 from octoplan.profile import Layer, ModelRef, Profile, load_profile, save_profile  # noqa: E402
@@ -475,12 +475,9 @@ def posthoc(plan: Plan, profile: Profile, split: dict[str, Any]) -> float:
                            backward_input_ms=max(0.0, layer.backward_input_ms + extra.get("I", 0.0)),
                            backward_weight_ms=max(0.0, layer.backward_weight_ms + extra.get("W", 0.0)))
                    for layer in profile.layers)
-    latency = split["transfer_both_ways_ms"]
-    if latency is None:
-        latency = split["transfer_ms"].get("median", 0.0)
     # the run's gap per op is the cluster's per-op overhead (a fused B pays it once, as any op)
     gap_ms = max(0.0, split["dispatch_gap_ms"].get("mean", 0.0))
-    measured = replace(plan, cluster=replace(plan.cluster, latency_us=1000.0 * max(0.0, latency), op_overhead_us=1000.0 * gap_ms))
+    measured = replace(plan, cluster=replace(plan.cluster, latency_us=1000.0 * _latency_ms(split), op_overhead_us=1000.0 * gap_ms))
     return simulate(measured, replace(profile, layers=layers)).iteration_ms
 
 
@@ -586,20 +583,34 @@ def torch_table(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _latency_ms(split: dict[str, Any]) -> float:
+    """The latency to plan with from a :func:`trace_overheads` dict: the two-way wait less the
+    mean runtime gap (:func:`octoplan.calibrate.calibration_of`); results written before that
+    field existed are worked out the same way."""
+    if "latency_ms" in split:
+        return split["latency_ms"] or 0.0
+    wait = split["transfer_both_ways_ms"]
+    if wait is None:
+        wait = split["transfer_ms"].get("median", 0.0)
+    return max(0.0, wait - split["dispatch_gap_ms"].get("mean", 0.0))
+
+
 def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dict[str, Any]:
     """Split the last step's time per op, from octorun's trace (:func:`octoplan.calibrate.split_trace`).
 
     - ``op_excess_ms``: measured op duration - the profile's (sleep overshoot + the runtime's and
       autograd's own work inside the op); ``excess_per_layer_ms``: its median per layer, by kind;
     - ``dispatch_gap_ms``: the gap between an op and the previous op on its rank when nothing from
-      another rank held it up (its input message, if any, was there first): pure runtime time;
+      another rank held it up (its input message, if any, was due by the previous op's end):
+      pure runtime time;
       ``dispatch_gap_share``: the largest sum of them on one rank over the iteration;
     - ``transfer_ms``: for ops whose input message came last, their start - the producing op's
       end on the other rank (send + receive + hand-over to the compute thread), which includes
       the offset between the ranks' clocks (an op whose message may still have been on its way
       counts as neither a gap nor a transfer); ``transfer_both_ways_ms`` cancels it (the median
       over rank pairs of the mean of both directions' median waits) and ``clock_offset_ms``
-      shows it per pair.
+      shows it per pair; ``latency_ms``: that less the mean gap, which the wait holds (the
+      producer posts its send after its op) and the simulator charges to the producing op.
     """
     split = split_trace(plan, profile, trace_path)
     per_layer: dict[str, list[float]] = {}
@@ -616,8 +627,9 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
     return {"op_excess_ms": stats([o.excess_ms for o in split.ops]), "dispatch_gap_ms": stats(split.gaps),
             "transfer_ms": stats(split.transfers),
             # octorun's own time on the rank it costs most: gaps while the next op's input was there
-            "dispatch_gap_share": round(max(split.gap_ms_by_thread.values()) / iteration_ms, 4) if iteration_ms > 0 else None,
-            "transfer_both_ways_ms": round(split.latency_ms, 4) if split.pairs else None,
+            "dispatch_gap_share": round(max(split.gap_ms_by_thread.values(), default=0.0) / iteration_ms, 4) if iteration_ms > 0 else None,
+            "transfer_both_ways_ms": round(split.wait_ms, 4) if split.pairs else None,
+            "latency_ms": round(latency, 4) if (latency := calibration_of(split).latency_ms) is not None else None,
             "clock_offset_ms": {pair: round(ms, 3) for pair, ms in split.offsets_ms.items()},
             "excess_per_layer_ms": {kind: round(statistics.median(xs), 4) for kind, xs in sorted(per_layer.items())}}
 
@@ -705,7 +717,8 @@ def calibrate(overhead_rows: list[dict]) -> Calibration:
     on a loaded machine mostly the wait for a core after each sleep, plus autograd's work and
     the runtime's inside the op. Latency: the time from a producing op's end to the consuming
     op's start on another rank, for ops that waited for their message (send, receive, hand-over
-    to the compute thread), both directions averaged (``transfer_both_ways_ms``). Per op: the
+    to the compute thread), both directions averaged (``transfer_both_ways_ms``), less the mean
+    gap per op, which that wait holds and the plan charges per op (``latency_ms``). Per op: the
     mean gap between consecutive ops of a rank that waited for nothing, which becomes the
     planning cluster's ``op_overhead_us`` (:meth:`link`). A two-process ping-pong (:func:`measure_link`)
     swings between 0.15 and 2 ms from one minute to the next here and misses the hand-over; this
@@ -715,11 +728,8 @@ def calibrate(overhead_rows: list[dict]) -> Calibration:
     if row is None:
         raise ValueError("calibration needs the overhead benchmark's zb-h1 run")
     trace = row["trace"]
-    latency = trace["transfer_both_ways_ms"]
-    if latency is None:
-        latency = trace["transfer_ms"]["median"]
     return Calibration(per_layer_ms={kind: max(0.0, trace["excess_per_layer_ms"][kind]) for kind in "FIW"},
-                       latency_ms=max(0.0, latency), op_ms=max(0.0, trace["dispatch_gap_ms"]["mean"]))
+                       latency_ms=_latency_ms(trace), op_ms=max(0.0, trace["dispatch_gap_ms"]["mean"]))
 
 
 # ---------------------------------------------------------------------------------------------

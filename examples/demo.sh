@@ -17,7 +17,8 @@ step "2. Calibrate: what a transfer and the runtime around each op cost with 4 p
 octoplan baseline profiles/hybrid.yaml --gpus 4 --schedule 1f1b --microbatches 8 -o plans/hybrid-1f1b.yaml
 "${RUN[@]}" plans/hybrid-1f1b.yaml --replay --steps 3 --trace out/calibration-trace.json
 octoplan calibrate plans/hybrid-1f1b.yaml out/calibration-trace.json
-# The measured latency already covers the model's 64 KB messages: bandwidth adds next to nothing.
+# --replay sends a thousandth of the profile's bytes, so the calibrated latency is the fixed
+# cost of a message; the planner adds the model's 64 KB at gloo's ~10 GB/s on top.
 read -r -a LINK <<< "$(octoplan calibrate plans/hybrid-1f1b.yaml out/calibration-trace.json --flags) --intra-node-gbps 10"
 
 step "3. Tune it for 4 GPUs — partition, placement and schedule together — against every baseline"

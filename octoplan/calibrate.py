@@ -6,18 +6,23 @@ sections 3 and 7). Their true values depend on the machine and on how many proce
 (CPU stand-ins for GPUs), so they are best measured in a job of the same processes as the runs
 the plans are for. One step of any plan's trace holds what is needed:
 
-- per op, its measured duration less the profile's (``excess``: work around the op's compute);
-- when an op's input message was there before the rank finished its previous op, the gap
-  between the two ops is the runtime's own time (``gap``);
+- per op, its measured duration less the profile's (``excess``: work around the op's compute;
+  the profile's times are what ``octorun --replay`` sleeps at its default scale of 1);
+- when an op's input message was due before the rank finished its previous op, the gap
+  between the two ops is the runtime's own time (``gap``: recording the op, posting its sends,
+  taking the next op's input);
 - when the op waited for its message, the time from the producing op's end on the other rank to
-  its start is a transfer (send, receive, hand-over). Each rank's clock in octorun's trace
-  starts when it leaves the step's barrier, so one direction reads latency + offset and the
-  other latency - offset: the mean of both directions is free of the offset.
+  its start is the ``wait``: the producer's gap (it posts the send after the op's end), the
+  transfer itself (the trace's messages: with ``--replay`` a thousandth of the profile's bytes,
+  so next to nothing on the wire) and the hand-over to the consumer. Both directions of each
+  rank pair are averaged, so that an offset between the two ranks' clocks cancels (octorun puts
+  the ranks of one host on one clock; across hosts the barrier exit is the common origin).
 
-The per-op overhead to plan with is the mean gap plus the median excess; the latency is the
-median over rank pairs of that two-way mean.
+The simulator charges the per-op cost inside each op and starts a transfer at the op's end, so
+the figures to plan with are: per op, the mean gap plus the median excess; per transfer, the
+median over rank pairs of the two-way wait, less the mean gap (already charged to the
+producing op).
 """
-
 from __future__ import annotations
 
 import statistics
@@ -32,7 +37,7 @@ from octoplan.plan import Plan
 from octoplan.profile import Profile
 from octoplan.timeline.trace import measured_ops
 
-__all__ = ["OpSplit", "TraceSplit", "Calibration", "split_trace", "calibrate"]
+__all__ = ["OpSplit", "TraceSplit", "Calibration", "split_trace", "calibrate", "calibration_of"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class OpSplit:
 class TraceSplit:
     ops: list[OpSplit]
     iteration_ms: float  # first op start to last op end
-    latency_ms: float | None  # the transfers' median, both ways where it can (see both_ways_ms)
+    wait_ms: float | None  # producer's end -> consumer's start when it waited: median, both ways where it can
     pairs: int  # thread pairs with waits both ways
     offsets_ms: dict[str, float]  # per such pair "a-b": half the difference of its two directions
     gap_ms_by_thread: dict[str, float]  # the gaps summed per thread
@@ -80,10 +85,10 @@ def _producer(plan: Plan, op: Op, present: set[Op]) -> Op | None:
     return src if plan.stages[src.stage].rank != plan.stages[op.stage].rank else None
 
 
-def _latency(waits: dict[tuple[str, str], list[float]]) -> tuple[float | None, dict[str, float]]:
+def _two_way_wait(waits: dict[tuple[str, str], list[float]]) -> tuple[float | None, dict[str, float]]:
     """Per pair of threads with waits both ways, the mean of the two directions' median waits
-    is free of their clock offset; the latency is the median of those means (of all waits when
-    no pair has both directions). Also each pair's offset, half the difference."""
+    is free of their clock offset; the wait is the median of those means (of all waits when no
+    pair has both directions). Also each pair's offset, half the difference."""
     means, offsets = [], {}
     for (a, b), there in sorted(waits.items()):
         if a < b and (b, a) in waits:
@@ -96,14 +101,33 @@ def _latency(waits: dict[tuple[str, str], list[float]]) -> tuple[float | None, d
     return (max(0.0, statistics.median(every)) if every else None), offsets
 
 
+def _check_matches(plan: Plan, events: list, file: str) -> None:
+    scheduled = {op for rank_ops in plan.schedule for op in rank_ops}
+    seen = set()
+    for e in events:
+        fix = "calibrate with the plan the trace was measured with"
+        if e.op not in scheduled:
+            raise InputError(file, "traceEvents", f"op {e.op} is not in the plan's schedule", fix)
+        rank = plan.stages[e.op.stage].rank
+        if e.lane != repr(rank):
+            raise InputError(file, "traceEvents", f"op {e.op} ran on tid {e.lane}, but the plan puts stage "
+                             f"{e.op.stage} on pipeline rank {rank}", fix)
+        if (e.thread, e.op) in seen:
+            raise InputError(file, "traceEvents", f"op {e.op} appears twice in one step on {e.thread}",
+                             'give each step its own "args": {"step": N}, or one step per trace')
+        seen.add((e.thread, e.op))
+
+
 def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSplit:
     """Split the last measured step of ``trace_path`` (octorun ``--trace``) op by op.
 
     An op waited for its message when the producer ended after the rank's previous op did (or
     the op is the rank's first): that wait is a transfer. An op whose message was due (producer's
-    end + the latency those transfers show) by the end of the previous op, or that needs none,
+    end + the wait those transfers show) by the end of the previous op, or that needs none,
     follows a gap of pure runtime time. An op in between is neither: its message may still have
-    been on its way."""
+    been on its way. A trace that does not match the plan (an op on another rank than the plan
+    puts its stage, an op the schedule does not have, an op twice in one step) is an
+    :class:`InputError`."""
     events = measured_ops(Path(trace_path), plan)
     # one step: the events' args.step when given, else the n-th occurrence of an op on a thread
     occurrences: dict[tuple[str, Op], int] = defaultdict(int)
@@ -116,6 +140,7 @@ def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSp
         stepped.append((step, event))
     last = max(step for step, _ in stepped)
     events = [e for step, e in stepped if step == last]
+    _check_matches(plan, events, str(trace_path))
 
     costs = plan_stage_costs(plan, LayerTable(profile))
     # the producer runs in the same pipeline replica: the trace's process id (octorun: dp rank)
@@ -135,7 +160,7 @@ def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSp
             if producer is not None and (prev_end is None or producer.start_ms + producer.dur_ms > prev_end):
                 waits[(producer.thread, thread)].append(e.start_ms - (producer.start_ms + producer.dur_ms))
             prev_end = e.start_ms + e.dur_ms
-    latency, offsets = _latency(waits)
+    wait, offsets = _two_way_wait(waits)
 
     ops, gap_sum = [], defaultdict(float)
     for e, prev_end, producer in rows:
@@ -143,14 +168,14 @@ def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSp
         gap = transfer = None
         if ready is not None and (prev_end is None or ready > prev_end):
             transfer = e.start_ms - ready
-        elif prev_end is not None and (ready is None or ready + (latency or 0.0) <= prev_end):
+        elif prev_end is not None and (ready is None or ready + (wait or 0.0) <= prev_end):
             gap = e.start_ms - prev_end
             gap_sum[e.thread] += gap
         stage = plan.stages[e.op.stage]
         ops.append(OpSplit(e.thread, e.op, e.dur_ms - op_ms(costs[e.op.stage], e.op.kind), stage.end - stage.start,
                            gap, transfer, producer.thread if transfer is not None else None))
     iteration = max(e.start_ms + e.dur_ms for e in events) - min(e.start_ms for e in events)
-    return TraceSplit(ops, iteration, latency, sum(1 for _ in offsets), offsets, dict(gap_sum))
+    return TraceSplit(ops, iteration, wait, len(offsets), offsets, dict(gap_sum))
 
 
 @dataclass(frozen=True)
@@ -175,14 +200,24 @@ class Calibration:
 
 
 def calibrate(plan: Plan, profile: Profile, trace_path: str | Path) -> Calibration:
-    split = split_trace(plan, profile, trace_path)
-    if len({o.thread for o in split.ops}) < 2:
-        raise InputError(str(trace_path), "traceEvents", "holds the ops of one rank only",
+    """The cluster figures the last measured step of ``trace_path`` implies (:func:`calibration_of`)."""
+    if plan.parallel.pp < 2:
+        raise InputError(str(trace_path), "parallel.pp", f"is {plan.parallel.pp}: nothing is sent between ranks",
                          "calibrate from the trace of a plan with 2 or more pipeline ranks")
+    split = split_trace(plan, profile, trace_path)
+    if len({o.thread.rsplit("/", 1)[1] for o in split.ops}) < 2:
+        raise InputError(str(trace_path), "traceEvents", "holds the ops of one pipeline rank only",
+                         "calibrate from a trace of every rank (octorun --trace writes them all)")
+    return calibration_of(split)
+
+
+def calibration_of(split: TraceSplit) -> Calibration:
     gaps = split.gaps
+    gap = statistics.fmean(gaps) if gaps else 0.0
     return Calibration(
-        latency_ms=split.latency_ms,
-        gap_ms=statistics.fmean(gaps) if gaps else 0.0,
+        # the producer's gap is in the wait, and the simulator charges it to the producing op
+        latency_ms=None if split.wait_ms is None else max(0.0, split.wait_ms - gap),
+        gap_ms=gap,
         excess_ms=statistics.median(o.excess_ms for o in split.ops),
         counts={"ops": len(split.ops), "gaps": len(gaps), "transfers": len(split.transfers), "pairs": split.pairs},
     )

@@ -98,8 +98,9 @@ def profile(
         out = output or Path("profiles") / f"{result.model.name}.yaml"
     else:
         raise InputError(None, "MODEL", "nothing to profile", "give a model file, or --arch NAME (see --list)")
-    if check_whole and model is None:
-        raise InputError(None, "--check-whole", "needs a model file to run", "drop it for --arch, or profile a model file")
+    if check_whole and (model is None or arch is not None):
+        raise InputError(None, "--check-whole", "needs a model file to run, and --arch writes an analytic profile",
+                         "drop --check-whole for --arch, or profile a model file without --arch")
     save_profile(result, out)
     _print_profile(result, out)
     if check_whole:

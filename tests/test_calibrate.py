@@ -88,3 +88,80 @@ def test_cli_prints_the_flags_and_the_table(tmp_path, profile_file):
     bad = runner.invoke(app, ["calibrate", str(plan_path), str(trace)])
     assert bad.exit_code == 2
     assert bad.output.count("\n") == 1 and "is not JSON" in bad.output and str(trace) in bad.output
+
+
+def _move_runtime_after_ops(path, cut_us: float) -> None:
+    """octorun times an op's compute only: its runtime work (posting sends, taking the next
+    input) comes after the op's end. Shorten every op by ``cut_us`` of the simulated per-op
+    cost, which then falls in the gap after it, as in a measured trace."""
+    doc = json.loads(path.read_text())
+    for event in doc["traceEvents"]:
+        if event.get("ph") == "X" and event.get("cat") in ("F", "I", "W", "B"):
+            event["dur"] -= cut_us
+    path.write_text(json.dumps(doc))
+
+
+def test_runtime_time_after_the_ops_is_not_counted_twice(tmp_path):
+    # per op 700 us, of which 400 after the op's end: every gap is 400 us, every wait is the
+    # producer's 400 us plus the 300 us latency, and the figures come back as simulated
+    plan, path = _simulated_trace(tmp_path, "zb-h1", 300.0, 700.0)
+    _move_runtime_after_ops(path, 400.0)
+    cal = calibrate(plan, PROFILE, path)
+    assert cal.gap_ms == pytest.approx(0.4, abs=1e-9)
+    assert cal.excess_ms == pytest.approx(0.3, abs=1e-9)
+    assert cal.latency_ms == pytest.approx(0.3, abs=1e-9)
+    assert cal.flags() == "--latency-us 300 --op-overhead-us 700"
+    # and the plan simulated with those figures reproduces the trace's iteration
+    split = split_trace(plan, PROFILE, path)
+    assert simulate(plan, PROFILE).iteration_ms == pytest.approx(split.iteration_ms + 0.4, abs=1e-6)
+    assert all(o.transfer_ms == pytest.approx(0.7, abs=1e-9) for o in split.ops if o.transfer_ms is not None)
+
+
+def test_data_parallel_replicas_pair_within_their_pipeline(tmp_path):
+    plan, path = _simulated_trace(tmp_path, "1f1b", 500.0, 100.0)
+    doc = json.loads(path.read_text())
+    ops = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("F", "B")]
+    for event in ops:  # replica 1 runs 3 ms later than replica 0: pairing across them would show it
+        doc["traceEvents"].append({**event, "pid": event["pid"] + 1, "ts": event["ts"] + 3000.0})
+    path.write_text(json.dumps(doc))
+    cal = calibrate(plan, PROFILE, path)
+    assert cal.latency_ms == pytest.approx(0.5, abs=1e-9)
+    assert cal.counts["ops"] == 2 * len(ops) and cal.counts["pairs"] == 6
+
+
+@pytest.mark.parametrize("case,message", [
+    ("other placement", "the plan puts stage"),
+    ("fused plan", "not in the plan's schedule"),
+    ("op twice", "appears twice in one step"),
+    ("one rank", "one pipeline rank only"),
+])
+def test_traces_that_do_not_match_the_plan_are_bad_input(tmp_path, case, message):
+    plan, path = _simulated_trace(tmp_path, "zb-h1", 300.0, 0.0)
+    doc = json.loads(path.read_text())
+    ops = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("F", "I", "W")]
+    if case == "other placement":  # the same stages and microbatches, ranks reversed
+        other = make_baseline(PROFILE, schedule="zb-h1", gpus=4, microbatches=8, cluster=plan.cluster)
+        for event in ops:
+            event["tid"] = 3 - event["tid"]
+    elif case == "fused plan":
+        other = make_baseline(PROFILE, schedule="1f1b", gpus=4, microbatches=8, cluster=plan.cluster)
+    elif case == "op twice":
+        other = plan
+        for event in ops:  # one step, said so, and an op of it twice (two steps concatenated)
+            event["args"] = {"step": 0}
+        doc["traceEvents"].append({**ops[5], "ts": ops[5]["ts"] + 1e6})
+    else:
+        other = plan
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("tid") == 1 or e.get("ph") != "X"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=message):
+        calibrate(other, PROFILE, path)
+
+
+def test_a_single_rank_plan_is_bad_input(tmp_path):
+    cluster = Cluster(gpus=1, latency_us=0.0)
+    plan = make_baseline(PROFILE, schedule="1f1b", gpus=1, microbatches=2, cluster=cluster)
+    path = tmp_path / "one.json"
+    write_trace(plan, simulate(plan, PROFILE), path)
+    with pytest.raises(InputError, match="nothing is sent between ranks"):
+        calibrate(plan, PROFILE, path)

@@ -148,6 +148,7 @@ def _read_events(path: Path) -> list[Any]:
 class MeasuredOp(NamedTuple):
     thread: str  # pid and tid: one process's rank
     process: str  # pid alone (octorun: the data-parallel replica)
+    lane: str  # tid alone (octorun: the pipeline rank)
     step: int | None  # args.step when the writer gave it
     op: Op
     start_ms: float
@@ -186,9 +187,8 @@ def measured_ops(path: Path, plan: Plan) -> list[MeasuredOp]:
             )
         args = event.get("args")
         step = args.get("step") if isinstance(args, dict) else None
-        process = repr(event.get("pid", 0))
-        thread = f"{process}/{event.get('tid', 0)!r}"
-        out.append(MeasuredOp(thread, process, step if isinstance(step, int) and not isinstance(step, bool) else None,
+        process, lane = repr(event.get("pid", 0)), repr(event.get("tid", 0))
+        out.append(MeasuredOp(f"{process}/{lane}", process, lane, step if isinstance(step, int) and not isinstance(step, bool) else None,
                              op, ts / _US_PER_MS, dur / _US_PER_MS))
     if not out:
         raise InputError(file, "traceEvents", "holds no op events", 'expect "ph": "X" events named like 0F3 (octorun --trace)')
