@@ -171,25 +171,13 @@ def policy_schedule(
     def ready_ops(r: int) -> tuple[float, list]:
         """The earliest time rank r can start something, and its candidates (ready_time, kind, stage, mb)."""
         t = free[r]
-        when = _INF
-        found = []
-        if pending_w[r]:
-            found.append((t, 2, -1, -1))
-            when = t
+        found = [(t, 2, -1, -1)] if pending_w[r] else []
         for s in desc[r]:
             m = next_b[s]
             if m < next_f[s]:
-                if s == last_stage:
-                    a = t
-                else:
-                    a = bwd_arrive[s + 1][m]
-                    if a < 0.0:
-                        continue
-                    if a < t:
-                        a = t
-                found.append((a, 1, s, m))
-                if a < when:
-                    when = a
+                a = t if s == last_stage else bwd_arrive[s + 1][m]  # -1: not sent yet
+                if a >= 0.0:
+                    found.append((a if a > t else t, 1, s, m))
         first_r = first[r]
         for s in fwd_order[r]:
             m = next_f[s]
@@ -200,18 +188,10 @@ def policy_schedule(
                     continue
                 if reserved[r] + footprint[r] > budget[r] and (reserved[r] > 0 or pending_w[r]):
                     continue
-            if s == 0:
-                a = t
-            else:
-                a = fwd_arrive[s - 1][m]
-                if a < 0.0:
-                    continue
-                if a < t:
-                    a = t
-            found.append((a, 0, s, m))
-            if a < when:
-                when = a
-        return when, found
+            a = t if s == 0 else fwd_arrive[s - 1][m]
+            if a >= 0.0:
+                found.append((a if a > t else t, 0, s, m))
+        return (min(found)[0] if found else _INF), found
 
     def push(r: int) -> None:
         version[r] += 1
