@@ -614,8 +614,10 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
     """
     split = split_trace(plan, profile, trace_path)
     per_layer: dict[str, list[float]] = {}
+    per_op: dict[str, list[float]] = {}
     for o in split.ops:
         per_layer.setdefault(o.op.kind.value, []).append(o.excess_ms / o.layers)
+        per_op.setdefault(o.op.kind.value, []).append(o.excess_ms)
 
     def stats(xs: list[float]) -> dict[str, float]:
         if not xs:
@@ -631,19 +633,22 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
             "transfer_both_ways_ms": round(split.wait_ms, 4) if split.pairs else None,
             "latency_ms": round(latency, 4) if (latency := calibration_of(split).latency_ms) is not None else None,
             "clock_offset_ms": {pair: round(ms, 3) for pair, ms in split.offsets_ms.items()},
-            "excess_per_layer_ms": {kind: round(statistics.median(xs), 4) for kind, xs in sorted(per_layer.items())}}
+            "excess_per_layer_ms": {kind: round(statistics.median(xs), 4) for kind, xs in sorted(per_layer.items())},
+            "excess_per_op_ms": {kind: round(statistics.median(xs), 4) for kind, xs in sorted(per_op.items())}}
 
 
 def bench_overhead(link: Link, out_dir: str | Path, *, nprocs: int, microbatches: int, steps: int, warmup: int,
                    op_ms: float = 10.0, schedules: Sequence[str] = ("1f1b", "zb-h1"),
-                   shapes: Sequence[str] = ("static",)) -> list[dict]:
+                   shapes: Sequence[str] = ("static",), layers_per_stage: int = 1) -> list[dict]:
     """Uniform 10 ms ops: measured vs the simulator with free communication (the runtime's whole
     cost, transfers included) and with the measured link (the runtime's cost beyond the link).
     ``shapes``: ``static`` (octorun's default: layouts sent in step 0 only) and/or ``dynamic``
-    (``--dynamic-shapes``: a header before every message), each schedule run once per mode."""
-    out_dir = Path(out_dir) / "overhead"
+    (``--dynamic-shapes``: a header before every message), each schedule run once per mode.
+    ``layers_per_stage`` > 1: each 10 ms op is that many replay layers (the calibration's second
+    job, which separates a replay op's fixed cost from its cost per layer)."""
+    out_dir = Path(out_dir) / ("overhead" if layers_per_stage == 1 else f"overhead-{layers_per_stage}-layers")
     profile_path = out_dir / "uniform-profile.yaml"
-    profile = uniform_replay_profile(profile_path, num_layers=nprocs, op_ms=op_ms)
+    profile = uniform_replay_profile(profile_path, num_layers=nprocs * layers_per_stage, op_ms=op_ms / layers_per_stage)
     cluster = link.cluster(nprocs)
     rows = []
     for schedule in schedules:
@@ -657,6 +662,7 @@ def bench_overhead(link: Link, out_dir: str | Path, *, nprocs: int, microbatches
             rows.append(_overhead_row(plan, profile, schedule, mode, run_octorun(plan_path, steps=steps, warmup=warmup,
                                                                                  out_dir=out_dir, tag=tag, extra_args=extra),
                                       op_ms=op_ms, nprocs=nprocs, microbatches=microbatches))
+            rows[-1]["layers_per_stage"] = layers_per_stage
             log.info("overhead %s (%s shapes): measured %.1f ms, free-comm prediction %.1f ms: %.2f%%", schedule, mode,
                      rows[-1]["median_ms"], rows[-1]["predicted_free_ms"], 100 * rows[-1]["overhead"])
     return rows
@@ -697,39 +703,60 @@ def overhead_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+CALIBRATION_LAYERS = 4  # replay layers per op in the calibration's second job
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What the replay and the transport really cost inside an 8-process octorun job here."""
 
     per_layer_ms: dict[str, float]  # F, I, W: a replay layer's cost beyond its sleep
     latency_ms: float  # a transfer: producing op's end -> consuming op's start, when it waited
-    op_ms: float  # the runtime's time between two ops of a rank when none waits for a message
+    op_ms: float  # per op: the runtime's gap between two ops, plus a replay op's fixed cost
+    per_op_ms: dict[str, float] | None = None  # F, I, W: that fixed cost (None: one job, all per layer)
 
     def link(self, measured: Link) -> Link:
         """``measured`` with this latency and per-op overhead: the cluster plans are made and predicted for."""
         return replace(measured, latency_ms=self.latency_ms, latency_median_ms=self.latency_ms, op_overhead_ms=self.op_ms)
 
 
-def calibrate(overhead_rows: list[dict]) -> Calibration:
-    """Calibrate from the overhead benchmark's zb-h1 run (one 10 ms layer per stage, I/W split).
+def calibrate(overhead_rows: list[dict], stacked_rows: list[dict] | None = None) -> Calibration:
+    """Calibrate from the overhead benchmark's zb-h1 run (one 10 ms layer per stage, I/W split)
+    and, when given, the same plan with each op made of ``layers_per_stage`` shorter layers.
 
-    Per layer and op kind: the median over that run's last step of (measured op - profile op):
-    on a loaded machine mostly the wait for a core after each sleep, plus autograd's work and
-    the runtime's inside the op. Latency: the time from a producing op's end to the consuming
-    op's start on another rank, for ops that waited for their message (send, receive, hand-over
-    to the compute thread), both directions averaged (``transfer_both_ways_ms``), less the mean
-    gap per op, which that wait holds and the plan charges per op (``latency_ms``). Per op: the
-    mean gap between consecutive ops of a rank that waited for nothing, which becomes the
-    planning cluster's ``op_overhead_us`` (:meth:`link`). A two-process ping-pong (:func:`measure_link`)
-    swings between 0.15 and 2 ms from one minute to the next here and misses the hand-over; this
-    is measured in a job of the same processes as the runs it is used for.
+    A replayed op's cost beyond its sleeps (the wait for a core after each sleep, autograd's
+    work and the runtime's inside the op) has a part per op and a part per layer: with one job
+    only, all of it is taken per layer, the median over the last step of (measured op -
+    profile op) per kind. With the stacked job, per kind, the per-op medians of the two jobs
+    (1 and k layers) give the part per layer, (e_k - e_1) / (k - 1), and the part per op, e_1
+    less that; the parts per op, averaged over F, I and W, join the runtime's gap in the
+    planning cluster's ``op_overhead_us`` (one figure for every op). Latency: the time from a
+    producing op's end to the consuming op's start on another rank, for ops that waited for
+    their message (send, receive, hand-over to the compute thread), both directions averaged
+    (``transfer_both_ways_ms``), less the mean gap per op, which that wait holds and the plan
+    charges per op (``latency_ms``). Per op: the mean gap between consecutive ops of a rank
+    that waited for nothing. A two-process ping-pong (:func:`measure_link`) swings between 0.15
+    and 2 ms from one minute to the next here and misses the hand-over; this is measured in a
+    job of the same processes as the runs it is used for.
     """
-    row = next((r for r in overhead_rows if r["schedule"] == "zb-h1" and r.get("shapes", "static") == "static"), None)
-    if row is None:
-        raise ValueError("calibration needs the overhead benchmark's zb-h1 run")
-    trace = row["trace"]
-    return Calibration(per_layer_ms={kind: max(0.0, trace["excess_per_layer_ms"][kind]) for kind in "FIW"},
-                       latency_ms=_latency_ms(trace), op_ms=max(0.0, trace["dispatch_gap_ms"]["mean"]))
+    def zb_row(rows: list[dict]) -> dict:
+        row = next((r for r in rows if r["schedule"] == "zb-h1" and r.get("shapes", "static") == "static"), None)
+        if row is None:
+            raise ValueError("calibration needs the overhead benchmark's zb-h1 run")
+        return row
+
+    trace = zb_row(overhead_rows)["trace"]
+    gap = max(0.0, trace["dispatch_gap_ms"]["mean"])
+    if not stacked_rows:
+        return Calibration(per_layer_ms={kind: max(0.0, trace["excess_per_layer_ms"][kind]) for kind in "FIW"},
+                           latency_ms=_latency_ms(trace), op_ms=gap)
+    stacked = zb_row(stacked_rows)
+    k = stacked["layers_per_stage"]
+    one, many = trace["excess_per_op_ms"], stacked["trace"]["excess_per_op_ms"]
+    per_layer = {kind: max(0.0, (many[kind] - one[kind]) / (k - 1)) for kind in "FIW"}
+    per_op = {kind: max(0.0, one[kind] - per_layer[kind]) for kind in "FIW"}
+    return Calibration(per_layer_ms=per_layer, latency_ms=_latency_ms(trace),
+                       op_ms=gap + statistics.fmean(per_op.values()), per_op_ms=per_op)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -745,7 +772,8 @@ def report(results: dict[str, Any]) -> str:
     if "calibration" in results:
         cal = results["calibration"]
         parts.append(f"calibration (in-job): transfer {cal['latency_ms']:.3f} ms, runtime per op {cal.get('op_ms', 0):.3f} ms, "
-                     f"replay layer cost beyond its sleep per layer {cal['per_layer_ms']} ms")
+                     f"replay layer cost beyond its sleep per layer {cal['per_layer_ms']} ms"
+                     + (f", per op {cal['per_op_ms']} ms (in the runtime's per-op figure)" if cal.get("per_op_ms") else ""))
     if "overhead" in results:
         parts.append("## Overhead\n\n" + overhead_table(results["overhead"]))
     if "fidelity" in results:
@@ -813,9 +841,13 @@ def main(argv: list[str] | None = None) -> int:
         shapes = ("static", "dynamic") if args.bench == "overhead" else ("static",)
         results["overhead"] = bench_overhead(link, out, schedules=schedules, shapes=shapes, **common)
         if not args.no_calibrate:
-            calibration = calibrate(results["overhead"])
+            # the same zb-h1 plan with each 10 ms op made of CALIBRATION_LAYERS replay layers
+            results["overhead_stacked"] = bench_overhead(link, out, schedules=("zb-h1",),
+                                                         layers_per_stage=CALIBRATION_LAYERS, **common)
+            calibration = calibrate(results["overhead"], results["overhead_stacked"])
             per_layer, link = calibration.per_layer_ms, calibration.link(link)
-            results["calibration"] = {"per_layer_ms": per_layer, "latency_ms": calibration.latency_ms, "op_ms": calibration.op_ms}
+            results["calibration"] = {"per_layer_ms": per_layer, "per_op_ms": calibration.per_op_ms,
+                                      "latency_ms": calibration.latency_ms, "op_ms": calibration.op_ms}
             log.info("calibration: %s", calibration)
     if args.bench in ("fidelity", "all"):
         results["fidelity"] = bench_fidelity(cases, link, out, tune_seconds=args.tune_seconds, per_layer_ms=per_layer,

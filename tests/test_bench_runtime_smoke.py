@@ -83,7 +83,28 @@ def test_overhead_and_calibration_run_end_to_end(tmp_path):
     # SPEC section 7's bound: 4 microbatches x the largest layer's F + I + W (15 ms)
     assert row["predicted_free_ms"] >= 60.0
     assert -0.2 < row["overhead"] < 0.5, row
-    calibration = bench.calibrate(rows)
+    stacked = bench.bench_overhead(link, tmp_path, nprocs=2, microbatches=4, steps=2, warmup=1, op_ms=5.0,
+                                   schedules=("zb-h1",), layers_per_stage=2)
+    assert stacked[0]["layers_per_stage"] == 2 and stacked[0]["ops_per_rank"] == 12
+    calibration = bench.calibrate(rows, stacked)
     assert set(calibration.per_layer_ms) == {"F", "I", "W"} and all(0 <= v < 5 for v in calibration.per_layer_ms.values())
+    assert set(calibration.per_op_ms) == {"F", "I", "W"} and calibration.op_ms >= row["trace"]["dispatch_gap_ms"]["mean"]
     assert 0 <= calibration.latency_ms < 20
     assert calibration.link(link).latency_ms == calibration.latency_ms and calibration.link(link).gbps == 1.0
+
+
+def test_two_jobs_separate_a_replay_ops_fixed_cost_from_its_cost_per_layer():
+    def row(layers, excess, gap=0.2, wait=0.9):
+        trace = {"dispatch_gap_ms": {"mean": gap}, "transfer_both_ways_ms": wait, "transfer_ms": {"median": wait},
+                 "excess_per_op_ms": excess, "excess_per_layer_ms": {k: v / layers for k, v in excess.items()}}
+        return {"schedule": "zb-h1", "shapes": "static", "layers_per_stage": layers, "trace": trace}
+
+    one = [row(1, {"F": 0.3, "I": 0.5, "W": 0.2})]
+    four = [row(4, {"F": 0.6, "I": 1.4, "W": 0.8})]
+    alone = bench.calibrate(one)  # one job: everything per layer
+    assert alone.per_layer_ms == {"F": 0.3, "I": 0.5, "W": 0.2} and alone.op_ms == 0.2 and alone.per_op_ms is None
+    both = bench.calibrate(one, four)  # per layer (e4 - e1) / 3, per op e1 less that
+    assert both.per_layer_ms == pytest.approx({"F": 0.1, "I": 0.3, "W": 0.2})
+    assert both.per_op_ms == pytest.approx({"F": 0.2, "I": 0.2, "W": 0.0})
+    assert both.op_ms == pytest.approx(0.2 + 0.4 / 3)
+    assert both.latency_ms == pytest.approx(0.7)  # the two-way wait less the gap the producer pays
