@@ -477,7 +477,7 @@ def posthoc(plan: Plan, profile: Profile, split: dict[str, Any]) -> float:
                    for layer in profile.layers)
     # the run's gap per op is the cluster's per-op overhead (a fused B pays it once, as any op)
     gap_ms = max(0.0, split["dispatch_gap_ms"].get("mean", 0.0))
-    measured = replace(plan, cluster=replace(plan.cluster, latency_us=1000.0 * _latency_ms(split), op_overhead_us=1000.0 * gap_ms))
+    measured = replace(plan, cluster=replace(plan.cluster, latency_us=1000.0 * (split["latency_ms"] or 0.0), op_overhead_us=1000.0 * gap_ms))
     return simulate(measured, replace(profile, layers=layers)).iteration_ms
 
 
@@ -583,18 +583,6 @@ def torch_table(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _latency_ms(split: dict[str, Any]) -> float:
-    """The latency to plan with from a :func:`trace_overheads` dict: the two-way wait less the
-    mean runtime gap (:func:`octoplan.calibrate.calibration_of`); results written before that
-    field existed are worked out the same way."""
-    if "latency_ms" in split:
-        return split["latency_ms"] or 0.0
-    wait = split["transfer_both_ways_ms"]
-    if wait is None:
-        wait = split["transfer_ms"].get("median", 0.0)
-    return max(0.0, wait - split["dispatch_gap_ms"].get("mean", 0.0))
-
-
 def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dict[str, Any]:
     """Split the last step's time per op, from octorun's trace (:func:`octoplan.calibrate.split_trace`).
 
@@ -628,7 +616,7 @@ def trace_overheads(plan: Plan, profile: Profile, trace_path: str | Path) -> dic
     iteration_ms = split.iteration_ms
     return {"op_excess_ms": stats([o.excess_ms for o in split.ops]), "dispatch_gap_ms": stats(split.gaps),
             "transfer_ms": stats(split.transfers),
-            # octorun's own time on the rank it costs most: gaps while the next op's input was there
+            # octorun's own time on the rank it costs most: gaps while the next op's input was due
             "dispatch_gap_share": round(max(split.gap_ms_by_thread.values(), default=0.0) / iteration_ms, 4) if iteration_ms > 0 else None,
             "transfer_both_ways_ms": round(split.wait_ms, 4) if split.pairs else None,
             "latency_ms": round(latency, 4) if (latency := calibration_of(split).latency_ms) is not None else None,
@@ -749,13 +737,13 @@ def calibrate(overhead_rows: list[dict], stacked_rows: list[dict] | None = None)
     gap = max(0.0, trace["dispatch_gap_ms"]["mean"])
     if not stacked_rows:
         return Calibration(per_layer_ms={kind: max(0.0, trace["excess_per_layer_ms"][kind]) for kind in "FIW"},
-                           latency_ms=_latency_ms(trace), op_ms=gap)
+                           latency_ms=trace["latency_ms"] or 0.0, op_ms=gap)
     stacked = zb_row(stacked_rows)
     k = stacked["layers_per_stage"]
     one, many = trace["excess_per_op_ms"], stacked["trace"]["excess_per_op_ms"]
     per_layer = {kind: max(0.0, (many[kind] - one[kind]) / (k - 1)) for kind in "FIW"}
     per_op = {kind: max(0.0, one[kind] - per_layer[kind]) for kind in "FIW"}
-    return Calibration(per_layer_ms=per_layer, latency_ms=_latency_ms(trace),
+    return Calibration(per_layer_ms=per_layer, latency_ms=trace["latency_ms"] or 0.0,
                        op_ms=gap + statistics.fmean(per_op.values()), per_op_ms=per_op)
 
 

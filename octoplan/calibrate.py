@@ -58,9 +58,21 @@ class TraceSplit:
     ops: list[OpSplit]
     iteration_ms: float  # first op start to last op end
     wait_ms: float | None  # producer's end -> consumer's start when it waited: median, both ways where it can
-    pairs: int  # thread pairs with waits both ways
-    offsets_ms: dict[str, float]  # per such pair "a-b": half the difference of its two directions
-    gap_ms_by_thread: dict[str, float]  # the gaps summed per thread
+    offsets_ms: dict[str, float]  # per thread pair with waits both ways, "a-b": half the difference of the two
+
+    @property
+    def pairs(self) -> int:
+        """Thread pairs with waits both ways."""
+        return len(self.offsets_ms)
+
+    @property
+    def gap_ms_by_thread(self) -> dict[str, float]:
+        """The gaps summed per thread."""
+        out: dict[str, float] = defaultdict(float)
+        for o in self.ops:
+            if o.gap_ms is not None:
+                out[o.thread] += o.gap_ms
+        return dict(out)
 
     @property
     def gaps(self) -> list[float]:
@@ -116,6 +128,9 @@ def _check_matches(plan: Plan, events: list, file: str) -> None:
             raise InputError(file, "traceEvents", f"op {e.op} appears twice in one step on {e.thread}",
                              'give each step its own "args": {"step": N}, or one step per trace')
         seen.add((e.thread, e.op))
+    if len({e.lane for e in events}) < 2:
+        raise InputError(file, "traceEvents", "holds the ops of one pipeline rank only",
+                         "calibrate from a trace of every rank (octorun --trace writes them all)")
 
 
 def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSplit:
@@ -126,8 +141,8 @@ def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSp
     end + the wait those transfers show) by the end of the previous op, or that needs none,
     follows a gap of pure runtime time. An op in between is neither: its message may still have
     been on its way. A trace that does not match the plan (an op on another rank than the plan
-    puts its stage, an op the schedule does not have, an op twice in one step) is an
-    :class:`InputError`."""
+    puts its stage, an op the schedule does not have, an op twice in one step, one rank's ops
+    only) is an :class:`InputError`."""
     events = measured_ops(Path(trace_path), plan)
     # one step: the events' args.step when given, else the n-th occurrence of an op on a thread
     occurrences: dict[tuple[str, Op], int] = defaultdict(int)
@@ -149,33 +164,33 @@ def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSp
     per_thread: dict[str, list] = defaultdict(list)
     for e in events:
         per_thread[e.thread].append(e)
-    rows = []  # (event, previous op's end on its thread, producer event)
+    # (event, previous op's end on its thread, producer event, its end: when the message was sent)
+    rows = []
     waits: dict[tuple[str, str], list[float]] = defaultdict(list)
     for thread, thread_events in sorted(per_thread.items()):
         prev_end = None
         for e in thread_events:  # already in start order
             producer_op = _producer(plan, e.op, present)
             producer = by_key.get((e.process, producer_op)) if producer_op is not None else None
-            rows.append((e, prev_end, producer))
-            if producer is not None and (prev_end is None or producer.start_ms + producer.dur_ms > prev_end):
-                waits[(producer.thread, thread)].append(e.start_ms - (producer.start_ms + producer.dur_ms))
+            ready = producer.start_ms + producer.dur_ms if producer is not None else None
+            rows.append((e, prev_end, producer, ready))
+            if ready is not None and (prev_end is None or ready > prev_end):
+                waits[(producer.thread, thread)].append(e.start_ms - ready)
             prev_end = e.start_ms + e.dur_ms
     wait, offsets = _two_way_wait(waits)
 
-    ops, gap_sum = [], defaultdict(float)
-    for e, prev_end, producer in rows:
-        ready = producer.start_ms + producer.dur_ms if producer is not None else None
+    ops = []
+    for e, prev_end, producer, ready in rows:
         gap = transfer = None
         if ready is not None and (prev_end is None or ready > prev_end):
             transfer = e.start_ms - ready
         elif prev_end is not None and (ready is None or ready + (wait or 0.0) <= prev_end):
             gap = e.start_ms - prev_end
-            gap_sum[e.thread] += gap
         stage = plan.stages[e.op.stage]
         ops.append(OpSplit(e.thread, e.op, e.dur_ms - op_ms(costs[e.op.stage], e.op.kind), stage.end - stage.start,
                            gap, transfer, producer.thread if transfer is not None else None))
     iteration = max(e.start_ms + e.dur_ms for e in events) - min(e.start_ms for e in events)
-    return TraceSplit(ops, iteration, wait, len(offsets), offsets, dict(gap_sum))
+    return TraceSplit(ops, iteration, wait, offsets)
 
 
 @dataclass(frozen=True)
@@ -204,11 +219,7 @@ def calibrate(plan: Plan, profile: Profile, trace_path: str | Path) -> Calibrati
     if plan.parallel.pp < 2:
         raise InputError(str(trace_path), "parallel.pp", f"is {plan.parallel.pp}: nothing is sent between ranks",
                          "calibrate from the trace of a plan with 2 or more pipeline ranks")
-    split = split_trace(plan, profile, trace_path)
-    if len({o.thread.rsplit("/", 1)[1] for o in split.ops}) < 2:
-        raise InputError(str(trace_path), "traceEvents", "holds the ops of one pipeline rank only",
-                         "calibrate from a trace of every rank (octorun --trace writes them all)")
-    return calibration_of(split)
+    return calibration_of(split_trace(plan, profile, trace_path))
 
 
 def calibration_of(split: TraceSplit) -> Calibration:

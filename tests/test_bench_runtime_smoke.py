@@ -95,8 +95,9 @@ def test_overhead_and_calibration_run_end_to_end(tmp_path):
 
 def test_two_jobs_separate_a_replay_ops_fixed_cost_from_its_cost_per_layer():
     def row(layers, excess, gap=0.2, wait=0.9):
+        # as trace_overheads writes it: the latency is the two-way wait less the mean gap
         trace = {"dispatch_gap_ms": {"mean": gap}, "transfer_both_ways_ms": wait, "transfer_ms": {"median": wait},
-                 "excess_per_op_ms": excess, "excess_per_layer_ms": {k: v / layers for k, v in excess.items()}}
+                 "latency_ms": wait - gap, "excess_per_op_ms": excess, "excess_per_layer_ms": {k: v / layers for k, v in excess.items()}}
         return {"schedule": "zb-h1", "shapes": "static", "layers_per_stage": layers, "trace": trace}
 
     one = [row(1, {"F": 0.3, "I": 0.5, "W": 0.2})]
