@@ -1,7 +1,7 @@
 """Tuner benchmark: efficiency and speedups on heterogeneous analytic workloads, an ablation,
 and tuning time at 64 and 1024 GPUs.
 
-    .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME] [--split-blocks]
+    .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME] [--split-blocks] [--order-bound S]
     .venv/bin/python benchmarks/bench_tuner.py caps
     .venv/bin/python benchmarks/bench_tuner.py scale --gpus 64 --time-limit 60
 
@@ -15,7 +15,9 @@ lower_bound_ms / iteration_ms.
 still measured on whole blocks (it cannot cut a block), and the best baseline is the fastest of
 both granularities' baselines. ``caps`` prints, per workload and granularity, the best balance
 any assignment of whole layers to pp ranks allows (a CP-SAT bin packing): an upper bound on the
-efficiency of every plan, whatever its schedule.
+efficiency of every plan, whatever its schedule. ``--order-bound S`` bounds, for each tuned plan,
+every op order of its stages and placement (``octoplan bound --unbounded-in-flight``: CP-SAT for
+S seconds and the one-machine relaxation): how much of the gap is the order's.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _profile_and_cluster(w: Workload, *, split_blocks: bool = False):
 
 
 def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placement", "schedule"), seed: int = 0,
-            split_blocks: bool = False, chunks_max: int = 3) -> dict:
+            split_blocks: bool = False, chunks_max: int = 3, order_bound_s: float = 0.0) -> dict:
     profile, cluster = _profile_and_cluster(w, split_blocks=split_blocks)
     opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=time_limit, seed=seed,
                        dimensions=tuple(dimensions), chunks_max=chunks_max)
@@ -87,6 +89,17 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
     megatron = [rows[n + suffix].iteration_ms for n in ("1f1b/uniform", "interleaved-1f1b/uniform")
                 if n + suffix in rows and rows[n + suffix].fits]
     best = min((row for row in baselines if row.scored.fits), key=lambda row: row.scored.iteration_ms, default=None)
+    bound = {}
+    if order_bound_s > 0:  # how much a better order of the tuned layout could still save
+        from octoplan.costs import LayerTable, stage_costs
+        from octoplan.schedules.exact import order_bound
+
+        plan = result.plan
+        found = order_bound(plan.schedule, [s.rank for s in plan.stages], stage_costs(plan.stages, LayerTable(profile)),
+                            cluster=plan.cluster, parallel=plan.parallel, time_limit_s=order_bound_s, keep_memory=False)
+        by = "one-machine relaxation" if found.relaxation_ms >= found.lower_bound_ms - 1e-9 else f"CP-SAT ({found.status})"
+        bound = {"order_bound_ms": found.lower_bound_ms, "order_bound_by": by, "order_bound_status": found.status,
+                 "order_gap": 1.0 - found.lower_bound_ms / result.scored.iteration_ms}
     return {
         "workload": w.name, "pp": w.pp, "dp": w.gpus // w.pp, "microbatches": w.microbatches,
         "gpus_per_node": w.gpus_per_node, "tuned_ms": result.scored.iteration_ms,
@@ -96,7 +109,7 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
         "best_baseline": best.name if best else None, "best_baseline_ms": best.scored.iteration_ms if best else None,
         "best_baseline_efficiency": best.scored.efficiency if best else None,
         "origin": result.candidate.origin, "stages": result.plan.num_stages,
-        "evaluations": result.stats["evaluations"], "wall_s": wall,
+        "evaluations": result.stats["evaluations"], "wall_s": wall, **bound,
     }
 
 
@@ -109,7 +122,8 @@ def suite(args) -> None:
     chosen = [w for w in SUITE if not args.only or w.name in args.only]
     results = []
     for w in chosen:
-        r = run_one(w, time_limit=args.time_limit, seed=args.seed, split_blocks=args.split_blocks, chunks_max=args.chunks_max)
+        r = run_one(w, time_limit=args.time_limit, seed=args.seed, split_blocks=args.split_blocks, chunks_max=args.chunks_max,
+                    order_bound_s=args.order_bound)
         results.append(r)
         print(json.dumps(r), flush=True)
     print()
@@ -126,6 +140,13 @@ def suite(args) -> None:
     print(f"geo-mean efficiency {_geo([r['efficiency'] for r in results]):.3f}, min {min(r['efficiency'] for r in results):.3f}; "
           f"speedup vs Megatron {_geo([r['megatron_ms'] / r['tuned_ms'] for r in results if r['megatron_ms']]):.3f}; "
           f"vs best baseline {_geo([r['best_baseline_ms'] / r['tuned_ms'] for r in results if r['best_baseline_ms']]):.3f}")
+    if args.order_bound > 0:
+        print()
+        print("| workload | tuned ms | no order of its layout beats (ms) | a better order could save | proven by | CP-SAT status |")
+        print("|---|---|---|---|---|---|")
+        for r in results:
+            print(f"| {r['workload']} | {r['tuned_ms']:.1f} | {r['order_bound_ms']:.1f} | {r['order_gap']:.2%} | "
+                  f"{r['order_bound_by']} | {r['order_bound_status']} |")
     if args.ablation:
         print()
         print("| workload | " + " | ".join(ABLATIONS) + " | all three |")
@@ -208,6 +229,8 @@ def main() -> None:
     p.add_argument("--only", nargs="*")
     p.add_argument("--split-blocks", action="store_true", help="tune on profiles with blocks split into mixer and MLP/MoE layers")
     p.add_argument("--chunks-max", type=int, default=3, help="the tuner's most stages per rank (octoplan tune --chunks-max)")
+    p.add_argument("--order-bound", type=float, default=0.0, metavar="SECONDS",
+                   help="also bound every order of each tuned layout (octoplan bound --unbounded-in-flight), CP-SAT this long")
     p.set_defaults(fn=suite)
     p = sub.add_parser("caps")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per workload and granularity")

@@ -249,6 +249,15 @@ def show(
         out.print(timeline.render_comparison(rows, title=f"predicted vs measured ({measured})"))
 
 
+def _save_with_prediction(plan: Plan, result, output: Path) -> None:
+    """Write ``plan`` with its ``predicted`` figures set to the simulated ``result``."""
+    from dataclasses import replace
+
+    predicted = {**(plan.predicted or {}), "iteration_ms": round(result.iteration_ms, 4),
+                 "bubble_ratio": round(result.bubble_ratio, 4), "efficiency": round(result.efficiency, 4)}
+    save_plan(replace(plan, predicted=predicted), output)
+
+
 @app.command()
 @guarded
 def justify(
@@ -259,8 +268,6 @@ def justify(
 ) -> None:
     """Repair PLAN's op order: every op as late, then as early as its inputs and its rank's gaps
     allow (same stages, same placement); writes the faster order that fits memory."""
-    from dataclasses import replace
-
     from octoplan.costs import LayerTable, stage_costs
     from octoplan.schedules.justify import justify as justify_order
     from octoplan.simulator import simulate as run_simulation
@@ -276,9 +283,7 @@ def justify(
     after = run_simulation(candidate, prof)
     better = after.iteration_ms < before.iteration_ms and (after.fits_memory or not before.fits_memory)
     chosen, result = (candidate, after) if better else (plan, before)
-    predicted = {**(plan.predicted or {}), "iteration_ms": round(result.iteration_ms, 4),
-                 "bubble_ratio": round(result.bubble_ratio, 4), "efficiency": round(result.efficiency, 4)}
-    save_plan(replace(chosen, predicted=predicted), output)
+    _save_with_prediction(chosen, result, output)
     table = Table(title=f"{plan_path} -> {output}")
     for column in ("order", "iteration ms", "bubble", "peak GB", "fits"):
         table.add_column(column, justify="right")
@@ -291,6 +296,63 @@ def justify(
     else:
         why = "does not fit memory" if not after.fits_memory else "is not faster"
         console.print(f"the justified order {why}; the given order was written unchanged")
+
+
+@app.command()
+@guarded
+def bound(
+    plan_path: Path = typer.Argument(..., metavar="PLAN"),
+    time_limit: float = typer.Option(30.0, "--time-limit", help="seconds CP-SAT may search"),
+    unbounded: bool = typer.Option(False, "--unbounded-in-flight",
+                                   help="bound every order, whatever its memory (default: orders that hold no more "
+                                        "microbatches in flight per stage than PLAN)"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                          help="write the best order found, if the simulator finds it faster and it fits memory"),
+    workers: int = typer.Option(1, "--workers", help="CP-SAT search workers (more search faster; results may then vary)"),
+) -> None:
+    """How far PLAN's op order is from the best order of its stages and placement: CP-SAT's best
+    order and a proven lower bound on the iteration of every order (link contention aside)."""
+    from octoplan.costs import LayerTable, stage_costs
+    from octoplan.schedules.exact import order_bound
+    from octoplan.simulator import simulate as run_simulation
+    from octoplan.validate import check_runnable
+
+    if not time_limit > 0:
+        raise InputError(None, "--time-limit", f"is {time_limit:g}", "give CP-SAT a positive number of seconds")
+    if workers < 1:
+        raise InputError(None, "--workers", f"is {workers}", "use at least 1")
+    plan, prof = _load_plan_with_profile(plan_path)
+    check_runnable(plan, file=str(plan_path))
+    before = run_simulation(plan, prof)
+    costs = stage_costs(plan.stages, LayerTable(prof))
+    try:
+        result = order_bound(plan.schedule, [s.rank for s in plan.stages], costs, cluster=plan.cluster,
+                             parallel=plan.parallel, time_limit_s=time_limit, keep_memory=not unbounded, workers=workers)
+    except ValueError as exc:  # an order that runs but takes some stage's microbatches out of order
+        raise InputError(str(plan_path), "schedule", f"cannot be bounded: {exc}",
+                         "run each stage's F, I/B and W in microbatch order, as every octoplan order does") from None
+    candidate = plan.with_schedule(result.order)
+    after = run_simulation(candidate, prof) if result.best_ms < result.given_ms else before
+    table = Table(title=f"op orders of {plan_path}'s stages and placement")
+    for column in ("order", "iteration ms (simulated)", "makespan ms (model)", "peak GB", "fits"):
+        table.add_column(column, justify="right")
+    table.add_row("PLAN's", f"{before.iteration_ms:.3f}", f"{result.given_ms:.3f}",
+                  f"{max(before.peak_memory_bytes) / 1e9:.2f}", "yes" if before.fits_memory else "[red]NO[/red]")
+    table.add_row("best found", f"{after.iteration_ms:.3f}", f"{result.best_ms:.3f}",
+                  f"{max(after.peak_memory_bytes) / 1e9:.2f}", "yes" if after.fits_memory else "[red]NO[/red]")
+    table.add_row("no order beats", "", f"{result.lower_bound_ms:.3f}", "", "")
+    console.print(table)
+    memory = "any order" if unbounded else "orders with PLAN's in-flight microbatches per stage"
+    if result.status == "OPTIMAL" and result.best_ms >= result.given_ms:
+        console.print(f"PLAN's order is optimal among {memory} (CP-SAT, {result.wall_s:.1f} s)")
+    else:
+        console.print(f"a better order could save at most {result.gap:.2%} of PLAN's {result.given_ms:.3f} ms "
+                      f"among {memory} (CP-SAT {result.status}, {result.wall_s:.1f} s)")
+    if output is not None:
+        better = after.iteration_ms < before.iteration_ms and (after.fits_memory or not before.fits_memory)
+        chosen, sim = (candidate, after) if better else (plan, before)
+        _save_with_prediction(chosen, sim, output)
+        console.print(f"{'the best order found' if better else 'PLAN (no faster order that fits)'} -> {output}")
 
 
 @app.command()

@@ -8,11 +8,21 @@ from octoplan.baseline import make_baseline
 from octoplan.costs import LayerTable, stage_costs
 from octoplan.ops import parse_ops
 from octoplan.plan import Parallel, Plan, Stage, check_structure
-from octoplan.schedules.justify import _most_in_flight, justify
+from octoplan.schedules.justify import justify
+from octoplan.schedules.opgraph import most_in_flight
 from octoplan.schedules.policy import policy_schedule
 from octoplan.simulator import simulate, simulate_costs
 from tests.conftest import free_cluster, make_profile
 from tests.test_tuner_policy import placements
+
+
+def assert_microbatch_order(schedule):
+    """Each stage runs each kind (F; I or B; W) in microbatch order."""
+    for rank_ops in schedule:
+        for stage in {op.stage for op in rank_ops}:
+            for kinds in ("F", "IB", "W"):
+                mbs = [op.mb for op in rank_ops if op.stage == stage and op.kind.value in kinds]
+                assert mbs == sorted(mbs)
 
 
 def _plan(profile, cluster, parallel, stages, schedule):
@@ -76,7 +86,7 @@ def test_zbv_with_a_heavy_head_gets_faster():
     assert max(before.peak_memory_bytes) == 8 * 10**6
     assert max(kept_run.peak_memory_bytes) == 9 * 10**6
     assert max(free_run.peak_memory_bytes) == 11 * 10**6
-    assert all(_most_in_flight(kept)[s] <= n for s, n in _most_in_flight(zbv.schedule).items())
+    assert all(most_in_flight(kept)[s] <= n for s, n in most_in_flight(zbv.schedule).items())
 
 
 @settings(max_examples=100, deadline=None)
@@ -93,19 +103,30 @@ def test_justified_orders_are_valid_and_never_slower(case):
     for keep_memory in (True, False):
         new, span = justify(ops, ranks, costs, cluster=cluster, parallel=parallel, keep_memory=keep_memory)
         if keep_memory:  # no stage holds more microbatches in flight than the given order did
-            assert all(_most_in_flight(new)[s] <= n for s, n in _most_in_flight(ops).items())
+            assert all(most_in_flight(new)[s] <= n for s, n in most_in_flight(ops).items())
         plan = _plan(profile, cluster, parallel, stages, new)
         check_structure(plan, num_layers=profile.num_layers)  # every op once, on its rank, I before W
         after = simulate_costs(plan, costs).iteration_ms  # raises DeadlockError on a cycle
         # without transfer costs the model is the simulator's; justification keeps the better order
         assert abs(after - span) <= 1e-9 * max(1.0, span)
         assert after <= before + 1e-9 * max(1.0, before)
-        # each stage still runs each kind in microbatch order
-        for rank_ops in new:
-            for stage in {op.stage for op in rank_ops}:
-                for kinds in ("F", "IB", "W"):
-                    mbs = [op.mb for op in rank_ops if op.stage == stage and op.kind.value in kinds]
-                    assert mbs == sorted(mbs)
+        assert_microbatch_order(new)
+
+
+def heavy_head_zbv_file(profile_file, tmp_path):
+    """The ZB-V plan file of the deepseek-like profile above, written by `octoplan baseline` for
+    a cluster whose transfers cost nothing (95 ms)."""
+    from typer.testing import CliRunner
+
+    from octoplan.cli import app
+
+    path = profile_file(make_profile([(1, 1, 0)] + [(2, 2, 1)] * 6 + [(3, 3, 2)], act=10**6))
+    free = ["--latency-us", "0", "--intra-node-gbps", "1e12", "--inter-node-gbps", "1e12"]
+    zbv = tmp_path / "zbv.yaml"
+    made = CliRunner().invoke(app, ["baseline", str(path), "--gpus", "4", "--schedule", "zbv", "--microbatches", "8",
+                                    *free, "-o", str(zbv)])
+    assert made.exit_code == 0, made.output
+    return zbv
 
 
 def test_cli_justify_writes_the_faster_order(profile_file, tmp_path):
@@ -114,13 +135,9 @@ def test_cli_justify_writes_the_faster_order(profile_file, tmp_path):
     from octoplan.cli import app
     from octoplan.plan import load_plan
 
-    path = profile_file(make_profile([(1, 1, 0)] + [(2, 2, 1)] * 6 + [(3, 3, 2)], act=10**6))
     runner = CliRunner()
-    free = ["--latency-us", "0", "--intra-node-gbps", "1e12", "--inter-node-gbps", "1e12"]
-    zbv, kept, unbounded = tmp_path / "zbv.yaml", tmp_path / "kept.yaml", tmp_path / "free.yaml"
-    made = runner.invoke(app, ["baseline", str(path), "--gpus", "4", "--schedule", "zbv", "--microbatches", "8",
-                               *free, "-o", str(zbv)])
-    assert made.exit_code == 0, made.output
+    zbv = heavy_head_zbv_file(profile_file, tmp_path)
+    kept, unbounded = tmp_path / "kept.yaml", tmp_path / "free.yaml"
     assert load_plan(zbv).predicted["iteration_ms"] == 95.0
     result = runner.invoke(app, ["justify", str(zbv), "-o", str(kept)])
     assert result.exit_code == 0, result.output

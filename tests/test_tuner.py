@@ -41,6 +41,15 @@ def test_tuned_plan_is_valid_and_its_prediction_reproduces(tuned):
     assert tuned.plan.extra["tuner"]["seed"] == 0
 
 
+def test_the_tuned_order_is_proven_optimal_for_its_stages_and_placement(tuned):
+    # the head (6 + 6 + 6 ms) is alone on the last rank: 8 x 18 = 144 ms of work, which cannot
+    # start before microbatch 0 crossed the three stages before it (2.5 + 3 + 5 ms here), so no
+    # order of this layout beats 154.5 ms, and the tuned order takes exactly that
+    stages = [(s.start, s.end) for s in tuned.plan.stages]
+    assert stages[-1] == (11, 12) and sum(heavy_head().layers[i].forward_ms for i in range(11)) == 10.5
+    assert tuned.stats["order_bound_ms"] == tuned.plan.predicted["iteration_ms"] == 154.5
+
+
 def test_heavy_head_beats_megatron_1f1b_clearly(tuned):
     rows = {row.name: row.scored.iteration_ms for row in tuned.baselines}
     # 1F1B, uniform: the last stage holds 2 blocks + the head = 24 ms per microbatch; the first
@@ -132,6 +141,7 @@ def test_cli_tune_writes_a_plan_and_compare_prints_the_table(profile_file, tmp_p
     assert plan.profile == str(path)
     assert plan.profile_sha256 == file_sha256(path)
     assert plan.predicted["iteration_ms"] == pytest.approx(154.5)
+    assert "beats 154.50 ms: reordering could save at most 0.0%" in " ".join(result.output.split())
     assert runner.invoke(app, ["validate", str(out)]).exit_code == 0
     compare = runner.invoke(app, ["compare", *args])
     assert compare.exit_code == 0, compare.output

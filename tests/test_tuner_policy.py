@@ -31,16 +31,23 @@ def placements(draw):
     return pp, tuple(order), microbatches, policies, times, budget
 
 
+def layout_of(case, *, latency_us: float, inter_node_gbps: float):
+    """A drawn case's profile (one layer per stage), cluster (2 GPUs per node, so transfers
+    cross node boundaries at ``inter_node_gbps``), parallel degrees, stages and stage costs."""
+    pp, ranks, microbatches, _, times, _ = case
+    profile = make_profile(times, act=1000, out=1000, params=1000)
+    cluster = free_cluster(pp, gpus_per_node=2)
+    cluster = type(cluster)(**{**cluster.to_dict(), "latency_us": latency_us, "inter_node_gbps": inter_node_gbps})
+    parallel = Parallel(pp=pp, microbatches=microbatches)
+    stages = tuple(Stage(s, s + 1, r) for s, r in enumerate(ranks))
+    return profile, cluster, parallel, stages, stage_costs(stages, LayerTable(profile))
+
+
 @settings(max_examples=150, deadline=None)
 @given(placements())
 def test_any_placement_gets_a_valid_deadlock_free_order(case):
     pp, ranks, microbatches, policies, times, budget = case
-    profile = make_profile(times, act=1000, out=1000, params=1000)
-    cluster = free_cluster(pp, gpus_per_node=2)
-    cluster = type(cluster)(**{**cluster.to_dict(), "latency_us": 5.0, "inter_node_gbps": 1e-3})
-    parallel = Parallel(pp=pp, microbatches=microbatches)
-    stages = tuple(Stage(s, s + 1, r) for s, r in enumerate(ranks))
-    costs = stage_costs(stages, LayerTable(profile))
+    profile, cluster, parallel, stages, costs = layout_of(case, latency_us=5.0, inter_node_gbps=1e-3)
     ops = policy_schedule(ranks, costs, microbatches=microbatches, policies=policies, cluster=cluster,
                           parallel=parallel, activation_budget_bytes=budget)
     plan = Plan(model=profile.model, cluster=cluster, parallel=parallel, stages=stages, schedule=tuple(map(tuple, ops)))

@@ -130,6 +130,9 @@ def register(app: typer.Typer) -> None:
                       f"{output}: predicted {plan.predicted['iteration_ms']:.2f} ms, bubble "
                       f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "
                       f"({result.stats['evaluations']} plans simulated in {result.stats['wall_s']:.1f} s)")
+        bound = result.stats["order_bound_ms"]
+        console.print(f"no op order of these stages and placement beats {bound:.2f} ms: reordering could save at most "
+                      f"{max(0.0, 1 - bound / plan.predicted['iteration_ms']):.1%} (`octoplan bound` searches for it)")
 
     @app.command()
     @guarded

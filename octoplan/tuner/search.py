@@ -404,6 +404,11 @@ def tune(
             "use more GPUs, a larger --memory-gb, or a smaller microbatch",
         )
     plan = _final_plan(evaluator, best, best_scored, profile_path=profile_path)
+    from octoplan.schedules.exact import relaxation_bound  # OR-Tools only when the tuner runs
+
+    # what a better order of the same stages and placement could still save, at most
+    order_bound = relaxation_bound(plan.schedule, best.ranks, evaluator.costs(best), cluster=evaluator.cluster,
+                                   parallel=best.config.parallel())
     stats = {
         "seed": opts.seed,
         "time_limit_s": opts.time_limit_s,
@@ -414,6 +419,7 @@ def tune(
         "seeding_s": round(seeded_s, 3),
         "origin": best.origin,
         "moves_accepted": len(search.accepted_moves),
+        "order_bound_ms": round(order_bound, 4),
         "dimensions": list(opts.dimensions),
         "cpsat": cpsat_stats,
     }
