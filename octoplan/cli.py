@@ -309,6 +309,7 @@ def bound(
     output: Optional[Path] = typer.Option(None, "-o", "--output",
                                           help="write the best order found, if the simulator finds it faster and it fits memory"),
     workers: int = typer.Option(1, "--workers", help="CP-SAT search workers (more search faster; results may then vary)"),
+    json_out: bool = typer.Option(False, "--json", help="print the figures as one JSON object"),
 ) -> None:
     """How far PLAN's op order is from the best order of its stages and placement: CP-SAT's best
     order and a proven lower bound on the iteration of every order (link contention aside)."""
@@ -333,6 +334,18 @@ def bound(
                          "run each stage's F, I/B and W in microbatch order, as every octoplan order does") from None
     candidate = plan.with_schedule(result.order)
     after = run_simulation(candidate, prof) if result.best_ms < result.given_ms else before
+    if output is not None:
+        better = after.iteration_ms < before.iteration_ms and (after.fits_memory or not before.fits_memory)
+        _save_with_prediction(candidate if better else plan, after if better else before, output)
+    if json_out:
+        typer.echo(dump_json({
+            "iteration_ms": before.iteration_ms, "best_found_iteration_ms": after.iteration_ms,
+            "best_found_fits_memory": after.fits_memory, "model_ms": result.given_ms,
+            "best_found_model_ms": result.best_ms, "lower_bound_ms": result.lower_bound_ms,
+            "relaxation_ms": result.relaxation_ms, "gap": result.gap, "status": result.status,
+            "in_flight": "any" if unbounded else "plan's", "wall_s": result.wall_s,
+        }))
+        return
     table = Table(title=f"op orders of {plan_path}'s stages and placement")
     for column in ("order", "iteration ms (simulated)", "makespan ms (model)", "peak GB", "fits"):
         table.add_column(column, justify="right")
@@ -349,9 +362,6 @@ def bound(
         console.print(f"a better order could save at most {result.gap:.2%} of PLAN's {result.given_ms:.3f} ms "
                       f"among {memory} (CP-SAT {result.status}, {result.wall_s:.1f} s)")
     if output is not None:
-        better = after.iteration_ms < before.iteration_ms and (after.fits_memory or not before.fits_memory)
-        chosen, sim = (candidate, after) if better else (plan, before)
-        _save_with_prediction(chosen, sim, output)
         console.print(f"{'the best order found' if better else 'PLAN (no faster order that fits)'} -> {output}")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given, settings
 
 from octoplan.baseline import make_baseline
@@ -107,6 +109,11 @@ def test_cli_bound_reports_and_writes_the_best_order(profile_file, tmp_path):
     assert "could save at most 10.53% of PLAN's 95.000 ms among any order (CP-SAT OPTIMAL" in said
     assert load_plan(best).predicted["iteration_ms"] == 85.0
     assert runner.invoke(app, ["validate", str(best)]).exit_code == 0
+    as_json = runner.invoke(app, ["bound", str(zbv), "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    figures = json.loads(as_json.output)
+    assert (figures["iteration_ms"], figures["best_found_iteration_ms"], figures["lower_bound_ms"]) == (95.0, 88.0, 88.0)
+    assert (figures["status"], figures["in_flight"], figures["relaxation_ms"]) == ("OPTIMAL", "plan's", 88.0)
     again = runner.invoke(app, ["bound", str(best), "--unbounded-in-flight"])
     assert again.exit_code == 0 and "PLAN's order is optimal among any order" in " ".join(again.output.split())
     # bad input: exit 2, one line naming the field or the file
