@@ -145,3 +145,8 @@ def test_the_one_machine_relaxation_gives_the_hand_computed_bounds():
     result = order_bound(zbv.schedule, ranks, costs, cluster=zbv.cluster, parallel=zbv.parallel, keep_memory=False,
                          time_limit_s=1e-3)
     assert result.lower_bound_ms == 85.0
+    # and an order that meets the relaxation (justification's, 85 ms) is optimal without any search
+    justified, _ = justify(zbv.schedule, ranks, costs, cluster=zbv.cluster, parallel=zbv.parallel, keep_memory=False)
+    optimal = order_bound(justified, ranks, costs, cluster=zbv.cluster, parallel=zbv.parallel, keep_memory=False,
+                          time_limit_s=1e-3)
+    assert (optimal.status, optimal.given_ms, optimal.best_ms, optimal.lower_bound_ms) == ("OPTIMAL", 85.0, 85.0, 85.0)

@@ -45,7 +45,7 @@ __all__ = ["OrderBound", "order_bound", "one_machine_bound", "relaxation_bound"]
 class OrderBound:
     """CP-SAT's answer for one layout. Times are the model's makespans (no link contention)."""
 
-    status: str  # CP-SAT's: OPTIMAL (best_ms is the best any order can do), FEASIBLE or UNKNOWN
+    status: str  # OPTIMAL (best_ms is the best any order can do), or CP-SAT's FEASIBLE or UNKNOWN
     given_ms: float  # the given order
     best_ms: float  # the best order found (the given one when CP-SAT found nothing shorter)
     lower_bound_ms: float  # no order of the model finishes sooner: the larger of CP-SAT's bound and
@@ -140,7 +140,9 @@ def order_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], 
     seconds, and the proven lower bound on every order's makespan. ``keep_memory``: orders in
     which no stage holds more microbatches in flight than in ``schedule`` (without it, any
     order, whatever its memory). ``workers`` > 1 searches in parallel (the result may then
-    vary from run to run; with 1 it varies only when the time limit cuts the search)."""
+    vary from run to run; with 1 it varies only when the time limit cuts the search). When the
+    one-machine relaxation already meets the given order, that order is optimal and CP-SAT is
+    not run."""
     started = time.perf_counter()
     graph = OpGraph(schedule, rank_of_stage, costs, cluster, parallel, keep_memory)
     n = len(graph.ops)
@@ -148,6 +150,10 @@ def order_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], 
     position = [float(j) for rank_ops in schedule for j in range(len(rank_ops))]
     order_preds, order_succs = graph.with_order(schedule)
     given_ms = _own_makespan(graph, schedule)
+    relaxation = one_machine_bound(graph, num_ranks)
+    if relaxation >= given_ms - 1e-9 * max(1.0, given_ms):  # the order is optimal: nothing to search
+        return OrderBound("OPTIMAL", given_ms, given_ms, given_ms, relaxation, tuple(tuple(ops) for ops in schedule),
+                          time.perf_counter() - started)
 
     dur = [_ticks_down(d) for d in graph.dur]
     preds = [[(a, _ticks_down(lag)) for a, lag in edges] for edges in graph.preds]
@@ -201,6 +207,5 @@ def order_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], 
         best_ms = _own_makespan(OpGraph(order, rank_of_stage, costs, cluster, parallel, keep_memory), order)
         if best_ms >= given_ms:
             order, best_ms = tuple(tuple(ops) for ops in schedule), given_ms
-    relaxation = one_machine_bound(graph, num_ranks)
     lower = min(max(bound_ticks / TICKS_PER_MS, relaxation), best_ms)
     return OrderBound(solver.StatusName(status), given_ms, best_ms, lower, relaxation, order, time.perf_counter() - started)
