@@ -99,7 +99,9 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
                             cluster=plan.cluster, parallel=plan.parallel, time_limit_s=order_bound_s, keep_memory=False)
         by = "one-machine relaxation" if found.relaxation_ms >= found.lower_bound_ms - 1e-9 else f"CP-SAT ({found.status})"
         bound = {"order_bound_ms": found.lower_bound_ms, "order_bound_by": by, "order_bound_status": found.status,
-                 "order_gap": 1.0 - found.lower_bound_ms / result.scored.iteration_ms}
+                 # of the order model's own makespan, which leaves out what no order changes (the
+                 # data-parallel all-reduce's tail, link contention)
+                 "order_gap": found.gap, "order_model_ms": found.given_ms}
     return {
         "workload": w.name, "pp": w.pp, "dp": w.gpus // w.pp, "microbatches": w.microbatches,
         "gpus_per_node": w.gpus_per_node, "tuned_ms": result.scored.iteration_ms,
@@ -142,11 +144,12 @@ def suite(args) -> None:
           f"vs best baseline {_geo([r['best_baseline_ms'] / r['tuned_ms'] for r in results if r['best_baseline_ms']]):.3f}")
     if args.order_bound > 0:
         print()
-        print("| workload | tuned ms | no order of its layout beats (ms) | a better order could save | proven by | CP-SAT status |")
-        print("|---|---|---|---|---|---|")
+        print("| workload | tuned ms | its order in the order model (ms) | no order of its layout beats (ms) | "
+              "a better order could save | proven by | CP-SAT status |")
+        print("|---|---|---|---|---|---|---|")
         for r in results:
-            print(f"| {r['workload']} | {r['tuned_ms']:.1f} | {r['order_bound_ms']:.1f} | {r['order_gap']:.2%} | "
-                  f"{r['order_bound_by']} | {r['order_bound_status']} |")
+            print(f"| {r['workload']} | {r['tuned_ms']:.1f} | {r['order_model_ms']:.1f} | {r['order_bound_ms']:.1f} | "
+                  f"{r['order_gap']:.2%} | {r['order_bound_by']} | {r['order_bound_status']} |")
     if args.ablation:
         print()
         print("| workload | " + " | ".join(ABLATIONS) + " | all three |")

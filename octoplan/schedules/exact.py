@@ -43,7 +43,7 @@ __all__ = ["OrderBound", "order_bound", "one_machine_bound", "relaxation_bound"]
 
 @dataclass(frozen=True)
 class OrderBound:
-    """CP-SAT's answer for one layout. Times are the model's makespans (no link contention)."""
+    """The bound for one layout. Times are the model's makespans (no link contention)."""
 
     status: str  # OPTIMAL (best_ms is the best any order can do), or CP-SAT's FEASIBLE or UNKNOWN
     given_ms: float  # the given order
