@@ -356,11 +356,16 @@ def bound(
     table.add_row("no order beats", "", f"{result.lower_bound_ms:.3f}", "", "")
     console.print(table)
     memory = "any order" if unbounded else "orders with PLAN's in-flight microbatches per stage"
+    by_relaxation = result.relaxation_ms >= result.lower_bound_ms - 1e-9
+    proof = "the one-machine relaxation" if by_relaxation else "CP-SAT"
     if result.status == "OPTIMAL" and result.best_ms >= result.given_ms:
-        console.print(f"PLAN's order is optimal among {memory} (CP-SAT, {result.wall_s:.1f} s)")
+        console.print(f"PLAN's order is optimal among {memory} (proven by {proof}, {result.wall_s:.1f} s)")
     else:
         console.print(f"a better order could save at most {result.gap:.2%} of PLAN's {result.given_ms:.3f} ms "
-                      f"among {memory} (CP-SAT {result.status}, {result.wall_s:.1f} s)")
+                      f"among {memory} (bound by {proof}; CP-SAT {result.status}, {result.wall_s:.1f} s)")
+    if result.status == "UNKNOWN":
+        console.print(f"CP-SAT returned no order in {time_limit:g} s ({sum(map(len, plan.schedule))} ops); "
+                      "a longer --time-limit may let it search, the bound above holds either way")
     if output is not None:
         console.print(f"{'the best order found' if better else 'PLAN (no faster order that fits)'} -> {output}")
 
