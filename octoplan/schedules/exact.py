@@ -92,9 +92,12 @@ def one_machine_bound(graph: OpGraph, num_ranks: int) -> float:
     """The largest over ranks of the optimal preemptive makespan of the rank's ops alone, with
     heads and tails (Jackson's preemptive schedule): a lower bound on every order's makespan."""
     head, tail = _longest_paths(graph)
+    by_rank: list[list[tuple[float, int]]] = [[] for _ in range(num_ranks)]
+    for i, r in enumerate(graph.rank):
+        by_rank[r].append((head[i], i))
     best = 0.0
-    for r in range(num_ranks):
-        ops = sorted((head[i], i) for i in range(len(graph.ops)) if graph.rank[i] == r)
+    for ops in by_rank:
+        ops.sort()
         ready: list[tuple[float, int, float]] = []  # (-tail, op, time left), most tail first
         t, k = 0.0, 0
         while k < len(ops) or ready:
@@ -124,15 +127,6 @@ def relaxation_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[i
     return one_machine_bound(graph, parallel.pp)
 
 
-def _own_makespan(graph: OpGraph, schedule: Sequence[Sequence[Op]]) -> float:
-    """The makespan of ``schedule``'s own order (``graph`` built from it): every op as early as
-    its inputs and its rank's previous op allow."""
-    preds, succs = graph.with_order(schedule)
-    position = [float(j) for rank_ops in schedule for j in range(len(rank_ops))]
-    times = serial_schedule(graph.dur, graph.rank, preds, succs, position, len(schedule))
-    return max((times[i] + graph.dur[i] for i in range(len(times))), default=0.0)
-
-
 def order_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], costs: Sequence[StageCost], *,
                 cluster: Cluster, parallel: Parallel, time_limit_s: float = 30.0, keep_memory: bool = True,
                 workers: int = 1) -> OrderBound:
@@ -147,22 +141,19 @@ def order_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], 
     graph = OpGraph(schedule, rank_of_stage, costs, cluster, parallel, keep_memory)
     n = len(graph.ops)
     num_ranks = parallel.pp
-    position = [float(j) for rank_ops in schedule for j in range(len(rank_ops))]
-    order_preds, order_succs = graph.with_order(schedule)
-    given_ms = _own_makespan(graph, schedule)
+    given_ms = graph.makespan(graph.order_times())
     relaxation = one_machine_bound(graph, num_ranks)
     if relaxation >= given_ms - 1e-9 * max(1.0, given_ms):  # the order is optimal: nothing to search
         return OrderBound("OPTIMAL", given_ms, given_ms, given_ms, relaxation, tuple(tuple(ops) for ops in schedule),
                           time.perf_counter() - started)
 
+    def in_ticks(edges: list[list[tuple[int, float]]]) -> list[list[tuple[int, int]]]:
+        return [[(a, _ticks_down(lag)) for a, lag in row] for row in edges]
+
     dur = [_ticks_down(d) for d in graph.dur]
-    preds = [[(a, _ticks_down(lag)) for a, lag in edges] for edges in graph.preds]
-    tick_preds = [[(a, _ticks_down(lag)) for a, lag in edges] for edges in order_preds]
-    tick_succs: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    for b, edges in enumerate(tick_preds):
-        for a, lag in edges:
-            tick_succs[a].append((b, lag))
-    hint = [int(t) for t in serial_schedule(dur, graph.rank, tick_preds, tick_succs, position, num_ranks)]
+    preds = in_ticks(graph.preds)
+    # the hint: the given order's times in the integer model, so it is feasible there
+    hint = [int(t) for t in serial_schedule(dur, graph.rank, *map(in_ticks, graph.with_order()), graph.position, num_ranks)]
     horizon = max((hint[i] + dur[i] for i in range(n)), default=0)
 
     model = cp_model.CpModel()
@@ -194,17 +185,18 @@ def order_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], 
     solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
     solver.parameters.num_workers = max(1, workers)
     status = solver.Solve(model)
-    bound_ticks = max(int(math.ceil(solver.BestObjectiveBound() - 1e-9)), max(sum(dur[i] for i in ops) for ops in per_rank))
+    bound_ticks = int(math.ceil(solver.BestObjectiveBound() - 1e-9))
     order = tuple(tuple(ops) for ops in schedule)
     best_ms = given_ms
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) and solver.ObjectiveValue() < horizon:
         found = [solver.Value(start[i]) for i in range(n)]
         out: list[list[tuple[int, float, int]]] = [[] for _ in range(num_ranks)]
         for i in range(n):
-            out[graph.rank[i]].append((found[i], position[i], i))
+            out[graph.rank[i]].append((found[i], graph.position[i], i))
         order = tuple(tuple(graph.ops[i] for _, _, i in sorted(rank_ops)) for rank_ops in out)
         # the found order's real makespan: the integer model rounded every time down
-        best_ms = _own_makespan(OpGraph(order, rank_of_stage, costs, cluster, parallel, keep_memory), order)
+        regraph = OpGraph(order, rank_of_stage, costs, cluster, parallel, keep_memory)
+        best_ms = regraph.makespan(regraph.order_times())
         if best_ms >= given_ms:
             order, best_ms = tuple(tuple(ops) for ops in schedule), given_ms
     lower = min(max(bound_ticks / TICKS_PER_MS, relaxation), best_ms)

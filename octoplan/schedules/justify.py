@@ -48,20 +48,17 @@ def justify(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], cost
     problem = OpGraph(schedule, rank_of_stage, costs, cluster, parallel, keep_memory)
     n = len(problem.ops)
     num_ranks = parallel.pp
-    # the given order's own times: each op after its rank's previous op and its inputs
-    position = [float(j) for rank_ops in schedule for j in range(len(rank_ops))]
-    order_preds, order_succs = problem.with_order(schedule)
-    start = serial_schedule(problem.dur, problem.rank, order_preds, order_succs, position, num_ranks)
-    best_span = max((start[i] + problem.dur[i] for i in range(n)), default=0.0)
+    start = problem.order_times()  # the given order's own times
+    best_span = problem.makespan(start)
     best_start = start
     for _ in range(rounds):
         finish = [start[i] + problem.dur[i] for i in range(n)]
         # right-justify: the mirrored problem (edges reversed), latest finishers first
         mirrored = serial_schedule(problem.dur, problem.rank, problem.succs, problem.preds, [-f for f in finish], num_ranks)
-        span = max((mirrored[i] + problem.dur[i] for i in range(n)), default=0.0)
+        span = problem.makespan(mirrored)
         right = [span - (mirrored[i] + problem.dur[i]) for i in range(n)]
         start = serial_schedule(problem.dur, problem.rank, problem.preds, problem.succs, right, num_ranks)
-        span = max((start[i] + problem.dur[i] for i in range(n)), default=0.0)
+        span = problem.makespan(start)
         if span < best_span - 1e-9:
             best_span, best_start = span, start
         else:

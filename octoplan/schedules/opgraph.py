@@ -32,6 +32,9 @@ class OpGraph:
     def __init__(self, schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], costs: Sequence[StageCost],
                  cluster: Cluster, parallel: Parallel, keep_memory: bool):
         self.ops: list[Op] = [op for rank_ops in schedule for op in rank_ops]
+        self.num_ranks = len(schedule)
+        # each op's place in its rank's list of the order the graph is built from
+        self.position: list[float] = [float(j) for rank_ops in schedule for j in range(len(rank_ops))]
         index = {op: i for i, op in enumerate(self.ops)}
         overhead = cluster.op_overhead_us / 1000.0
         num_stages = len(rank_of_stage)
@@ -82,22 +85,27 @@ class OpGraph:
             for a, lag in preds:
                 self.succs[a].append((b, lag))
 
-    def with_order(self, schedule: Sequence[Sequence[Op]]) -> tuple[list[list[tuple[int, float]]], list[list[tuple[int, float]]]]:
-        """Predecessor and successor edges with ``schedule``'s per-rank order added (each op
-        after its rank's previous op), for the times of that order itself. ``schedule`` must
-        be the one the graph was built from (its ops are indexed rank by rank)."""
+    def with_order(self) -> tuple[list[list[tuple[int, float]]], list[list[tuple[int, float]]]]:
+        """Predecessor and successor edges with the order's own sequence added: each op after
+        its rank's previous op."""
         preds = [list(p) for p in self.preds]
-        index = 0
-        for rank_ops in schedule:
-            for j in range(len(rank_ops)):
-                if j > 0:  # not a rank's first op: it follows the op before it
-                    preds[index].append((index - 1, 0.0))
-                index += 1
+        for i, place in enumerate(self.position):
+            if place > 0:  # not a rank's first op (ops are indexed rank by rank)
+                preds[i].append((i - 1, 0.0))
         succs: list[list[tuple[int, float]]] = [[] for _ in preds]
         for b, edges in enumerate(preds):
             for a, lag in edges:
                 succs[a].append((b, lag))
         return preds, succs
+
+    def order_times(self) -> list[float]:
+        """The start times of the order the graph is built from: every op as early as its
+        inputs and its rank's previous op allow."""
+        preds, succs = self.with_order()
+        return serial_schedule(self.dur, self.rank, preds, succs, self.position, self.num_ranks)
+
+    def makespan(self, start: Sequence[float]) -> float:
+        return max((t + d for t, d in zip(start, self.dur)), default=0.0)
 
 
 def most_in_flight(schedule: Sequence[Sequence[Op]]) -> dict[int, int]:
