@@ -97,7 +97,7 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
         plan = result.plan
         found = order_bound(plan.schedule, [s.rank for s in plan.stages], stage_costs(plan.stages, LayerTable(profile)),
                             cluster=plan.cluster, parallel=plan.parallel, time_limit_s=order_bound_s, keep_memory=False)
-        by = "one-machine relaxation" if found.relaxation_ms >= found.lower_bound_ms - 1e-9 else f"CP-SAT ({found.status})"
+        by = "one-machine relaxation" if found.by_relaxation else f"CP-SAT ({found.status})"
         bound = {"order_bound_ms": found.lower_bound_ms, "order_bound_by": by, "order_bound_status": found.status,
                  # of the order model's own makespan, which leaves out what no order changes (the
                  # data-parallel all-reduce's tail, link contention)

@@ -16,7 +16,7 @@ from octoplan.schedules.opgraph import OpGraph, most_in_flight
 from octoplan.schedules.policy import policy_schedule
 from octoplan.simulator import simulate, simulate_costs
 from tests.conftest import free_cluster, make_profile
-from tests.test_justify import _plan, assert_microbatch_order, heavy_head_zbv_file
+from tests.test_justify import _plan, assert_microbatch_order, heavy_head_zbv, heavy_head_zbv_file
 from tests.test_tuner_policy import layout_of, placements
 
 
@@ -56,8 +56,7 @@ def test_justification_reaches_the_optimum_on_zbv_with_a_heavy_head():
     # cross the 7 stages before (1 + 6 x 2 = 13 ms) while only 8 embedding forwards (8 ms) can
     # run, so no order beats 80 + 13 - 8 = 85, which justification without the in-flight bound
     # reaches. With it, CP-SAT proves justification's 88 optimal as well.
-    profile = make_profile([(1, 1, 0)] + [(2, 2, 1)] * 6 + [(3, 3, 2)], act=10**6)
-    zbv = make_baseline(profile, schedule="zbv", gpus=4, microbatches=8, cluster=free_cluster(4))
+    profile, zbv = heavy_head_zbv()
     costs = stage_costs(zbv.stages, LayerTable(profile))
     ranks = [s.rank for s in zbv.stages]
     kw = dict(cluster=zbv.cluster, parallel=zbv.parallel)
@@ -137,8 +136,7 @@ def test_the_one_machine_relaxation_gives_the_hand_computed_bounds():
     assert one_machine_bound(graph, 4) == 33.0
     # the heavy-head ZB-V: rank 0's head forwards are released at 13, when only 8 ms of its
     # embedding forwards can have run: 85; with the in-flight limits as edges, 88
-    profile = make_profile([(1, 1, 0)] + [(2, 2, 1)] * 6 + [(3, 3, 2)], act=10**6)
-    zbv = make_baseline(profile, schedule="zbv", gpus=4, microbatches=8, cluster=free_cluster(4))
+    profile, zbv = heavy_head_zbv()
     costs = stage_costs(zbv.stages, LayerTable(profile))
     ranks = [s.rank for s in zbv.stages]
     for keep, bound in ((False, 85.0), (True, 88.0)):

@@ -63,14 +63,24 @@ def test_a_tight_order_is_returned_unchanged():
     assert [list(ops) for ops in new] == [list(ops) for ops in base.schedule]
 
 
+def heavy_head_profile():
+    """Like deepseek-v3: a light embedding, six middle layers, a heavy head and short Ws."""
+    return make_profile([(1, 1, 0)] + [(2, 2, 1)] * 6 + [(3, 3, 2)], act=10**6)
+
+
+def heavy_head_zbv():
+    """:func:`heavy_head_profile` and its ZB-V plan on 4 ranks, 8 microbatches, free transfers."""
+    profile = heavy_head_profile()
+    return profile, make_baseline(profile, schedule="zbv", gpus=4, microbatches=8, cluster=free_cluster(4))
+
+
 def test_zbv_with_a_heavy_head_gets_faster():
     # ZB-V's hand-written order assumes equal stages and W as long as F; here (like
     # deepseek-v3) the embedding is light, the head heavy and W short. Rank 0 holds the
     # embedding and the head: 10 ms per microbatch, so no order beats 8 x 10 = 80 ms. ZB-V's
     # order takes 95 ms. Justified with each stage's microbatches in flight kept, 88 ms; free
     # to hold more, 85 ms. The simulator, not the model, is the judge of both.
-    profile = make_profile([(1, 1, 0)] + [(2, 2, 1)] * 6 + [(3, 3, 2)], act=10**6)
-    zbv = make_baseline(profile, schedule="zbv", gpus=4, microbatches=8, cluster=free_cluster(4))
+    profile, zbv = heavy_head_zbv()
     costs = stage_costs(zbv.stages, LayerTable(profile))
     before = simulate(zbv, profile)
     assert before.iteration_ms == 95.0
@@ -120,7 +130,7 @@ def heavy_head_zbv_file(profile_file, tmp_path):
 
     from octoplan.cli import app
 
-    path = profile_file(make_profile([(1, 1, 0)] + [(2, 2, 1)] * 6 + [(3, 3, 2)], act=10**6))
+    path = profile_file(heavy_head_profile())
     free = ["--latency-us", "0", "--intra-node-gbps", "1e12", "--inter-node-gbps", "1e12"]
     zbv = tmp_path / "zbv.yaml"
     made = CliRunner().invoke(app, ["baseline", str(path), "--gpus", "4", "--schedule", "zbv", "--microbatches", "8",

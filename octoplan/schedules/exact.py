@@ -54,6 +54,11 @@ class OrderBound:
     wall_s: float
 
     @property
+    def by_relaxation(self) -> bool:
+        """Whether the one-machine relaxation (rather than CP-SAT's search) proves the bound."""
+        return self.relaxation_ms >= self.lower_bound_ms - 1e-9
+
+    @property
     def gap(self) -> float:
         """The share of the given order's time that a better order could at most save."""
         return max(0.0, 1.0 - self.lower_bound_ms / self.given_ms) if self.given_ms > 0 else 0.0
