@@ -164,7 +164,8 @@ def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSp
     per_thread: dict[str, list] = defaultdict(list)
     for e in events:
         per_thread[e.thread].append(e)
-    # (event, previous op's end on its thread, producer event, its end: when the message was sent)
+    # (event, previous op's end on its thread, producer event, its end: when the message was
+    # sent, the wait for it when the op waited)
     rows = []
     waits: dict[tuple[str, str], list[float]] = defaultdict(list)
     for thread, thread_events in sorted(per_thread.items()):
@@ -173,18 +174,18 @@ def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSp
             producer_op = _producer(plan, e.op, present)
             producer = by_key.get((e.process, producer_op)) if producer_op is not None else None
             ready = producer.start_ms + producer.dur_ms if producer is not None else None
-            rows.append((e, prev_end, producer, ready))
+            transfer = None
             if ready is not None and (prev_end is None or ready > prev_end):
-                waits[(producer.thread, thread)].append(e.start_ms - ready)
+                transfer = e.start_ms - ready
+                waits[(producer.thread, thread)].append(transfer)
+            rows.append((e, prev_end, producer, ready, transfer))
             prev_end = e.start_ms + e.dur_ms
     wait, offsets = _two_way_wait(waits)
 
     ops = []
-    for e, prev_end, producer, ready in rows:
-        gap = transfer = None
-        if ready is not None and (prev_end is None or ready > prev_end):
-            transfer = e.start_ms - ready
-        elif prev_end is not None and (ready is None or ready + (wait or 0.0) <= prev_end):
+    for e, prev_end, producer, ready, transfer in rows:
+        gap = None
+        if transfer is None and prev_end is not None and (ready is None or ready + (wait or 0.0) <= prev_end):
             gap = e.start_ms - prev_end
         stage = plan.stages[e.op.stage]
         ops.append(OpSplit(e.thread, e.op, e.dur_ms - op_ms(costs[e.op.stage], e.op.kind), stage.end - stage.start,
