@@ -4,6 +4,7 @@ and tuning time at 64 and 1024 GPUs.
     .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME] [--split-blocks] [--order-bound S]
     .venv/bin/python benchmarks/bench_tuner.py caps
     .venv/bin/python benchmarks/bench_tuner.py scale --gpus 64 --time-limit 60
+    .venv/bin/python benchmarks/bench_tuner.py spread --only gemma3-27b --perturb 1e-3 --seeds 1 2 3 [--workers 2]
 
 Prints markdown tables (docs/BENCHMARKS.md holds a run's output). Megatron-LM = uniform
 partition, the better of 1F1B and interleaved 1F1B (2 chunks); best baseline = the fastest
@@ -18,6 +19,11 @@ any assignment of whole layers to pp ranks allows (a CP-SAT bin packing): an upp
 efficiency of every plan, whatever its schedule. ``--order-bound S`` bounds, for each tuned plan,
 every op order of its stages and placement (``octoplan bound --unbounded-in-flight``: CP-SAT for
 S seconds and the one-machine relaxation): how much of the gap is the order's.
+
+``spread`` tunes each workload's split-block profile (as the headline suite) and then the same
+profile with every layer time scaled by 1 + REL x N(0, 1) (one seeded draw each), and prices
+every tuned plan on the true profile: how much the search's result depends on where its climbs
+happen to go.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import time
 from dataclasses import dataclass, replace
 
@@ -69,10 +76,10 @@ def _profile_and_cluster(w: Workload, *, split_blocks: bool = False):
 
 
 def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placement", "schedule"), seed: int = 0,
-            split_blocks: bool = False, chunks_max: int = 3, order_bound_s: float = 0.0) -> dict:
+            split_blocks: bool = False, chunks_max: int = 3, order_bound_s: float = 0.0, workers: int = 1) -> dict:
     profile, cluster = _profile_and_cluster(w, split_blocks=split_blocks)
     opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=time_limit, seed=seed,
-                       dimensions=tuple(dimensions), chunks_max=chunks_max)
+                       dimensions=tuple(dimensions), chunks_max=chunks_max, workers=workers)
     start = time.perf_counter()
     result = tune(profile, cluster, opts)
     wall = time.perf_counter() - start
@@ -115,6 +122,34 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
     }
 
 
+def _perturbed(profile, rel: float, seed: int):
+    rng = random.Random(seed)
+    scale = lambda ms: ms * (1 + rel * rng.gauss(0, 1))
+    layers = tuple(replace(layer, forward_ms=scale(layer.forward_ms), backward_input_ms=scale(layer.backward_input_ms),
+                           backward_weight_ms=scale(layer.backward_weight_ms)) for layer in profile.layers)
+    return replace(profile, layers=layers)
+
+
+def spread(args) -> None:
+    print("| workload | workers | tuned on the true profile (ms) | " +
+          " | ".join(f"perturbed, seed {s} (ms)" for s in args.seeds) + " | median | worst / best |")
+    print("|---|---|---|" + "---|" * len(args.seeds) + "---|---|")
+    for w in SUITE:
+        if args.only and w.name not in args.only:
+            continue
+        profile, cluster = _profile_and_cluster(w, split_blocks=True)
+        times = []
+        for seed in [None, *args.seeds]:
+            tuned_on = profile if seed is None else _perturbed(profile, args.perturb, seed)
+            opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=args.time_limit,
+                               workers=args.workers)
+            plan = tune(tuned_on, cluster, opts).plan
+            times.append(simulate(plan, profile).iteration_ms)  # priced on the true profile
+        ordered = sorted(times)
+        print(f"| {w.name} | {args.workers} | " + " | ".join(f"{t:.1f}" for t in times) +
+              f" | {ordered[len(ordered) // 2]:.1f} | {ordered[-1] / ordered[0]:.3f} |", flush=True)
+
+
 def _geo(values):
     values = [v for v in values if v]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
@@ -125,7 +160,7 @@ def suite(args) -> None:
     results = []
     for w in chosen:
         r = run_one(w, time_limit=args.time_limit, seed=args.seed, split_blocks=args.split_blocks, chunks_max=args.chunks_max,
-                    order_bound_s=args.order_bound)
+                    order_bound_s=args.order_bound, workers=args.workers)
         results.append(r)
         print(json.dumps(r), flush=True)
     print()
@@ -234,7 +269,15 @@ def main() -> None:
     p.add_argument("--chunks-max", type=int, default=3, help="the tuner's most stages per rank (octoplan tune --chunks-max)")
     p.add_argument("--order-bound", type=float, default=0.0, metavar="SECONDS",
                    help="also bound every order of each tuned layout (octoplan bound --unbounded-in-flight), CP-SAT this long")
+    p.add_argument("--workers", type=int, default=1, help="processes that climb at once (octoplan tune --workers)")
     p.set_defaults(fn=suite)
+    p = sub.add_parser("spread")
+    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--only", nargs="*")
+    p.add_argument("--perturb", type=float, default=1e-3, metavar="REL", help="relative spread of each layer time")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--workers", type=int, default=1)
+    p.set_defaults(fn=spread)
     p = sub.add_parser("caps")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per workload and granularity")
     p.set_defaults(fn=caps)

@@ -9,7 +9,7 @@ from octoplan.cli import app
 from octoplan.errors import InputError
 from octoplan.plan import check_structure, load_plan, plan_to_dict
 from octoplan.simulator import simulate
-from octoplan.tuner import TuneOptions, configs_for, tune
+from octoplan.tuner import TuneOptions, compare_baselines, configs_for, tune
 from octoplan.yamlio import file_sha256
 from tests.conftest import free_cluster, make_profile
 
@@ -162,3 +162,48 @@ def test_justification_closes_bubbles_the_policy_knobs_leave():
     assert result.scored.iteration_ms == pytest.approx(85.0)
     assert "justified" in result.candidate.origin
     assert simulate(result.plan, profile).iteration_ms == pytest.approx(85.0)
+
+
+def test_a_climb_in_a_worker_process_is_the_climb_in_this_one():
+    # One climb, from Megatron's 1F1B (217.5 ms), handed to a pool of 2 processes: with time
+    # to spare it reaches the same local optimum, move for move, as the same climb (same seed)
+    # run here, and the main process prices what comes back itself.
+    import random
+
+    from octoplan.tuner.pool import Climb, climb_in_parallel
+    from octoplan.tuner.search import _Search
+    from octoplan.tuner.space import Evaluator
+
+    profile, cluster = heavy_head(), free_cluster(4)
+    opts = TuneOptions(gpus=4, pp=4, microbatches=8, time_limit_s=120, seed=7, workers=2)
+    start = next(row.candidate for row in compare_baselines(profile, cluster, opts) if row.name == "1f1b/uniform")
+    here = _Search(Evaluator(profile, cluster), opts, None)
+    here.rng = random.Random(7 * 1_000_003)  # the pool seeds its first climb so
+    local = here.climb(start, deadline=120)
+    assert here.ev.score(local).iteration_ms < 217.5 - 10 and here.accepted_moves
+
+    pooled = _Search(Evaluator(profile, cluster), opts, None)
+    plans = climb_in_parallel(pooled, profile, cluster, opts, [Climb(start, True)], end_s=120)
+    assert pooled.best == local and pooled.best.ranks == local.ranks
+    assert pooled.best_scored == here.ev.score(local)
+    assert pooled.accepted_moves == here.accepted_moves
+    assert plans == pooled.extra_plans > 0
+
+
+def test_workers_tune_to_the_proven_optimum_and_count_their_plans():
+    result = tune(heavy_head(), free_cluster(4), TuneOptions(gpus=4, pp=4, microbatches=8, time_limit_s=120, workers=2))
+    assert result.scored.iteration_ms == pytest.approx(154.5)
+    check_structure(result.plan, num_layers=heavy_head().num_layers)
+    assert result.stats["workers"] == 2 and result.stats["moves_accepted"] > 0
+    # a plan budget is shared by the workers: the search stops near it
+    budget = tune(heavy_head(), free_cluster(4), TuneOptions(gpus=4, pp=4, microbatches=8, time_limit_s=1.0,
+                                                             max_plans=300, seed=5, workers=2))
+    assert budget.stats["evaluations"] <= 300 + 2 * 60  # plus the step each worker's climb was in
+
+
+def test_cli_rejects_zero_workers(profile_file, tmp_path):
+    path = profile_file(heavy_head())
+    result = CliRunner().invoke(app, ["tune", str(path), "--gpus", "4", "--workers", "0", "-o", str(tmp_path / "plan.yaml")])
+    assert result.exit_code == 2
+    assert "--workers" in result.output and "at least 1" in result.output
+    assert not (tmp_path / "plan.yaml").exists()

@@ -66,7 +66,7 @@ def _table(result) -> Table:
 
 
 def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,
-         max_plans=None):
+         max_plans=None, workers=1):
     from rich.live import Live
 
     from octoplan.profile import load_profile
@@ -77,7 +77,7 @@ def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, c
     cluster = cluster_from(gpus, cluster_opts)
     opts = TuneOptions(gpus=gpus, pp=pp, microbatches=microbatches, global_batch=global_batch,
                        time_limit_s=time_limit, seed=seed, chunks_max=chunks_max, use_cpsat=not no_cpsat,
-                       max_plans=max_plans)
+                       max_plans=max_plans, workers=workers)
     with Live(console=console, transient=True, refresh_per_second=4) as live:
         live.update(f"tuning {path} on {gpus} GPUs ...")
 
@@ -99,7 +99,9 @@ _SEED = typer.Option(0, "--seed", help="seed of the search's tie-breaking")
 _CHUNKS = typer.Option(3, "--chunks-max", help="most stages per rank")
 _NOCP = typer.Option(False, "--no-cpsat", help="skip the CP-SAT partition + placement seeds")
 _MAXP = typer.Option(None, "--max-plans", help="stop after simulating this many plans instead of at --time-limit: "
-                                             "the same plan on any machine at any load")
+                                             "the same plan on any machine at any load (with one worker)")
+_WORKERS = typer.Option(1, "--workers", help="processes that hill-climb at once, one per core to spare: the climbs "
+                                            "from several seeds run side by side (the result then depends on timing)")
 
 
 def register(app: typer.Typer) -> None:
@@ -115,14 +117,14 @@ def register(app: typer.Typer) -> None:
         time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
         gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
         inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
-        max_plans: Optional[int] = _MAXP,
+        max_plans: Optional[int] = _MAXP, workers: int = _WORKERS,
     ) -> None:
         """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
         from octoplan.plan import save_plan
 
         result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
-                      max_plans)
+                      max_plans, workers)
         save_plan(result.plan, output)
         console.print(_table(result))
         plan = result.plan
@@ -143,10 +145,10 @@ def register(app: typer.Typer) -> None:
         time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
         gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
         inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
-        max_plans: Optional[int] = _MAXP,
+        max_plans: Optional[int] = _MAXP, workers: int = _WORKERS,
     ) -> None:
         """Tune, and print the tuned plan against every baseline without writing a plan."""
         result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
-                      max_plans)
+                      max_plans, workers)
         console.print(_table(result))

@@ -16,10 +16,12 @@ Steps:
    simulate, read who waits on whom, try the most promising moves first, keep the first one
    that is faster (or, while nothing fits, leaner); at a local optimum, justify its order
    and go on from there if that is faster; until no move helps or time runs out. Time the
-   climbs leave unused goes to climbs from the next-best seeds.
+   climbs leave unused goes to climbs from the next-best seeds. With ``workers`` > 1 the climbs
+   run side by side in that many processes (:mod:`octoplan.tuner.pool`).
 
 Deterministic for a given seed: moves are tried in a fixed order with ties broken by
-``random.Random(seed)``; the clock only decides when to stop.
+``random.Random(seed)``; the clock only decides when to stop (with one worker; with several,
+which climb ends first also depends on the machine).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class TuneOptions:
     baselines: bool = True  # seed with (and report) SPEC section 6's baselines
     max_configs: int = 3  # outer configurations the local search visits, best seeds first
     max_starts: int = 6  # hill climbs, from the best seed of each family
+    # processes that climb at once (:mod:`octoplan.tuner.pool`); they are spawned, so a script
+    # that calls tune() with workers > 1 needs the usual `if __name__ == "__main__":` guard
+    workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -243,7 +248,9 @@ class _Search:
         self.ev = evaluator
         self.opts = opts
         self.progress = progress
-        self.clock = _Clock(opts.time_limit_s, max_plans=opts.max_plans, plans=lambda: evaluator.evaluations)
+        self.extra_plans = 0  # plans simulated by worker processes (:mod:`octoplan.tuner.pool`)
+        self.clock = _Clock(opts.time_limit_s, max_plans=opts.max_plans,
+                            plans=lambda: evaluator.evaluations + self.extra_plans)
         self.rng = random.Random(opts.seed)
         self.best: Candidate | None = None
         self.best_scored: Scored | None = None
@@ -327,6 +334,8 @@ def tune(
         raise InputError(None, "--max-plans", f"is {opts.max_plans}", "give a positive number of plans, or leave it out")
     if opts.chunks_max < 1:
         raise InputError(None, "--chunks-max", f"is {opts.chunks_max}", "allow at least 1 stage per rank")
+    if opts.workers < 1:
+        raise InputError(None, "--workers", f"is {opts.workers}", "use at least 1 process")
     configs = configs_for(profile, opts)
     if cluster.gpus != opts.gpus:
         cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
@@ -378,21 +387,29 @@ def tune(
             families.add(family)
             starts.append(cand)
     starts = starts[:opts.max_starts]
-    for index, start in enumerate(starts):
-        if search.clock.out():
-            break
-        share = (opts.time_limit_s - search.clock.elapsed()) / (len(starts) - index)
-        search.climb(start, deadline=search.clock.elapsed() + share)
-    # Time the climbs left unused (they stopped at local optima): climb from the next-best
-    # seeds, any family, best first, so a converged search keeps looking elsewhere.
-    used = set(starts)
-    for _, _, cand in ranked:
-        if search.clock.elapsed() >= opts.time_limit_s - min(2.0, 0.05 * opts.time_limit_s):
-            break
-        if cand in used or configs_seen.index(cand.config) >= opts.max_configs:
-            continue
-        used.add(cand)
-        search.climb(cand, deadline=opts.time_limit_s - min(2.0, 0.05 * opts.time_limit_s))
+    # Then, in the time the climbs leave unused (they stop at local optima): climbs from the
+    # next-best seeds, any family, best first, so a converged search keeps looking elsewhere.
+    later = [cand for _, _, cand in ranked if configs_seen.index(cand.config) < opts.max_configs]
+    first = set(starts)
+    later = list(dict.fromkeys(cand for cand in later if cand not in first))
+    end_s = opts.time_limit_s - min(2.0, 0.05 * opts.time_limit_s)
+    if opts.workers > 1:
+        from octoplan.tuner.pool import Climb, climb_in_parallel
+
+        climbs = [Climb(cand, True) for cand in starts] + [Climb(cand, False) for cand in later]
+        climb_in_parallel(search, profile, cluster, opts, climbs, end_s=end_s)
+    else:
+        # each of the first climbs gets an equal share of the time left; what a climb leaves
+        # unused passes on
+        for index, start in enumerate(starts):
+            if search.clock.out():
+                break
+            share = (opts.time_limit_s - search.clock.elapsed()) / (len(starts) - index)
+            search.climb(start, deadline=search.clock.elapsed() + share)
+        for cand in later:
+            if search.clock.elapsed() >= end_s:
+                break
+            search.climb(cand, deadline=end_s)
 
     best, best_scored = search.best, search.best_scored
     if best is None or best_scored is None or not best_scored.fits:
@@ -413,7 +430,8 @@ def tune(
         "seed": opts.seed,
         "time_limit_s": opts.time_limit_s,
         "wall_s": round(search.clock.elapsed(), 3),
-        "evaluations": evaluator.evaluations,
+        "evaluations": evaluator.evaluations + search.extra_plans,
+        "workers": opts.workers,
         "configs": len(configs),
         "seeds": len(seeds),
         "seeding_s": round(seeded_s, 3),

@@ -1,0 +1,106 @@
+"""Hill climbs in parallel processes (``octoplan tune --workers N``).
+
+The search's climbs are independent once the seeds are ranked: each starts from its own seed
+and only reads the simulator. With ``workers`` > 1 they run in a pool of processes, each with
+its own :class:`~octoplan.tuner.space.Evaluator`, so N cores climb N seeds at once and a climb
+that needs long (a plan of many stages) is not cut short by the ones queued behind it. The
+main process hands out the climbs in the sequential search's order and with its deadlines,
+scaled to the number of workers, and judges each climb's result with its own simulator, so the
+plan it writes is priced exactly as with one worker.
+
+Processes are started with ``spawn``: OR-Tools and the rich display may hold threads in the
+parent, which ``fork`` would copy half-held. Which climb ends first depends on the machine, so
+with several workers a run is reproducible only up to timing (also under ``--max-plans``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import replace
+from typing import Sequence
+
+from octoplan.plan import Cluster
+from octoplan.profile import Profile
+from octoplan.tuner.space import Candidate, Evaluator
+
+__all__ = ["Climb", "climb_in_parallel"]
+
+# one evaluator per worker process, built once by the pool's initializer
+_worker: dict = {}
+
+
+class Climb:
+    """One climb to hand out: its start, and whether it gets an equal share of the time left
+    (the best seed of each family) or may run to the end (the next-best seeds after them)."""
+
+    __slots__ = ("start", "shared")
+
+    def __init__(self, start: Candidate, shared: bool):
+        self.start = start
+        self.shared = shared
+
+
+def _init_worker(profile: Profile, cluster: Cluster, opts) -> None:
+    _worker["evaluator"] = Evaluator(profile, cluster)
+    _worker["opts"] = opts
+
+
+def _climb(start: Candidate, end_wall: float, plan_budget: int | None, seed: int) -> tuple[Candidate, list[str], int]:
+    """Climb from ``start`` until a local optimum, ``end_wall`` (``time.time()``), or — with a
+    plan budget — that many simulated plans; the candidate reached, the accepted moves, and
+    the plans simulated."""
+    from octoplan.tuner.search import _Clock, _Search  # the search imports this module lazily
+
+    evaluator: Evaluator = _worker["evaluator"]
+    before = evaluator.evaluations
+    budget_s = max(0.0, end_wall - time.time())
+    search = _Search(evaluator, replace(_worker["opts"], time_limit_s=max(budget_s, 1e-6)), None)
+    search.clock = _Clock(max(budget_s, 1e-6), max_plans=plan_budget, plans=lambda: evaluator.evaluations - before)
+    search.rng = random.Random(seed)
+    final = search.climb(start, deadline=search.clock.limit_s)
+    return final, search.accepted_moves, evaluator.evaluations - before
+
+
+def climb_in_parallel(search, profile: Profile, cluster: Cluster, opts, climbs: Sequence[Climb], *,
+                      end_s: float) -> int:
+    """Run ``climbs`` on ``opts.workers`` processes until each has ended or the search's clock
+    reaches ``end_s``; every result is offered to ``search``. Returns the plans the workers
+    simulated. A climb with ``shared`` gets the time left times the workers, divided among the
+    shared climbs not yet started (the sequential search's share, on ``workers`` cores)."""
+    workers = opts.workers
+    queue = list(climbs)
+    shared_left = sum(1 for c in queue if c.shared)
+    simulated = 0
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
+                             initargs=(search.ev.profile, cluster, opts)) as pool:
+        running: dict[Future, Climb] = {}
+        index = 0
+        while queue or running:
+            while queue and len(running) < workers and search.clock.elapsed() < end_s:
+                climb = queue.pop(0)
+                left_s = end_s - search.clock.elapsed()
+                share_s = min(left_s, left_s * workers / shared_left) if climb.shared else left_s
+                shared_left -= climb.shared
+                plan_budget = None
+                if opts.max_plans:  # the share as plans: the search's clock counts plans then
+                    plan_budget = max(1, int(share_s / opts.time_limit_s * opts.max_plans))
+                # the worker's own clock: wall time is comparable across processes, perf_counter need not be
+                end_wall = time.time() + share_s
+                seed = opts.seed * 1_000_003 + index
+                index += 1
+                running[pool.submit(_climb, climb.start, end_wall, plan_budget, seed)] = climb
+            if not running:
+                break
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                running.pop(future)
+                final, moves, plans = future.result()
+                simulated += plans
+                search.extra_plans += plans
+                search.accepted_moves.extend(moves)
+                search.offer(final)
+    return simulated
