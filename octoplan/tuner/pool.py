@@ -20,7 +20,7 @@ import random
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import replace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
@@ -32,15 +32,12 @@ __all__ = ["Climb", "climb_in_parallel"]
 _worker: dict = {}
 
 
-class Climb:
+class Climb(NamedTuple):
     """One climb to hand out: its start, and whether it gets an equal share of the time left
     (the best seed of each family) or may run to the end (the next-best seeds after them)."""
 
-    __slots__ = ("start", "shared")
-
-    def __init__(self, start: Candidate, shared: bool):
-        self.start = start
-        self.shared = shared
+    start: Candidate
+    shared: bool
 
 
 def _init_worker(profile: Profile, cluster: Cluster, opts) -> None:
@@ -70,6 +67,8 @@ def climb_in_parallel(search, profile: Profile, cluster: Cluster, opts, climbs: 
     reaches ``end_s``; every result is offered to ``search``. Returns the plans the workers
     simulated. A climb with ``shared`` gets the time left times the workers, divided among the
     shared climbs not yet started (the sequential search's share, on ``workers`` cores)."""
+    if not climbs or search.clock.elapsed() >= end_s:
+        return 0  # no time left to start the processes in
     workers = opts.workers
     queue = list(climbs)
     shared_left = sum(1 for c in queue if c.shared)
