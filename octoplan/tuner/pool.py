@@ -64,42 +64,54 @@ def _climb(start: Candidate, end_wall: float, plan_budget: int | None, seed: int
 def climb_in_parallel(search, profile: Profile, cluster: Cluster, opts, climbs: Sequence[Climb], *,
                       end_s: float) -> int:
     """Run ``climbs`` on ``opts.workers`` processes until each has ended or the search's clock
-    reaches ``end_s``; every result is offered to ``search``. Returns the plans the workers
-    simulated. A climb with ``shared`` gets the time left times the workers, divided among the
-    shared climbs not yet started (the sequential search's share, on ``workers`` cores)."""
+    reaches ``end_s``; every result is offered to ``search``, and the plans the workers simulated
+    are added to ``search.extra_plans``. Returns how many climbs ran.
+
+    A climb gets a share of what is left, as in the sequential search. In seconds: the time
+    left times the workers (they run side by side), divided among the ``shared`` climbs not yet
+    started; a later climb may run to the end. In plans (``--max-plans``), which all workers
+    draw from: what is left and not yet promised to a running climb (whose plans reach the
+    clock only when it ends), divided among the shared climbs not yet started, or for a later
+    climb among the free workers."""
     if not climbs or search.clock.elapsed() >= end_s:
         return 0  # no time left to start the processes in
     workers = opts.workers
     queue = list(climbs)
     shared_left = sum(1 for c in queue if c.shared)
-    simulated = 0
+    end_plans = end_s / opts.time_limit_s * opts.max_plans if opts.max_plans else None
+    started = 0
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
-                             initargs=(search.ev.profile, cluster, opts)) as pool:
-        running: dict[Future, Climb] = {}
-        index = 0
+                             initargs=(profile, cluster, opts)) as pool:
+        running: dict[Future, int | None] = {}  # each running climb's plan budget
         while queue or running:
-            while queue and len(running) < workers and search.clock.elapsed() < end_s:
-                climb = queue.pop(0)
-                left_s = end_s - search.clock.elapsed()
-                share_s = min(left_s, left_s * workers / shared_left) if climb.shared else left_s
-                shared_left -= climb.shared
+            while queue and len(running) < workers:
                 plan_budget = None
-                if opts.max_plans:  # the share as plans: the search's clock counts plans then
-                    plan_budget = max(1, int(share_s / opts.time_limit_s * opts.max_plans))
-                # the worker's own clock: wall time is comparable across processes, perf_counter need not be
+                if end_plans is None:
+                    left_s = end_s - search.clock.elapsed()
+                    if left_s <= 0:
+                        break
+                    share_s = min(left_s, left_s * workers / shared_left) if queue[0].shared else left_s
+                else:
+                    unpromised = end_plans - search.clock.plans() - sum(b for b in running.values() if b)
+                    plan_budget = int(unpromised / (shared_left if queue[0].shared else workers - len(running)))
+                    if plan_budget < 1:
+                        break
+                    share_s = opts.time_limit_s  # the plan budget stops the climb, not the clock
+                climb = queue.pop(0)
+                shared_left -= climb.shared
+                # the worker's deadline as wall-clock time, which every process reads alike
                 end_wall = time.time() + share_s
-                seed = opts.seed * 1_000_003 + index
-                index += 1
-                running[pool.submit(_climb, climb.start, end_wall, plan_budget, seed)] = climb
+                seed = opts.seed * 1_000_003 + started
+                started += 1
+                running[pool.submit(_climb, climb.start, end_wall, plan_budget, seed)] = plan_budget
             if not running:
                 break
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in done:
                 running.pop(future)
                 final, moves, plans = future.result()
-                simulated += plans
                 search.extra_plans += plans
                 search.accepted_moves.extend(moves)
                 search.offer(final)
-    return simulated
+    return started

@@ -263,7 +263,7 @@ class _Search:
             log.info("best %.4f ms (fits=%s, bubble %.3f) from %s [%s]", scored.iteration_ms, scored.fits,
                      scored.bubble_ratio, cand.origin, cand.config.label())
             if self.progress:
-                self.progress(scored, self.ev.evaluations, self.clock.elapsed())
+                self.progress(scored, self.clock.plans(), self.clock.elapsed())
         return scored
 
     def climb(self, start: Candidate, *, deadline: float) -> Candidate:
@@ -397,8 +397,9 @@ def tune(
         from octoplan.tuner.pool import Climb, climb_in_parallel
 
         climbs = [Climb(cand, True) for cand in starts] + [Climb(cand, False) for cand in later]
-        climb_in_parallel(search, profile, cluster, opts, climbs, end_s=end_s)
+        climbed = climb_in_parallel(search, evaluator.profile, cluster, opts, climbs, end_s=end_s)
     else:
+        climbed = 0
         # each of the first climbs gets an equal share of the time left; what a climb leaves
         # unused passes on
         for index, start in enumerate(starts):
@@ -406,10 +407,12 @@ def tune(
                 break
             share = (opts.time_limit_s - search.clock.elapsed()) / (len(starts) - index)
             search.climb(start, deadline=search.clock.elapsed() + share)
+            climbed += 1
         for cand in later:
             if search.clock.elapsed() >= end_s:
                 break
             search.climb(cand, deadline=end_s)
+            climbed += 1
 
     best, best_scored = search.best, search.best_scored
     if best is None or best_scored is None or not best_scored.fits:
@@ -430,8 +433,11 @@ def tune(
         "seed": opts.seed,
         "time_limit_s": opts.time_limit_s,
         "wall_s": round(search.clock.elapsed(), 3),
+        # with workers, a plan simulated in two processes (each has its own cache) counts twice
         "evaluations": evaluator.evaluations + search.extra_plans,
         "workers": opts.workers,
+        "plans_in_workers": search.extra_plans,
+        "climbs": climbed,
         "configs": len(configs),
         "seeds": len(seeds),
         "seeding_s": round(seeded_s, 3),
