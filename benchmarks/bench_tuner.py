@@ -243,7 +243,7 @@ def caps(args) -> None:
 def scale(args) -> None:
     profile = analytic_profile(args.arch, args.gpu, tp=args.tp)
     cluster = Cluster(gpus=args.gpus, gpus_per_node=8, memory_gb=profile.device["memory_gb"])
-    opts = TuneOptions(gpus=args.gpus, time_limit_s=args.time_limit, seed=args.seed)
+    opts = TuneOptions(gpus=args.gpus, time_limit_s=args.time_limit, seed=args.seed, workers=args.workers)
     start = time.perf_counter()
     result = tune(profile, cluster, opts)
     wall = time.perf_counter() - start
@@ -253,7 +253,7 @@ def scale(args) -> None:
         "efficiency": result.scored.efficiency, "best_baseline": best.name if best else None,
         "best_baseline_config": best.config.label() if best else None,
         "best_baseline_ms": best.scored.iteration_ms if best else None, "wall_s": round(wall, 1),
-        "evaluations": result.stats["evaluations"], "configs": result.stats["configs"],
+        "evaluations": result.stats["evaluations"], "configs": result.stats["configs"], "workers": args.workers,
     }))
 
 
@@ -288,6 +288,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1, help="processes that climb at once (octoplan tune --workers)")
     p.set_defaults(fn=scale)
     args = parser.parse_args()
     args.fn(args)
