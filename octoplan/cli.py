@@ -249,6 +249,12 @@ def show(
         out.print(timeline.render_comparison(rows, title=f"predicted vs measured ({measured})"))
 
 
+def _keeps(before, after) -> bool:
+    """Whether a reordered plan simulated as ``after`` replaces the one simulated as ``before``:
+    faster, and within memory unless the original was not either."""
+    return after.iteration_ms < before.iteration_ms and (after.fits_memory or not before.fits_memory)
+
+
 def _save_with_prediction(plan: Plan, result, output: Path) -> None:
     """Write ``plan`` with its ``predicted`` figures set to the simulated ``result``."""
     from dataclasses import replace
@@ -281,7 +287,7 @@ def justify(
                              parallel=plan.parallel, keep_memory=not unbounded)
     candidate = plan.with_schedule(order)
     after = run_simulation(candidate, prof)
-    better = after.iteration_ms < before.iteration_ms and (after.fits_memory or not before.fits_memory)
+    better = _keeps(before, after)
     chosen, result = (candidate, after) if better else (plan, before)
     _save_with_prediction(chosen, result, output)
     table = Table(title=f"{plan_path} -> {output}")
@@ -335,7 +341,7 @@ def bound(
     candidate = plan.with_schedule(result.order)
     after = run_simulation(candidate, prof) if result.best_ms < result.given_ms else before
     if output is not None:
-        better = after.iteration_ms < before.iteration_ms and (after.fits_memory or not before.fits_memory)
+        better = _keeps(before, after)
         _save_with_prediction(candidate if better else plan, after if better else before, output)
     if json_out:
         typer.echo(dump_json({

@@ -16,7 +16,6 @@ with several workers a run is reproducible only up to timing (also under ``--max
 from __future__ import annotations
 
 import multiprocessing
-import random
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import replace
@@ -53,11 +52,9 @@ def _climb(start: Candidate, end_wall: float, plan_budget: int | None, seed: int
 
     evaluator: Evaluator = _worker["evaluator"]
     before = evaluator.evaluations
-    budget_s = max(0.0, end_wall - time.time())
-    search = _Search(evaluator, replace(_worker["opts"], time_limit_s=max(budget_s, 1e-6)), None)
-    search.clock = _Clock(max(budget_s, 1e-6), max_plans=plan_budget, plans=lambda: evaluator.evaluations - before)
-    search.rng = random.Random(seed)
-    final = search.climb(start, deadline=search.clock.limit_s)
+    clock = _Clock(max(end_wall - time.time(), 1e-6), max_plans=plan_budget, plans=lambda: evaluator.evaluations - before)
+    search = _Search(evaluator, replace(_worker["opts"], seed=seed), None, clock=clock)
+    final = search.climb(start, deadline=clock.limit_s)
     return final, search.accepted_moves, evaluator.evaluations - before
 
 

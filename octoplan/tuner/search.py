@@ -244,13 +244,14 @@ class _Clock:
 
 
 class _Search:
-    def __init__(self, evaluator: Evaluator, opts: TuneOptions, progress: ProgressFn | None):
+    def __init__(self, evaluator: Evaluator, opts: TuneOptions, progress: ProgressFn | None, *,
+                 clock: _Clock | None = None):
         self.ev = evaluator
         self.opts = opts
         self.progress = progress
         self.extra_plans = 0  # plans simulated by worker processes (:mod:`octoplan.tuner.pool`)
-        self.clock = _Clock(opts.time_limit_s, max_plans=opts.max_plans,
-                            plans=lambda: evaluator.evaluations + self.extra_plans)
+        self.clock = clock or _Clock(opts.time_limit_s, max_plans=opts.max_plans,
+                                     plans=lambda: evaluator.evaluations + self.extra_plans)
         self.rng = random.Random(opts.seed)
         self.best: Candidate | None = None
         self.best_scored: Scored | None = None
@@ -389,9 +390,9 @@ def tune(
     starts = starts[:opts.max_starts]
     # Then, in the time the climbs leave unused (they stop at local optima): climbs from the
     # next-best seeds, any family, best first, so a converged search keeps looking elsewhere.
-    later = [cand for _, _, cand in ranked if configs_seen.index(cand.config) < opts.max_configs]
     first = set(starts)
-    later = list(dict.fromkeys(cand for cand in later if cand not in first))
+    later = list(dict.fromkeys(cand for _, _, cand in ranked
+                               if cand not in first and configs_seen.index(cand.config) < opts.max_configs))
     end_s = opts.time_limit_s - min(2.0, 0.05 * opts.time_limit_s)
     if opts.workers > 1:
         from octoplan.tuner.pool import Climb, climb_in_parallel
