@@ -184,6 +184,10 @@ def order_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], 
             model.Add(makespan >= start[i] + dur[i])
     for i in range(n):
         model.AddHint(start[i], hint[i])
+    # the objective's variable too: a hint that leaves it out is incomplete, and on plans of
+    # thousands of ops CP-SAT then spends its whole time limit failing to complete it
+    # (status UNKNOWN, no order) where a complete hint is its first solution within seconds
+    model.AddHint(makespan, horizon)
     model.Minimize(makespan)
 
     solver = cp_model.CpSolver()
