@@ -212,6 +212,20 @@ def solve_partition(
                 model.add_hint(seen[l, r], held)
         for l, crossing in crossings.items():
             model.add_hint(crossing, rank_class[owner[l - 1]] != rank_class[owner[l]])
+        # the objective's own variables as well: without them the hint is incomplete, and
+        # CP-SAT may spend its whole limit trying to complete it
+        load = [sum(total[l] for l in range(L) if owner[l] == r) for r in range(P)]
+        worst = max(load)
+        if problem.intra_ticks:  # z also covers each cut's transfer, as the model states it
+            for l in range(1, L):
+                if owner[l] != owner[l - 1]:
+                    xfer = problem.intra_ticks[l - 1]
+                    if l in crossings and rank_class[owner[l - 1]] != rank_class[owner[l]]:
+                        xfer = problem.inter_ticks[l - 1]
+                    worst = max(worst, xfer)
+        model.add_hint(z, worst)
+        for zk, costs in zip(kind_max, kinds):
+            model.add_hint(zk, max(sum(costs[l] for l in range(L) if owner[l] == r) for r in range(P)))
 
     def solve(fix_hint: bool) -> tuple[cp_model.CpSolver, int, float]:
         solver = cp_model.CpSolver()
