@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from octoplan.errors import InputError
-from octoplan.plan import Cluster, Parallel, Plan, Stage, check_structure
+from octoplan.plan import MAX_MICROBATCHES, Cluster, Parallel, Plan, Stage, check_structure
 from octoplan.partition import partition
 from octoplan.profile import Profile
 from octoplan.schedules import SCHEDULES, get_schedule
@@ -44,8 +44,8 @@ def make_baseline(
     pp, dp = split_gpus(gpus, pp)
     if chunks < 1:
         raise InputError(None, "--chunks", f"is {chunks}", "use 1 or more chunks")
-    if microbatches < 1:
-        raise InputError(None, "--microbatches", f"is {microbatches}", "use at least 1")
+    if not 1 <= microbatches <= MAX_MICROBATCHES:
+        raise InputError(None, "--microbatches", f"is {microbatches}", f"use 1 to {MAX_MICROBATCHES}")
     need = spec.min_microbatches(pp)
     if microbatches < need:
         raise InputError(None, "--microbatches", f"{microbatches} is too few: {spec.why_min}", f"use at least {need}")

@@ -131,6 +131,11 @@ def _check_matches(plan: Plan, events: list, file: str) -> None:
     if len({e.lane for e in events}) < 2:
         raise InputError(file, "traceEvents", "holds the ops of one pipeline rank only",
                          "calibrate from a trace of every rank (octorun --trace writes them all)")
+    missing = scheduled - {e.op for e in events}
+    if missing:  # e.g. the trace of a smaller plan, whose ops are all among this plan's
+        example = min(missing, key=lambda op: (op.stage, op.mb, op.kind.value))
+        raise InputError(file, "traceEvents", f"holds {len(scheduled) - len(missing)} of the plan's {len(scheduled)} ops "
+                         f"(op {example} is missing)", "calibrate with the plan the trace was measured with")
 
 
 def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSplit:

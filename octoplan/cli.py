@@ -72,6 +72,12 @@ def profile(
             gpus.add_row(name, text)
         console.print(gpus)
         return
+    if arch is not None and model is not None:
+        raise InputError(None, "--arch", f"given with the model file {model}", "profile either a model file or --arch NAME")
+    if arch is not None and config:
+        raise InputError(None, "--config", "applies to model files, not to --arch", "drop --config, or profile a model file")
+    if microbatch_size is not None and microbatch_size < 1:
+        raise InputError(None, "--microbatch-size", f"is {microbatch_size}", "use 1 or more samples per microbatch")
     if arch is not None:
         from octoplan.arch import analytic_profile
 
@@ -216,7 +222,10 @@ def validate(plan_path: Path = typer.Argument(..., metavar="PLAN")) -> None:
         load_plan_profile(plan, plan_path)
     check_runnable(plan, file=str(plan_path))
     num_ops = sum(len(ops) for ops in plan.schedule)
-    console.print(f"{plan_path}: valid ({plan.num_stages} stages on {plan.pp} ranks, {plan.microbatches} microbatches, {num_ops} ops)")
+    # without a profile nothing says how many layers the model has, so the last stage's end is unchecked
+    unchecked = "" if plan.profile else "; no profile field, so whether the stages cover every layer is not checked"
+    console.print(f"{plan_path}: valid ({plan.num_stages} stages on {plan.pp} ranks, {plan.microbatches} microbatches, "
+                  f"{num_ops} ops{unchecked})")
 
 
 @app.command()
@@ -232,6 +241,9 @@ def show(
     from octoplan.simulator import simulate as run_simulation
     from octoplan import timeline
     from octoplan.validate import check_runnable
+
+    if width is not None and not 40 <= width <= 2000:
+        raise InputError(None, "--width", f"is {width}", "use 40 to 2000 columns")
 
     plan, prof = _load_plan_with_profile(plan_path)
     check_runnable(plan, file=str(plan_path))
@@ -439,7 +451,8 @@ def main() -> None:
     except typer.Abort:
         raise SystemExit(130) from None
     except UsageProblem as exc:
-        typer.echo(f"error: {exc.format_message()} (see octoplan --help)", err=True)
+        message = exc.format_message() or "no command given"  # click shows the help then, with no message
+        typer.echo(f"error: {message} (see octoplan --help)", err=True)
         raise SystemExit(2) from None
 
 

@@ -83,7 +83,12 @@ class ModelFile:
         try:
             return fn(*args, **kwargs)
         except TypeError as exc:
-            raise InputError(self.path, name, f"call failed: {exc}", "check the config keys the model accepts") from None
+            # most often a config key the model does not take, or a value of the wrong type
+            given = ", ".join(f"{key}={value!r}" for key, value in self.config.items()) or "no config"
+            if len(given) > 120:
+                given = given[:117] + "..."
+            raise InputError(self.path, name, f"call failed with {given}: {exc}",
+                             "check the config's keys and value types (--config, or the plan's model.config)") from None
 
 
 def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0) -> ModelFile:

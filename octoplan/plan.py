@@ -20,6 +20,7 @@ from octoplan.yamlio import Fields, file_sha256, read_yaml, write_yaml
 
 __all__ = [
     "PLAN_FORMAT",
+    "MAX_MICROBATCHES",
     "Cluster",
     "Parallel",
     "Stage",
@@ -35,6 +36,10 @@ __all__ = [
 
 PLAN_FORMAT = "octoplan-plan/1"
 RANK_ORDERS = ("pp-inner", "dp-inner")
+# The most microbatches per pipeline the planner accepts: far above what real jobs use (the
+# bubble is gone long before), and a plan this size still simulates in seconds, where one of
+# 10**5 microbatches would keep the tuner busy for minutes past its --time-limit.
+MAX_MICROBATCHES = 4096
 
 
 @dataclass(frozen=True)
@@ -319,9 +324,13 @@ def resolve_profile_path(plan: Plan, plan_path: str | Path) -> Path | None:
 
 def load_plan_profile(plan: Plan, plan_path: str | Path) -> Profile:
     """The profile a plan was made from, checked against the plan's hash and layer count."""
+    if not plan.profile:
+        raise InputError(str(plan_path), "profile", "is missing", "add the path of the profile the plan was made from")
     path = resolve_profile_path(plan, plan_path)
     if path is None:
         raise InputError(str(plan_path), "profile", f"profile {plan.profile!r} not found", "restore it or re-plan")
+    if path.is_dir():
+        raise InputError(str(plan_path), "profile", f"{plan.profile!r} is a folder", "give the profile file's path")
     if plan.profile_sha256 and file_sha256(path) != plan.profile_sha256:
         raise InputError(
             str(plan_path), "profile_sha256", f"does not match {path} (the profile changed since planning)",

@@ -24,6 +24,9 @@ __all__ = [
     "profile_to_dict",
     "profile_from_dict",
     "DTYPE_BYTES",
+    "MAX_LAYER_MS",
+    "MAX_LAYER_BYTES",
+    "check_layer_limits",
 ]
 
 PROFILE_FORMAT = "octoplan-profile/1"
@@ -88,20 +91,39 @@ class Profile:
         return replace(self, layers=tuple(layers))
 
 
+# Ceilings far above any real layer (a day per microbatch, a petabyte), below where sums over
+# thousands of ops and microbatches, or CP-SAT's 64-bit integer ticks, would overflow.
+MAX_LAYER_MS = 86_400_000.0
+MAX_LAYER_BYTES = 10**15
+
+
 def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
     f = Fields(entry, file=file, prefix=f"layers[{index}]")
     flops = f.number("flops", None)
     return Layer(
         name=f.str("name"),
         kind=f.str("kind", "layer"),
-        forward_ms=f.number("forward_ms"),
-        backward_input_ms=f.number("backward_input_ms"),
-        backward_weight_ms=f.number("backward_weight_ms"),
-        param_bytes=f.int("param_bytes"),
-        activation_bytes=f.int("activation_bytes"),
-        output_bytes=f.int("output_bytes"),
+        forward_ms=f.number("forward_ms", maximum=MAX_LAYER_MS),
+        backward_input_ms=f.number("backward_input_ms", maximum=MAX_LAYER_MS),
+        backward_weight_ms=f.number("backward_weight_ms", maximum=MAX_LAYER_MS),
+        param_bytes=f.int("param_bytes", maximum=MAX_LAYER_BYTES),
+        activation_bytes=f.int("activation_bytes", maximum=MAX_LAYER_BYTES),
+        output_bytes=f.int("output_bytes", maximum=MAX_LAYER_BYTES),
         flops=flops,
     )
+
+
+def check_layer_limits(layers: tuple[Layer, ...] | list[Layer], *, file: str | None, cause: str, fix: str) -> None:
+    """Raise :class:`InputError` when a layer made here (not read from a file, which
+    :func:`load_profile` checks field by field) exceeds the profile limits: ``cause`` names
+    what made it so large, ``fix`` says what to change."""
+    for i, layer in enumerate(layers):
+        for name, limit in (("forward_ms", MAX_LAYER_MS), ("backward_input_ms", MAX_LAYER_MS),
+                            ("backward_weight_ms", MAX_LAYER_MS), ("param_bytes", MAX_LAYER_BYTES),
+                            ("activation_bytes", MAX_LAYER_BYTES), ("output_bytes", MAX_LAYER_BYTES)):
+            value = getattr(layer, name)
+            if not value <= limit:  # also catches NaN
+                raise InputError(file, cause, f"set layer {i} ({layer.name}) {name} to {value:.3g}, above the limit {limit:.3g}", fix)
 
 
 def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profile:

@@ -108,7 +108,7 @@ class Fields:
             raise self._error(key, f"must be text, got {value!r}", "quote it")
         return value
 
-    def number(self, key: str, default: Any = ..., *, minimum: float = 0.0) -> float:
+    def number(self, key: str, default: Any = ..., *, minimum: float = 0.0, maximum: float = math.inf) -> float:
         value = self.raw(key, default)
         if value is None:
             return value
@@ -118,9 +118,11 @@ class Fields:
             raise self._error(key, f"must be a finite number, got {value!r}", "write a number")
         if value < minimum:
             raise self._error(key, f"must be >= {minimum:g}, got {value!r}", f"use a value >= {minimum:g}")
+        if value > maximum:
+            raise self._error(key, f"must be <= {maximum:g}, got {value!r}", f"use a value <= {maximum:g}")
         return float(value)
 
-    def int(self, key: str, default: Any = ..., *, minimum: int = 0) -> int:
+    def int(self, key: str, default: Any = ..., *, minimum: int = 0, maximum: int | None = None) -> int:
         value = self.raw(key, default)
         if value is None:
             return value
@@ -131,6 +133,9 @@ class Fields:
                 raise self._error(key, f"must be a whole number, got {value!r}", "write an integer")
         if value < minimum:
             raise self._error(key, f"must be >= {minimum}, got {value}", f"use a value >= {minimum}")
+        if maximum is not None and value > maximum:
+            got = f"{value:.3g}" if value < 10**300 else f"a {len(str(value))}-digit number"
+            raise self._error(key, f"must be <= {maximum:.3g}, got {got}", f"use a value <= {maximum:.3g}")
         return value
 
     def mapping(self, key: str, default: Any = ...) -> "Fields":

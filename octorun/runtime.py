@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from octoplan.costs import LayerTable
 from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.ops import Kind, Op
@@ -123,6 +124,8 @@ def prepare(config: RunConfig) -> Prepared:
     for flag, path in (("--metrics", config.metrics_path), ("--trace", config.trace_path)):
         if path and Path(path).is_dir():
             raise InputError(path, None, f"{flag} names a folder", "give a file path")
+    if config.replay_time_scale is not None and not (math.isfinite(config.replay_time_scale) and config.replay_time_scale >= 0):
+        raise InputError(None, "--replay", f"is {config.replay_time_scale}", "give a finite time scale >= 0")
     plan = load_plan(config.plan_path)
     microbatch_size = _microbatch_size(plan, config.plan_path)
     check_runnable(plan, file=config.plan_path)
@@ -134,8 +137,27 @@ def prepare(config: RunConfig) -> Prepared:
     if plan.stages[-1].end != num_layers:
         raise InputError(config.plan_path, "stages", f"cover {plan.stages[-1].end} layers but {model.path} has {num_layers}",
                          "re-plan from a profile of this model file")
+    for flag, path in (("--metrics", config.metrics_path), ("--trace", config.trace_path)):
+        if path:  # last: a file is created only once everything else is known to be good
+            _check_writable(path, flag)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan))
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """Fail before training, not after it, when an output file cannot be written. Only global
+    rank 0 writes, and only it tries to open the file (which creates it, empty); the other
+    processes check the folder, so they fail the same way without racing over the file."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("RANK", "0") == "0":
+            with open(target, "a"):
+                pass
+        elif not os.access(target.parent, os.W_OK):
+            raise PermissionError(13, "Permission denied", str(target.parent))
+    except OSError as exc:
+        raise InputError(path, None, f"{flag} cannot be written: {exc.strerror or exc}", "give a writable file path") from None
 
 
 def _microbatch_size(plan: Plan, plan_path: str) -> int:
@@ -152,12 +174,18 @@ def _replay_model(plan: Plan, config: RunConfig) -> ModelFile:
     so CPU processes emulate the plan's GPUs — for plans of models too large to run here."""
     from octorun import replay
 
-    if config.replay_time_scale < 0:
-        raise InputError(None, "--replay", f"is {config.replay_time_scale}", "give a time scale >= 0")
     profile_path = resolve_profile_path(plan, config.plan_path)
     if profile_path is None:
         raise InputError(config.plan_path, "profile", f"profile {plan.profile!r} not found", "--replay needs the plan's profile")
-    load_plan_profile(plan, config.plan_path)  # the hash and layer count must still match
+    profile = load_plan_profile(plan, config.plan_path)  # the hash and layer count must still match
+    # a replayed op sleeps its profiled time x scale; one longer than --timeout would trip the
+    # watchdog of every process waiting on it, blaming a wait instead of the scale
+    table = LayerTable(profile)
+    longest_s = max(max(cost.forward_ms, cost.backward_input_ms, cost.backward_weight_ms)
+                    for cost in (table.stage(s.start, s.end) for s in plan.stages)) * config.replay_time_scale / 1000
+    if longest_s >= config.timeout_s:
+        raise InputError(None, "--replay", f"{config.replay_time_scale:g} makes the longest op sleep {longest_s:.3g} s, "
+                         f"not under --timeout {config.timeout_s:g} s", "use a smaller scale or a longer --timeout")
     return load_model_file(replay.__file__, {"profile": str(profile_path), "time_scale": config.replay_time_scale}, seed=config.seed)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -51,6 +52,9 @@ PROFILE_BREAKS = [
     (lambda d: d["layers"][0].update(param_bytes="lots"), "layers[0].param_bytes", "must be a whole number"),
     (lambda d: d["layers"][1].update(kind="embedding"), "layers[1].kind", "reserved for the first layer"),
     (lambda d: d.update(layers=[]), "layers", "is empty"),
+    # finite but absurd: sums over ops would overflow to inf, CP-SAT's integer ticks past 64 bits
+    (lambda d: d["layers"][1].update(forward_ms=1e308), "layers[1].forward_ms", "must be <= 8.64e+07"),
+    (lambda d: d["layers"][0].update(param_bytes=10**400), "layers[0].param_bytes", "got a 401-digit number"),
 ]
 
 
@@ -131,6 +135,7 @@ def test_missing_and_malformed_files(tmp_path):
     (["--schedule", "2f2b"], "--schedule"),
     (["--partition", "random"], "--partition"),
     (["--latency-us", "-1"], "--latency-us"),
+    (["--microbatches", "100000"], "--microbatches"),  # would take minutes: refused, not run
 ])
 def test_bad_baseline_options_exit_2_naming_the_option(profile_file, tmp_path, args, field):
     profile = make_profile([(1, 1, 1)] * 8)
@@ -174,3 +179,65 @@ def test_an_unknown_dtype_is_refused_not_guessed(tmp_path):
     with pytest.raises(InputError) as info:
         load_profile(path)
     assert info.value.field == "dtype" and "bf16" in info.value.fix
+
+
+@pytest.mark.parametrize("args,field", [
+    (["profile", "--arch", "llama3-8b", "--seq-len", "1000000000000"], "--seq-len"),
+    (["profile", "--arch", "llama3-8b", "--microbatch-size", "100000000000000000"], "--microbatch-size"),
+    (["profile", "--arch", "llama3-8b", "--config", "hidden=5"], "--config"),
+    (["profile", "examples/models/tiny_gpt.py", "--arch", "llama3-8b"], "--arch"),
+    (["profile", "examples/models/tiny_gpt.py", "--microbatch-size", "0"], "--microbatch-size"),
+])
+def test_profile_options_that_conflict_or_overflow_exit_2(tmp_path, args, field):
+    # each used to be ignored (exit 0, another profile written) or crash a later command
+    root = Path(__file__).resolve().parents[1]
+    run = _octoplan(*args, "-o", tmp_path / "x.yaml", cwd=root)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and field in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "x.yaml").exists()
+
+
+def test_tune_refuses_more_microbatches_than_it_can_plan_in_time(tmp_path, profile_file):
+    ppath = profile_file(make_profile([(1, 1, 1)] * 8))
+    for args, field in ((["--microbatches", "5000"], "--microbatches: is 5000 (use 1 to 4096)"),
+                        (["--global-batch", "100000"], "--global-batch: 100000 samples make")):
+        run = _octoplan("tune", ppath, "--gpus", 2, *args, "--time-limit", 1, "-o", tmp_path / "t.yaml")
+        assert run.returncode == 2 and field in run.stderr and run.stderr.count("\n") == 1, run.stderr
+    assert not (tmp_path / "t.yaml").exists()
+
+
+def test_show_refuses_widths_it_cannot_draw(baseline_files):
+    _, path = baseline_files
+    for width in (0, -5, 39, 100_000_000):
+        run = _octoplan("show", path, "--width", width)
+        assert run.returncode == 2 and "--width" in run.stderr and run.stderr.count("\n") == 1, run.stderr
+    assert _octoplan("show", path, "--width", 40).returncode == 0
+
+
+def test_a_plan_without_a_usable_profile_field_names_the_plan_and_the_field(baseline_files):
+    _, path = baseline_files
+    data = yaml.safe_load(path.read_text())
+    data.pop("profile")
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    run = _octoplan("simulate", path)
+    assert run.returncode == 2 and f"{path}: profile: is missing" in run.stderr, run.stderr
+    # validate still checks what it can, and says what it could not
+    run = _octoplan("validate", path)
+    assert run.returncode == 0 and "not checked" in run.stdout
+    data["profile"] = str(path.parent)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    for command in ("simulate", "validate"):
+        run = _octoplan(command, path)
+        assert run.returncode == 2 and f"{path}: profile: " in run.stderr and "is a folder" in run.stderr, run.stderr
+
+
+def test_no_command_says_so(tmp_path):
+    run = _octoplan()
+    assert run.returncode == 2 and run.stderr == "error: no command given (see octoplan --help)\n"
+
+
+def test_a_model_call_that_fails_names_the_config_it_was_given(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    run = _octoplan("profile", "examples/models/tiny_gpt.py", "--config", "hidden=abc", "--repeat", 1,
+                    "-o", tmp_path / "x.yaml", cwd=root)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "num_layers: call failed with" in run.stderr and "hidden='abc'" in run.stderr

@@ -11,8 +11,9 @@ import pytest
 import runtime_helpers as h
 from octoplan.baseline import make_baseline
 from octoplan.calibrate import calibrate
+from octoplan.errors import InputError
 from octoplan.plan import Cluster, save_plan
-from octorun.runtime import RunConfig
+from octorun.runtime import RunConfig, prepare
 
 from conftest import make_profile
 
@@ -59,15 +60,18 @@ def test_replay_of_a_profile_without_model_file_matches_the_prediction(tmp_path,
     assert 0.0 <= cal.op_overhead_ms < 10.0
 
 
-def test_replay_without_the_profile_is_bad_input(tmp_path, profile_file):
-    from octoplan.errors import InputError
-    from octorun.runtime import prepare
-
-    profile = make_profile([(1, 1, 1)] * 2)
+def _saved_plan(tmp_path, profile_file, *, layers: int, schedule: str, gpus: int, microbatches: int):
+    """A plan of ``layers`` layers of F = I = W = 1 ms, saved with its profile: (plan path, profile path)."""
+    profile = make_profile([(1, 1, 1)] * layers)
     ppath = profile_file(profile)
-    plan = make_baseline(profile, schedule="gpipe", gpus=1, microbatches=1, profile_path=ppath)
+    plan = make_baseline(profile, schedule=schedule, gpus=gpus, microbatches=microbatches, profile_path=ppath)
     path = tmp_path / "plan.yaml"
     save_plan(plan, path)
+    return path, ppath
+
+
+def test_replay_without_the_profile_is_bad_input(tmp_path, profile_file):
+    path, ppath = _saved_plan(tmp_path, profile_file, layers=2, schedule="gpipe", gpus=1, microbatches=1)
     with pytest.raises(InputError, match="an analytic plan has no model to train"):
         prepare(RunConfig(plan_path=str(path)))
     ppath.unlink()
@@ -81,19 +85,43 @@ def test_replay_without_the_profile_is_bad_input(tmp_path, profile_file):
     ({"lr": -1.0}, "--lr"),
     ({"lr": float("nan")}, "--lr"),
     ({"seed": 10**20}, "--seed"),
+    ({"replay_time_scale": float("nan")}, "--replay"),
+    ({"replay_time_scale": float("inf")}, "--replay"),
+    ({"replay_time_scale": -1.0}, "--replay"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(tmp_path, override, flag):
-    from octoplan.errors import InputError
-    from octorun.runtime import prepare
-
     with pytest.raises(InputError) as info:
         prepare(RunConfig(plan_path=str(tmp_path / "missing.yaml"), **override))
     assert info.value.field == flag
 
 
 def test_a_metrics_path_that_is_a_folder_is_refused(tmp_path):
-    from octoplan.errors import InputError
-    from octorun.runtime import prepare
-
     with pytest.raises(InputError, match="--metrics names a folder"):
         prepare(RunConfig(plan_path=str(tmp_path / "missing.yaml"), metrics_path=str(tmp_path)))
+
+
+def test_output_paths_that_cannot_be_written_are_refused_before_training(tmp_path, profile_file):
+    # a file under a plain file's name cannot be created: found before anything runs, not
+    # after the training steps (which used to end in exit 1 with a wrong activity named)
+    path, _ = _saved_plan(tmp_path, profile_file, layers=2, schedule="1f1b", gpus=2, microbatches=2)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for flag, field in (("--metrics", "metrics_path"), ("--trace", "trace_path")):
+        with pytest.raises(InputError, match=f"{flag} cannot be written"):
+            prepare(RunConfig(plan_path=str(path), replay_time_scale=0.0, **{field: str(blocker / "m.jsonl")}))
+    # bad input elsewhere leaves no file behind; a good run makes a missing folder, as octoplan's -o does
+    out = tmp_path / "new" / "deeper" / "m.jsonl"
+    with pytest.raises(InputError, match="no such plan file"):
+        prepare(RunConfig(plan_path=str(tmp_path / "missing.yaml"), metrics_path=str(out)))
+    assert not out.parent.exists()
+    prepare(RunConfig(plan_path=str(path), replay_time_scale=0.0, metrics_path=str(out)))
+    assert out.is_file()
+
+
+def test_a_replay_scale_whose_ops_outlast_the_timeout_is_refused(tmp_path, profile_file):
+    # stages of F 2 ms (layers of 1 ms): at scale 2500 an op sleeps 5 s, not under a 5 s
+    # --timeout, which would trip the watchdog of the rank waiting on it
+    path, _ = _saved_plan(tmp_path, profile_file, layers=4, schedule="1f1b", gpus=2, microbatches=2)
+    with pytest.raises(InputError, match="makes the longest op sleep 5 s, not under --timeout 5 s"):
+        prepare(RunConfig(plan_path=str(path), replay_time_scale=2500.0, timeout_s=5.0))
+    assert prepare(RunConfig(plan_path=str(path), replay_time_scale=2400.0, timeout_s=5.0)).plan.pp == 2

@@ -22,7 +22,7 @@ from octoplan.arch.costmodel import ASSUMPTIONS, CostModel, LayerCost
 from octoplan.arch.gpus import GPUS, GpuSpec
 from octoplan.arch.layers import Shape, block_cost, embedding_cost, head_cost, output_bytes
 from octoplan.errors import InputError
-from octoplan.profile import Layer, ModelRef, Profile
+from octoplan.profile import Layer, ModelRef, Profile, check_layer_limits
 
 __all__ = ["list_architectures", "list_gpus", "analytic_profile", "MAX_TP"]
 
@@ -142,6 +142,8 @@ def analytic_profile(
             costs.append((block.name, block.kind, block_cost(spec, block, model, shape=shape), out))
     costs.append(("head", "head", head_cost(spec, model, shape=shape), 4))  # the fp32 loss
     layers = tuple(_layer(name, kind, cost, out) for name, kind, cost, out in costs)
+    check_layer_limits(layers, file=None, cause="--seq-len / --microbatch-size",
+                       fix=f"use a smaller --seq-len (default {spec.default_seq_len}) or --microbatch-size")
     log.info("analytic profile of %s on %s (tp=%d): %d layers", arch, gpu, tp, len(layers))
 
     config: dict[str, Any] = {"seq_len": seq, "tp": tp, "hidden_size": spec.hidden, "vocab_size": spec.vocab}

@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Sequence
 
 from octoplan.errors import InputError
 from octoplan.partition import balanced_partition, partition
-from octoplan.plan import Cluster, Plan, check_structure
+from octoplan.plan import MAX_MICROBATCHES, Cluster, Plan, check_structure
 from octoplan.profile import Profile
 from octoplan.schedules import SCHEDULES, get_schedule, loop_placement, v_placement
 from octoplan.schedules.policy import default_policies
@@ -119,11 +119,12 @@ def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
     if opts.global_batch is not None and opts.microbatches is not None:
         raise InputError(None, "--global-batch", "and --microbatches are both given", "give one of them")
     out = []
+    too_many = 0  # the most microbatches per pipeline of a config left out for having too many
     for pp in pps:
         dp = gpus // pp
         if opts.microbatches is not None:
-            if opts.microbatches < 1:
-                raise InputError(None, "--microbatches", f"is {opts.microbatches}", "use at least 1")
+            if not 1 <= opts.microbatches <= MAX_MICROBATCHES:
+                raise InputError(None, "--microbatches", f"is {opts.microbatches}", f"use 1 to {MAX_MICROBATCHES}")
             num_mb = opts.microbatches
         else:
             batch = opts.global_batch if opts.global_batch is not None else DEFAULT_MICROBATCHES_PER_PP * gpus * mbs
@@ -132,8 +133,14 @@ def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
             if batch % (dp * mbs):
                 continue
             num_mb = batch // (dp * mbs)
+            if num_mb > MAX_MICROBATCHES:
+                too_many = max(too_many, num_mb)
+                continue
         for order in (("pp-inner", "dp-inner") if dp > 1 else ("pp-inner",)):
             out.append(Config(pp, dp, num_mb, order))
+    if not out and too_many:
+        raise InputError(None, "--global-batch", f"{opts.global_batch} samples make {too_many} microbatches per pipeline, "
+                         f"more than {MAX_MICROBATCHES}", "profile a larger --microbatch-size or give a smaller --global-batch")
     if not out:
         raise InputError(
             None, "--global-batch",
