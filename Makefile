@@ -8,7 +8,10 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch; a bare `torch` requirement could pull a multi-GB CUDA build.
+	# torch pinned first, so the editable install below does not resolve a newer one. The pin
+	# gets the CPU build where pip's configuration offers it (as on the development machine);
+	# elsewhere on Linux, PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu keeps it from
+	# pulling the multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)

@@ -325,7 +325,7 @@ def bound(
                                    help="bound every order, whatever its memory (default: orders that hold no more "
                                         "microbatches in flight per stage than PLAN)"),
     output: Optional[Path] = typer.Option(None, "-o", "--output",
-                                          help="write the best order found, if the simulator finds it faster and it fits memory"),
+                                          help="write the best order found if the simulator finds it faster and it fits memory (or PLAN does not fit either), else PLAN unchanged"),
     workers: int = typer.Option(1, "--workers", help="CP-SAT search workers (more search faster; results may then vary)"),
     json_out: bool = typer.Option(False, "--json", help="print the figures as one JSON object"),
 ) -> None:

@@ -31,7 +31,7 @@ from octoplan.simulator import SimResult
 from octoplan.tuner.arrange import start_aware
 from octoplan.tuner.space import Candidate
 
-__all__ = ["DIMENSIONS", "neighbours", "Heat", "heat_of"]
+__all__ = ["DIMENSIONS", "neighbours", "shifts_off_hot_ranks", "Heat", "heat_of"]
 
 DIMENSIONS = ("partition", "placement", "schedule")
 
@@ -311,6 +311,16 @@ def _reorder_moves(cand: Candidate, result: SimResult, breadth: int) -> list[tup
             new[q].insert(first_w, new[q].pop(j))
             emit(bubble.duration_ms * 0.9, new, f"rank {q}: {need} ahead of {j - first_w} Ws")
     return out
+
+
+def shifts_off_hot_ranks(cand: Candidate, result: SimResult, *, limit: int) -> list[Candidate]:
+    """The ``limit`` boundary shifts that move a layer from a hotter rank to a cooler one, the
+    largest difference in heat first: the moves worth following with a justification, which
+    costs a pass over every op (a shift alone often lands in an order that no longer fits it)."""
+    heat = heat_of(result)
+    moves = [(gain, moved) for gain, moved in _boundary_moves(cand, heat, memory_first=not result.fits_memory) if gain > 0]
+    moves.sort(key=lambda item: -item[0])  # stable: ties keep the boundaries' order
+    return [moved for _, moved in moves[:limit]]
 
 
 def neighbours(

@@ -42,7 +42,7 @@ from octoplan.schedules import SCHEDULES, get_schedule, loop_placement, v_placem
 from octoplan.schedules.policy import default_policies
 from octoplan.simulator import DeadlockError
 from octoplan.tuner.arrange import start_aware
-from octoplan.tuner.moves import DIMENSIONS, neighbours
+from octoplan.tuner.moves import DIMENSIONS, neighbours, shifts_off_hot_ranks
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored, bounds_of
 from octoplan.yamlio import file_sha256
 
@@ -51,6 +51,7 @@ __all__ = ["TuneOptions", "BaselineRow", "TuneResult", "configs_for", "tune", "c
 log = logging.getLogger("octoplan.tuner")
 
 DEFAULT_MICROBATCHES_PER_PP = 2  # without --global-batch or --microbatches: 2 per pipeline rank, as `baseline`
+COMPOUND_SHIFTS = 6  # at a climb's local optimum, the boundary shifts tried with a justification each
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,10 @@ class _Search:
                 # bubbles at once. Only then: it fixes the order, and the policy knobs that a
                 # policy-scheduled candidate still has to tune no longer apply to it.
                 moves = itertools.chain(moves, self._justified_later(current))
+                if "partition" in self.opts.dimensions:
+                    # then a layer moved off a hot rank, and the order justified around it: a
+                    # compound move that a shift alone, judged in its old order, misses
+                    moves = itertools.chain(moves, self._shifted_and_justified_later(current, result))
             for moved in moves:
                 if self.clock.elapsed() >= deadline:
                     break
@@ -312,6 +317,10 @@ class _Search:
     def _justified_later(self, cand: Candidate) -> Iterator[Candidate]:
         # a generator: the pass over every op is paid only if the climb gets this far
         yield from self._justified(cand)
+
+    def _shifted_and_justified_later(self, cand: Candidate, result) -> Iterator[Candidate]:
+        for shifted in shifts_off_hot_ranks(cand, result, limit=COMPOUND_SHIFTS):
+            yield from self._justified(shifted)
 
     def _justified(self, cand: Candidate) -> list[Candidate]:
         try:
