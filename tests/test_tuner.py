@@ -211,3 +211,54 @@ def test_cli_rejects_zero_workers(profile_file, tmp_path):
     assert result.exit_code == 2
     assert "--workers" in result.output and "at least 1" in result.output
     assert not (tmp_path / "plan.yaml").exists()
+
+
+def _compound_case():
+    """ZB-V on 4 ranks, 4 microbatches, 9 uneven layers, its partition jittered: a climb whose
+    plain moves stop at 100 ms (found by a seeded random search over small cases)."""
+    from octoplan.baseline import make_baseline
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+
+    layers = [(4, 2, 2), (2, 4, 1), (1, 3, 2), (4, 3, 3), (3, 4, 2), (4, 4, 3), (2, 2, 1), (2, 2, 1), (3, 1, 2)]
+    profile, cluster = make_profile(layers), free_cluster(4)
+    zbv = make_baseline(profile, schedule="zbv", gpus=4, microbatches=4, cluster=cluster)
+    start = Candidate(Config(4, 1, 4), (0, 1, 2, 3, 4, 6, 7, 8, 9), tuple(s.rank for s in zbv.stages), None,
+                      tuple(tuple(ops) for ops in zbv.schedule), "jittered zbv", "jittered zbv")
+    return Evaluator(profile, cluster), start
+
+
+def test_a_layer_shifted_with_its_order_justified_gets_past_a_local_optimum(monkeypatch):
+    # Plain moves (a boundary shift in the old order, reorders, the whole order justified)
+    # stop at 100 ms. A shift followed by a justification, tried at that local optimum, goes
+    # on to 87 ms; without it (COMPOUND_SHIFTS = 0) the same climb ends at 100.
+    import octoplan.tuner.search as search
+
+    ends = {}
+    for shifts in (0, search.COMPOUND_SHIFTS):
+        monkeypatch.setattr(search, "COMPOUND_SHIFTS", shifts)
+        evaluator, start = _compound_case()
+        climber = search._Search(evaluator, TuneOptions(gpus=4, pp=4, microbatches=4, time_limit_s=600,
+                                                        dimensions=("partition", "schedule")), None)
+        end = climber.climb(start, deadline=600)
+        ends[shifts] = (evaluator.score(end).iteration_ms, climber.accepted_moves)
+    assert ends[0][0] == 100.0
+    assert ends[search.COMPOUND_SHIFTS][0] == 87.0
+    assert any(move.startswith("shift boundary") and move.endswith("justified") for move in ends[search.COMPOUND_SHIFTS][1])
+
+
+def test_the_shifts_worth_justifying_move_a_layer_off_a_hotter_rank():
+    from octoplan.tuner.moves import heat_of, shifts_off_hot_ranks
+
+    evaluator, start = _compound_case()
+    result = evaluator.timeline(start)
+    heat = heat_of(result)
+    # every stage but stage 4 (layers 4 and 5) holds one layer, so only stage 4 can give one:
+    # to stage 3, on the same rank (the V's turn), which changes no rank's load, or to stage 5
+    # on a cooler rank, the one move worth a justification
+    shifts = shifts_off_hot_ranks(start, result, limit=5)
+    assert [moved.origin for moved in shifts] == ["shift boundary 5 by -1"]
+    moved = shifts[0]
+    assert moved.bounds == (0, 1, 2, 3, 4, 5, 7, 8, 9) and moved.ranks == start.ranks and moved.fixed == start.fixed
+    giver, taker = start.ranks[4], start.ranks[5]
+    assert start.ranks[3] == giver and heat.heat(giver) > heat.heat(taker)
+    assert shifts_off_hot_ranks(start, result, limit=0) == []
