@@ -262,4 +262,3 @@ def test_the_shifts_worth_justifying_move_a_layer_off_a_hotter_rank():
     giver, taker = start.ranks[4], start.ranks[5]
     assert start.ranks[3] == giver and heat.heat(giver) > heat.heat(taker)
     assert shifts_off_hot_ranks(start, result, limit=0) == []
-
