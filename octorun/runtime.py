@@ -152,8 +152,7 @@ def _check_writable(path: str, flag: str) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         if os.environ.get("RANK", "0") == "0":
-            with open(target, "a"):
-                pass
+            target.touch()  # creates it, or keeps what is there
         elif not os.access(target.parent, os.W_OK):
             raise PermissionError(13, "Permission denied", str(target.parent))
     except OSError as exc:

@@ -40,7 +40,7 @@ from octoplan.plan import MAX_MICROBATCHES, Cluster, Plan, check_structure
 from octoplan.profile import Profile
 from octoplan.schedules import SCHEDULES, get_schedule, loop_placement, v_placement
 from octoplan.schedules.policy import default_policies
-from octoplan.simulator import DeadlockError
+from octoplan.simulator import DeadlockError, SimResult
 from octoplan.tuner.arrange import start_aware
 from octoplan.tuner.moves import DIMENSIONS, neighbours, shifts_off_hot_ranks
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored, bounds_of
@@ -318,7 +318,7 @@ class _Search:
         # a generator: the pass over every op is paid only if the climb gets this far
         yield from self._justified(cand)
 
-    def _shifted_and_justified_later(self, cand: Candidate, result) -> Iterator[Candidate]:
+    def _shifted_and_justified_later(self, cand: Candidate, result: SimResult) -> Iterator[Candidate]:
         for shifted in shifts_off_hot_ranks(cand, result, limit=COMPOUND_SHIFTS):
             yield from self._justified(shifted)
 
