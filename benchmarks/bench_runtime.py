@@ -398,7 +398,8 @@ def _op_ms(profile: Profile, plan: Plan) -> dict[str, float]:
             f = sum(layer.forward_ms for layer in layers)
             i = sum(layer.backward_input_ms for layer in layers)
             w = sum(layer.backward_weight_ms for layer in layers)
-            ms = {Kind.F: f, Kind.I: i, Kind.W: w, Kind.B: i + w}[op.kind]
+            b = sum(layer.fused_backward_ms for layer in layers)
+            ms = {Kind.F: f, Kind.I: i, Kind.W: w, Kind.B: b}[op.kind]
             if not (op.kind is Kind.I and op.stage == 0):
                 times.append(ms)
     return {"min_op_ms": round(min(times), 2), "max_op_ms": round(max(times), 2)}

@@ -9,12 +9,19 @@
 #
 # What it checks:
 #   1. the profiler with CUDA events: every example model's per-layer F+I+W against its
-#      whole-model step (benchmarks/bench_profiler.py), and each model's profile written;
-#   2. the profiler's CUDA test (tests/test_profiler.py -k cuda);
+#      whole-model step (benchmarks/bench_profiler.py), at the examples' own sizes and, on a GPU,
+#      at GPU-sized layers (--size large);
+#   2. the profiler's tests on this machine (its CUDA test runs only where there is CUDA);
 #   3. octorun on the GPU: one process, the nccl backend, a 1-rank plan of each example model's
-#      measured profile, 3 steps, its ops timed with CUDA events in the metrics and the trace.
-# Not checked here: octorun's multi-process NCCL path. NCCL refuses two ranks on one GPU, so
-# that needs a machine with two or more.
+#      measured profile (both sizes on a GPU), 3 steps, its ops timed with CUDA events in the
+#      metrics and the trace;
+#   4. octorun's multi-process path: 2 and 4 processes on the one GPU (each told LOCAL_RANK=0),
+#      pipelines of 1F1B, interleaved 1F1B and ZB-V, a tuple-passing model and dp 2, each run's
+#      losses against the 1-rank run of step 3. NCCL refuses two ranks on one GPU (2.28.9 on the
+#      H200, 2026-11-30: "invalid usage" at the first send, and every rank of octorun exited 1
+#      naming op 0F0): the step records that, and the path needs a machine with two or more GPUs.
+#      On the CPU the same runs use gloo.
+# STEPS="1 3" runs only those steps; SIZES="small" skips the GPU-sized models.
 set -euo pipefail
 DEVICE="${DEVICE:-cuda}"
 PY="${PY:-python3}"
@@ -22,26 +29,68 @@ OUT="${OUT:-out/gpu-check}"
 mkdir -p "$OUT"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export COLUMNS=200 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ROUNDS="${ROUNDS:-3}"
+if [ "$DEVICE" = cuda ]; then SIZES="${SIZES:-small large}"; else SIZES="${SIZES:-small}"; fi
+STEPS="${STEPS:-1 2 3 4}"  # which of the steps below to run
+step() { [[ " $STEPS " == *" $1 "* ]]; }
 
 echo "== device"
 "$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 
-echo "== 1. profiler accuracy on $DEVICE (sum of layers against the whole model)"
-"$PY" benchmarks/bench_profiler.py --device "$DEVICE" --rounds "$ROUNDS" | tee "$OUT/profiler.md"
+step 1 && for size in $SIZES; do
+    echo "== 1. profiler accuracy on $DEVICE, $size layers (sum of layers against the whole model)"
+    "$PY" benchmarks/bench_profiler.py --device "$DEVICE" --rounds "$ROUNDS" --size "$size" | tee -a "$OUT/profiler.md"
+done
 
-if [ "${PYTEST:-1}" != 0 ]; then
+if step 2 && [ "${PYTEST:-1}" != 0 ]; then
     echo "== 2. the profiler's own tests on this machine"
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_profiler.py 2>&1 | tail -3 | tee "$OUT/pytest-profiler.txt"
+    { "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_profiler.py 2>&1 || true; } | tail -25 | tee "$OUT/pytest-profiler.txt"
 fi
 
-echo "== 3. profile each example model on $DEVICE, then train 3 steps of a 1-rank plan of it with octorun"
-for model in tiny_gpt vlm hybrid; do
-    "$PY" -m octoplan.cli profile "examples/models/$model.py" --device "$DEVICE" --repeat 5 -o "$WORK/$model.yaml" | tail -1
-    "$PY" -m octoplan.cli baseline "$WORK/$model.yaml" --gpus 1 --schedule 1f1b --microbatches 4 -o "$WORK/$model-plan.yaml" | tail -1
-    "$PY" -m octorun "$WORK/$model-plan.yaml" --steps 3 --metrics "$WORK/$model.metrics.jsonl" --trace "$WORK/$model.trace.json" \
-        --timeout 120 | tee "$WORK/$model.octorun.txt"
+step 3 && echo "== 3. profile each example model on $DEVICE, then train 3 steps of 1-rank plans of it with octorun:
+   1F1B (fused backwards, B) and ZB-H1 (split backwards, I and W)"
+step 3 && for size in $SIZES; do
+    for model in tiny_gpt vlm hybrid; do
+        name=$model; config=()
+        if [ "$size" = large ]; then name=$model-large; read -ra config <<<"$("$PY" benchmarks/bench_profiler.py --config-args "$model")"; fi
+        "$PY" -m octoplan.cli profile "examples/models/$model.py" "${config[@]}" --device "$DEVICE" --repeat 5 -o "$WORK/$name.yaml" | tail -1
+        for schedule in 1f1b zb-h1; do
+            run=$name; [ "$schedule" = 1f1b ] || run=$name-$schedule
+            "$PY" -m octoplan.cli baseline "$WORK/$name.yaml" --gpus 1 --schedule $schedule --microbatches 4 -o "$WORK/$run-plan.yaml" | tail -1
+            "$PY" -m octorun "$WORK/$run-plan.yaml" --steps 3 --metrics "$WORK/$run.metrics.jsonl" --trace "$WORK/$run.trace.json" \
+                --timeout 120 | tee "$WORK/$run.octorun.txt"
+        done
+    done
 done
+
+step 4 && echo "== 4. several processes on one $DEVICE: pipelines of 2 and 4 ranks, losses against the 1-rank run"
+if [ "$DEVICE" = cuda ]; then LAUNCH=(env LOCAL_RANK=0); BACKEND=nccl; else LAUNCH=(); BACKEND=gloo; fi
+if step 4; then
+multi() {  # multi NAME MODEL PROCESSES MICROBATCHES baseline-options...; losses compared when dp is 1
+    local name=$1 model=$2 procs=$3 mbs=$4; shift 4
+    "$PY" -m octoplan.cli baseline "$WORK/$model.yaml" --gpus "$procs" --microbatches "$mbs" "$@" -o "$WORK/$name-plan.yaml" | tail -1
+    if timeout 180 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$procs" --no-python "${LAUNCH[@]}" \
+        "$PY" -m octorun "$WORK/$name-plan.yaml" --steps 3 --backend "$BACKEND" --timeout 60 \
+        --metrics "$WORK/$name.metrics.jsonl" --trace "$WORK/$name.trace.json" >"$WORK/$name.octorun.txt" 2>&1; then
+        "$PY" - "$WORK/$model.metrics.jsonl" "$WORK/$name.metrics.jsonl" "$name" "$mbs" <<'PY'
+import json, sys
+one, many = ([json.loads(line) for line in open(path)] for path in sys.argv[1:3])
+same_batches = sys.argv[4] == "4"  # step 3's 1-rank plan draws microbatches 0..3 of replica 0
+diff = f"largest difference from 1 rank {max(abs(a['loss'] - b['loss']) for a, b in zip(one, many)):.2e}" if same_batches else "dp 2"
+print(f"{sys.argv[3]}: ok, losses {[round(s['loss'], 6) for s in many]}, {diff}, "
+      f"iteration {many[-1]['iteration_ms']:.2f} ms (predicted {many[-1].get('predicted_iteration_ms', 0):.2f})")
+PY
+    else
+        echo "$name: FAILED (exit $?), the last lines:"; tail -5 "$WORK/$name.octorun.txt"
+    fi
+}
+multi tiny_gpt-1f1b-pp2 tiny_gpt 2 4 --schedule 1f1b
+multi tiny_gpt-interleaved-pp2 tiny_gpt 2 4 --schedule interleaved-1f1b
+multi tiny_gpt-zbv-pp2 tiny_gpt 2 4 --schedule zbv
+multi vlm-1f1b-pp2 vlm 2 4 --schedule 1f1b
+multi hybrid-zbv-pp4 hybrid 4 4 --schedule zbv
+multi tiny_gpt-1f1b-pp2-dp2 tiny_gpt 4 2 --schedule 1f1b --pp 2
+fi
 tar -czf "$OUT/models.tar.gz" -C "$WORK" .
 echo "== done: $OUT (profiler.md, models.tar.gz: each model's profile, plan, metrics and trace)"

@@ -125,21 +125,24 @@ def profile(
 
 def _print_profile(result: Profile, out: Path) -> None:
     table = Table(title=f"{result.model.name} on {result.device.get('name', '?')} -> {out}")
-    for column in ("#", "layer", "kind", "F ms", "I ms", "W ms", "params MB", "act MB", "out MB"):
+    for column in ("#", "layer", "kind", "F ms", "I ms", "W ms", "B ms", "params MB", "act MB", "out MB"):
         table.add_column(column, justify="right" if column not in ("layer", "kind") else "left")
     rows = list(enumerate(result.layers))
     if len(rows) > 24:
         rows = rows[:10] + [(-1, None)] + rows[-10:]
     for i, layer in rows:
         if layer is None:
-            table.add_row("…", "…", "", "", "", "", "", "", "")
+            table.add_row("…", "…", "", "", "", "", "", "", "", "")
             continue
         table.add_row(str(i), layer.name, layer.kind, f"{layer.forward_ms:.3f}", f"{layer.backward_input_ms:.3f}",
-                      f"{layer.backward_weight_ms:.3f}", f"{layer.param_bytes / 1e6:.2f}",
+                      f"{layer.backward_weight_ms:.3f}", f"{layer.fused_backward_ms:.3f}", f"{layer.param_bytes / 1e6:.2f}",
                       f"{layer.activation_bytes / 1e6:.2f}", f"{layer.output_bytes / 1e6:.2f}")
     console.print(table)
     total = sum(layer.total_ms for layer in result.layers)
-    console.print(f"{result.num_layers} layers, F+I+W = {total:.3f} ms per microbatch of {result.microbatch_size}")
+    split = sum(layer.backward_input_ms + layer.backward_weight_ms for layer in result.layers)
+    fused = sum(layer.fused_backward_ms for layer in result.layers)
+    ratio = f"; fused backward B = {fused / split:.2f} x (I + W)" if split > 0 and fused != split else ""
+    console.print(f"{result.num_layers} layers, F+I+W = {total:.3f} ms per microbatch of {result.microbatch_size}{ratio}")
 
 
 @app.command()

@@ -39,10 +39,14 @@ class StageCost:
     param_bytes: int
     activation_bytes: int
     output_bytes: int  # sent forward; the gradient sent back has the same size
+    fused_backward_ms: float | None = None  # a B op's time where the profile measured it
 
     @property
     def backward_ms(self) -> float:
-        return self.backward_input_ms + self.backward_weight_ms
+        """A B op's time: the measured fused backward, else I + W (SPEC section 2)."""
+        if self.fused_backward_ms is None:
+            return self.backward_input_ms + self.backward_weight_ms
+        return self.fused_backward_ms
 
     @property
     def total_ms(self) -> float:
@@ -58,6 +62,9 @@ class LayerTable:
         self._f = [0.0, *accumulate(layer.forward_ms for layer in layers)]
         self._i = [0.0, *accumulate(layer.backward_input_ms for layer in layers)]
         self._w = [0.0, *accumulate(layer.backward_weight_ms for layer in layers)]
+        # Layers without a measured fused backward count I + W in it.
+        self._b = ([0.0, *accumulate(layer.fused_backward_ms for layer in layers)]
+                   if any(layer.backward_ms is not None for layer in layers) else None)
         self._param = [0, *accumulate(layer.param_bytes for layer in layers)]
         self._act = [0, *accumulate(layer.activation_bytes for layer in layers)]
         self.output_bytes = [layer.output_bytes for layer in layers]
@@ -71,6 +78,7 @@ class LayerTable:
             param_bytes=self._param[end] - self._param[start],
             activation_bytes=self._act[end] - self._act[start],
             output_bytes=self.output_bytes[end - 1],
+            fused_backward_ms=None if self._b is None else self._b[end] - self._b[start],
         )
 
     def total_ms(self, start: int = 0, end: int | None = None) -> float:
@@ -83,14 +91,14 @@ def stage_costs(stages: Sequence[Stage], table: LayerTable) -> list[StageCost]:
 
 
 def op_ms(cost: StageCost, kind: Kind) -> float:
-    """The duration of one op of a stage: F, I, W, or B = I + W (SPEC section 2)."""
+    """The duration of one op of a stage: F, I, W, or B (I + W unless measured fused; SPEC section 2)."""
     if kind is Kind.F:
         return cost.forward_ms
     if kind is Kind.I:
         return cost.backward_input_ms
     if kind is Kind.W:
         return cost.backward_weight_ms
-    return cost.backward_input_ms + cost.backward_weight_ms
+    return cost.backward_ms
 
 
 def link_gbps(cluster: Cluster, global_a: int, global_b: int) -> float:

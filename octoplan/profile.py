@@ -48,10 +48,19 @@ class Layer:
     activation_bytes: int
     output_bytes: int
     flops: float | None = None
+    # The fused backward (I and W in one autograd pass), when measured. A split backward pays
+    # its per-op overhead twice and, on a GPU, launch-bound layers pay it per kernel: on an H200
+    # a fused backward of the hybrid example's scan layers took 58% of I + W. None: B = I + W.
+    backward_ms: float | None = None
 
     @property
     def total_ms(self) -> float:
         return self.forward_ms + self.backward_input_ms + self.backward_weight_ms
+
+    @property
+    def fused_backward_ms(self) -> float:
+        """What a B op of this layer costs (SPEC section 2)."""
+        return self.backward_input_ms + self.backward_weight_ms if self.backward_ms is None else self.backward_ms
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,7 @@ def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
         activation_bytes=f.int("activation_bytes", maximum=MAX_LAYER_BYTES),
         output_bytes=f.int("output_bytes", maximum=MAX_LAYER_BYTES),
         flops=flops,
+        backward_ms=f.number("backward_ms", None, maximum=MAX_LAYER_MS),
     )
 
 
@@ -181,6 +191,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         }
         if layer.flops is not None:
             entry["flops"] = float(f"{layer.flops:.6g}")
+        if layer.backward_ms is not None:
+            entry["backward_ms"] = round(layer.backward_ms, 6)
         layers.append(entry)
     out: dict[str, Any] = {
         "format": PROFILE_FORMAT,

@@ -8,7 +8,8 @@ Per layer the profiler measures, as medians over ``repeat`` runs after ``warmup`
   ``loss_fn``);
 - ``backward_input_ms``: :func:`backward_input`, the gradient w.r.t. the layer's floating inputs
   (0 when it has none, e.g. token ids);
-- ``backward_weight_ms``: :func:`backward_weight`, the gradient w.r.t. the layer's parameters.
+- ``backward_weight_ms``: :func:`backward_weight`, the gradient w.r.t. the layer's parameters;
+- ``backward_ms``: both in one ``torch.autograd.grad`` pass, which is what a B op runs.
 
 Why a split backward instead of two plain ``torch.autograd.grad`` calls: ``grad(out, params)``
 after ``grad(out, input)`` walks the layer's graph again down to its first parameter, so inside a
@@ -407,6 +408,11 @@ class _LayerRun:
     def backward_input(self, step: _Step) -> tuple[tuple, PendingWeightGrads]:
         return backward_input(step.roots, step.grads, self.grad_inputs, self.params)
 
+    def backward_fused(self, step: _Step) -> tuple:
+        """A B op: the input and parameter gradients in one pass, as octorun's stages run it."""
+        return torch.autograd.grad(step.roots, [*self.grad_inputs, *self.params], step.grads or None,
+                                   retain_graph=True, allow_unused=True)
+
 
 def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -> tuple[Layer, Any]:
     """One layer's profile entry (kind left blank) and its output, the next layer's input."""
@@ -425,6 +431,10 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
                 weight_ms = clock.median_ms(lambda: backward_weight(pending), repeat=repeat, warmup=warmup)
             else:
                 weight_ms = 0.0
+            if (run.grad_inputs or run.params) and step.roots:
+                fused_ms = clock.median_ms(lambda: run.backward_fused(step), repeat=repeat, warmup=warmup)
+            else:
+                fused_ms = 0.0
     except InputError:
         raise
     except Exception as exc:
@@ -435,6 +445,7 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
         forward_ms=forward_ms,
         backward_input_ms=input_ms,
         backward_weight_ms=weight_ms,
+        backward_ms=fused_ms,
         param_bytes=_tensor_bytes(list(run.layer.parameters())),
         activation_bytes=activation_bytes,
         output_bytes=_tensor_bytes(_tensors(step.output) or []),

@@ -28,6 +28,9 @@ to the tensors asked for: ``torch.autograd.grad(out, x)`` sleeps the input time 
 This is exactly the per-layer I/W split the runtime and the profiler use (the profiler's
 boundary-capture W, which restarts at the add where the weight branch leaves the input path, also
 sleeps the weight time only).
+When the profile measured a fused backward (a layer's ``backward_ms``), a pass that runs both
+branches sleeps that instead: the branch that runs second in one autograd pass (one graph task)
+sleeps what is left of ``backward_ms`` after the first branch's sleep.
 
 The times are wall-clock sleeps on the host: a clock that counts only CPU time (octoplan's
 profiler on a CPU with one thread) sees none of them; time this model by the wall clock.
@@ -140,25 +143,43 @@ class _Sleeper:
 _sleep_ms = _Sleeper()
 
 
+class _FusedBackward:
+    """One layer's two backward branches: what the first of them slept in which autograd pass."""
+
+    def __init__(self, fused_ms: float | None):
+        self.fused_ms = fused_ms
+        self.task: int | None = None
+        self.slept_ms = 0.0
+
+    def sleep_for(self, branch_ms: float) -> float:
+        task = torch._C._current_graph_task_id()  # unique per backward pass in this process
+        if self.fused_ms is not None and task == self.task:  # the other branch ran in this pass
+            self.task = None
+            return max(0.0, self.fused_ms - self.slept_ms)
+        self.task, self.slept_ms = task, branch_ms
+        return branch_ms
+
+
 class _SleepOnBackward(torch.autograd.Function):
     """Identity whose backward sleeps ``ms``: the cost of one branch of a layer's backward."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, ms: float) -> torch.Tensor:
-        ctx.ms = ms
+    def forward(ctx, tensor: torch.Tensor, ms: float, fused: _FusedBackward) -> torch.Tensor:
+        ctx.ms, ctx.fused = ms, fused
         return tensor.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        _sleep_ms(ctx.ms)
-        return grad, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        _sleep_ms(ctx.fused.sleep_for(ctx.ms))
+        return grad, None, None
 
 
 class ReplayLayer(nn.Module):
     """One profile layer: sleeps its forward time, and its I and W times on separate branches."""
 
     def __init__(
-        self, *, name: str, kind: str, in_elements: int, out_elements: int, forward_ms: float, input_ms: float, weight_ms: float
+        self, *, name: str, kind: str, in_elements: int, out_elements: int, forward_ms: float, input_ms: float, weight_ms: float,
+        fused_ms: float | None = None,
     ):
         super().__init__()
         self.name = name
@@ -167,6 +188,7 @@ class ReplayLayer(nn.Module):
         self.forward_ms = forward_ms
         self.input_ms = input_ms
         self.weight_ms = weight_ms
+        self.fused = _FusedBackward(fused_ms)
         self.weight = nn.Parameter(0.1 * torch.randn(out_elements))
         # Resizing by index (never a pooling op or a matmul): on a CPU those run on the thread
         # pool even for a few elements, and waking pool threads after a sleep can cost more than
@@ -182,8 +204,8 @@ class ReplayLayer(nn.Module):
         # the layer's own CPU work first, then the sleep to the forward time counted from entry:
         # work that runs slowly after a wake-up (a cold core) is absorbed, not added
         began = _sleep_ms.clock()
-        through = _SleepOnBackward.apply(self._resize(x), self.input_ms)
-        out = through + _SleepOnBackward.apply(self.weight, self.weight_ms)
+        through = _SleepOnBackward.apply(self._resize(x), self.input_ms, self.fused)
+        out = through + _SleepOnBackward.apply(self.weight, self.weight_ms, self.fused)
         _sleep_ms(self.forward_ms, since=began)
         return out
 
@@ -197,6 +219,7 @@ class ReplayLayer(nn.Module):
         return (
             f"{self.name!r}, kind={self.kind!r}, out={self.out_elements}, F={self.forward_ms:.3g} ms, "
             f"I={self.input_ms:.3g} ms, W={self.weight_ms:.3g} ms"
+            + ("" if self.fused.fused_ms is None else f", B={self.fused.fused_ms:.3g} ms")
         )
 
 
@@ -226,6 +249,7 @@ def build_layer(index: int, **config) -> nn.Module:
         forward_ms=scale * layer.forward_ms,
         input_ms=scale * layer.backward_input_ms,
         weight_ms=scale * layer.backward_weight_ms,
+        fused_ms=None if layer.backward_ms is None else scale * layer.backward_ms,
     )
 
 

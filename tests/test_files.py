@@ -54,6 +54,8 @@ PROFILE_BREAKS = [
     (lambda d: d.update(layers=[]), "layers", "is empty"),
     # finite but absurd: sums over ops would overflow to inf, CP-SAT's integer ticks past 64 bits
     (lambda d: d["layers"][1].update(forward_ms=1e308), "layers[1].forward_ms", "must be <= 8.64e+07"),
+    (lambda d: d["layers"][0].update(backward_ms="fast"), "layers[0].backward_ms", "must be a number"),
+    (lambda d: d["layers"][1].update(backward_ms=-0.5), "layers[1].backward_ms", "must be >= 0"),
     (lambda d: d["layers"][0].update(param_bytes=10**400), "layers[0].param_bytes", "got a 401-digit number"),
 ]
 

@@ -107,6 +107,8 @@ def write_model(tmp_path: Path, text: str, name: str = "model.py") -> str:
 
 
 def fast_profile(path: str, **kwargs):
+    # The CPU unless a test names a device: profile_model_file picks CUDA where there is one.
+    kwargs.setdefault("device", "cpu")
     kwargs.setdefault("repeat", 2)
     kwargs.setdefault("warmup", 1)
     return profile_model_file(path, **kwargs)
@@ -183,6 +185,8 @@ def test_profile_round_trips_through_save_and_load(tmp_path):
     assert loaded.model.config == {"hidden": 16, "middle": 1}
     assert loaded.extra["profiler"]["threads"] == 1
     assert loaded.extra["profiler"]["repeat"] == 2
+    assert all(l.backward_ms is not None and l.backward_ms > 0 for l in loaded.layers)
+    assert [l.backward_ms for l in loaded.layers] == [round(l.backward_ms, 6) for l in profile.layers]
     assert [l.param_bytes for l in loaded.layers] == [l.param_bytes for l in profile.layers]
 
 
@@ -239,6 +243,18 @@ def test_bad_options_are_input_errors(tmp_path):
         with pytest.raises(InputError) as err:
             fast_profile(path, device="cuda")
         assert err.value.field == "--device" and "CUDA" in err.value.problem
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
+def test_cuda_profile_is_timed_with_events_and_sizes_like_the_cpu(tmp_path):
+    path = write_model(tmp_path, TWO_LINEAR)
+    gpu, cpu = fast_profile(path, device="cuda"), fast_profile(path, device="cpu")
+    assert gpu.extra["profiler"]["clock"] == "cuda-events" and "threads" not in gpu.extra["profiler"]
+    assert gpu.device["name"] == torch.cuda.get_device_name() and gpu.device["memory_gb"] > 0
+    sizes = lambda profile: [(l.param_bytes, l.activation_bytes, l.output_bytes) for l in profile.layers]
+    assert sizes(gpu) == sizes(cpu)  # bytes come from tensors, not from the device
+    assert all(l.forward_ms > 0 and l.backward_weight_ms > 0 for l in gpu.layers)
+    assert all(l.backward_input_ms > 0 for l in gpu.layers[1:])
 
 
 def test_threads_are_fixed_and_restored(tmp_path):
@@ -515,6 +531,9 @@ def test_profiler_recovers_known_forward_input_and_weight_times(tmp_path):
     measured = [(layer.forward_ms, layer.backward_input_ms, layer.backward_weight_ms) for layer in profile.layers]
     for index, (got, want) in enumerate(zip(measured, SPIN_COSTS)):
         assert all(_close(g, w) for g, w in zip(got, want)), f"layer {index}: measured F, I, W {got}, built {want}"
+    for index, (layer, (_, i_ms, w_ms)) in enumerate(zip(profile.layers, SPIN_COSTS)):
+        # the fused backward runs both spinning branches in one pass
+        assert _close(layer.backward_ms, i_ms + w_ms), f"layer {index}: fused B {layer.backward_ms}, built {i_ms + w_ms}"
 
 
 def test_layer_sum_equals_the_whole_model_time(tmp_path):
@@ -534,7 +553,7 @@ def test_cli_check_whole_reports_the_ratio(tmp_path):
     path = write_model(tmp_path, SPIN)
     out = tmp_path / "spin.yaml"
     runner = CliRunner()
-    done = runner.invoke(app, ["profile", path, "--repeat", "3", "--check-whole", "-o", str(out)], terminal_width=200)
+    done = runner.invoke(app, ["profile", path, "--repeat", "3", "--device", "cpu", "--check-whole", "-o", str(out)], terminal_width=200)
     assert done.exit_code == 0, done.output
     line = next(line for line in done.output.splitlines() if line.startswith("whole model"))
     whole, layers, ratio = (float(x) for x in re.findall(r"(\d+\.\d+)(?= ms|\))", line))

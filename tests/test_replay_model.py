@@ -273,3 +273,42 @@ def test_sleeps_learn_the_machines_lateness_and_last_their_time():
     now[0] += 0.001
     fresh(5.0, since=began)
     assert asked[-1] == pytest.approx(0.004) and now[0] - began == pytest.approx(0.0056)
+
+
+def test_a_fused_backward_sleeps_the_profiles_backward_ms(monkeypatch) -> None:
+    """Each pass's sleeps, recorded rather than slept: I alone sleeps I, W alone W, and a pass
+    running both sleeps the fused time, split as the first branch's time and then the rest."""
+    import octorun.replay as replay
+    from octoplan.splitgrad import backward_input, backward_weight
+
+    slept: list[float] = []
+
+    class Recorder:
+        clock = staticmethod(time.perf_counter)
+
+        def __call__(self, ms: float, since: float | None = None) -> None:
+            if ms:  # the forward's sleep is 0 here
+                slept.append(ms)
+
+    monkeypatch.setattr(replay, "_sleep_ms", Recorder())
+
+    def passes(layer: torch.nn.Module) -> list[list[float]]:
+        x = torch.randn(2, 3, requires_grad=True)
+        out, grad = layer(x), torch.randn(2, 3)
+        recorded = []
+        for run in (lambda: torch.autograd.grad(out, [x, layer.weight], grad, retain_graph=True),
+                    lambda: backward_input([out], [grad], [x], [layer.weight]),
+                    lambda: backward_weight(backward_input([out], [grad], [x], [layer.weight])[1])):
+            slept.clear()
+            run()
+            recorded.append(sorted(slept))
+        return recorded
+
+    def build(fused_ms):
+        return replay.ReplayLayer(name="l", kind="k", in_elements=3, out_elements=3, forward_ms=0.0, input_ms=7.0,
+                                  weight_ms=5.0, fused_ms=fused_ms)
+
+    fused, split_i, split_iw = passes(build(9.0))
+    assert sum(fused) == 9.0 and fused in ([2.0, 7.0], [4.0, 5.0])  # whichever branch autograd runs first
+    assert split_i == [7.0] and split_iw == [5.0, 7.0]  # the W pass's own sleep: 5; its I pass: 7
+    assert passes(build(None))[0] == [5.0, 7.0]  # no fused time measured: B = I + W

@@ -4,6 +4,7 @@ causes, the critical path, deadlocks, and properties of random valid plans."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -66,6 +67,23 @@ def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
     assert [str(op) for op in result.critical_path] == ["0F0", "0F1", "1F1", "1B0", "1B1", "0B1"]
     # Activations: rank 0 holds two microbatches of layer a, rank 1 two of layer b.
     assert result.peak_memory_bytes == (200, 2000)
+
+
+def test_a_measured_fused_backward_prices_b_while_i_and_w_keep_theirs():
+    # As above, with fused backwards measured: layer a's B 1.5 (I + W is 2), layer b's 3 (4).
+    a, b = _two_layer_profile().layers
+    profile = Profile(model=ModelRef("t"), layers=(replace(a, backward_ms=1.5), replace(b, backward_ms=3.0)))
+    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
+                 cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
+    # rank 1: 1F0 [5,6] 1F1 [8,9] 1B0 [9,12] 1B1 [12,15]; gradients back [12,15], [15,18];
+    # rank 0: 0B0 [15,16.5] 0B1 [18,19.5].
+    assert simulate(plan, profile).op_times() == {
+        Op(0, Kind.F, 0): (0, 2), Op(0, Kind.F, 1): (2, 4), Op(0, Kind.B, 0): (15, 16.5), Op(0, Kind.B, 1): (18, 19.5),
+        Op(1, Kind.F, 0): (5, 6), Op(1, Kind.F, 1): (8, 9), Op(1, Kind.B, 0): (9, 12), Op(1, Kind.B, 1): (12, 15),
+    }
+    one_rank = _plan([(0, 2, 0)], ["0F0 0B0 0F1 0I1 0W1"], cluster=Cluster(gpus=1, **SLOW_LINK), microbatches=2)
+    # F 3, fused B 4.5, then F 3, I 3, W 3: a split backward still costs I + W.
+    assert simulate(one_rank, profile).iteration_ms == pytest.approx(3 + 4.5 + 3 + 3 + 3)
 
 
 def test_same_rank_stages_pass_without_transfer_and_split_backward_frees_at_w():
