@@ -49,8 +49,8 @@ class Layer:
     output_bytes: int
     flops: float | None = None
     # The fused backward (I and W in one autograd pass), when measured. A split backward pays
-    # its per-op overhead twice and, on a GPU, launch-bound layers pay it per kernel: on an H200
-    # a fused backward of the hybrid example's scan layers took 58% of I + W. None: B = I + W.
+    # its per-call overhead twice, and per kernel where a layer is launch-bound: in octorun on an
+    # H200, the hybrid example's fused backward took 58% of its I + W. None: B = I + W.
     backward_ms: float | None = None
 
     @property
