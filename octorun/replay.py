@@ -152,7 +152,8 @@ class _FusedBackward:
         self.slept_ms = 0.0
 
     def sleep_for(self, branch_ms: float) -> float:
-        task = torch._C._current_graph_task_id()  # unique per backward pass in this process
+        # unique per backward pass in this process (private, but torch.utils.checkpoint relies on it too)
+        task = torch._C._current_graph_task_id()
         if self.fused_ms is not None and task == self.task:  # the other branch ran in this pass
             self.task = None
             return max(0.0, self.fused_ms - self.slept_ms)
