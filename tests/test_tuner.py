@@ -262,3 +262,19 @@ def test_the_shifts_worth_justifying_move_a_layer_off_a_hotter_rank():
     giver, taker = start.ranks[4], start.ranks[5]
     assert start.ranks[3] == giver and heat.heat(giver) > heat.heat(taker)
     assert shifts_off_hot_ranks(start, result, limit=0) == []
+
+
+def test_a_cheaper_fused_backward_makes_the_tuner_keep_b_whole():
+    # One rank: a split plan costs 4 x (F + I + W), a fused one 4 x (F + B). With B at 0.6 of
+    # I + W (as measured on a GPU for launch-bound layers) only plain B ops are optimal:
+    # 4 x (16.5 + 0.6 x 33) = 145.2 ms, where I + W would cost 4 x 49.5 = 198 ms.
+    from dataclasses import replace
+
+    profile = heavy_head()
+    profile = profile.with_layers([replace(l, backward_ms=0.6 * (l.backward_input_ms + l.backward_weight_ms))
+                                   for l in profile.layers])
+    result = tune(profile, free_cluster(1), TuneOptions(gpus=1, pp=1, microbatches=4, time_limit_s=60, seed=0))
+    assert result.plan.predicted["iteration_ms"] == pytest.approx(145.2)
+    assert {op.kind.value for ops in result.plan.schedule for op in ops} == {"F", "B"}
+    rows = {row.name: row.scored.iteration_ms for row in result.baselines}
+    assert rows["zb-h1/uniform"] == pytest.approx(198.0)  # the split baseline pays I + W
