@@ -222,12 +222,10 @@ def derive_profile(source: str | Path, out: str | Path, *, time_scale: float,
     layers = []
     for index, layer in enumerate(src.layers):
         out_elements = model.build_layer(index).out_elements
-        layers.append(replace(
-            layer, forward_ms=layer.forward_ms * time_scale + extra_ms.get("F", 0.0),
-            backward_input_ms=layer.backward_input_ms * time_scale + extra_ms.get("I", 0.0),
-            backward_weight_ms=layer.backward_weight_ms * time_scale + extra_ms.get("W", 0.0),
-            output_bytes=4 * out_elements * src.microbatch_size, flops=None,
-        ))
+        # a fused backward runs both replayed branches, so it pays both branches' extra
+        extra = {**extra_ms, "B": extra_ms.get("B", extra_ms.get("I", 0.0) + extra_ms.get("W", 0.0))}
+        scaled = layer.map_times(lambda kind, ms: ms * time_scale + extra.get(kind, 0.0))
+        layers.append(replace(scaled, output_bytes=4 * out_elements * src.microbatch_size, flops=None))
     derived = replace(src, model=ModelRef(f"replay-{Path(source).stem}", source=REPLAY_MODEL, config=config),
                       layers=tuple(layers), dtype="float32", extra={})
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -465,17 +463,16 @@ def bench_fidelity(cases: Sequence[Case], link: Link, out_dir: str | Path, *, np
 def posthoc(plan: Plan, profile: Profile, split: dict[str, Any]) -> float:
     """The simulator's iteration with the costs the run itself showed (from its trace,
     :func:`trace_overheads`): each layer's F, I, W plus the run's median excess per layer (a
-    fused B's excess goes to I when the plan has no split one), its mean runtime gap per op, and its transfer time both ways
+    fused B's excess goes to the profile's fused backward, or to I when it has none and the plan no
+    split one), its mean runtime gap per op, and its transfer time both ways
     averaged as the latency. Not a prediction: it tells whether the simulator's model of the
     schedule is right once the costs are, i.e. how much of an error is in the costs."""
     extra = dict(split["excess_per_layer_ms"])
-    fused = extra.pop("B", None)
-    if fused is not None and "I" not in extra:  # only fused backwards: their excess goes to I
+    fused = extra.get("B")
+    measured_fused = any(layer.backward_ms is not None for layer in profile.layers)
+    if fused is not None and "I" not in extra and not measured_fused:  # B = I + W: its excess goes to I
         extra["I"] = fused
-    layers = tuple(replace(layer, forward_ms=max(0.0, layer.forward_ms + extra.get("F", 0.0)),
-                           backward_input_ms=max(0.0, layer.backward_input_ms + extra.get("I", 0.0)),
-                           backward_weight_ms=max(0.0, layer.backward_weight_ms + extra.get("W", 0.0)))
-                   for layer in profile.layers)
+    layers = tuple(layer.map_times(lambda kind, ms: max(0.0, ms + extra.get(kind, 0.0))) for layer in profile.layers)
     # the run's gap per op is the cluster's per-op overhead (a fused B pays it once, as any op)
     gap_ms = max(0.0, split["dispatch_gap_ms"].get("mean", 0.0))
     measured = replace(plan, cluster=replace(plan.cluster, latency_us=1000.0 * (split["latency_ms"] or 0.0), op_overhead_us=1000.0 * gap_ms))

@@ -125,8 +125,7 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
 def _perturbed(profile, rel: float, seed: int):
     rng = random.Random(seed)
     scale = lambda ms: ms * (1 + rel * rng.gauss(0, 1))
-    layers = tuple(replace(layer, forward_ms=scale(layer.forward_ms), backward_input_ms=scale(layer.backward_input_ms),
-                           backward_weight_ms=scale(layer.backward_weight_ms)) for layer in profile.layers)
+    layers = tuple(layer.map_times(lambda _, ms: scale(ms)) for layer in profile.layers)
     return replace(profile, layers=layers)
 
 

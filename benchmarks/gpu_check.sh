@@ -21,19 +21,23 @@
 #      H200, 2026-11-30: "invalid usage" at the first send, and every rank of octorun exited 1
 #      naming op 0F0): the step records that, and the path needs a machine with two or more GPUs.
 #      On the CPU the same runs use gloo.
-# STEPS="1 3" runs only those steps; SIZES="small" skips the GPU-sized models.
+# STEPS="1 3" runs only those steps (step 4 needs step 3 and the small size); SIZES="small"
+# skips the GPU-sized models.
 set -euo pipefail
 DEVICE="${DEVICE:-cuda}"
 PY="${PY:-python3}"
 OUT="${OUT:-out/gpu-check}"
 mkdir -p "$OUT"
 WORK="$(mktemp -d)"
-trap 'rm -rf "$WORK"' EXIT
+# what the steps wrote is archived on any exit, a failed step's included
+trap 'tar -czf "$OUT/models.tar.gz" -C "$WORK" . 2>/dev/null; rm -rf "$WORK"' EXIT
 export COLUMNS=200 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ROUNDS="${ROUNDS:-3}"
 if [ "$DEVICE" = cuda ]; then SIZES="${SIZES:-small large}"; else SIZES="${SIZES:-small}"; fi
 STEPS="${STEPS:-1 2 3 4}"  # which of the steps below to run
 step() { [[ " $STEPS " == *" $1 "* ]]; }
+if step 4 && ! step 3; then echo "gpu_check.sh: STEPS=\"$STEPS\": step 4 trains on step 3's profiles; add 3" >&2; exit 2; fi
+if step 4 && [[ " $SIZES " != *" small "* ]]; then echo "gpu_check.sh: SIZES=\"$SIZES\": step 4 uses the small models; add small" >&2; exit 2; fi
 
 echo "== device"
 "$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
@@ -45,6 +49,7 @@ done
 
 if step 2 && [ "${PYTEST:-1}" != 0 ]; then
     echo "== 2. the profiler's own tests on this machine"
+    # failures are reported (here and in pytest-profiler.txt), not fatal: the GPU steps after it still run
     { "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_profiler.py 2>&1 || true; } | tail -25 | tee "$OUT/pytest-profiler.txt"
 fi
 
@@ -53,7 +58,11 @@ step 3 && echo "== 3. profile each example model on $DEVICE, then train 3 steps 
 step 3 && for size in $SIZES; do
     for model in tiny_gpt vlm hybrid; do
         name=$model; config=()
-        if [ "$size" = large ]; then name=$model-large; read -ra config <<<"$("$PY" benchmarks/bench_profiler.py --config-args "$model")"; fi
+        if [ "$size" = large ]; then
+            name=$model-large
+            args=$("$PY" benchmarks/bench_profiler.py --config-args "$model")  # a failure here stops the script
+            read -ra config <<<"$args"
+        fi
         "$PY" -m octoplan.cli profile "examples/models/$model.py" "${config[@]}" --device "$DEVICE" --repeat 5 -o "$WORK/$name.yaml" | tail -1
         for schedule in 1f1b zb-h1; do
             run=$name; [ "$schedule" = 1f1b ] || run=$name-$schedule
@@ -92,5 +101,4 @@ multi vlm-1f1b-pp2 vlm 2 4 --schedule 1f1b
 multi hybrid-zbv-pp4 hybrid 4 4 --schedule zbv
 multi tiny_gpt-1f1b-pp2-dp2 tiny_gpt 4 2 --schedule 1f1b --pp 2
 fi
-tar -czf "$OUT/models.tar.gz" -C "$WORK" .
 echo "== done: $OUT (profiler.md, models.tar.gz: each model's profile, plan, metrics and trace)"

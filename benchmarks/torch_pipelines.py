@@ -149,11 +149,7 @@ def demo_profile(*, path: str | Path | None = None, time_scale: float = 1.0) -> 
 
 
 def _scaled(profile: Profile, time_scale: float) -> Profile:
-    layers = tuple(
-        replace(layer, forward_ms=layer.forward_ms * time_scale, backward_input_ms=layer.backward_input_ms * time_scale,
-                backward_weight_ms=layer.backward_weight_ms * time_scale)
-        for layer in profile.layers
-    )
+    layers = tuple(layer.map_times(lambda _, ms: ms * time_scale) for layer in profile.layers)
     return replace(profile, layers=layers)
 
 

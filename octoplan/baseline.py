@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from octoplan.errors import InputError
+from octoplan.ops import splits_backward
 from octoplan.plan import MAX_MICROBATCHES, Cluster, Parallel, Plan, Stage, check_structure
 from octoplan.partition import partition
 from octoplan.profile import Profile
@@ -51,7 +52,8 @@ def make_baseline(
         raise InputError(None, "--microbatches", f"{microbatches} is too few: {spec.why_min}", f"use at least {need}")
     num_stages = spec.num_stages(pp, chunks)
     file = str(profile_path) if profile_path else None
-    bounds = partition(profile, num_stages, partition_method, file=file)
+    order = tuple(tuple(ops) for ops in spec.generate(pp, microbatches, chunks))
+    bounds = partition(profile, num_stages, partition_method, file=file, fused_backward=not splits_backward(order))
     ranks = spec.placement(pp, num_stages)
     cluster = cluster or Cluster(gpus=gpus)
     if cluster.gpus != gpus:
@@ -61,7 +63,7 @@ def make_baseline(
         cluster=cluster,
         parallel=Parallel(pp=pp, dp=dp, microbatches=microbatches, rank_order=rank_order),
         stages=tuple(Stage(start, end, rank) for (start, end), rank in zip(bounds, ranks)),
-        schedule=tuple(tuple(ops) for ops in spec.generate(pp, microbatches, chunks)),
+        schedule=order,
         profile=str(profile_path) if profile_path else None,
         profile_sha256=file_sha256(profile_path) if profile_path and Path(profile_path).exists() else None,
         extra={"generator": {"schedule": schedule, "partition": partition_method, "chunks": chunks}},

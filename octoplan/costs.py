@@ -137,8 +137,10 @@ def allreduce_ms(cluster: Cluster, parallel: Parallel, pp_rank: int, num_bytes: 
 
 
 def lower_bound_ms(profile: Profile, *, pp: int, microbatches: int) -> float:
-    """SPEC section 7: no plan with this pp and microbatch count can be faster."""
-    totals = [layer.total_ms for layer in profile.layers]
+    """SPEC section 7: no plan with this pp and microbatch count can be faster. A layer's least
+    time takes the cheaper of its split backward (I + W) and its fused one (B)."""
+    totals = [layer.forward_ms + min(layer.backward_input_ms + layer.backward_weight_ms, layer.fused_backward_ms)
+              for layer in profile.layers]
     return microbatches * max(sum(totals) / pp, max(totals))
 
 

@@ -11,7 +11,7 @@ import re
 from enum import Enum
 from typing import Iterable, NamedTuple
 
-__all__ = ["Kind", "Op", "parse_op", "parse_ops", "format_ops", "F", "I", "W", "B"]
+__all__ = ["Kind", "Op", "parse_op", "parse_ops", "format_ops", "splits_backward", "F", "I", "W", "B"]
 
 
 class Kind(str, Enum):
@@ -62,3 +62,8 @@ def parse_ops(text: str) -> list[Op]:
 
 def format_ops(ops: Iterable[Op]) -> str:
     return " ".join(str(op) for op in ops)
+
+
+def splits_backward(schedule: Iterable[Iterable[Op]]) -> bool:
+    """Whether an order runs any backward as separate I and W ops (else every backward is a B)."""
+    return any(op.kind in (Kind.I, Kind.W) for ops in schedule for op in ops)

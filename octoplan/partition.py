@@ -2,8 +2,9 @@
 
 ``uniform`` is Megatron-LM's default: embedding with the first stage, head with the last, the
 other layers split as evenly as possible by count, larger stages first. ``balanced`` minimizes
-the largest stage time (F + I + W), the classic linear-partition problem, solved exactly by a
-search over the bottleneck.
+the largest stage time, the classic linear-partition problem, solved exactly by a search over
+the bottleneck. A stage's time is F + I + W, or F + B for an order of fused backwards only,
+where a profile measured B (``backward_ms``) cheaper or dearer than I + W.
 """
 
 from __future__ import annotations
@@ -46,12 +47,15 @@ def uniform_partition(profile: Profile, num_stages: int, *, file: str | None = N
     return bounds
 
 
-def balanced_partition(profile: Profile, num_stages: int, *, file: str | None = None) -> list[tuple[int, int]]:
+def balanced_partition(profile: Profile, num_stages: int, *, file: str | None = None,
+                       fused_backward: bool = False) -> list[tuple[int, int]]:
     num_layers = profile.num_layers
     if num_layers < num_stages:
         raise _too_few(profile, num_stages, file)
-    table = LayerTable(profile)
-    costs = table.layer_total_ms
+    if fused_backward:
+        costs = [layer.forward_ms + layer.fused_backward_ms for layer in profile.layers]
+    else:
+        costs = LayerTable(profile).layer_total_ms
 
     def greedy(limit: float) -> list[tuple[int, int]] | None:
         bounds, start, acc = [], 0, 0.0
@@ -97,9 +101,11 @@ def _best_cut(costs: list[float], start: int, end: int) -> int:
     return best
 
 
-def partition(profile: Profile, num_stages: int, method: str, *, file: str | None = None) -> list[tuple[int, int]]:
+def partition(profile: Profile, num_stages: int, method: str, *, file: str | None = None,
+              fused_backward: bool = False) -> list[tuple[int, int]]:
+    """``fused_backward``: the schedule runs only B ops (see :func:`balanced_partition`)."""
     if method == "uniform":
         return uniform_partition(profile, num_stages, file=file)
     if method == "balanced":
-        return balanced_partition(profile, num_stages, file=file)
+        return balanced_partition(profile, num_stages, file=file, fused_backward=fused_backward)
     raise InputError(None, "--partition", f"unknown partition {method!r}", f"use one of {', '.join(PARTITIONS)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from octoplan.errors import InputError
 from octoplan.yamlio import Fields, read_yaml, write_yaml
@@ -61,6 +61,13 @@ class Layer:
     def fused_backward_ms(self) -> float:
         """What a B op of this layer costs (SPEC section 2)."""
         return self.backward_input_ms + self.backward_weight_ms if self.backward_ms is None else self.backward_ms
+
+    def map_times(self, fn: Callable[[str, float], float]) -> "Layer":
+        """This layer with each time replaced by ``fn(kind, ms)``, kind "F", "I", "W", or "B" for
+        the fused backward where one was measured: one place, so no rescaling forgets a time."""
+        return replace(self, forward_ms=fn("F", self.forward_ms), backward_input_ms=fn("I", self.backward_input_ms),
+                       backward_weight_ms=fn("W", self.backward_weight_ms),
+                       backward_ms=None if self.backward_ms is None else fn("B", self.backward_ms))
 
 
 @dataclass(frozen=True)

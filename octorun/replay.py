@@ -29,8 +29,9 @@ This is exactly the per-layer I/W split the runtime and the profiler use (the pr
 boundary-capture W, which restarts at the add where the weight branch leaves the input path, also
 sleeps the weight time only).
 When the profile measured a fused backward (a layer's ``backward_ms``), a pass that runs both
-branches sleeps that instead: the branch that runs second in one autograd pass (one graph task)
-sleeps what is left of ``backward_ms`` after the first branch's sleep.
+branches (a B op) sleeps that in all, shared between the branches in proportion to their own
+times. The first layer's input is data, so it has only the weight branch: there every pass
+sleeps the weight time, which is also what the profiler measures as its fused backward.
 
 The times are wall-clock sleeps on the host: a clock that counts only CPU time (octoplan's
 profiler on a CPU with one thread) sees none of them; time this model by the wall clock.
@@ -50,6 +51,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -143,35 +145,41 @@ class _Sleeper:
 _sleep_ms = _Sleeper()
 
 
-class _FusedBackward:
-    """One layer's two backward branches: what the first of them slept in which autograd pass."""
+class _Branches:
+    """The two backward branches of one forward of a layer. In a pass that runs both (a B op)
+    they share the fused time, each in proportion to its own; a pass that runs one (an I or a
+    W op) sleeps that branch's own time."""
 
-    def __init__(self, fused_ms: float | None):
+    def __init__(self, input_ms: float, weight_ms: float, fused_ms: float | None):
+        self.own_ms = (input_ms, weight_ms)
         self.fused_ms = fused_ms
-        self.task: int | None = None
-        self.slept_ms = 0.0
+        self.nodes: list[weakref.ref | None] = [None, None]  # the branches' autograd nodes
 
-    def sleep_for(self, branch_ms: float) -> float:
-        # unique per backward pass in this process (private, but torch.utils.checkpoint relies on it too)
-        task = torch._C._current_graph_task_id()
-        if self.fused_ms is not None and task == self.task:  # the other branch ran in this pass
-            self.task = None
-            return max(0.0, self.fused_ms - self.slept_ms)
-        self.task, self.slept_ms = task, branch_ms
-        return branch_ms
+    def watch(self, *outputs: torch.Tensor) -> None:
+        self.nodes = [None if out.grad_fn is None else weakref.ref(out.grad_fn) for out in outputs]
+
+    def sleep_ms(self, branch: int) -> float:
+        own = self.own_ms[branch]
+        ref = self.nodes[1 - branch]
+        other = None if ref is None else ref()
+        # private, but torch.utils.checkpoint relies on it too: does this pass run the other node?
+        if self.fused_ms is None or other is None or not torch._C._will_engine_execute_node(other):
+            return own
+        split = sum(self.own_ms)
+        return self.fused_ms * own / split if split > 0 else self.fused_ms / 2
 
 
 class _SleepOnBackward(torch.autograd.Function):
-    """Identity whose backward sleeps ``ms``: the cost of one branch of a layer's backward."""
+    """Identity whose backward sleeps: the cost of one branch of a layer's backward."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, ms: float, fused: _FusedBackward) -> torch.Tensor:
-        ctx.ms, ctx.fused = ms, fused
+    def forward(ctx, tensor: torch.Tensor, branches: _Branches, branch: int) -> torch.Tensor:
+        ctx.branches, ctx.branch = branches, branch
         return tensor.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        _sleep_ms(ctx.fused.sleep_for(ctx.ms))
+        _sleep_ms(ctx.branches.sleep_ms(ctx.branch))
         return grad, None, None
 
 
@@ -189,7 +197,7 @@ class ReplayLayer(nn.Module):
         self.forward_ms = forward_ms
         self.input_ms = input_ms
         self.weight_ms = weight_ms
-        self.fused = _FusedBackward(fused_ms)
+        self.fused_ms = fused_ms
         self.weight = nn.Parameter(0.1 * torch.randn(out_elements))
         # Resizing by index (never a pooling op or a matmul): on a CPU those run on the thread
         # pool even for a few elements, and waking pool threads after a sleep can cost more than
@@ -205,8 +213,11 @@ class ReplayLayer(nn.Module):
         # the layer's own CPU work first, then the sleep to the forward time counted from entry:
         # work that runs slowly after a wake-up (a cold core) is absorbed, not added
         began = _sleep_ms.clock()
-        through = _SleepOnBackward.apply(self._resize(x), self.input_ms, self.fused)
-        out = through + _SleepOnBackward.apply(self.weight, self.weight_ms, self.fused)
+        branches = _Branches(self.input_ms, self.weight_ms, self.fused_ms)
+        through = _SleepOnBackward.apply(self._resize(x), branches, 0)
+        weighted = _SleepOnBackward.apply(self.weight, branches, 1)
+        branches.watch(through, weighted)
+        out = through + weighted
         _sleep_ms(self.forward_ms, since=began)
         return out
 
@@ -220,7 +231,7 @@ class ReplayLayer(nn.Module):
         return (
             f"{self.name!r}, kind={self.kind!r}, out={self.out_elements}, F={self.forward_ms:.3g} ms, "
             f"I={self.input_ms:.3g} ms, W={self.weight_ms:.3g} ms"
-            + ("" if self.fused.fused_ms is None else f", B={self.fused.fused_ms:.3g} ms")
+            + ("" if self.fused_ms is None else f", B={self.fused_ms:.3g} ms")
         )
 
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from octoplan.baseline import make_baseline
 from octoplan.plan import load_plan
 from octoplan.profile import Layer, ModelRef, Profile, load_profile, save_profile
+from octoplan.simulator import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -45,6 +48,24 @@ def test_derive_profile_scales_times_and_sizes_what_the_replay_sends(tmp_path):
     assert (head.forward_ms, head.backward_input_ms, head.backward_weight_ms) == (4.25, 3.5, 3.125)
     # 40 000 bytes x 1e-3 / 4 bytes / 2 samples = 5 elements, below the replay's minimum of 8
     assert [layer.output_bytes for layer in derived.layers] == [4 * 8 * 2] * 4
+    assert all(layer.backward_ms is None for layer in derived.layers)
+
+
+def test_a_measured_fused_backward_is_scaled_and_corrected_with_the_rest(tmp_path):
+    source = _tiny_source(tmp_path / "tiny.yaml")
+    profile = load_profile(source)
+    save_profile(profile.with_layers([replace(l, backward_ms=0.75 * (l.backward_input_ms + l.backward_weight_ms))
+                                      for l in profile.layers]), source)
+    derived = bench.derive_profile(source, tmp_path / "derived.yaml", time_scale=0.5, bytes_scale=1e-3,
+                                   per_layer_ms={"F": 0.25, "I": 0.5, "W": 0.125})
+    # the head's B: 0.75 x 12 ms x 0.5, plus both replayed branches' extra (0.5 + 0.125)
+    assert derived.layers[3].backward_ms == pytest.approx(4.5 + 0.625)
+    # post hoc, a B op's measured excess goes to the fused backward, not to I
+    plan = make_baseline(derived, schedule="1f1b", gpus=2, microbatches=2)
+    split = {"excess_per_layer_ms": {"F": 0.0, "B": 1.0}, "dispatch_gap_ms": {}, "latency_ms": 0.0}
+    free = replace(plan, cluster=replace(plan.cluster, latency_us=0.0, op_overhead_us=0.0))
+    slower = simulate(free, derived.with_layers([replace(l, backward_ms=l.backward_ms + 1.0) for l in derived.layers]))
+    assert bench.posthoc(plan, derived, split) == pytest.approx(slower.iteration_ms)
 
 
 def test_fidelity_runs_end_to_end_on_two_processes(tmp_path):

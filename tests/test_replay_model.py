@@ -277,7 +277,7 @@ def test_sleeps_learn_the_machines_lateness_and_last_their_time():
 
 def test_a_fused_backward_sleeps_the_profiles_backward_ms(monkeypatch) -> None:
     """Each pass's sleeps, recorded rather than slept: I alone sleeps I, W alone W, and a pass
-    running both sleeps the fused time, split as the first branch's time and then the rest."""
+    running both sleeps the fused time, shared in proportion to I and W."""
     import octorun.replay as replay
     from octoplan.splitgrad import backward_input, backward_weight
 
@@ -309,6 +309,7 @@ def test_a_fused_backward_sleeps_the_profiles_backward_ms(monkeypatch) -> None:
                                   weight_ms=5.0, fused_ms=fused_ms)
 
     fused, split_i, split_iw = passes(build(9.0))
-    assert sum(fused) == 9.0 and fused in ([2.0, 7.0], [4.0, 5.0])  # whichever branch autograd runs first
+    assert fused == pytest.approx([9.0 * 5 / 12, 9.0 * 7 / 12])  # B shared in proportion to W and I
     assert split_i == [7.0] and split_iw == [5.0, 7.0]  # the W pass's own sleep: 5; its I pass: 7
     assert passes(build(None))[0] == [5.0, 7.0]  # no fused time measured: B = I + W
+    assert passes(build(3.0))[0] == pytest.approx([1.25, 1.75])  # a B below W alone is kept too

@@ -119,9 +119,10 @@ def test_output_paths_that_cannot_be_written_are_refused_before_training(tmp_pat
 
 
 def test_a_replay_scale_whose_ops_outlast_the_timeout_is_refused(tmp_path, profile_file):
-    # stages of F 2 ms (layers of 1 ms): at scale 2500 an op sleeps 5 s, not under a 5 s
-    # --timeout, which would trip the watchdog of the rank waiting on it
+    # stages of two layers of F, I, W 1 ms each: 1F1B's B op (I + W) lasts 4 ms, so at scale
+    # 1250 it sleeps 5 s, not under a 5 s --timeout, which would trip the watchdog of the rank
+    # waiting on it
     path, _ = _saved_plan(tmp_path, profile_file, layers=4, schedule="1f1b", gpus=2, microbatches=2)
     with pytest.raises(InputError, match="makes the longest op sleep 5 s, not under --timeout 5 s"):
-        prepare(RunConfig(plan_path=str(path), replay_time_scale=2500.0, timeout_s=5.0))
-    assert prepare(RunConfig(plan_path=str(path), replay_time_scale=2400.0, timeout_s=5.0)).plan.pp == 2
+        prepare(RunConfig(plan_path=str(path), replay_time_scale=1250.0, timeout_s=5.0))
+    assert prepare(RunConfig(plan_path=str(path), replay_time_scale=1200.0, timeout_s=5.0)).plan.pp == 2

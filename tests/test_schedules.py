@@ -148,6 +148,20 @@ def test_balanced_partition_minimizes_the_largest_stage():
     assert max(loads) == 7
 
 
+def test_balanced_partition_of_a_fused_backward_order_balances_f_plus_b():
+    # F + I + W per layer: 3, 3, 6; F + B (fused backwards measured): 3, 3, 2
+    from dataclasses import replace
+
+    profile = make_profile([(1, 1, 1), (1, 1, 1), (1, 2.5, 2.5)])
+    profile = profile.with_layers([replace(l, backward_ms=b) for l, b in zip(profile.layers, (2.0, 2.0, 1.0))])
+    assert balanced_partition(profile, 2) == [(0, 2), (2, 3)]  # 6 | 6
+    assert balanced_partition(profile, 2, fused_backward=True) == [(0, 1), (1, 3)]  # 3 | 5, not 6 | 2
+    # 1F1B's order is all B, ZB-H1's splits I and W: each baseline balances what it runs
+    stages = lambda schedule: [(st.start, st.end) for st in make_baseline(
+        profile, schedule=schedule, gpus=2, microbatches=4, partition_method="balanced").stages]
+    assert stages("1f1b") == [(0, 1), (1, 3)] and stages("zb-h1") == [(0, 2), (2, 3)]
+
+
 @settings(max_examples=80, deadline=None)
 @given(costs=st.lists(st.integers(1, 20), min_size=1, max_size=9), stages=st.integers(1, 5))
 def test_balanced_partition_matches_brute_force(costs, stages):

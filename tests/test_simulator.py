@@ -81,6 +81,8 @@ def test_a_measured_fused_backward_prices_b_while_i_and_w_keep_theirs():
         Op(0, Kind.F, 0): (0, 2), Op(0, Kind.F, 1): (2, 4), Op(0, Kind.B, 0): (15, 16.5), Op(0, Kind.B, 1): (18, 19.5),
         Op(1, Kind.F, 0): (5, 6), Op(1, Kind.F, 1): (8, 9), Op(1, Kind.B, 0): (9, 12), Op(1, Kind.B, 1): (12, 15),
     }
+    # the lower bound takes each layer's cheaper backward: 2 x max((3.5 + 4) / 2, 4) = 8 ms
+    assert simulate(plan, profile).lower_bound_ms == pytest.approx(8.0)
     one_rank = _plan([(0, 2, 0)], ["0F0 0B0 0F1 0I1 0W1"], cluster=Cluster(gpus=1, **SLOW_LINK), microbatches=2)
     # F 3, fused B 4.5, then F 3, I 3, W 3: a split backward still costs I + W.
     assert simulate(one_rank, profile).iteration_ms == pytest.approx(3 + 4.5 + 3 + 3 + 3)

@@ -275,6 +275,7 @@ def test_a_cheaper_fused_backward_makes_the_tuner_keep_b_whole():
                                    for l in profile.layers])
     result = tune(profile, free_cluster(1), TuneOptions(gpus=1, pp=1, microbatches=4, time_limit_s=60, seed=0))
     assert result.plan.predicted["iteration_ms"] == pytest.approx(145.2)
+    assert result.plan.predicted["efficiency"] == pytest.approx(1.0)  # the bound takes the fused backward too
     assert {op.kind.value for ops in result.plan.schedule for op in ops} == {"F", "B"}
     rows = {row.name: row.scored.iteration_ms for row in result.baselines}
     assert rows["zb-h1/uniform"] == pytest.approx(198.0)  # the split baseline pays I + W

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from octoplan.errors import InputError
+from octoplan.ops import splits_backward
 from octoplan.partition import balanced_partition, partition
 from octoplan.plan import MAX_MICROBATCHES, Cluster, Plan, check_structure
 from octoplan.profile import Profile
@@ -174,13 +175,13 @@ def _baseline_candidates(profile: Profile, cluster: Cluster, config: Config, chu
         spec = get_schedule(schedule)
         if config.microbatches < spec.min_microbatches(config.pp):
             continue  # the schedule does not apply here (too few microbatches)
+        order = tuple(tuple(ops) for ops in spec.generate(config.pp, config.microbatches, chunks))
         try:
             num_stages = spec.num_stages(config.pp, chunks)
-            pairs = partition(profile, num_stages, partition_method)
+            pairs = partition(profile, num_stages, partition_method, fused_backward=not splits_backward(order))
         except (InputError, ValueError):
             continue  # too few layers for the schedule's stages
         ranks = tuple(spec.placement(config.pp, num_stages))
-        order = tuple(tuple(ops) for ops in spec.generate(config.pp, config.microbatches, chunks))
         label = _baseline_label(schedule, partition_method, chunks)
         out.append((label, Candidate(config, bounds_of(pairs), ranks, None, order, label, label)))
     return out
