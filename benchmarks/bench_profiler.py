@@ -58,7 +58,7 @@ def main() -> None:
             sums.append(sum(layer.total_ms for layer in profile.layers))
             wholes.append((before + after) / 2)
             ratios.append(sums[-1] / wholes[-1])
-            fused_ratios.append(sum(layer.forward_ms + layer.fused_backward_ms for layer in profile.layers) / wholes[-1])
+            fused_ratios.append(sum(layer.forward_ms + layer.b_ms for layer in profile.layers) / wholes[-1])
             before = after
         rounds = ", ".join(f"{r:.2f}" for r in ratios)
         print(f"| {name} | {profile.num_layers} | {statistics.median(sums):.1f} | {statistics.median(wholes):.1f} | "

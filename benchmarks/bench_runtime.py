@@ -396,7 +396,7 @@ def _op_ms(profile: Profile, plan: Plan) -> dict[str, float]:
             f = sum(layer.forward_ms for layer in layers)
             i = sum(layer.backward_input_ms for layer in layers)
             w = sum(layer.backward_weight_ms for layer in layers)
-            b = sum(layer.fused_backward_ms for layer in layers)
+            b = sum(layer.b_ms for layer in layers)
             ms = {Kind.F: f, Kind.I: i, Kind.W: w, Kind.B: b}[op.kind]
             if not (op.kind is Kind.I and op.stage == 0):
                 times.append(ms)
@@ -469,8 +469,7 @@ def posthoc(plan: Plan, profile: Profile, split: dict[str, Any]) -> float:
     schedule is right once the costs are, i.e. how much of an error is in the costs."""
     extra = dict(split["excess_per_layer_ms"])
     fused = extra.get("B")
-    measured_fused = any(layer.backward_ms is not None for layer in profile.layers)
-    if fused is not None and "I" not in extra and not measured_fused:  # B = I + W: its excess goes to I
+    if fused is not None and "I" not in extra and not profile.measures_fused_backward:  # B = I + W: its excess goes to I
         extra["I"] = fused
     layers = tuple(layer.map_times(lambda kind, ms: max(0.0, ms + extra.get(kind, 0.0))) for layer in profile.layers)
     # the run's gap per op is the cluster's per-op overhead (a fused B pays it once, as any op)

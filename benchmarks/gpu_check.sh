@@ -42,10 +42,12 @@ if step 4 && [[ " $SIZES " != *" small "* ]]; then echo "gpu_check.sh: SIZES=\"$
 echo "== device"
 "$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(), '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 
-step 1 && for size in $SIZES; do
-    echo "== 1. profiler accuracy on $DEVICE, $size layers (sum of layers against the whole model)"
-    "$PY" benchmarks/bench_profiler.py --device "$DEVICE" --rounds "$ROUNDS" --size "$size" | tee -a "$OUT/profiler.md"
-done
+if step 1; then
+    for size in $SIZES; do
+        echo "== 1. profiler accuracy on $DEVICE, $size layers (sum of layers against the whole model)"
+        "$PY" benchmarks/bench_profiler.py --device "$DEVICE" --rounds "$ROUNDS" --size "$size" | tee -a "$OUT/profiler.md"
+    done
+fi
 
 if step 2 && [ "${PYTEST:-1}" != 0 ]; then
     echo "== 2. the profiler's own tests on this machine"
@@ -53,29 +55,28 @@ if step 2 && [ "${PYTEST:-1}" != 0 ]; then
     { "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_profiler.py 2>&1 || true; } | tail -25 | tee "$OUT/pytest-profiler.txt"
 fi
 
-step 3 && echo "== 3. profile each example model on $DEVICE, then train 3 steps of 1-rank plans of it with octorun:
+if step 3; then
+    echo "== 3. profile each example model on $DEVICE, then train 3 steps of 1-rank plans of it with octorun:
    1F1B (fused backwards, B) and ZB-H1 (split backwards, I and W)"
-step 3 && for size in $SIZES; do
-    for model in tiny_gpt vlm hybrid; do
-        name=$model; config=()
-        if [ "$size" = large ]; then
-            name=$model-large
-            args=$("$PY" benchmarks/bench_profiler.py --config-args "$model")  # a failure here stops the script
-            read -ra config <<<"$args"
-        fi
-        "$PY" -m octoplan.cli profile "examples/models/$model.py" "${config[@]}" --device "$DEVICE" --repeat 5 -o "$WORK/$name.yaml" | tail -1
-        for schedule in 1f1b zb-h1; do
-            run=$name; [ "$schedule" = 1f1b ] || run=$name-$schedule
-            "$PY" -m octoplan.cli baseline "$WORK/$name.yaml" --gpus 1 --schedule $schedule --microbatches 4 -o "$WORK/$run-plan.yaml" | tail -1
-            "$PY" -m octorun "$WORK/$run-plan.yaml" --steps 3 --metrics "$WORK/$run.metrics.jsonl" --trace "$WORK/$run.trace.json" \
-                --timeout 120 | tee "$WORK/$run.octorun.txt"
+    for size in $SIZES; do
+        for model in tiny_gpt vlm hybrid; do
+            name=$model; config=()
+            if [ "$size" = large ]; then
+                name=$model-large
+                args=$("$PY" benchmarks/bench_profiler.py --config-args "$model")  # a failure here stops the script
+                read -ra config <<<"$args"
+            fi
+            "$PY" -m octoplan.cli profile "examples/models/$model.py" "${config[@]}" --device "$DEVICE" --repeat 5 -o "$WORK/$name.yaml" | tail -1
+            for schedule in 1f1b zb-h1; do
+                run=$name; [ "$schedule" = 1f1b ] || run=$name-$schedule
+                "$PY" -m octoplan.cli baseline "$WORK/$name.yaml" --gpus 1 --schedule $schedule --microbatches 4 -o "$WORK/$run-plan.yaml" | tail -1
+                "$PY" -m octorun "$WORK/$run-plan.yaml" --steps 3 --metrics "$WORK/$run.metrics.jsonl" --trace "$WORK/$run.trace.json" \
+                    --timeout 120 | tee "$WORK/$run.octorun.txt"
+            done
         done
     done
-done
+fi
 
-step 4 && echo "== 4. several processes on one $DEVICE: pipelines of 2 and 4 ranks, losses against the 1-rank run"
-if [ "$DEVICE" = cuda ]; then LAUNCH=(env LOCAL_RANK=0); BACKEND=nccl; else LAUNCH=(); BACKEND=gloo; fi
-if step 4; then
 multi() {  # multi NAME MODEL PROCESSES MICROBATCHES baseline-options...; losses compared when dp is 1
     local name=$1 model=$2 procs=$3 mbs=$4; shift 4
     "$PY" -m octoplan.cli baseline "$WORK/$model.yaml" --gpus "$procs" --microbatches "$mbs" "$@" -o "$WORK/$name-plan.yaml" | tail -1
@@ -94,11 +95,15 @@ PY
         echo "$name: FAILED (exit $?), the last lines:"; tail -5 "$WORK/$name.octorun.txt"
     fi
 }
-multi tiny_gpt-1f1b-pp2 tiny_gpt 2 4 --schedule 1f1b
-multi tiny_gpt-interleaved-pp2 tiny_gpt 2 4 --schedule interleaved-1f1b
-multi tiny_gpt-zbv-pp2 tiny_gpt 2 4 --schedule zbv
-multi vlm-1f1b-pp2 vlm 2 4 --schedule 1f1b
-multi hybrid-zbv-pp4 hybrid 4 4 --schedule zbv
-multi tiny_gpt-1f1b-pp2-dp2 tiny_gpt 4 2 --schedule 1f1b --pp 2
+
+if step 4; then
+    echo "== 4. several processes on one $DEVICE: pipelines of 2 and 4 ranks, losses against the 1-rank run"
+    if [ "$DEVICE" = cuda ]; then LAUNCH=(env LOCAL_RANK=0); BACKEND=nccl; else LAUNCH=(); BACKEND=gloo; fi
+    multi tiny_gpt-1f1b-pp2 tiny_gpt 2 4 --schedule 1f1b
+    multi tiny_gpt-interleaved-pp2 tiny_gpt 2 4 --schedule interleaved-1f1b
+    multi tiny_gpt-zbv-pp2 tiny_gpt 2 4 --schedule zbv
+    multi vlm-1f1b-pp2 vlm 2 4 --schedule 1f1b
+    multi hybrid-zbv-pp4 hybrid 4 4 --schedule zbv
+    multi tiny_gpt-1f1b-pp2-dp2 tiny_gpt 4 2 --schedule 1f1b --pp 2
 fi
 echo "== done: $OUT (profiler.md, models.tar.gz: each model's profile, plan, metrics and trace)"

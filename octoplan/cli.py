@@ -135,12 +135,12 @@ def _print_profile(result: Profile, out: Path) -> None:
             table.add_row("…", "…", "", "", "", "", "", "", "", "")
             continue
         table.add_row(str(i), layer.name, layer.kind, f"{layer.forward_ms:.3f}", f"{layer.backward_input_ms:.3f}",
-                      f"{layer.backward_weight_ms:.3f}", f"{layer.fused_backward_ms:.3f}", f"{layer.param_bytes / 1e6:.2f}",
+                      f"{layer.backward_weight_ms:.3f}", f"{layer.b_ms:.3f}", f"{layer.param_bytes / 1e6:.2f}",
                       f"{layer.activation_bytes / 1e6:.2f}", f"{layer.output_bytes / 1e6:.2f}")
     console.print(table)
     total = sum(layer.total_ms for layer in result.layers)
     split = sum(layer.backward_input_ms + layer.backward_weight_ms for layer in result.layers)
-    fused = sum(layer.fused_backward_ms for layer in result.layers)
+    fused = sum(layer.b_ms for layer in result.layers)
     ratio = f"; fused backward B = {fused / split:.2f} x (I + W)" if split > 0 and fused != split else ""
     console.print(f"{result.num_layers} layers, F+I+W = {total:.3f} ms per microbatch of {result.microbatch_size}{ratio}")
 

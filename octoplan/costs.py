@@ -39,14 +39,14 @@ class StageCost:
     param_bytes: int
     activation_bytes: int
     output_bytes: int  # sent forward; the gradient sent back has the same size
-    fused_backward_ms: float | None = None  # a B op's time where the profile measured it
+    backward_ms: float | None = None  # the fused backward, where the profile measured it
 
     @property
-    def backward_ms(self) -> float:
+    def b_ms(self) -> float:
         """A B op's time: the measured fused backward, else I + W (SPEC section 2)."""
-        if self.fused_backward_ms is None:
+        if self.backward_ms is None:
             return self.backward_input_ms + self.backward_weight_ms
-        return self.fused_backward_ms
+        return self.backward_ms
 
     @property
     def total_ms(self) -> float:
@@ -63,8 +63,7 @@ class LayerTable:
         self._i = [0.0, *accumulate(layer.backward_input_ms for layer in layers)]
         self._w = [0.0, *accumulate(layer.backward_weight_ms for layer in layers)]
         # Layers without a measured fused backward count I + W in it.
-        self._b = ([0.0, *accumulate(layer.fused_backward_ms for layer in layers)]
-                   if any(layer.backward_ms is not None for layer in layers) else None)
+        self._b = [0.0, *accumulate(layer.b_ms for layer in layers)] if profile.measures_fused_backward else None
         self._param = [0, *accumulate(layer.param_bytes for layer in layers)]
         self._act = [0, *accumulate(layer.activation_bytes for layer in layers)]
         self.output_bytes = [layer.output_bytes for layer in layers]
@@ -78,7 +77,7 @@ class LayerTable:
             param_bytes=self._param[end] - self._param[start],
             activation_bytes=self._act[end] - self._act[start],
             output_bytes=self.output_bytes[end - 1],
-            fused_backward_ms=None if self._b is None else self._b[end] - self._b[start],
+            backward_ms=None if self._b is None else self._b[end] - self._b[start],
         )
 
     def total_ms(self, start: int = 0, end: int | None = None) -> float:
@@ -98,7 +97,7 @@ def op_ms(cost: StageCost, kind: Kind) -> float:
         return cost.backward_input_ms
     if kind is Kind.W:
         return cost.backward_weight_ms
-    return cost.backward_ms
+    return cost.b_ms
 
 
 def link_gbps(cluster: Cluster, global_a: int, global_b: int) -> float:
@@ -139,7 +138,7 @@ def allreduce_ms(cluster: Cluster, parallel: Parallel, pp_rank: int, num_bytes: 
 def lower_bound_ms(profile: Profile, *, pp: int, microbatches: int) -> float:
     """SPEC section 7: no plan with this pp and microbatch count can be faster. A layer's least
     time takes the cheaper of its split backward (I + W) and its fused one (B)."""
-    totals = [layer.forward_ms + min(layer.backward_input_ms + layer.backward_weight_ms, layer.fused_backward_ms)
+    totals = [layer.forward_ms + min(layer.backward_input_ms + layer.backward_weight_ms, layer.b_ms)
               for layer in profile.layers]
     return microbatches * max(sum(totals) / pp, max(totals))
 

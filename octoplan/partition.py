@@ -52,8 +52,8 @@ def balanced_partition(profile: Profile, num_stages: int, *, file: str | None = 
     num_layers = profile.num_layers
     if num_layers < num_stages:
         raise _too_few(profile, num_stages, file)
-    if fused_backward and any(layer.backward_ms is not None for layer in profile.layers):
-        costs = [layer.forward_ms + layer.fused_backward_ms for layer in profile.layers]
+    if fused_backward and profile.measures_fused_backward:
+        costs = [layer.forward_ms + layer.b_ms for layer in profile.layers]
     else:
         costs = LayerTable(profile).layer_total_ms
 

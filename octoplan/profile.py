@@ -58,7 +58,7 @@ class Layer:
         return self.forward_ms + self.backward_input_ms + self.backward_weight_ms
 
     @property
-    def fused_backward_ms(self) -> float:
+    def b_ms(self) -> float:
         """What a B op of this layer costs (SPEC section 2)."""
         return self.backward_input_ms + self.backward_weight_ms if self.backward_ms is None else self.backward_ms
 
@@ -102,6 +102,11 @@ class Profile:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def measures_fused_backward(self) -> bool:
+        """Whether any layer carries ``backward_ms``; without, every B is exactly I + W."""
+        return any(layer.backward_ms is not None for layer in self.layers)
 
     def with_layers(self, layers: list[Layer] | tuple[Layer, ...]) -> "Profile":
         return replace(self, layers=tuple(layers))

@@ -310,7 +310,7 @@ def simulate_costs(
             ki = base + num_mb + mb
             kw = base + 2 * num_mb + mb
             kb = base + 3 * num_mb + mb
-            dur[kf], dur[ki], dur[kw], dur[kb] = f_ms, i_ms, w_ms, cost.backward_ms + overhead
+            dur[kf], dur[ki], dur[kw], dur[kb] = f_ms, i_ms, w_ms, cost.b_ms + overhead
             act[kf] = cost.activation_bytes
             act[kw] = act[kb] = -cost.activation_bytes  # W exists only where I does
             if stage > 0:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from octoplan.costs import LayerTable, op_ms
+from octoplan.costs import LayerTable, op_ms, plan_stage_costs
 from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.ops import Kind, Op
@@ -179,9 +179,8 @@ def _replay_model(plan: Plan, config: RunConfig) -> ModelFile:
     profile = load_plan_profile(plan, config.plan_path)  # the hash and layer count must still match
     # a replayed op sleeps its profiled time x scale; one longer than --timeout would trip the
     # watchdog of every process waiting on it, blaming a wait instead of the scale
-    table = LayerTable(profile)
-    longest_s = max(op_ms(table.stage(plan.stages[op.stage].start, plan.stages[op.stage].end), op.kind)
-                    for ops in plan.schedule for op in ops) * config.replay_time_scale / 1000
+    costs = plan_stage_costs(plan, LayerTable(profile))
+    longest_s = max(op_ms(costs[op.stage], op.kind) for ops in plan.schedule for op in ops) * config.replay_time_scale / 1000
     if longest_s >= config.timeout_s:
         raise InputError(None, "--replay", f"{config.replay_time_scale:g} makes the longest op sleep {longest_s:.3g} s, "
                          f"not under --timeout {config.timeout_s:g} s", "use a smaller scale or a longer --timeout")

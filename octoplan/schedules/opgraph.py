@@ -40,7 +40,7 @@ class OpGraph:
         num_stages = len(rank_of_stage)
         self.rank = [rank_of_stage[op.stage] for op in self.ops]
         op_ms = [{Kind.F: c.forward_ms, Kind.I: c.backward_input_ms, Kind.W: c.backward_weight_ms,
-                  Kind.B: c.backward_ms} for c in costs]
+                  Kind.B: c.b_ms} for c in costs]
         self.dur = [op_ms[op.stage][op.kind] + overhead for op in self.ops]
         fwd_wire = [transfer_ms(cluster, parallel, rank_of_stage[s], rank_of_stage[s + 1], costs[s].output_bytes)
                     if s + 1 < num_stages else 0.0 for s in range(num_stages)]

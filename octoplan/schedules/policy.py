@@ -127,7 +127,7 @@ def policy_schedule(
     f_ms = [c.forward_ms for c in costs]
     i_ms = [c.backward_input_ms for c in costs]
     w_ms = [c.backward_weight_ms for c in costs]
-    b_ms = [c.backward_ms for c in costs]
+    b_ms = [c.b_ms for c in costs]
     # wire time of each stage's forward output and backward gradient (0: same rank / none)
     fwd_to = [rank_of_stage[s + 1] if s + 1 < num_stages else -1 for s in range(num_stages)]
     bwd_to = [rank_of_stage[s - 1] if s > 0 else -1 for s in range(num_stages)]
