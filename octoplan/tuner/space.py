@@ -22,6 +22,7 @@ from octoplan.memory import static_bytes
 from octoplan.ops import Op
 from octoplan.plan import Cluster, Parallel, Plan, Stage
 from octoplan.profile import Profile
+from octoplan.schedules.bottleneck import bottleneck_order
 from octoplan.schedules.justify import justify
 from octoplan.schedules.policy import RankPolicy, policy_schedule
 from octoplan.simulator import SimResult, simulate_costs
@@ -136,19 +137,30 @@ class Evaluator:
         from ``cand``'s."""
         schedule = tuple(tuple(ops) for ops in self.schedule(cand))
         costs = self.costs(cand)
-        tag = cand.fixed_id.split("#")[0] if cand.fixed_id else "policy"
         out: list[Candidate] = []
         for keep in (True, False):
             new, _ = justify(schedule, cand.ranks, costs, cluster=self.cluster, parallel=cand.config.parallel(),
                              keep_memory=keep)
-            frozen = tuple(tuple(ops) for ops in new)
-            if frozen == schedule or any(frozen == c.fixed for c in out):
-                continue
-            # the digest only names the order inside this run (the cache's identity for it)
-            key = f"{tag}+justified#{hash(frozen) & 0xFFFFFFFFFFFF:x}"
             base = cand.origin.split(", justified")[0]
-            origin = f"{base}, justified" + ("" if keep else " (in flight unbounded)")
-            out.append(Candidate(cand.config, cand.bounds, cand.ranks, None, frozen, origin, key))
+            _add_fixed(out, cand, schedule, new, "justified", f"{base}, justified" + ("" if keep else " (in flight unbounded)"))
+        return out
+
+    def reordered(self, cand: Candidate) -> list[Candidate]:
+        """``cand``'s ops ordered anew by the shifting-bottleneck procedure
+        (:func:`octoplan.schedules.bottleneck.bottleneck_order`), keeping each stage's
+        microbatches in flight and free of that limit, each order followed by its justified
+        ones: the orders that differ from ``cand``'s."""
+        schedule = tuple(tuple(ops) for ops in self.schedule(cand))
+        costs = self.costs(cand)
+        out: list[Candidate] = []
+        for keep in (True, False):
+            new, _ = bottleneck_order(schedule, cand.ranks, costs, cluster=self.cluster,
+                                      parallel=cand.config.parallel(), keep_memory=keep)
+            base = cand.origin.split(", justified")[0].split(", shifting-bottleneck order")[0]
+            fresh = _add_fixed(out, cand, schedule, new, "bottleneck",
+                               f"{base}, shifting-bottleneck order" + ("" if keep else " (in flight unbounded)"))
+            if fresh is not None:
+                out.extend(c for c in self.justified(fresh) if all(c.fixed != o.fixed for o in out))
         return out
 
     def plan(self, cand: Candidate) -> Plan:
@@ -188,6 +200,21 @@ class Evaluator:
 
     def least_memory(self) -> int | None:
         return min((s.peak_memory_bytes for s in self._cache.values()), default=None)
+
+
+def _add_fixed(out: list[Candidate], cand: Candidate, schedule: tuple[tuple[Op, ...], ...],
+               order: Sequence[Sequence[Op]], step: str, origin: str) -> Candidate | None:
+    """Appends to ``out`` (and returns) ``cand``'s layout with ``order`` fixed, unless that
+    order is ``schedule`` or one already in ``out``."""
+    frozen = tuple(tuple(ops) for ops in order)
+    if frozen == schedule or any(frozen == c.fixed for c in out):
+        return None
+    # the digest only names the order inside this run (the cache's identity for it)
+    tag = cand.fixed_id.split("#")[0] if cand.fixed_id else "policy"
+    key = f"{tag}+{step}#{hash(frozen) & 0xFFFFFFFFFFFF:x}"
+    made = Candidate(cand.config, cand.bounds, cand.ranks, None, frozen, origin, key)
+    out.append(made)
+    return made
 
 
 def _scored(result: SimResult) -> Scored:
