@@ -16,7 +16,7 @@ from octoplan.simulator import simulate, simulate_costs
 from octoplan.tuner.space import Candidate, Config, Evaluator
 from tests.conftest import free_cluster, make_profile
 from tests.test_justify import _plan, assert_microbatch_order
-from tests.test_tuner_policy import layout_of, placements
+from tests.test_tuner_policy import costly_policy_order, placements
 
 
 def uneven_v():
@@ -91,9 +91,8 @@ def test_a_plan_without_gaps_keeps_its_time():
 @settings(max_examples=60, deadline=None)
 @given(placements())
 def test_bottleneck_orders_are_valid_and_never_beat_the_bound(case):
-    pp, ranks, microbatches, policies, _, _ = case
-    profile, cluster, parallel, stages, costs = layout_of(case, latency_us=300.0, inter_node_gbps=1e-5)
-    ops = policy_schedule(ranks, costs, microbatches=microbatches, policies=policies, cluster=cluster, parallel=parallel)
+    pp, ranks = case[0], case[1]
+    profile, cluster, parallel, stages, costs, ops = costly_policy_order(case)
     bound = one_machine_bound(OpGraph(ops, ranks, costs, cluster, parallel, False), pp)
     for keep in (True, False):
         order, span = bottleneck_order(ops, ranks, costs, cluster=cluster, parallel=parallel, keep_memory=keep)

@@ -14,11 +14,10 @@ from octoplan.plan import Cluster, Parallel, Stage, check_structure
 from octoplan.schedules.exact import one_machine_bound, order_bound
 from octoplan.schedules.justify import justify
 from octoplan.schedules.opgraph import OpGraph, most_in_flight
-from octoplan.schedules.policy import policy_schedule
 from octoplan.simulator import simulate, simulate_costs
 from tests.conftest import free_cluster, make_profile
 from tests.test_justify import _plan, assert_microbatch_order, heavy_head_zbv, heavy_head_zbv_file
-from tests.test_tuner_policy import layout_of, placements
+from tests.test_tuner_policy import costly_policy_order, placements
 
 
 def test_the_two_rank_case_is_solved_to_its_optimum():
@@ -73,11 +72,8 @@ def test_justification_reaches_the_optimum_on_zbv_with_a_heavy_head():
 @settings(max_examples=40, deadline=None)
 @given(placements())
 def test_the_bound_holds_and_the_orders_found_are_valid(case):
-    pp, ranks, microbatches, policies, times, _ = case
-    # transfers that cost something, across a node boundary: the simulator's link contention
-    # is the one thing the order model leaves out, so its bound must still hold there
-    profile, cluster, parallel, stages, costs = layout_of(case, latency_us=300.0, inter_node_gbps=1e-5)
-    ops = policy_schedule(ranks, costs, microbatches=microbatches, policies=policies, cluster=cluster, parallel=parallel)
+    ranks = case[1]
+    profile, cluster, parallel, stages, costs, ops = costly_policy_order(case)
     given_run = simulate_costs(_plan(profile, cluster, parallel, stages, ops), costs).iteration_ms
     for keep in (True, False):
         result = order_bound(ops, ranks, costs, cluster=cluster, parallel=parallel, keep_memory=keep, time_limit_s=10)

@@ -43,6 +43,16 @@ def layout_of(case, *, latency_us: float, inter_node_gbps: float):
     return profile, cluster, parallel, stages, stage_costs(stages, LayerTable(profile))
 
 
+def costly_policy_order(case):
+    """:func:`layout_of` with transfers that cost something across a node boundary (the
+    simulator's link contention is the one thing the order model leaves out, so its bounds must
+    still hold there), and the drawn policies' order: ``layout_of``'s five values and the ops."""
+    pp, ranks, microbatches, policies, _, _ = case
+    profile, cluster, parallel, stages, costs = layout = layout_of(case, latency_us=300.0, inter_node_gbps=1e-5)
+    ops = policy_schedule(ranks, costs, microbatches=microbatches, policies=policies, cluster=cluster, parallel=parallel)
+    return (*layout, ops)
+
+
 @settings(max_examples=150, deadline=None)
 @given(placements())
 def test_any_placement_gets_a_valid_deadlock_free_order(case):

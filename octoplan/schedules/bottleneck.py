@@ -40,7 +40,7 @@ from typing import Sequence
 from octoplan.costs import StageCost
 from octoplan.ops import Op
 from octoplan.plan import Cluster, Parallel
-from octoplan.schedules.opgraph import OpGraph
+from octoplan.schedules.opgraph import OpGraph, heads_and_tails
 
 __all__ = ["bottleneck_order"]
 
@@ -70,49 +70,7 @@ class _Sequencer:
 
     def heads_tails(self) -> tuple[list[float], list[float], list[int]]:
         """Longest paths before and after every op, and each op's place in a topological order."""
-        g = self.graph
-        preds, succs, dur, prev, nxt = g.preds, g.succs, g.dur, self.prev, self.next
-        n = len(dur)
-        missing = [len(p) + (prev[i] >= 0) for i, p in enumerate(preds)]
-        order = [i for i in range(n) if missing[i] == 0]
-        for i in order:  # grows while it is walked
-            for b, _ in succs[i]:
-                missing[b] -= 1
-                if missing[b] == 0:
-                    order.append(b)
-            b = nxt[i]
-            if b >= 0:
-                missing[b] -= 1
-                if missing[b] == 0:
-                    order.append(b)
-        if len(order) != n:
-            raise ValueError("fixing the ranks' orders closed a cycle")
-        head = [0.0] * n
-        for i in order:
-            h = 0.0
-            for a, lag in preds[i]:
-                v = head[a] + dur[a] + lag
-                if v > h:
-                    h = v
-            a = prev[i]
-            if a >= 0 and head[a] + dur[a] > h:
-                h = head[a] + dur[a]
-            head[i] = h
-        tail = [0.0] * n
-        for i in reversed(order):
-            t = 0.0
-            for b, lag in succs[i]:
-                v = lag + dur[b] + tail[b]
-                if v > t:
-                    t = v
-            b = nxt[i]
-            if b >= 0 and dur[b] + tail[b] > t:
-                t = dur[b] + tail[b]
-            tail[i] = t
-        place = [0] * n
-        for k, i in enumerate(order):
-            place[i] = k
-        return head, tail, place
+        return heads_and_tails(self.graph, self.prev, self.next)
 
     def schrage(self, rank: int, head: list[float], tail: list[float], place: list[int]) -> tuple[list[int], float]:
         """The rank's ops alone, by Schrage's rule: its order and when its last tail ends."""

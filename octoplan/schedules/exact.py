@@ -36,7 +36,7 @@ from ortools.sat.python import cp_model
 from octoplan.costs import TICKS_PER_MS, StageCost
 from octoplan.ops import Op
 from octoplan.plan import Cluster, Parallel
-from octoplan.schedules.opgraph import OpGraph, serial_schedule
+from octoplan.schedules.opgraph import OpGraph, heads_and_tails, serial_schedule
 
 __all__ = ["OrderBound", "order_bound", "one_machine_bound", "relaxation_bound"]
 
@@ -70,33 +70,10 @@ def _ticks_down(ms: float) -> int:
     return max(0, math.floor(ms * TICKS_PER_MS + 1e-6))
 
 
-def _longest_paths(graph: OpGraph) -> tuple[list[float], list[float]]:
-    """Every op's head (the longest dataflow path before its start) and tail (after its end)."""
-    n = len(graph.ops)
-    missing = [len(p) for p in graph.preds]
-    order = [i for i in range(n) if missing[i] == 0]
-    for i in order:  # grows while it is walked: a topological order
-        for b, _ in graph.succs[i]:
-            missing[b] -= 1
-            if missing[b] == 0:
-                order.append(b)
-    if len(order) != n:
-        raise ValueError("the schedule's dataflow has a cycle")
-    head = [0.0] * n
-    for i in order:
-        for a, lag in graph.preds[i]:
-            head[i] = max(head[i], head[a] + graph.dur[a] + lag)
-    tail = [0.0] * n
-    for i in reversed(order):
-        for b, lag in graph.succs[i]:
-            tail[i] = max(tail[i], lag + graph.dur[b] + tail[b])
-    return head, tail
-
-
 def one_machine_bound(graph: OpGraph, num_ranks: int) -> float:
     """The largest over ranks of the optimal preemptive makespan of the rank's ops alone, with
     heads and tails (Jackson's preemptive schedule): a lower bound on every order's makespan."""
-    head, tail = _longest_paths(graph)
+    head, tail, _ = heads_and_tails(graph)
     by_rank: list[list[tuple[float, int]]] = [[] for _ in range(num_ranks)]
     for i, r in enumerate(graph.rank):
         by_rank[r].append((head[i], i))

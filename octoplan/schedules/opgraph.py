@@ -23,7 +23,7 @@ from octoplan.costs import StageCost, transfer_ms
 from octoplan.ops import Kind, Op
 from octoplan.plan import Cluster, Parallel
 
-__all__ = ["OpGraph", "most_in_flight", "serial_schedule"]
+__all__ = ["OpGraph", "heads_and_tails", "most_in_flight", "serial_schedule"]
 
 
 class OpGraph:
@@ -106,6 +106,57 @@ class OpGraph:
 
     def makespan(self, start: Sequence[float]) -> float:
         return max((t + d for t, d in zip(start, self.dur)), default=0.0)
+
+
+def heads_and_tails(graph: OpGraph, prev: Sequence[int] | None = None,
+                    nxt: Sequence[int] | None = None) -> tuple[list[float], list[float], list[int]]:
+    """Every op's head (the longest path before its start) and tail (after its end), and its
+    place in a topological order, over the dataflow plus, if given, rank orders: ``prev[i]``
+    and ``nxt[i]`` are the ops just before and after op i on its rank (-1: none).
+    ``ValueError`` if the edges close a cycle."""
+    n = len(graph.dur)
+    no_order = [-1] * n
+    prev, nxt = prev or no_order, nxt or no_order
+    missing = [len(p) + (prev[i] >= 0) for i, p in enumerate(graph.preds)]
+    order = [i for i in range(n) if missing[i] == 0]
+    for i in order:  # grows while it is walked
+        for b, _ in graph.succs[i]:
+            missing[b] -= 1
+            if missing[b] == 0:
+                order.append(b)
+        b = nxt[i]
+        if b >= 0:
+            missing[b] -= 1
+            if missing[b] == 0:
+                order.append(b)
+    if len(order) != n:
+        raise ValueError("the ops' dataflow and rank orders close a cycle")
+    head = _longest(order, graph.preds, prev, graph.dur)
+    tail = _longest(order[::-1], graph.succs, nxt, graph.dur, backward=True)
+    place = [0] * n
+    for k, i in enumerate(order):
+        place[i] = k
+    return head, tail, place
+
+
+def _longest(order: Sequence[int], edges: Sequence[Sequence[tuple[int, float]]], extra: Sequence[int],
+             dur: Sequence[float], *, backward: bool = False) -> list[float]:
+    """Longest paths to each op along ``order``, over ``edges`` (op, lag) and the one
+    ``extra`` edge of lag 0 per op: heads over predecessors, or (``backward``) tails over
+    successors with the order reversed. Tails are summed from the far end (lag + op + tail),
+    as in the one-machine bound: the same floats, so ties between equal paths break alike."""
+    value = [0.0] * len(dur)
+    for i in order:
+        best = 0.0
+        for j, lag in edges[i]:
+            v = lag + dur[j] + value[j] if backward else value[j] + dur[j] + lag
+            if v > best:
+                best = v
+        j = extra[i]
+        if j >= 0 and value[j] + dur[j] > best:
+            best = value[j] + dur[j]
+        value[i] = best
+    return value
 
 
 def most_in_flight(schedule: Sequence[Sequence[Op]]) -> dict[int, int]:
