@@ -317,15 +317,16 @@ def justify(
     table = Table(title=f"{plan_path} -> {output}")
     for column in ("order", "iteration ms", "bubble", "peak GB", "fits"):
         table.add_column(column, justify="right")
-    for name, res in (("given", before), ("reordered, justified" if reorder else "justified", after)):
+    new_name = "reordered, justified" if reorder else "justified"
+    for name, res in (("given", before), (new_name, after)):
         table.add_row(name, f"{res.iteration_ms:.3f}", f"{res.bubble_ratio:.1%}",
                       f"{max(res.peak_memory_bytes) / 1e9:.2f}", "yes" if res.fits_memory else "[red]NO[/red]")
     console.print(table)
     if better:
-        console.print(f"justified order written: {before.iteration_ms / after.iteration_ms:.3f}x faster")
+        console.print(f"{new_name} order written: {before.iteration_ms / after.iteration_ms:.3f}x faster")
     else:
         why = "does not fit memory" if not after.fits_memory else "is not faster"
-        console.print(f"the justified order {why}; the given order was written unchanged")
+        console.print(f"the {new_name} order {why}; the given order was written unchanged")
 
 
 @app.command()

@@ -84,13 +84,19 @@ class _Sequencer:
                 t = head[ops[k]]
             while k < len(ops) and head[ops[k]] <= t + 1e-9:
                 i = ops[k]
-                heapq.heappush(ready, (-tail[i], -dur[i], place[i], i))
+                heapq.heappush(ready, (-_even(tail[i]), -_even(dur[i]), place[i], i))
                 k += 1
             *_, i = heapq.heappop(ready)
             order.append(i)
             t += dur[i]
             end = max(end, t + tail[i])
         return order, end
+
+
+def _even(ms: float) -> float:
+    """``ms`` to the nanosecond: paths of equal length summed in another order (or read back
+    from a plan file) then compare equal, so ties break the same way every time."""
+    return round(ms, 6)
 
 
 def bottleneck_order(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], costs: Sequence[StageCost], *,
@@ -109,8 +115,8 @@ def bottleneck_order(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[i
         for r in range(num_ranks):
             if r not in seq.fixed and seq.by_rank[r]:
                 order, end = seq.schrage(r, head, tail, place)
-                if worst is None or end > worst[0]:
-                    worst = (end, r, order)
+                if worst is None or _even(end) > worst[0]:
+                    worst = (_even(end), r, order)
         if worst is None:  # the ranks left hold no ops
             fixed_in_turn.extend(r for r in range(num_ranks) if r not in seq.fixed)
             break
