@@ -94,8 +94,9 @@ class _Sequencer:
 
 
 def _even(ms: float) -> float:
-    """``ms`` to the nanosecond: paths of equal length summed in another order (or read back
-    from a plan file) then compare equal, so ties break the same way every time."""
+    """``ms`` to the nanosecond, for comparisons: paths whose lengths differ only in the last
+    bits (floats summed in another order, or layer times read back from a profile file, which
+    keeps six decimals) mostly compare equal, and their ties break alike."""
     return round(ms, 6)
 
 

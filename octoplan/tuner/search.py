@@ -14,14 +14,19 @@ Steps:
    bubbles and forwards ahead of them); the justified plans join the seeds.
 4. Hill-climb from the best seeds with bubble-aware moves (:mod:`octoplan.tuner.moves`):
    simulate, read who waits on whom, try the most promising moves first, keep the first one
-   that is faster (or, while nothing fits, leaner); at a local optimum, justify its order
-   and go on from there if that is faster; until no move helps or time runs out. Time the
-   climbs leave unused goes to climbs from the next-best seeds. With ``workers`` > 1 the climbs
-   run side by side in that many processes (:mod:`octoplan.tuner.pool`).
+   that is faster (or, while nothing fits, leaner); at a local optimum, justify its order,
+   rebuild it by the shifting-bottleneck procedure (:mod:`octoplan.schedules.bottleneck`)
+   where the time left allows, and go on from there if that is faster; until no move helps or
+   time runs out. Time the climbs leave unused goes to climbs from the next-best seeds. With
+   ``workers`` > 1 the climbs run side by side in that many processes
+   (:mod:`octoplan.tuner.pool`).
+5. Rebuild the best plan's order the same way, if that fits in the time left, and climb from
+   it if it is faster (:meth:`_Search.polish`).
 
 Deterministic for a given seed: moves are tried in a fixed order with ties broken by
-``random.Random(seed)``; the clock only decides when to stop (with one worker; with several,
-which climb ends first also depends on the machine).
+``random.Random(seed)``; the clock only decides when to stop, and whether a rebuilt order
+still fits before a deadline (with one worker; with several, which climb ends first also
+depends on the machine). With ``max_plans`` the clock counts plans and every rebuild runs.
 """
 
 from __future__ import annotations
