@@ -36,8 +36,7 @@ def main() -> None:
         opts = TuneOptions(gpus=args.gpus, pp=args.gpus, microbatches=args.microbatches, time_limit_s=args.time_limit)
         fused_plan, plain_plan = tune(measured, cluster, opts).plan, tune(plain, cluster, opts).plan
         fused_ms, plain_ms = simulate(fused_plan, measured).iteration_ms, simulate(plain_plan, measured).iteration_ms
-        split = sum(layer.backward_input_ms + layer.backward_weight_ms for layer in measured.layers)
-        ratio = sum(layer.b_ms for layer in measured.layers) / split
+        ratio = measured.fused_backward_ratio or 1.0  # none measured: B = I + W
         kinds = lambda plan: "".join(sorted({op.kind.value for ops in plan.schedule for op in ops}))
         print(f"| {path} | {ratio:.2f} | {fused_ms:.2f}, {kinds(fused_plan)}, {fused_plan.num_stages} | "
               f"{plain_ms:.2f}, {kinds(plain_plan)}, {plain_plan.num_stages} | {plain_ms / fused_ms:.3f} |")

@@ -60,6 +60,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from octoplan.baseline import make_baseline  # noqa: E402
 from octoplan.calibrate import calibration_of, split_trace  # noqa: E402
+from octoplan.costs import LayerTable, op_ms, plan_stage_costs  # noqa: E402
 from octoplan.ops import Kind  # noqa: E402
 from octoplan.plan import Cluster, Plan, load_plan, save_plan  # noqa: E402
 from octoplan.profile import Layer, ModelRef, Profile, load_profile, save_profile  # noqa: E402
@@ -389,17 +390,9 @@ def _plan_shape(plan: Plan) -> dict[str, Any]:
 def _op_ms(profile: Profile, plan: Plan) -> dict[str, float]:
     """Shortest and longest op the plan runs (F, I, W or fused B of a stage), in ms. Stage 0's
     I is left out: the replay never runs it (the model's input has no gradient)."""
-    times = []
-    for rank_ops in plan.schedule:
-        for op in rank_ops:
-            layers = profile.layers[plan.stages[op.stage].start:plan.stages[op.stage].end]
-            f = sum(layer.forward_ms for layer in layers)
-            i = sum(layer.backward_input_ms for layer in layers)
-            w = sum(layer.backward_weight_ms for layer in layers)
-            b = sum(layer.b_ms for layer in layers)
-            ms = {Kind.F: f, Kind.I: i, Kind.W: w, Kind.B: b}[op.kind]
-            if not (op.kind is Kind.I and op.stage == 0):
-                times.append(ms)
+    costs = plan_stage_costs(plan, LayerTable(profile))
+    times = [op_ms(costs[op.stage], op.kind) for rank_ops in plan.schedule for op in rank_ops
+             if not (op.kind is Kind.I and op.stage == 0)]
     return {"min_op_ms": round(min(times), 2), "max_op_ms": round(max(times), 2)}
 
 

@@ -139,9 +139,8 @@ def _print_profile(result: Profile, out: Path) -> None:
                       f"{layer.activation_bytes / 1e6:.2f}", f"{layer.output_bytes / 1e6:.2f}")
     console.print(table)
     total = sum(layer.total_ms for layer in result.layers)
-    split = sum(layer.backward_input_ms + layer.backward_weight_ms for layer in result.layers)
-    fused = sum(layer.b_ms for layer in result.layers)
-    ratio = f"; fused backward B = {fused / split:.2f} x (I + W)" if split > 0 and fused != split else ""
+    fused = result.fused_backward_ratio
+    ratio = f"; fused backward B = {fused:.2f} x (I + W)" if fused is not None and fused != 1.0 else ""
     console.print(f"{result.num_layers} layers, F+I+W = {total:.3f} ms per microbatch of {result.microbatch_size}{ratio}")
 
 

@@ -108,6 +108,15 @@ class Profile:
         """Whether any layer carries ``backward_ms``; without, every B is exactly I + W."""
         return any(layer.backward_ms is not None for layer in self.layers)
 
+    @property
+    def fused_backward_ratio(self) -> float | None:
+        """The whole model's fused backward over its split one, B / (I + W); None where no
+        layer measured B or the split backward takes no time."""
+        split = sum(layer.backward_input_ms + layer.backward_weight_ms for layer in self.layers)
+        if not self.measures_fused_backward or split <= 0:
+            return None
+        return sum(layer.b_ms for layer in self.layers) / split
+
     def with_layers(self, layers: list[Layer] | tuple[Layer, ...]) -> "Profile":
         return replace(self, layers=tuple(layers))
 

@@ -68,6 +68,11 @@ def test_any_placement_gets_a_valid_deadlock_free_order(case):
     for rank, rank_ops in enumerate(ops):
         kinds = {op.kind.value for op in rank_ops}
         assert ("B" in kinds) != policies[rank].split
+    # so the tuner can count a policy candidate's ops without scheduling it
+    from octoplan.tuner.space import Candidate, Config
+
+    cand = Candidate(Config(pp, 1, microbatches), tuple(range(len(ranks) + 1)), ranks, policies)
+    assert cand.num_ops == sum(len(rank_ops) for rank_ops in ops)
 
 
 def test_default_knobs_on_a_loop_reproduce_1f1b():

@@ -331,10 +331,12 @@ class _Search:
         per candidate), unless it would not end before ``deadline``."""
         if cand in self._reordered:
             return
-        if not self.opts.max_plans and self.clock.elapsed() + self.reorder_estimate_s(cand) > deadline:
+        # its cost grows with the ops times the square of the ranks: estimated at the last
+        # rebuild's pace (or a cautious default before the first)
+        size = max(1, cand.num_ops * cand.config.pp ** 2)
+        if not self.opts.max_plans and self.clock.elapsed() + self._reorder_s_per_unit * size > deadline:
             return
         self._reordered.add(cand)
-        size = _reorder_size(self.ev, cand)
         started = time.perf_counter()
         try:
             found = self.ev.reordered(cand)
@@ -343,12 +345,6 @@ class _Search:
             return
         self._reorder_s_per_unit = (time.perf_counter() - started) / size
         yield from found
-
-    def reorder_estimate_s(self, cand: Candidate) -> float:
-        """Seconds the shifting-bottleneck reordering of ``cand`` should take: its cost grows
-        with the ops times the square of the ranks, at the last one's pace (or a cautious
-        default before the first)."""
-        return self._reorder_s_per_unit * _reorder_size(self.ev, cand)
 
     def polish(self) -> None:
         """The best plan's order rebuilt by the shifting-bottleneck procedure, if that should
@@ -378,10 +374,6 @@ class _Search:
 # variants and their justifications together: 2-3.3e-6 s on this project's 2-core machine
 # (5 s for gemma3-27b's 6,144 ops on 16 ranks, 27 s for deepseek-v3's 12,288 on 32)
 REORDER_S_PER_UNIT = 2.5e-6
-
-
-def _reorder_size(evaluator: Evaluator, cand: Candidate) -> int:
-    return max(1, sum(len(ops) for ops in evaluator.schedule(cand)) * cand.config.pp ** 2)
 
 
 def _better_enough(new: tuple[int, float], old: tuple[int, float]) -> bool:

@@ -69,6 +69,15 @@ class Candidate:
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.ranks) if r == rank]
 
+    @property
+    def num_ops(self) -> int:
+        """How many ops its order has, without scheduling it: a policy rank that splits its
+        backwards runs F, I and W per stage and microbatch, any other F and B."""
+        if self.fixed is not None:
+            return sum(len(ops) for ops in self.fixed)
+        assert self.policies is not None
+        return self.config.microbatches * sum(3 if self.policies[r].split else 2 for r in self.ranks)
+
 
 @dataclass(frozen=True)
 class Scored:
