@@ -202,14 +202,17 @@ def simulate(
     table.add_row("fits memory", "yes" if result.fits_memory else "[red]NO[/red]")
     console.print(table)
     by_rank = Table(title="per rank")
-    for column in ("rank", "stages", "busy ms", "idle ms", "peak GB", "largest bubble (waits for)"):
+    for column in ("rank", "stages", "busy ms", "idle ms", "idle: warm-up / between / drain", "peak GB",
+                   "largest bubble (waits for)"):
         by_rank.add_column(column, justify="right")
     for r in range(plan.pp):
         gaps = [b for b in result.bubbles if b.rank == r and b.reason != "drain"]
         worst = max(gaps, key=lambda b: b.duration_ms, default=None)
         worst_text = f"{worst.duration_ms:.2f} ms ({worst.waits_for} from rank {worst.from_rank}, {worst.reason})" if worst else "-"
+        parts = " / ".join(f"{ms:.2f}" for ms in result.idle_parts(r))
         by_rank.add_row(str(r), ",".join(map(str, plan.stages_of(r))), f"{result.busy_ms[r]:.2f}",
-                        f"{result.iteration_ms - result.busy_ms[r]:.2f}", f"{result.peak_memory_bytes[r] / 1e9:.2f}", worst_text)
+                        f"{result.iteration_ms - result.busy_ms[r]:.2f}", parts, f"{result.peak_memory_bytes[r] / 1e9:.2f}",
+                        worst_text)
     console.print(by_rank)
 
 

@@ -188,6 +188,24 @@ class SimResult:
                 out.append(Bubble(r, t, self.iteration_ms, "drain", None, None))
         return out
 
+    def idle_parts(self, rank: int) -> tuple[float, float, float]:
+        """``rank``'s idle time in three parts: before its first op (the pipeline filling up to
+        it), between its ops (waits on other ranks' ops and transfers), after its last op (the
+        pipeline draining, and the all-reduce). They call for different fixes: warm-up idle
+        shrinks only if the rank holds less work or starts from earlier stages, idle between
+        ops if the ranks it waits on get lighter or its order changes."""
+        before = between = after = 0.0
+        for bubble in self.bubbles:
+            if bubble.rank != rank:
+                continue
+            if bubble.reason == "drain":
+                after += bubble.duration_ms
+            elif bubble.start_ms == 0.0:
+                before += bubble.duration_ms
+            else:
+                between += bubble.duration_ms
+        return before, between, after
+
     @cached_property
     def critical_path(self) -> list[Op]:
         """The chain of ops that decides the iteration time, first op first.

@@ -3,6 +3,7 @@ every violation — through the library and through the command line (exit 2, on
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,18 @@ def test_bad_plans_name_the_field_and_exit_2_from_the_cli(baseline_files, mutate
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and str(path) in lines[0] and field in lines[0] and "Traceback" not in run.stderr
+
+
+def test_simulate_splits_each_ranks_idle_into_warm_up_between_and_drain(baseline_files):
+    # ZB-H1 on 2 ranks, stages of 3 layers (F = I = W = 3 ms): rank 1 starts after 0F0 (3 ms of
+    # warm-up) and never waits again; rank 0 waits from 6 to 9 for 1I0; both end together at 39
+    _, path = baseline_files
+    run = subprocess.run([sys.executable, "-m", "octoplan.cli", "simulate", str(path)], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert run.returncode == 0, run.stderr
+    assert "idle: warm-up / between / drain" in run.stdout
+    rows = {line.split()[1]: line for line in run.stdout.splitlines() if line.startswith("│ ") and "/" in line}
+    assert "0.00 / 3.00 / 0.00" in rows["0"] and "3.00 / 0.00 / 0.00" in rows["1"], run.stdout
 
 
 def test_a_plan_whose_profile_changed_is_refused(baseline_files):

@@ -64,6 +64,9 @@ def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
         (0, 4, 16, "dependency", "1B0", 1), (0, 18, 20, "transfer", "1B1", 1),
         (1, 0, 5, "transfer", "0F0", 0), (1, 6, 8, "transfer", "0F1", 0), (1, 17, 22, "drain", None, None),
     ]
+    # idle split: rank 0 never waits to start and ends last; rank 1 waits 5 ms for its first
+    # input, 2 ms for its second, and idles 5 ms after its last op
+    assert [result.idle_parts(r) for r in range(2)] == [(0, 14, 0), (5, 2, 5)]
     assert [str(op) for op in result.critical_path] == ["0F0", "0F1", "1F1", "1B0", "1B1", "0B1"]
     # Activations: rank 0 holds two microbatches of layer a, rank 1 two of layer b.
     assert result.peak_memory_bytes == (200, 2000)
@@ -121,6 +124,8 @@ def test_data_parallel_allreduce_after_the_last_backward_counts_in_the_iteration
     # Compute ends at 22 as with dp 1; the ring: 2(dp-1) latencies + 2(dp-1)/dp * 4 MB / 0.5 GB/s.
     assert [(a.rank, a.stage, a.start_ms, a.end_ms) for a in result.allreduces] == [(0, 0, 22, 32), (1, 1, 17, 17)]
     assert result.iteration_ms == 32
+    # after its last op, rank 0 waits 10 ms for its all-reduce; rank 1 is done at 17
+    assert [result.idle_parts(r) for r in range(2)] == [(0, 14, 10), (5, 2, 15)]
     # static memory: weights + grads + Adam (fp32 profile: 16 bytes per parameter).
     assert result.peak_memory_bytes[0] == static_bytes(4_000_000, dtype_bytes=4) + 200 == 16_000_200
 
