@@ -1,7 +1,7 @@
 """Tuner benchmark: efficiency and speedups on heterogeneous analytic workloads, an ablation,
 and tuning time at 64 and 1024 GPUs.
 
-    .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME] [--split-blocks] [--order-bound S]
+    .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME] [--split-blocks] [--order-bound S] [--halve-layers]
     .venv/bin/python benchmarks/bench_tuner.py caps
     .venv/bin/python benchmarks/bench_tuner.py scale --gpus 64 --time-limit 60
     .venv/bin/python benchmarks/bench_tuner.py spread --only gemma3-27b --perturb 1e-3 --seeds 1 2 3 [--workers 2]
@@ -19,6 +19,9 @@ any assignment of whole layers to pp ranks allows (a CP-SAT bin packing): an upp
 efficiency of every plan, whatever its schedule. ``--order-bound S`` bounds, for each tuned plan,
 every op order of its stages and placement (``octoplan bound --unbounded-in-flight``: CP-SAT for
 S seconds and the one-machine relaxation): how much of the gap is the order's.
+
+``--halve-layers`` is a what-if: the tuned profile's layers (all but the embedding and the
+head) cut into two equal halves, the same work at twice the granularity.
 
 ``spread`` tunes each workload's split-block profile (as the headline suite) and then the same
 profile with every layer time scaled by 1 + REL x N(0, 1) (one seeded draw each), and prices
@@ -69,15 +72,33 @@ SUITE = [
 ABLATIONS = {"partition only": ("partition",), "placement only": ("placement",), "schedule only": ("schedule",)}
 
 
-def _profile_and_cluster(w: Workload, *, split_blocks: bool = False):
+def _profile_and_cluster(w: Workload, *, split_blocks: bool = False, halve: bool = False):
     profile = analytic_profile(w.arch, w.gpu, tp=w.tp, split_blocks=split_blocks)
+    if halve:
+        profile = _halved(profile)
     cluster = Cluster(gpus=w.gpus, gpus_per_node=w.gpus_per_node, memory_gb=profile.device["memory_gb"])
     return profile, cluster
 
 
+def _halved(profile):
+    """A what-if: every layer but the embedding and the head cut into two equal halves (time,
+    parameters and activations halved, the output unchanged): the same work at twice the
+    granularity, to see how much of a result the layers' size decides."""
+    layers = []
+    for layer in profile.layers:
+        if layer.kind in ("embedding", "head"):
+            layers.append(layer)
+            continue
+        half = replace(layer.map_times(lambda _, ms: ms / 2), param_bytes=layer.param_bytes // 2,
+                       activation_bytes=layer.activation_bytes // 2, flops=None if layer.flops is None else layer.flops / 2)
+        layers += [replace(half, name=f"{layer.name}.{part}") for part in ("a", "b")]
+    return replace(profile, layers=tuple(layers))
+
+
 def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placement", "schedule"), seed: int = 0,
-            split_blocks: bool = False, chunks_max: int = 3, order_bound_s: float = 0.0, workers: int = 1) -> dict:
-    profile, cluster = _profile_and_cluster(w, split_blocks=split_blocks)
+            split_blocks: bool = False, chunks_max: int = 3, order_bound_s: float = 0.0, workers: int = 1,
+            halve: bool = False) -> dict:
+    profile, cluster = _profile_and_cluster(w, split_blocks=split_blocks, halve=halve)
     opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=time_limit, seed=seed,
                        dimensions=tuple(dimensions), chunks_max=chunks_max, workers=workers)
     start = time.perf_counter()
@@ -159,7 +180,7 @@ def suite(args) -> None:
     results = []
     for w in chosen:
         r = run_one(w, time_limit=args.time_limit, seed=args.seed, split_blocks=args.split_blocks, chunks_max=args.chunks_max,
-                    order_bound_s=args.order_bound, workers=args.workers)
+                    order_bound_s=args.order_bound, workers=args.workers, halve=args.halve_layers)
         results.append(r)
         print(json.dumps(r), flush=True)
     print()
@@ -269,6 +290,9 @@ def main() -> None:
     p.add_argument("--order-bound", type=float, default=0.0, metavar="SECONDS",
                    help="also bound every order of each tuned layout (octoplan bound --unbounded-in-flight), CP-SAT this long")
     p.add_argument("--workers", type=int, default=1, help="processes that climb at once (octoplan tune --workers)")
+    p.add_argument("--halve-layers", action="store_true",
+                   help="what-if: tune on every layer but the embedding and head cut in two equal halves (the "
+                        "baselines of that granularity too; Megatron-LM stays on whole blocks with --split-blocks)")
     p.set_defaults(fn=suite)
     p = sub.add_parser("spread")
     p.add_argument("--time-limit", type=float, default=60.0)
