@@ -48,6 +48,14 @@ def test_the_tuned_order_is_proven_optimal_for_its_stages_and_placement(tuned):
     stages = [(s.start, s.end) for s in tuned.plan.stages]
     assert stages[-1] == (11, 12) and sum(heavy_head().layers[i].forward_ms for i in range(11)) == 10.5
     assert tuned.stats["order_bound_ms"] == tuned.plan.predicted["iteration_ms"] == 154.5
+    # where the time goes: the head's rank carries 8 x 18 = 144 ms, SPEC section 7's lower bound
+    # (the largest layer's work; the even share is 8 x 49.5 / 4 = 99), so the balance is 1; it
+    # idles only the 10.5 ms before microbatch 0 reaches it: schedule 144 / 154.5
+    stats = tuned.stats
+    assert stats["busiest_rank"] == tuned.plan.stages[-1].rank and stats["busiest_busy_ms"] == 144
+    assert stats["lower_bound_ms"] == 144
+    assert stats["balance"] == 1.0 and stats["schedule"] == round(144 / 154.5, 4)
+    assert stats["busiest_idle_ms"] == {"warm_up": 10.5, "between": 0.0, "drain": 0.0}
 
 
 def test_heavy_head_beats_megatron_1f1b_clearly(tuned):
@@ -142,6 +150,9 @@ def test_cli_tune_writes_a_plan_and_compare_prints_the_table(profile_file, tmp_p
     assert plan.profile_sha256 == file_sha256(path)
     assert plan.predicted["iteration_ms"] == pytest.approx(154.5)
     assert "beats 154.50 ms: reordering could save at most 0.0%" in " ".join(result.output.split())
+    assert ("efficiency 0.932 = balance 1.000 (the busiest rank, 3, works 144.00 ms; the lower bound is 144.00) x "
+            "schedule 0.932 (rank 3 idles 10.50 ms before its first op, 0.00 between its ops, 0.00 after its last)"
+            ) in " ".join(result.output.split())
     assert runner.invoke(app, ["validate", str(out)]).exit_code == 0
     compare = runner.invoke(app, ["compare", *args])
     assert compare.exit_code == 0, compare.output

@@ -104,6 +104,16 @@ _WORKERS = typer.Option(1, "--workers", help="processes that hill-climb at once,
                                             "from several seeds run side by side (the result then depends on timing)")
 
 
+def _where_the_time_goes(stats: dict, efficiency: float) -> str:
+    """Efficiency as balance x schedule, and the busiest rank's idle time by cause."""
+    rank, idle = stats["busiest_rank"], stats["busiest_idle_ms"]
+    return (f"efficiency {efficiency:.3f} = balance {stats['balance']:.3f} (the busiest rank, {rank}, works "
+            f"{stats['busiest_busy_ms']:.2f} ms; the lower bound is {stats['lower_bound_ms']:.2f}) x schedule "
+            f"{stats['schedule']:.3f} (rank {rank} idles "
+            f"{idle['warm_up']:.2f} ms before its first op, {idle['between']:.2f} between its ops, {idle['drain']:.2f} "
+            f"after its last)")
+
+
 def register(app: typer.Typer) -> None:
     """Add ``tune`` and ``compare`` to the planner's command line."""
 
@@ -132,6 +142,7 @@ def register(app: typer.Typer) -> None:
                       f"{output}: predicted {plan.predicted['iteration_ms']:.2f} ms, bubble "
                       f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "
                       f"({result.stats['evaluations']} plans simulated in {result.stats['wall_s']:.1f} s)")
+        console.print(_where_the_time_goes(result.stats, plan.predicted["efficiency"]))
         bound = result.stats["order_bound_ms"]
         console.print(f"no op order of these stages and placement beats {bound:.2f} ms: reordering could save at most "
                       f"{max(0.0, 1 - bound / plan.predicted['iteration_ms']):.1%} (`octoplan bound` searches for it)")

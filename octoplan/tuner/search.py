@@ -494,6 +494,12 @@ def tune(
     # what a better order of the same stages and placement could still save, at most
     order_bound = relaxation_bound(plan.schedule, best.ranks, evaluator.costs(best), cluster=evaluator.cluster,
                                    parallel=best.config.parallel())
+    # where the rest of the iteration goes: efficiency = balance (how close the busiest rank's
+    # work is to SPEC section 7's lower bound) x schedule (how little that rank idles), and
+    # when it idles: a warm-up says it needs less work, waits between ops a lighter neighbour
+    timeline = evaluator.timeline(best)
+    busiest = max(range(best.config.pp), key=lambda r: (timeline.busy_ms[r], -r))
+    warm_up, between, drain = timeline.idle_parts(busiest)
     stats = {
         "seed": opts.seed,
         "time_limit_s": opts.time_limit_s,
@@ -509,6 +515,12 @@ def tune(
         "origin": best.origin,
         "moves_accepted": len(search.accepted_moves),
         "order_bound_ms": round(order_bound, 4),
+        "busiest_rank": busiest,
+        "busiest_busy_ms": round(timeline.busy_ms[busiest], 4),
+        "lower_bound_ms": round(timeline.lower_bound_ms, 4),
+        "balance": round(timeline.lower_bound_ms / timeline.busy_ms[busiest], 4),
+        "schedule": round(timeline.busy_ms[busiest] / timeline.iteration_ms, 4),
+        "busiest_idle_ms": {"warm_up": round(warm_up, 4), "between": round(between, 4), "drain": round(drain, 4)},
         "dimensions": list(opts.dimensions),
         "cpsat": cpsat_stats,
     }
