@@ -109,10 +109,6 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
         block_profile, _ = _profile_and_cluster(w)
         baselines = [replace(row, name=f"{row.name}/blocks") for row in compare_baselines(block_profile, cluster, opts)] + baselines
     rows = {row.name: row.scored for row in baselines}
-    # efficiency = balance x schedule: how close the busiest rank's work is to the lower
-    # bound (whole layers cannot always split evenly), and how little that rank idles
-    sim = simulate(result.plan, profile)
-    busiest = max(sim.busy_ms)
     suffix = "/blocks" if split_blocks else ""
     megatron = [rows[n + suffix].iteration_ms for n in ("1f1b/uniform", "interleaved-1f1b/uniform")
                 if n + suffix in rows and rows[n + suffix].fits]
@@ -134,7 +130,8 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
         "workload": w.name, "pp": w.pp, "dp": w.gpus // w.pp, "microbatches": w.microbatches,
         "gpus_per_node": w.gpus_per_node, "tuned_ms": result.scored.iteration_ms,
         "efficiency": result.scored.efficiency, "bubble_ratio": result.scored.bubble_ratio,
-        "balance": sim.lower_bound_ms / busiest, "schedule": busiest / sim.iteration_ms,
+        # efficiency = balance x schedule (the tuner's own account of where the time goes)
+        "balance": result.stats["balance"], "schedule": result.stats["schedule"],
         "megatron_ms": min(megatron) if megatron else None,
         "best_baseline": best.name if best else None, "best_baseline_ms": best.scored.iteration_ms if best else None,
         "best_baseline_efficiency": best.scored.efficiency if best else None,
