@@ -254,6 +254,8 @@ class SimResult:
             "fits_memory": self.fits_memory,
             "memory_limit_bytes": self.memory_limit_bytes,
             "busy_ms": [round(b, 6) for b in self.busy_ms],
+            # per rank: idle before its first op, between its ops, after its last (idle_parts)
+            "idle_ms": [[round(ms, 6) for ms in self.idle_parts(r)] for r in range(self.num_ranks)],
         }
 
 

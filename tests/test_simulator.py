@@ -67,6 +67,7 @@ def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
     # idle split: rank 0 never waits to start and ends last; rank 1 waits 5 ms for its first
     # input, 2 ms for its second, and idles 5 ms after its last op
     assert [result.idle_parts(r) for r in range(2)] == [(0, 14, 0), (5, 2, 5)]
+    assert result.summary()["idle_ms"] == [[0, 14, 0], [5, 2, 5]]
     assert [str(op) for op in result.critical_path] == ["0F0", "0F1", "1F1", "1B0", "1B1", "0B1"]
     # Activations: rank 0 holds two microbatches of layer a, rank 1 two of layer b.
     assert result.peak_memory_bytes == (200, 2000)
@@ -216,6 +217,10 @@ def test_random_valid_plans_never_deadlock_nor_beat_the_lower_bound(seed, num_ra
     for rank in range(num_ranks):
         spans = result.spans(rank)
         assert all(b.start_ms >= a.end_ms - 1e-9 for a, b in zip(spans, spans[1:]))
+        # its idle parts are the idle time before its first op, between its ops and after its last
+        before, between, after = result.idle_parts(rank)
+        assert before == pytest.approx(spans[0].start_ms) and after == pytest.approx(result.iteration_ms - spans[-1].end_ms)
+        assert before + between + after == pytest.approx(result.iteration_ms - result.busy_ms[rank])
 
 
 def test_op_overhead_is_added_to_every_op_once():
