@@ -194,17 +194,15 @@ class SimResult:
         pipeline draining, and the all-reduce). They call for different fixes: warm-up idle
         shrinks only if the rank holds less work or starts from earlier stages, idle between
         ops if the ranks it waits on get lighter or its order changes."""
-        before = between = after = 0.0
+        return self._idle_parts[rank]
+
+    @cached_property
+    def _idle_parts(self) -> list[tuple[float, float, float]]:
+        parts = [[0.0, 0.0, 0.0] for _ in range(self.num_ranks)]  # one pass over the bubbles
         for bubble in self.bubbles:
-            if bubble.rank != rank:
-                continue
-            if bubble.reason == "drain":
-                after += bubble.duration_ms
-            elif bubble.start_ms == 0.0:
-                before += bubble.duration_ms
-            else:
-                between += bubble.duration_ms
-        return before, between, after
+            part = 2 if bubble.reason == "drain" else 0 if bubble.start_ms == 0.0 else 1
+            parts[bubble.rank][part] += bubble.duration_ms
+        return [(before, between, after) for before, between, after in parts]
 
     @cached_property
     def critical_path(self) -> list[Op]:
