@@ -102,7 +102,8 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
     opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=time_limit, seed=seed,
                        dimensions=tuple(dimensions), chunks_max=chunks_max, workers=workers)
     start = time.perf_counter()
-    result = tune(profile, cluster, opts)
+    found: list[float] = [0.0]  # when the search last found a better plan (seconds into the tune)
+    result = tune(profile, cluster, opts, progress=lambda _best, _plans, elapsed: found.append(elapsed))
     wall = time.perf_counter() - start
     baselines = list(result.baselines)
     if split_blocks:  # the whole-block baselines too: Megatron-LM's, and any that beat the split ones
@@ -136,7 +137,8 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
         "best_baseline": best.name if best else None, "best_baseline_ms": best.scored.iteration_ms if best else None,
         "best_baseline_efficiency": best.scored.efficiency if best else None,
         "origin": result.candidate.origin, "stages": result.plan.num_stages,
-        "evaluations": result.stats["evaluations"], "wall_s": wall, **bound,
+        "evaluations": result.stats["evaluations"], "climbs": result.stats["climbs"], "wall_s": wall,
+        "last_improvement_s": found[-1], **bound,
     }
 
 
@@ -262,7 +264,8 @@ def scale(args) -> None:
     cluster = Cluster(gpus=args.gpus, gpus_per_node=8, memory_gb=profile.device["memory_gb"])
     opts = TuneOptions(gpus=args.gpus, time_limit_s=args.time_limit, seed=args.seed, workers=args.workers)
     start = time.perf_counter()
-    result = tune(profile, cluster, opts)
+    found: list[float] = [0.0]  # when the search last found a better plan (seconds into the tune)
+    result = tune(profile, cluster, opts, progress=lambda _best, _plans, elapsed: found.append(elapsed))
     wall = time.perf_counter() - start
     best = result.best_baseline()
     print(json.dumps({
