@@ -20,9 +20,14 @@ __all__ = ["make_baseline", "split_gpus"]
 def split_gpus(gpus: int, pp: int | None) -> tuple[int, int]:
     """(pp, dp) for ``gpus`` GPUs; pp defaults to all of them."""
     pp = gpus if pp is None else pp
-    if pp < 1 or gpus % pp:
+    if pp < 1:
+        raise InputError(None, "--pp", f"is {pp}", "use a pipeline degree of 1 or more")
+    if gpus % pp:
         raise InputError(None, "--pp", f"{pp} does not divide --gpus {gpus}", "pick a pp that divides the GPU count")
     return pp, gpus // pp
+
+
+DEFAULT_CHUNKS = 2  # interleaved 1F1B's stages per rank unless --chunks says otherwise (SPEC section 6)
 
 
 def make_baseline(
@@ -33,7 +38,7 @@ def make_baseline(
     microbatches: int,
     pp: int | None = None,
     partition_method: str = "uniform",
-    chunks: int = 2,
+    chunks: int | None = None,
     cluster: Cluster | None = None,
     profile_path: str | Path | None = None,
     rank_order: str = "pp-inner",
@@ -43,8 +48,14 @@ def make_baseline(
         raise InputError(None, "--schedule", f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
     spec = get_schedule(schedule)
     pp, dp = split_gpus(gpus, pp)
-    if chunks < 1:
+    if chunks is not None and chunks < 1:
         raise InputError(None, "--chunks", f"is {chunks}", "use 1 or more chunks")
+    if chunks is not None and spec.num_stages(pp, chunks) != pp * chunks:
+        # only interleaved 1F1B takes a chunk count; the others fix theirs (ZB-V: 2 per rank)
+        per_rank = spec.num_stages(pp, chunks) // pp
+        raise InputError(None, "--chunks", f"{schedule} always holds {per_rank} stage(s) per rank",
+                         "drop --chunks (it applies to interleaved-1f1b)")
+    chunks = DEFAULT_CHUNKS if chunks is None else chunks
     if not 1 <= microbatches <= MAX_MICROBATCHES:
         raise InputError(None, "--microbatches", f"is {microbatches}", f"use 1 to {MAX_MICROBATCHES}")
     need = spec.min_microbatches(pp)
@@ -66,7 +77,7 @@ def make_baseline(
         schedule=order,
         profile=str(profile_path) if profile_path else None,
         profile_sha256=file_sha256(profile_path) if profile_path and Path(profile_path).exists() else None,
-        extra={"generator": {"schedule": schedule, "partition": partition_method, "chunks": chunks}},
+        extra={"generator": {"schedule": schedule, "partition": partition_method, "chunks": num_stages // pp}},
     )
     check_structure(plan, num_layers=profile.num_layers)
     result = simulate(plan, profile)

@@ -3,6 +3,7 @@ write the file, render with rich."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import List, Optional
 
@@ -15,6 +16,7 @@ from octoplan.cliutil import (
     ClusterOptions, cluster_from, dump_json, guarded, log_setup, newest_profile,
 )
 from octoplan.errors import InputError
+from octoplan.outputs import check_writable
 from octoplan.plan import Plan, load_plan, load_plan_profile, save_plan
 from octoplan.profile import Profile, load_profile, save_profile
 from octoplan.tuner.cli import register as register_tuner_commands
@@ -78,6 +80,8 @@ def profile(
         raise InputError(None, "--config", "applies to model files, not to --arch", "drop --config, or profile a model file")
     if microbatch_size is not None and microbatch_size < 1:
         raise InputError(None, "--microbatch-size", f"is {microbatch_size}", "use 1 or more samples per microbatch")
+    if output is not None:
+        check_writable(output, "-o", inputs=(model,))
     if arch is not None:
         from octoplan.arch import analytic_profile
 
@@ -151,7 +155,7 @@ def baseline(
     gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
     schedule: str = typer.Option(..., "--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, dualpipev"),
     partition: str = typer.Option("uniform", "--partition", help="uniform or balanced"),
-    chunks: int = typer.Option(2, "--chunks", help="stages per rank for interleaved-1f1b"),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="stages per rank for interleaved-1f1b [default: 2]"),
     microbatches: Optional[int] = typer.Option(None, "--microbatches", help="microbatches per iteration (default 2*pp)"),
     pp: Optional[int] = typer.Option(None, "--pp", help="pipeline degree (default: all GPUs)"),
     output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
@@ -162,6 +166,7 @@ def baseline(
     from octoplan.baseline import make_baseline, split_gpus
 
     path = newest_profile(profile_path)
+    check_writable(output, "-o", inputs=(path,))
     prof = load_profile(path)
     cluster = cluster_from(gpus, ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us,
                                                 op_overhead_us))
@@ -249,6 +254,9 @@ def show(
 
     if width is not None and not 40 <= width <= 2000:
         raise InputError(None, "--width", f"is {width}", "use 40 to 2000 columns")
+    for flag, path in (("--svg", svg), ("--trace", trace)):
+        if path is not None:
+            check_writable(path, flag, inputs=(plan_path, measured))
 
     plan, prof = _load_plan_with_profile(plan_path)
     check_runnable(plan, file=str(plan_path))
@@ -300,6 +308,7 @@ def justify(
     from octoplan.simulator import simulate as run_simulation
     from octoplan.validate import check_runnable
 
+    check_writable(output, "-o")  # PLAN itself may be the output: it is read first, then replaced whole
     plan, prof = _load_plan_with_profile(plan_path)
     check_runnable(plan, file=str(plan_path))
     before = run_simulation(plan, prof)
@@ -351,10 +360,12 @@ def bound(
     from octoplan.simulator import simulate as run_simulation
     from octoplan.validate import check_runnable
 
-    if not time_limit > 0:
-        raise InputError(None, "--time-limit", f"is {time_limit:g}", "give CP-SAT a positive number of seconds")
+    if not 0 < time_limit < math.inf:
+        raise InputError(None, "--time-limit", f"is {time_limit:g}", "give CP-SAT a positive, finite number of seconds")
     if workers < 1:
         raise InputError(None, "--workers", f"is {workers}", "use at least 1")
+    if output is not None:
+        check_writable(output, "-o")
     plan, prof = _load_plan_with_profile(plan_path)
     check_runnable(plan, file=str(plan_path))
     before = run_simulation(plan, prof)
@@ -445,6 +456,7 @@ def export(
     """Write PLAN in another tool's format."""
     from octoplan.export import export_plan
 
+    check_writable(output, "-o", inputs=(plan_path,))
     export_plan(load_plan(plan_path), output, format=format, file=str(plan_path))
     console.print(f"{format} -> {output}")
 
@@ -460,15 +472,20 @@ def main() -> None:
     except ImportError:
         from typer.exceptions import TyperException as UsageProblem
     try:
-        app(standalone_mode=False)
+        # without standalone mode, click turns Ctrl-C into a returned 130 instead of raising
+        code = app(standalone_mode=False)
     except typer.Exit as exc:  # --help and friends
         raise SystemExit(exc.exit_code) from None
-    except typer.Abort:
-        raise SystemExit(130) from None
+    except (typer.Abort, KeyboardInterrupt):
+        code = 130
     except UsageProblem as exc:
         message = exc.format_message() or "no command given"  # click shows the help then, with no message
         typer.echo(f"error: {message} (see octoplan --help)", err=True)
         raise SystemExit(2) from None
+    if code == 130:
+        typer.echo("interrupted: nothing was written", err=True)
+    if isinstance(code, int) and code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

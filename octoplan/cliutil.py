@@ -15,7 +15,7 @@ import typer
 import yaml
 
 from octoplan.errors import InputError
-from octoplan.plan import Cluster
+from octoplan.plan import CLUSTER_RANGES, MAX_GPUS, Cluster
 
 __all__ = ["guarded", "fail", "ClusterOptions", "cluster_from", "newest_profile", "log_setup",
            "GPUS_PER_NODE", "MEMORY_GB", "INTRA_NODE_GBPS", "INTER_NODE_GBPS", "LATENCY_US", "OP_OVERHEAD_US"]
@@ -73,21 +73,15 @@ class ClusterOptions:
 
 
 def cluster_from(gpus: int, opts: ClusterOptions) -> Cluster:
+    """The cluster the options describe, held to the same ranges as a plan file's."""
     for name, value in (("--gpus", gpus), ("--gpus-per-node", opts.gpus_per_node)):
-        if value < 1:
-            raise InputError(None, name, f"is {value}", "use a positive number")
-    numbers = (("--memory-gb", opts.memory_gb), ("--latency-us", opts.latency_us), ("--op-overhead-us", opts.op_overhead_us),
-               ("--intra-node-gbps", opts.intra_node_gbps), ("--inter-node-gbps", opts.inter_node_gbps))
-    for name, value in numbers:
-        if not math.isfinite(value):
-            raise InputError(None, name, f"is {value}", "use a finite number")
-    for name, value in (("--intra-node-gbps", opts.intra_node_gbps), ("--inter-node-gbps", opts.inter_node_gbps)):
-        if value <= 0:
-            raise InputError(None, name, f"is {value}", "use a positive bandwidth")
-    for name, value in (("--memory-gb", opts.memory_gb), ("--latency-us", opts.latency_us),
-                        ("--op-overhead-us", opts.op_overhead_us)):
-        if value < 0:
-            raise InputError(None, name, f"is {value}", "use a non-negative value")
+        if not 1 <= value <= MAX_GPUS:
+            raise InputError(None, name, f"is {value}", f"use 1 to {MAX_GPUS}")
+    for field_name, (least, most) in CLUSTER_RANGES.items():
+        flag = "--" + field_name.replace("_", "-")
+        value = getattr(opts, field_name)
+        if not (math.isfinite(value) and least <= value <= most):
+            raise InputError(None, flag, f"is {value:g}", f"use a value from {least:g} to {most:g}")
     return Cluster(gpus=gpus, gpus_per_node=opts.gpus_per_node, memory_gb=opts.memory_gb,
                    intra_node_gbps=opts.intra_node_gbps, inter_node_gbps=opts.inter_node_gbps,
                    latency_us=opts.latency_us, op_overhead_us=opts.op_overhead_us)

@@ -113,9 +113,12 @@ def transfer_ms(cluster: Cluster, parallel: Parallel, src_rank: int, dst_rank: i
     """
     if src_rank == dst_rank:
         return 0.0
+    # Whether replica d's two ranks share a node depends only on d mod gpus_per_node (in both
+    # rank orders a replica's global ranks shift by d x a constant), so one node's worth of
+    # replicas covers every case: linear in the node size, not in dp.
     slowest = min(
         link_gbps(cluster, parallel.global_rank(src_rank, d), parallel.global_rank(dst_rank, d))
-        for d in range(parallel.dp)
+        for d in range(min(parallel.dp, cluster.gpus_per_node))
     )
     return cluster.latency_us / 1000.0 + num_bytes / (slowest * 1e9) * 1000.0
 
@@ -129,9 +132,10 @@ def allreduce_ms(cluster: Cluster, parallel: Parallel, pp_rank: int, num_bytes: 
     dp = parallel.dp
     if dp <= 1 or num_bytes <= 0:
         return 0.0
-    members = [parallel.global_rank(pp_rank, d) for d in range(dp)]
-    nodes = {cluster.node_of(g) for g in members}
-    gbps = cluster.intra_node_gbps if len(nodes) == 1 else cluster.inter_node_gbps
+    # global ranks grow with the replica index in both rank orders: the first and the last
+    # replica tell whether the group spans nodes
+    first, last = parallel.global_rank(pp_rank, 0), parallel.global_rank(pp_rank, dp - 1)
+    gbps = cluster.intra_node_gbps if cluster.node_of(first) == cluster.node_of(last) else cluster.inter_node_gbps
     return 2 * (dp - 1) * cluster.latency_us / 1000.0 + 2 * (dp - 1) / dp * num_bytes / (gbps * 1e9) * 1000.0
 
 

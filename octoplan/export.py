@@ -30,10 +30,12 @@ backward.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 from pathlib import Path
 
 from octoplan.errors import InputError
+from octoplan.outputs import write_text
 from octoplan.plan import Plan, check_structure
 from octoplan.validate import check_runnable
 
@@ -70,9 +72,10 @@ def export_torch_csv(plan: Plan, path: str | Path, *, file: str = "<plan>") -> N
     :func:`torch_csv_rows` does; nothing is written then.
     """
     rows = torch_csv_rows(plan, file=file)
+    text = io.StringIO()
+    csv.writer(text).writerows(rows)
     # newline="" as torch's reader opens it: the csv module writes its own line endings.
-    with open(path, "w", newline="") as handle:
-        csv.writer(handle).writerows(rows)
+    write_text(path, text.getvalue(), newline="")
     logger.info("wrote %s: %d ranks, %d stages, %d microbatches", path, plan.pp, plan.num_stages, plan.microbatches)
 
 

@@ -27,6 +27,9 @@ __all__ = [
 ]
 
 REQUIRED_FUNCTIONS = ("num_layers", "build_layer", "sample_batch", "loss_fn")
+# Far more layers than any model has (a layer per block's mixer and MLP of a 1000-block model
+# is 2000); a count beyond it is a mistake that would otherwise profile forever.
+MAX_LAYERS = 100_000
 
 
 def microbatch_seed(*, seed: int, step: int, replica: int, mb: int) -> int:
@@ -52,8 +55,8 @@ class ModelFile:
 
     def num_layers(self) -> int:
         count = self._call("num_layers", **self.config)
-        if not isinstance(count, int) or count < 1:
-            raise InputError(self.path, "num_layers", f"returned {count!r}", "return a positive int")
+        if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_LAYERS:
+            raise InputError(self.path, "num_layers", f"returned {count!r}", f"return an int from 1 to {MAX_LAYERS}")
         return count
 
     def build_layer(self, index: int) -> torch.nn.Module:
@@ -109,9 +112,15 @@ def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, s
         spec.loader.exec_module(module)
     except Exception as exc:  # a broken model file is the user's input, not our failure
         raise InputError(str(path), None, f"import failed: {type(exc).__name__}: {exc}", "fix the model file") from None
+    except SystemExit as exc:  # exit() at import would end the command silently, with its status
+        raise InputError(str(path), None, f"exits when imported (status {exc.code!r})",
+                         "guard the script part with if __name__ == '__main__'") from None
     missing = [name for name in REQUIRED_FUNCTIONS if not callable(getattr(module, name, None))]
     if missing:
         raise InputError(str(path), missing[0], "is not defined", f"define {', '.join(missing)} (SPEC section 4)")
-    merged = dict(getattr(module, "CONFIG", {}) or {})
-    merged.update(config or {})
+    defaults = getattr(module, "CONFIG", None) or {}
+    if not isinstance(defaults, dict):
+        raise InputError(str(path), "CONFIG", f"is a {type(defaults).__name__}, not a mapping",
+                         "write CONFIG = {'name': value, ...}")
+    merged = {**defaults, **(config or {})}
     return ModelFile(path=str(path), module=module, config=merged, seed=seed)

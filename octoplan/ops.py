@@ -27,7 +27,9 @@ class Kind(str, Enum):
 
 F, I, W, B = Kind.F, Kind.I, Kind.W, Kind.B
 
-_OP_RE = re.compile(r"^(\d+)([FIWB])(\d+)$")
+# ASCII digits without leading zeros: one spelling per op, so plans compare and diff as text
+_NUMBER = "(0|[1-9][0-9]*)"
+_OP_RE = re.compile(rf"^{_NUMBER}([FIWB]){_NUMBER}$")
 
 
 class Op(NamedTuple):

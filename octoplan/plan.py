@@ -21,6 +21,8 @@ from octoplan.yamlio import Fields, file_sha256, read_yaml, write_yaml
 __all__ = [
     "PLAN_FORMAT",
     "MAX_MICROBATCHES",
+    "MAX_GPUS",
+    "CLUSTER_RANGES",
     "Cluster",
     "Parallel",
     "Stage",
@@ -40,6 +42,18 @@ RANK_ORDERS = ("pp-inner", "dp-inner")
 # bubble is gone long before), and a plan this size still simulates in seconds, where one of
 # 10**5 microbatches would keep the tuner busy for minutes past its --time-limit.
 MAX_MICROBATCHES = 4096
+# The most GPUs: beyond any cluster built, and small enough that the work per GPU count (the
+# tuner tries every pp dividing it) stays within a second.
+MAX_GPUS = 1 << 20
+# The range of each cluster figure, for plan files and the command line alike: wide enough
+# for any machine, narrow enough that times and byte counts stay finite.
+CLUSTER_RANGES = {
+    "memory_gb": (0.0, 1e6),  # up to a petabyte per GPU
+    "intra_node_gbps": (1e-9, 1e15),  # 1e12 and more: transfers as good as free
+    "inter_node_gbps": (1e-9, 1e15),
+    "latency_us": (0.0, 1e9),  # up to 1000 s
+    "op_overhead_us": (0.0, 1e9),
+}
 
 
 @dataclass(frozen=True)
@@ -175,14 +189,12 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
     if not isinstance(config, dict):
         raise InputError(file, "model.config", "must be a mapping", "write key: value pairs")
     c = top.mapping("cluster")
+    defaults = Cluster(gpus=1)
     cluster = Cluster(
-        gpus=c.int("gpus", minimum=1),
-        gpus_per_node=c.int("gpus_per_node", 8, minimum=1),
-        memory_gb=c.number("memory_gb", 80.0),
-        intra_node_gbps=c.number("intra_node_gbps", 450.0, minimum=1e-9),
-        inter_node_gbps=c.number("inter_node_gbps", 50.0, minimum=1e-9),
-        latency_us=c.number("latency_us", 10.0),
-        op_overhead_us=c.number("op_overhead_us", 0.0),
+        gpus=c.int("gpus", minimum=1, maximum=MAX_GPUS),
+        gpus_per_node=c.int("gpus_per_node", defaults.gpus_per_node, minimum=1, maximum=MAX_GPUS),
+        **{name: c.number(name, getattr(defaults, name), minimum=least, maximum=most)
+           for name, (least, most) in CLUSTER_RANGES.items()},
     )
     p = top.mapping("parallel")
     parallel = Parallel(

@@ -186,14 +186,16 @@ def _resolve_device(device: str | None) -> torch.device:
 
 
 def _device_info(device: torch.device) -> dict[str, Any]:
+    # GB = 1e9 bytes, the unit of the plan's cluster.memory_gb that the simulator's limit reads
+    # (a GiB here would let plans overfill the GPU by 7%)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return {"name": props.name, "memory_gb": round(props.total_memory / 2**30, 1)}
+        return {"name": props.name, "memory_gb": round(props.total_memory / 1e9, 1)}
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not POSIX: leave the size out
         return {"name": "cpu"}
-    return {"name": "cpu", "memory_gb": round(total / 2**30, 1)}
+    return {"name": "cpu", "memory_gb": round(total / 1e9, 1)}
 
 
 def _check_positive(value: int, field_name: str, minimum: int) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from octoplan.errors import InputError
+from octoplan.outputs import write_text
 
 __all__ = ["read_yaml", "write_yaml", "file_sha256", "Fields"]
 
@@ -41,6 +42,8 @@ def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not readable as UTF-8 text"
         raise InputError(str(path), None, f"cannot read the {what} file: {problem}", f"give a {what} YAML file") from None
+    except RecursionError:
+        raise InputError(str(path), None, f"nested too deeply to be a {what} file", f"give a {what} YAML file") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else None
@@ -63,13 +66,7 @@ _Dumper.add_representer(list, _represent_list)
 
 
 def write_yaml(path: str | Path, data: dict[str, Any]) -> None:
-    path = Path(path)
-    text = yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=120)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    except OSError as exc:
-        raise InputError(str(path), None, f"cannot write: {exc.strerror or exc}", "give a writable file path") from None
+    write_text(path, yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=120))
 
 
 def file_sha256(path: str | Path) -> str:

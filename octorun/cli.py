@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="octorun: %(message)s")
     from octoplan.errors import InputError
-    from octorun.runtime import RunConfig, run
+    from octorun.runtime import LAUNCH_VARIABLES, LaunchError, RunConfig, run
 
     config = RunConfig(
         plan_path=args.plan, steps=args.steps, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
@@ -56,10 +56,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         result = run(config)
     except InputError as exc:
-        # every process reads the same files and fails the same way: one of them speaks
-        if os.environ.get("RANK", "0") == "0":
+        # every process reads the same files and fails the same way: one of them speaks; but
+        # each has its own launch variables, and the bad one may not be rank 0's
+        if os.environ.get("RANK", "0") == "0" or exc.field in LAUNCH_VARIABLES:
             sys.stderr.write(f"octorun: {exc.line()}\n")
         sys.exit(2)
+    except LaunchError as exc:
+        sys.stderr.write(f"octorun: rank {os.environ.get('RANK', '?')}: {exc}\n")
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
     if result.global_rank == 0:

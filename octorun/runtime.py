@@ -33,14 +33,15 @@ from octoplan.costs import LayerTable, op_ms, plan_stage_costs
 from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.ops import Kind, Op
-from octoplan.plan import Plan, load_plan, load_plan_profile, resolve_profile_path
+from octoplan.outputs import check_writable, write_text
+from octoplan.plan import MAX_GPUS, Plan, load_plan, load_plan_profile, resolve_profile_path
 from octoplan.validate import check_runnable
 from octorun.comm import Channel, Transport, wait_work
 from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
 from octorun.stage import StageExecutor, Tape
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
 
-__all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "OPTIMIZERS"]
+__all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "summarize_step", "LaunchError", "LAUNCH_VARIABLES", "OPTIMIZERS"]
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,16 @@ class RunConfig:
     dynamic_shapes: bool = False  # send every message's layout every step, not only in step 0
 
 
+class LaunchError(RuntimeError):
+    """The processes could not start the job together (not bad input: exit 1)."""
+
+
 @dataclass(frozen=True)
 class StepMetrics:
     step: int
     loss: float  # mean over all microbatches of all replicas
-    iteration_ms: float  # first op start to last op end, over all ranks (SPEC section 7's measure)
+    iteration_ms: float  # first op start to last op end, or to the last gradient all-reduce's end when
+    # dp > 1: the span the simulator's iteration_ms predicts (SPEC section 7, docs/SPEC_ADDITIONS.md)
     step_ms: float  # the whole step on the slowest rank: ops, waits, all-reduce, optimizer
     bubble_ratio: float  # 1 - busy compute time / (ranks x iteration_ms)
     predicted_iteration_ms: float | None = None
@@ -139,24 +145,11 @@ def prepare(config: RunConfig) -> Prepared:
                          "re-plan from a profile of this model file")
     for flag, path in (("--metrics", config.metrics_path), ("--trace", config.trace_path)):
         if path:  # last: a file is created only once everything else is known to be good
-            _check_writable(path, flag)
+            check_writable(path, flag)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan))
 
 
-def _check_writable(path: str, flag: str) -> None:
-    """Fail before training, not after it, when an output file cannot be written. Only global
-    rank 0 writes, and only it tries to open the file (which creates it, empty); the other
-    processes check the folder, so they fail the same way without racing over the file."""
-    target = Path(path)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if os.environ.get("RANK", "0") == "0":
-            target.touch()  # creates it, or keeps what is there
-        elif not os.access(target.parent, os.W_OK):
-            raise PermissionError(13, "Permission denied", str(target.parent))
-    except OSError as exc:
-        raise InputError(path, None, f"{flag} cannot be written: {exc.strerror or exc}", "give a writable file path") from None
 
 
 def _microbatch_size(plan: Plan, plan_path: str) -> int:
@@ -219,6 +212,42 @@ def _ensure_env() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
+
+
+def _check_env(plan: Plan, plan_path: str) -> int:
+    """The launcher's variables, read before torch.distributed would fail on them with a
+    traceback or wait for peers that cannot exist; returns WORLD_SIZE."""
+    fix = "launch with torchrun, or leave RANK and WORLD_SIZE unset to run one process"
+
+    def whole(name: str, low: int, high: int) -> int:
+        text = os.environ.get(name)
+        if text is None:
+            raise InputError(None, name, "is not set", fix)
+        try:
+            value = int(text)
+        except ValueError:
+            raise InputError(None, name, f"is {text!r}, not a whole number", fix) from None
+        if not low <= value <= high:
+            raise InputError(None, name, f"is {value}, outside {low}..{high}", fix)
+        return value
+
+    world = whole("WORLD_SIZE", 1, MAX_GPUS)
+    if world != plan.cluster.gpus:
+        raise InputError(
+            plan_path, "cluster.gpus",
+            f"the plan needs {plan.cluster.gpus} processes (pp {plan.pp} x dp {plan.parallel.dp}) but WORLD_SIZE is {world}",
+            f"launch with torchrun --nproc-per-node {plan.cluster.gpus}",
+        )
+    whole("RANK", 0, world - 1)
+    if "LOCAL_RANK" in os.environ:
+        whole("LOCAL_RANK", 0, world - 1)
+    whole("MASTER_PORT", 1, 65535)
+    if not os.environ.get("MASTER_ADDR"):
+        raise InputError(None, "MASTER_ADDR", "is not set", fix)
+    return world
 
 
 @dataclass
@@ -305,10 +334,18 @@ class _Timer:
         self.spans.append((op, start, end))
 
     def resolve(self) -> list[tuple[Op, float, float]]:
-        if not self.cuda:
-            return list(self.spans)
-        torch.cuda.synchronize()
-        return [(op, self.origin.elapsed_time(s) / 1e3, self.origin.elapsed_time(e) / 1e3) for op, s, e in self.spans]
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [(op, self._elapsed(s), self._elapsed(e)) for op, s, e in self.spans]
+
+    def seconds(self, mark: Any) -> float:
+        """One :meth:`mark` as seconds since the step's start."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return self._elapsed(mark)
+
+    def _elapsed(self, mark: Any) -> float:
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark
 
 
 class _Interpreter:
@@ -420,6 +457,8 @@ class _Interpreter:
                                    f"did not finish within {self.config.timeout_s:g} s")
             for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(reduced)
+        # when the last all-reduce was seen done: the simulator's iteration ends there too
+        reduced_at = self.timer.mark() if reductions else None
         self.watchdog.doing(f"running the optimizer of step {step}")
         if self.optimizer is not None:
             self.optimizer.step()
@@ -431,6 +470,7 @@ class _Interpreter:
             "rank": self.me, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
             "loss_sum": loss_sum, "loss_count": len(state.losses), "step_s": step_s,
             "spans": [(op.stage, op.kind.value, op.mb, start, end) for op, start, end in spans],
+            "reduced_s": None if reduced_at is None else self.timer.seconds(reduced_at),
             "origin_s": self.timer.origin_host, "host": socket.gethostname(),
         }
 
@@ -520,25 +560,32 @@ class _Interpreter:
         return tuple(metrics)
 
     def _summarize(self, step: int, records: list[dict[str, Any]]) -> StepMetrics:
-        count = sum(r["loss_count"] for r in records)
-        loss = sum(r["loss_sum"] for r in records) / max(count, 1)
-        spans = [s for r in records for s in r["spans"]]
-        first = min((s[3] for s in spans), default=0.0)
-        last = max((s[4] for s in spans), default=0.0)
-        iteration_s = max(last - first, 1e-12)
-        busy_s = sum(s[4] - s[3] for s in spans)
         # A replay at another time scale is not the plan's predicted iteration any more.
         scaled = self.config.replay_time_scale not in (None, 1.0)
         predicted = None if scaled else (self.plan.predicted or {}).get("iteration_ms")
-        return StepMetrics(
-            step=step, loss=loss, iteration_ms=iteration_s * 1e3,
-            step_ms=max(r["step_s"] for r in records) * 1e3,
-            bubble_ratio=1.0 - busy_s / (len(records) * iteration_s),
-            predicted_iteration_ms=float(predicted) if isinstance(predicted, (int, float)) else None,
-        )
+        return summarize_step(step, records, predicted if isinstance(predicted, (int, float)) else None)
 
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
         return {i: {k: v.detach().cpu().clone() for k, v in layer.state_dict().items()} for i, layer in self.layers.items()}
+
+
+def summarize_step(step: int, records: list[dict[str, Any]], predicted_ms: float | None) -> StepMetrics:
+    """One step's metrics from every process's record (clocks already aligned). The iteration
+    runs from the first op's start to the last op's end or, with data parallelism, to the end
+    of the last gradient all-reduce if later, as the simulator counts it."""
+    count = sum(r["loss_count"] for r in records)
+    loss = sum(r["loss_sum"] for r in records) / max(count, 1)
+    spans = [s for r in records for s in r["spans"]]
+    first = min((s[3] for s in spans), default=0.0)
+    ends = [s[4] for s in spans] + [r["reduced_s"] for r in records if r.get("reduced_s") is not None]
+    iteration_s = max(max(ends, default=0.0) - first, 1e-12)
+    busy_s = sum(s[4] - s[3] for s in spans)
+    return StepMetrics(
+        step=step, loss=loss, iteration_ms=iteration_s * 1e3,
+        step_ms=max(r["step_s"] for r in records) * 1e3,
+        bubble_ratio=1.0 - busy_s / (len(records) * iteration_s),
+        predicted_iteration_ms=None if predicted_ms is None else float(predicted_ms),
+    )
 
 
 def _align_clocks(records: list[dict[str, Any]]) -> None:
@@ -556,6 +603,8 @@ def _align_clocks(records: list[dict[str, Any]]) -> None:
     for record in records:
         shift = record["origin_s"] - origin
         record["spans"] = [(stage, kind, mb, start + shift, end + shift) for stage, kind, mb, start, end in record["spans"]]
+        if record.get("reduced_s") is not None:
+            record["reduced_s"] += shift
 
 
 def _write_trace(path: str, records: list[dict[str, Any]]) -> None:
@@ -569,8 +618,7 @@ def _write_trace(path: str, records: list[dict[str, Any]]) -> None:
                 "ts": round((start - first) * 1e6, 3), "dur": round((end - start) * 1e6, 3), "cat": kind,
                 "args": {"stage": stage, "mb": mb, "rank": record["rank"]},
             })
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), flag="--trace")
 
 
 def run(config: RunConfig) -> RunResult:
@@ -582,13 +630,7 @@ def run(config: RunConfig) -> RunResult:
     prepared = prepare(config)
     plan = prepared.plan
     _ensure_env()
-    world = int(os.environ["WORLD_SIZE"])
-    if world != plan.cluster.gpus:
-        raise InputError(
-            config.plan_path, "cluster.gpus",
-            f"the plan needs {plan.cluster.gpus} processes (pp {plan.pp} x dp {plan.parallel.dp}) but WORLD_SIZE is {world}",
-            f"launch with torchrun --nproc-per-node {plan.cluster.gpus}",
-        )
+    world = _check_env(plan, config.plan_path)
     backend = config.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -603,7 +645,11 @@ def run(config: RunConfig) -> RunResult:
         torch.cuda.set_device(device)
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(backend, timeout=timeout)
+        try:
+            dist.init_process_group(backend, timeout=timeout)
+        except Exception as exc:  # peers that never came, an address in use: one line, not a trace
+            raise LaunchError(f"the {world} processes did not form a group within --timeout {config.timeout_s:g} s: "
+                              f"{gist(exc)}") from None
     elif dist.get_world_size() != world:
         raise InputError(config.plan_path, "cluster.gpus", "does not match the running process group", "launch a matching job")
     me = dist.get_rank()

@@ -151,6 +151,11 @@ def test_missing_and_malformed_files(tmp_path):
     (["--partition", "random"], "--partition"),
     (["--latency-us", "-1"], "--latency-us"),
     (["--microbatches", "100000"], "--microbatches"),  # would take minutes: refused, not run
+    (["--chunks", "3"], "--chunks"),  # 1F1B holds one stage per rank: the flag would be ignored
+    (["--pp", "0"], "--pp"),
+    (["--memory-gb", "1e300"], "--memory-gb"),  # its byte count would overflow the simulator
+    (["--intra-node-gbps", "1e-300"], "--intra-node-gbps"),  # a plan file would refuse it: so does the flag
+    (["--schedule", "zbv", "--chunks", "3"], "--chunks"),
 ])
 def test_bad_baseline_options_exit_2_naming_the_option(profile_file, tmp_path, args, field):
     profile = make_profile([(1, 1, 1)] * 8)
@@ -256,3 +261,76 @@ def test_a_model_call_that_fails_names_the_config_it_was_given(tmp_path):
                     "-o", tmp_path / "x.yaml", cwd=root)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert "num_layers: call failed with" in run.stderr and "hidden='abc'" in run.stderr
+
+
+def test_an_output_over_the_input_profile_is_refused(profile_file, tmp_path):
+    path = profile_file(make_profile([(1, 1, 1)] * 4))
+    before = path.read_bytes()
+    for command in (["baseline", path, "--gpus", 2, "--schedule", "1f1b"], ["tune", path, "--gpus", 2, "--time-limit", 1]):
+        run = _octoplan(*command, "-o", path)
+        assert run.returncode == 2 and "names the input file" in run.stderr and run.stderr.count("\n") == 1, run.stderr
+        assert path.read_bytes() == before
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_search(profile_file, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    run = _octoplan("tune", profile_file(make_profile([(1, 1, 1)] * 4)), "--gpus", 2, "--time-limit", 600,
+                    "-o", blocker / "plan.yaml")
+    # refused at once, not after the 600 s search
+    assert run.returncode == 2 and "-o cannot be written" in run.stderr and run.stderr.count("\n") == 1, run.stderr
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    from octoplan import outputs
+
+    target = tmp_path / "plan.yaml"
+    target.write_text("old\n")
+    target.chmod(0o640)
+    outputs.write_text(target, "new\n")
+    assert target.read_text() == "new\n" and target.stat().st_mode & 0o777 == 0o640  # permissions kept
+
+    real_fdopen = os.fdopen
+
+    def full_disk(fd, *args, **kwargs):
+        handle = real_fdopen(fd, *args, **kwargs)
+
+        def write(_text):
+            raise OSError(28, "No space left on device")
+
+        handle.write = write
+        return handle
+
+    monkeypatch.setattr(outputs.os, "fdopen", full_disk)
+    with pytest.raises(InputError, match="No space left on device"):
+        outputs.write_text(target, "newer\n")
+    assert target.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_saying_so(profile_file, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "plan.yaml"
+    # uneven layers and many GPUs: a search that is still running when the signal comes
+    layers = [(1 + i % 5, 1 + i % 3, 1 + i % 7) for i in range(64)]
+    proc = subprocess.Popen([sys.executable, "-m", "octoplan.cli", "tune", str(profile_file(make_profile(layers))),
+                             "--gpus", "16", "--pp", "16", "--microbatches", "32", "--time-limit", "60", "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # imports done, searching (CP-SAT seeding: OR-Tools must not swallow the signal)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err and not out.exists()
+
+
+def test_input_nested_too_deeply_is_bad_input(tmp_path, baseline_files):
+    _, plan = baseline_files
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 20000 + "]" * 20000)
+    trace = tmp_path / "deep.json"
+    trace.write_text("[" * 20000 + "]" * 20000)
+    for args in (("validate", deep), ("simulate", deep), ("calibrate", plan, trace)):
+        run = _octoplan(*args)
+        assert run.returncode == 2 and "nested too deeply" in run.stderr and run.stderr.count("\n") == 1, run.stderr

@@ -10,7 +10,7 @@ def test_parse_and_format_round_trip(text, op):
     assert str(op) == text
 
 
-@pytest.mark.parametrize("bad", ["", "F0", "0X1", "0F", "-1F0", "0f0", "0F0x", "1.5F0"])
+@pytest.mark.parametrize("bad", ["", "F0", "0X1", "0F", "-1F0", "0f0", "0F0x", "1.5F0", "\u0663F0", "00F1", "0F01"])
 def test_unknown_op_strings_are_rejected_with_the_string(bad):
     with pytest.raises(ValueError, match="unknown op"):
         parse_op(bad)

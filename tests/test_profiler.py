@@ -3,6 +3,8 @@ overrides, profile files, and per-layer times that add up to the whole model's t
 
 from __future__ import annotations
 
+import os
+
 import re
 import textwrap
 from pathlib import Path
@@ -143,7 +145,10 @@ def test_two_linear_bytes_are_exact(tmp_path):
     assert [layer.name for layer in profile.layers] == ["Sequential", "Linear"]
     assert profile.microbatch_size == mbs and profile.dtype == "float32"
     assert profile.model.name == "two-linear" and profile.model.source == path
-    assert profile.device["name"] == "cpu" and profile.device["memory_gb"] > 0
+    assert profile.device["name"] == "cpu"
+    # decimal GB, the unit the plan's memory_gb and the simulator's limit use (not GiB)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert profile.device["memory_gb"] == round(total / 1e9, 1)
 
 
 def test_bytes_do_not_depend_on_timing_settings(tmp_path):
@@ -326,6 +331,21 @@ BROKEN = {
         TWO_LINEAR.replace("return torch.randn(microbatch_size, 8, generator=generator), torch", "return [1.0], torch"),
         "sample_batch",
         "inputs are a list of (float)",
+    ),
+    "config_not_a_mapping": (
+        TWO_LINEAR.replace('CONFIG = {"hidden": 16, "middle": 0}', "CONFIG = [16, 0]"),
+        "CONFIG",
+        "is a list, not a mapping",
+    ),
+    "exits_at_import": (
+        "import sys\nsys.exit(3)\n" + TWO_LINEAR,
+        None,
+        "exits when imported (status 3)",
+    ),
+    "too_many_layers": (
+        TWO_LINEAR.replace("return 2 + middle", "return 10**9"),
+        "num_layers",
+        "returned 1000000000",
     ),
     "head_kind_in_the_middle": (
         TWO_LINEAR + "\ndef layer_kind(index, hidden, middle):\n    return 'head'\n",

@@ -25,7 +25,7 @@ import pytest
 
 import runtime_helpers as h
 from octoplan.plan import save_plan
-from octorun.runtime import RunConfig
+from octorun.runtime import RunConfig, summarize_step
 
 TOL = 1e-5
 STEPS = 3
@@ -190,6 +190,27 @@ def test_baseline_metrics_report_the_prediction(hand_batches):
     plan = hand_batches[2].expect["tiny-1f1b-pp2"][2]
     metrics = launched.result("tiny-1f1b-pp2", 0)["metrics"]
     assert [m.predicted_iteration_ms for m in metrics] == [plan.predicted["iteration_ms"]] * STEPS
+
+
+def _record(spans, reduced_s=None, *, loss_sum=1.0):
+    return {"loss_sum": loss_sum, "loss_count": 2, "step_s": 0.02, "reduced_s": reduced_s,
+            "spans": [(0, kind, 0, start, end) for kind, start, end in spans]}
+
+
+def test_a_step_with_data_parallelism_ends_with_its_last_all_reduce():
+    # two replicas of one stage: ops busy 0-4 and 6-10 ms on one, 1-5 and 7-12 ms on the other;
+    # their all-reduces finish at 15 and 14 ms. The simulator's iteration ends with the all-reduce,
+    # so the measured one must too: 15 ms, not the ops' 12 (1 ms of the 15 is before rank 1 starts).
+    records = [_record([("F", 0.000, 0.004), ("B", 0.006, 0.010)], 0.015),
+               _record([("F", 0.001, 0.005), ("B", 0.007, 0.012)], 0.014, loss_sum=3.0)]
+    metrics = summarize_step(2, records, 14.5)
+    assert metrics.iteration_ms == pytest.approx(15.0)
+    assert metrics.bubble_ratio == pytest.approx(1 - 17 / 30)
+    assert (metrics.step, metrics.loss, metrics.step_ms, metrics.predicted_iteration_ms) == (2, 1.0, 20.0, 14.5)
+    # without data parallelism there is no all-reduce: first op start to last op end
+    alone = summarize_step(0, [_record([("F", 0.000, 0.004), ("B", 0.006, 0.010)]),
+                               _record([("F", 0.001, 0.005), ("B", 0.007, 0.012)])], None)
+    assert alone.iteration_ms == pytest.approx(12.0) and alone.bubble_ratio == pytest.approx(1 - 17 / 24)
 
 
 @pytest.mark.slow  # fresh interpreters under torchrun: ~15-30 s on a shared 2-core machine

@@ -115,7 +115,26 @@ def test_output_paths_that_cannot_be_written_are_refused_before_training(tmp_pat
         prepare(RunConfig(plan_path=str(tmp_path / "missing.yaml"), metrics_path=str(out)))
     assert not out.parent.exists()
     prepare(RunConfig(plan_path=str(path), replay_time_scale=0.0, metrics_path=str(out)))
-    assert out.is_file()
+    assert out.parent.is_dir() and list(out.parent.iterdir()) == []  # the check leaves no file behind
+
+
+@pytest.mark.parametrize("env,variable", [
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK"),  # used to wait --timeout for peers that cannot exist
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "MASTER_ADDR"),
+])
+def test_bad_launch_variables_are_one_line_on_every_rank(tmp_path, profile_file, env, variable):
+    import os
+    import subprocess
+    import sys
+
+    path, _ = _saved_plan(tmp_path, profile_file, layers=2, schedule="1f1b", gpus=2, microbatches=2)
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([sys.executable, "-m", "octorun", str(path), "--replay", "0", "--timeout", "20"],
+                         env={**clean, **env}, capture_output=True, text=True, timeout=120)
+    # printed even where RANK is not 0: a launch variable is each process's own
+    assert run.returncode == 2 and run.stderr.startswith(f"octorun: {variable}: ") and run.stderr.count("\n") == 1, run.stderr
 
 
 def test_a_replay_scale_whose_ops_outlast_the_timeout_is_refused(tmp_path, profile_file):

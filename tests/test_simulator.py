@@ -234,3 +234,27 @@ def test_op_overhead_is_added_to_every_op_once():
     split = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0I0 0W0", "1F0 1I0 1W0"], cluster=cluster, microbatches=1)
     # 0F0 [0, 1.5], 1F0 [1.5, 3], 1I0 [3, 4.5], 1W0 [4.5, 6]
     assert simulate(split, profile).op_times()[Op(1, Kind.W, 0)] == pytest.approx((4.5, 6.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(pp=st.integers(1, 12), dp=st.integers(1, 40), per_node=st.integers(1, 16),
+       order=st.sampled_from(["pp-inner", "dp-inner"]), data=st.data())
+def test_transfer_and_all_reduce_times_match_every_replica_checked(pp, dp, per_node, order, data):
+    # The cost functions look at one node's worth of replicas (transfers) or the first and last
+    # one (all-reduce), so huge dp stays cheap; they must equal the check of every replica.
+    from octoplan.costs import allreduce_ms, transfer_ms
+
+    cluster = Cluster(gpus=pp * dp, gpus_per_node=per_node, intra_node_gbps=100.0, inter_node_gbps=10.0, latency_us=5.0)
+    parallel = Parallel(pp=pp, dp=dp, microbatches=1, rank_order=order)
+    src, dst = data.draw(st.integers(0, pp - 1)), data.draw(st.integers(0, pp - 1))
+
+    def gbps(a: int, b: int) -> float:
+        return cluster.intra_node_gbps if cluster.node_of(a) == cluster.node_of(b) else cluster.inter_node_gbps
+
+    slowest = min(gbps(parallel.global_rank(src, d), parallel.global_rank(dst, d)) for d in range(dp))
+    expected = 0.0 if src == dst else 0.005 + 1e6 / (slowest * 1e9) * 1e3
+    assert transfer_ms(cluster, parallel, src, dst, 1e6) == pytest.approx(expected)
+    nodes = {cluster.node_of(parallel.global_rank(src, d)) for d in range(dp)}
+    ring = 100.0 if len(nodes) == 1 else 10.0
+    expected = 0.0 if dp == 1 else 2 * (dp - 1) * 0.005 + 2 * (dp - 1) / dp * 1e6 / (ring * 1e9) * 1e3
+    assert allreduce_ms(cluster, parallel, src, 1e6) == pytest.approx(expected)

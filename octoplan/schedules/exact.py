@@ -170,6 +170,7 @@ def order_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
     solver.parameters.num_workers = max(1, workers)
+    solver.parameters.catch_sigint_signal = False  # Ctrl-C ends the command, not just this solve
     status = solver.Solve(model)
     bound_ticks = int(math.ceil(solver.BestObjectiveBound() - 1e-9))
     order = tuple(tuple(ops) for ops in schedule)

@@ -16,6 +16,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
 from octoplan.ops import Kind
+from octoplan.outputs import write_text
 from octoplan.plan import Plan
 from octoplan.simulator import SimResult, Span
 from octoplan.timeline._layout import (
@@ -321,5 +322,5 @@ def write_svg(plan: Plan, result: SimResult, path: str | Path, *, title: str | N
     lower bound. ``transfers``: draw a line per
     transfer (``None``: only when there are at most a few hundred).
     """
-    Path(path).write_text(svg_text(plan, result, title=title, transfers=transfers), encoding="utf-8")
+    write_text(path, svg_text(plan, result, title=title, transfers=transfers))
     log.info("wrote timeline picture %s", path)

@@ -29,6 +29,7 @@ from rich.table import Table
 
 from octoplan.errors import InputError
 from octoplan.ops import Kind, Op, parse_op
+from octoplan.outputs import write_text
 from octoplan.plan import Plan
 from octoplan.simulator import SimResult
 from octoplan.timeline._layout import KIND_ORDER, describe_plan, spans_by_rank, time_origin
@@ -113,7 +114,7 @@ def write_trace(plan: Plan, result: SimResult, path: str | Path) -> None:
             "bubble_ratio": result.bubble_ratio,
         },
     }
-    Path(path).write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(doc, separators=(",", ":")) + "\n")
     log.info("wrote trace %s (%d events)", path, len(doc["traceEvents"]))
 
 
@@ -133,6 +134,8 @@ def _read_events(path: Path) -> list[Any]:
     except json.JSONDecodeError as exc:
         raise InputError(file, 0, f"is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
                          "pass a Chrome trace-event JSON file") from None
+    except RecursionError:
+        raise InputError(file, 0, "is nested too deeply to be a trace", "pass a Chrome trace-event JSON file") from None
     # The trace-event format allows a bare event array as well as {"traceEvents": [...]}.
     if isinstance(doc, dict):
         if "traceEvents" not in doc:

@@ -19,6 +19,7 @@ from octoplan.cliutil import (
     GPUS_PER_NODE, INTER_NODE_GBPS, INTRA_NODE_GBPS, LATENCY_US, MEMORY_GB, OP_OVERHEAD_US,
     ClusterOptions, cluster_from, guarded, newest_profile,
 )
+from octoplan.outputs import check_writable
 
 __all__ = ["register", "comparison_rows"]
 
@@ -132,6 +133,7 @@ def register(app: typer.Typer) -> None:
         """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
         from octoplan.plan import save_plan
 
+        check_writable(output, "-o", inputs=(newest_profile(profile_path),))
         result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
                       max_plans, workers)

@@ -236,6 +236,7 @@ def solve_partition(
         solver.parameters.max_time_in_seconds = 4 * time_limit_s
         solver.parameters.random_seed = seed
         solver.parameters.fix_variables_to_their_hinted_value = fix_hint
+        solver.parameters.catch_sigint_signal = False  # Ctrl-C ends the command, not just this solve
         began = time.perf_counter()
         status = solver.solve(model)
         return solver, status, time.perf_counter() - began

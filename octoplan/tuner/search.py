@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -114,7 +115,9 @@ def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
     if gpus < 1:
         raise InputError(None, "--gpus", f"is {gpus}", "use a positive number")
     if opts.pp is not None:
-        if opts.pp < 1 or gpus % opts.pp:
+        if opts.pp < 1:
+            raise InputError(None, "--pp", f"is {opts.pp}", "use a pipeline degree of 1 or more")
+        if gpus % opts.pp:
             raise InputError(None, "--pp", f"{opts.pp} does not divide --gpus {gpus}", "pick a pp that divides the GPU count")
         if opts.pp > profile.num_layers:
             raise InputError(None, "--pp", f"{opts.pp} exceeds the profile's {profile.num_layers} layers",
@@ -391,8 +394,9 @@ def tune(
     progress: ProgressFn | None = None,
 ) -> TuneResult:
     """The fastest plan the search finds that fits memory; ``InputError`` if none fits."""
-    if not opts.time_limit_s > 0:
-        raise InputError(None, "--time-limit", f"is {opts.time_limit_s:g}", "give the search a positive number of seconds")
+    if not 0 < opts.time_limit_s < math.inf:
+        raise InputError(None, "--time-limit", f"is {opts.time_limit_s:g}",
+                         "give the search a positive, finite number of seconds (--max-plans bounds it by work instead)")
     if opts.max_plans is not None and opts.max_plans < 1:
         raise InputError(None, "--max-plans", f"is {opts.max_plans}", "give a positive number of plans, or leave it out")
     if opts.chunks_max < 1:

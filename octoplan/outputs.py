@@ -1,0 +1,77 @@
+"""Output files: checked before the work that fills them, written whole or not at all.
+
+A command that searches for a minute or measures a model must not find out at the end that its
+``-o`` cannot be written, and a write that fails halfway (a full disk, a file-size limit) must
+leave neither a truncated file nor an emptied old one behind: the text goes to a temporary
+file beside the target, which then replaces the target in one rename.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from octoplan.errors import InputError
+
+__all__ = ["check_writable", "write_text"]
+
+
+def _cannot(path: Path, flag: str | None, exc: OSError) -> InputError:
+    what = f"{flag} cannot be written" if flag else "cannot write"
+    return InputError(str(path), None, f"{what}: {exc.strerror or exc}", "give a writable file path")
+
+
+def check_writable(path: str | Path, flag: str | None = None, *, inputs: tuple[str | Path | None, ...] = ()) -> None:
+    """Fail now, not after the work, when ``path`` cannot be written. Creates missing folders
+    and a throw-away file beside ``path`` (never ``path`` itself, so several processes may check
+    one path at once). ``inputs``: files the command reads, which ``path`` must not overwrite."""
+    target = Path(path)
+    for source in inputs:
+        if source is not None and target.exists() and Path(source).exists() and target.samefile(source):
+            raise InputError(str(target), None, f"{flag or '-o'} names the input file {source}, which writing would destroy",
+                             "write to another file")
+    if target.is_dir():
+        raise InputError(str(target), None, f"{flag or 'the output'} names a folder", "give a file path")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".check", dir=target.parent)
+        os.close(handle)
+        os.unlink(probe)
+        if target.exists() and not os.access(target, os.W_OK):
+            raise PermissionError(13, "Permission denied", str(target))
+    except OSError as exc:
+        raise _cannot(target, flag, exc) from None
+
+
+def _mode_for(target: Path) -> int:
+    """The old file's permissions, or those a plain ``open`` would give a new one."""
+    if target.exists():
+        return target.stat().st_mode & 0o7777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_text(path: str | Path, text: str, *, flag: str | None = None, newline: str | None = None) -> None:
+    """Write ``text`` to ``path`` atomically: on any failure the old file (if any) is untouched
+    and no partial file remains. ``newline`` as for :func:`open` (``""``: write line endings
+    as they are, which the csv module needs)."""
+    target = Path(path)
+    probe = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        with os.fdopen(handle, "w", encoding="utf-8", newline=newline) as out:
+            out.write(text)
+        os.chmod(probe, _mode_for(target))  # mkstemp's 0600 would hide the file from others
+        os.replace(probe, target)
+        probe = None
+    except OSError as exc:
+        raise _cannot(target, flag, exc) from None
+    finally:
+        if probe is not None:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
