@@ -128,6 +128,16 @@ def _check_matches(plan: Plan, events: list, file: str) -> None:
             raise InputError(file, "traceEvents", f"op {e.op} appears twice in one step on {e.thread}",
                              'give each step its own "args": {"step": N}, or one step per trace')
         seen.add((e.thread, e.op))
+    by_thread: dict[str, list] = {}
+    for e in events:
+        by_thread.setdefault(e.thread, []).append(e)
+    for thread, ops in by_thread.items():
+        ops.sort(key=lambda e: e.start_ms)
+        for before, after in zip(ops, ops[1:]):
+            # a microsecond of slack for the trace format's rounding
+            if after.start_ms < before.start_ms + before.dur_ms - 1e-3:
+                raise InputError(file, "traceEvents", f"op {after.op} starts before op {before.op} ends on {thread}, "
+                                 "but one rank runs one op at a time", "give the trace of a real run (octorun --trace)")
     if len({e.lane for e in events}) < 2:
         raise InputError(file, "traceEvents", "holds the ops of one pipeline rank only",
                          "calibrate from a trace of every rank (octorun --trace writes them all)")

@@ -42,16 +42,17 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="log what 
 def profile(
     model: Optional[Path] = typer.Argument(None, help="model file (SPEC section 4)"),
     arch: Optional[str] = typer.Option(None, "--arch", help="write an analytic profile of a known architecture"),
-    gpu: str = typer.Option("h100", "--gpu", help="GPU of the analytic profile"),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU of the analytic profile [default: h100]"),
     list_known: bool = typer.Option(False, "--list", help="name the known architectures and GPUs"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="sequence length (analytic)"),
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", help="samples per microbatch"),
-    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree (analytic)"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel degree (analytic) [default: 1]"),
     split_blocks: bool = typer.Option(False, "--split-blocks",
                                       help="one layer per block's mixer and per its MLP/MoE (analytic): finer stage boundaries"),
-    repeat: int = typer.Option(10, "--repeat", help="timed repeats per layer; the median is kept"),
+    repeat: Optional[int] = typer.Option(None, "--repeat", help="timed repeats per layer; the median is kept [default: 10]"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)"),
-    clock: str = typer.Option("auto", "--clock", help="auto, wall or cpu (thread CPU time; wall for models that sleep)"),
+    clock: Optional[str] = typer.Option(None, "--clock",
+                                        help="auto, wall or cpu (thread CPU time; wall for models that sleep) [default: auto]"),
     config: List[str] = typer.Option([], "--config", help="model config override key=value (repeatable)"),
     check_whole: bool = typer.Option(False, "--check-whole",
                                      help="also time the whole model's forward+backward and compare the sum of the layers"),
@@ -76,8 +77,20 @@ def profile(
         return
     if arch is not None and model is not None:
         raise InputError(None, "--arch", f"given with the model file {model}", "profile either a model file or --arch NAME")
-    if arch is not None and config:
-        raise InputError(None, "--config", "applies to model files, not to --arch", "drop --config, or profile a model file")
+    # an option of the other kind of profile would be ignored without a word: refuse it
+    given = {"--gpu": gpu, "--tp": tp, "--seq-len": seq_len, "--split-blocks": split_blocks or None,
+             "--repeat": repeat, "--device": device, "--clock": clock, "--config": config or None,
+             "--check-whole": check_whole or None}
+    if arch is not None:
+        for flag in ("--repeat", "--device", "--clock", "--config", "--check-whole"):
+            if given[flag] is not None:
+                raise InputError(None, flag, "applies to measuring a model file, not to --arch",
+                                 f"drop {flag}, or profile a model file")
+    elif model is not None:
+        for flag in ("--gpu", "--tp", "--seq-len", "--split-blocks"):
+            if given[flag] is not None:
+                raise InputError(None, flag, "applies to analytic profiles (--arch), not to a model file",
+                                 f"drop {flag} (a model file is measured on this machine; see --config for its settings)")
     if microbatch_size is not None and microbatch_size < 1:
         raise InputError(None, "--microbatch-size", f"is {microbatch_size}", "use 1 or more samples per microbatch")
     if output is not None:
@@ -85,6 +98,7 @@ def profile(
     if arch is not None:
         from octoplan.arch import analytic_profile
 
+        gpu, tp = gpu or "h100", 1 if tp is None else tp
         result = analytic_profile(arch, gpu, seq_len=seq_len, microbatch_size=microbatch_size, tp=tp, split_blocks=split_blocks)
         out = output or Path("profiles") / f"{arch}-{gpu}{f'-tp{tp}' if tp > 1 else ''}{'-split' if split_blocks else ''}.yaml"
     elif model is not None:
@@ -92,6 +106,7 @@ def profile(
 
         from octoplan.profiler import parse_config_overrides, profile_model_file
 
+        repeat, clock = 10 if repeat is None else repeat, clock or "auto"
         if repeat < 1:
             raise InputError(None, "--repeat", f"is {repeat}", "use at least 1")
         overrides = parse_config_overrides(config)
@@ -108,9 +123,6 @@ def profile(
         out = output or Path("profiles") / f"{result.model.name}.yaml"
     else:
         raise InputError(None, "MODEL", "nothing to profile", "give a model file, or --arch NAME (see --list)")
-    if check_whole and (model is None or arch is not None):
-        raise InputError(None, "--check-whole", "needs a model file to run, and --arch writes an analytic profile",
-                         "drop --check-whole for --arch, or profile a model file without --arch")
     save_profile(result, out)
     _print_profile(result, out)
     if check_whole:

@@ -33,6 +33,24 @@ _Loader.add_implicit_resolver(
 )
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    """A mapping that names one key twice: YAML forbids it, PyYAML keeps the last silently."""
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if isinstance(key, (str, int, float, bool)) or key is None:
+            if key in seen:
+                raise _DuplicateKey(None, None, f"key {key!r} appears twice", key_node.start_mark)
+            seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Loader.construct_mapping = _construct_mapping  # type: ignore[method-assign]
+
+
 def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
@@ -47,6 +65,8 @@ def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else None
+        if isinstance(exc, _DuplicateKey):
+            raise InputError(str(path), where, exc.problem, "keep one of them") from None
         raise InputError(str(path), where, "not valid YAML", "fix the YAML syntax") from None
     if not isinstance(data, dict):
         raise InputError(str(path), None, f"a {what} file must be a YAML mapping", "see SPEC")

@@ -135,6 +135,7 @@ def test_data_parallel_replicas_pair_within_their_pipeline(tmp_path):
     ("op twice", "appears twice in one step"),
     ("one rank", "one pipeline rank only"),
     ("bigger plan", "holds 96 of the plan's 192 ops"),
+    ("overlapping ops", "starts before op"),
 ])
 def test_traces_that_do_not_match_the_plan_are_bad_input(tmp_path, case, message):
     plan, path = _simulated_trace(tmp_path, "zb-h1", 300.0, 0.0)
@@ -151,6 +152,10 @@ def test_traces_that_do_not_match_the_plan_are_bad_input(tmp_path, case, message
         for event in ops:  # one step, said so, and an op of it twice (two steps concatenated)
             event["args"] = {"step": 0}
         doc["traceEvents"].append({**ops[5], "ts": ops[5]["ts"] + 1e6})
+    elif case == "overlapping ops":  # every op at time 0: no rank can have run them
+        other = plan
+        for event in ops:
+            event["ts"] = 0.0
     elif case == "bigger plan":  # every op of the trace is in it, on the same rank, but half of its ops are not in the trace
         other = make_baseline(PROFILE, schedule="zb-h1", gpus=4, microbatches=16, cluster=plan.cluster)
     else:

@@ -207,6 +207,12 @@ def test_an_unknown_dtype_is_refused_not_guessed(tmp_path):
     (["profile", "--arch", "llama3-8b", "--config", "hidden=5"], "--config"),
     (["profile", "examples/models/tiny_gpt.py", "--arch", "llama3-8b"], "--arch"),
     (["profile", "examples/models/tiny_gpt.py", "--microbatch-size", "0"], "--microbatch-size"),
+    # an option of the other kind of profile: it used to be ignored without a word
+    (["profile", "examples/models/tiny_gpt.py", "--tp", "2"], "--tp"),
+    (["profile", "examples/models/tiny_gpt.py", "--split-blocks"], "--split-blocks"),
+    (["profile", "examples/models/tiny_gpt.py", "--gpu", "a100"], "--gpu"),
+    (["profile", "--arch", "llama3-8b", "--repeat", "3"], "--repeat"),
+    (["profile", "--arch", "llama3-8b", "--check-whole"], "--check-whole"),
 ])
 def test_profile_options_that_conflict_or_overflow_exit_2(tmp_path, args, field):
     # each used to be ignored (exit 0, another profile written) or crash a later command
@@ -334,3 +340,11 @@ def test_input_nested_too_deeply_is_bad_input(tmp_path, baseline_files):
     for args in (("validate", deep), ("simulate", deep), ("calibrate", plan, trace)):
         run = _octoplan(*args)
         assert run.returncode == 2 and "nested too deeply" in run.stderr and run.stderr.count("\n") == 1, run.stderr
+
+
+def test_a_key_written_twice_is_bad_input_naming_its_line(tmp_path):
+    # PyYAML would keep the second value without a word; YAML itself forbids the repeat
+    path = tmp_path / "plan.yaml"
+    path.write_text("format: octoplan-plan/1\nmodel: {name: a, name: b}\n")
+    run = _octoplan("validate", path)
+    assert run.returncode == 2 and run.stderr.strip() == f"error: {path}: line 2: key 'name' appears twice (keep one of them)"
