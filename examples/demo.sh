@@ -37,4 +37,4 @@ step "6. Predicted vs measured, and the speedup over 1F1B"
 "${RUN[@]}" plans/hybrid.yaml --replay --steps 5 --metrics out/tuned.jsonl --trace out/tuned-measured.json
 "${RUN[@]}" plans/hybrid-1f1b.yaml --replay --steps 5 --metrics out/1f1b.jsonl
 python examples/report.py plans/hybrid.yaml=out/tuned.jsonl plans/hybrid-1f1b.yaml=out/1f1b.jsonl
-octoplan show plans/hybrid.yaml --measured out/tuned-measured.json --width 100 | tail -n 9
+octoplan show plans/hybrid.yaml --measured out/tuned-measured.json --width 100 | tail -n 11

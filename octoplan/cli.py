@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from octoplan.cliutil import (
@@ -171,7 +172,7 @@ def baseline(
     microbatches: Optional[int] = typer.Option(None, "--microbatches", help="microbatches per iteration (default 2*pp)"),
     pp: Optional[int] = typer.Option(None, "--pp", help="pipeline degree (default: all GPUs)"),
     output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
-    gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
+    gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
     inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
 ) -> None:
     """Write a plan of a known schedule, for comparison (SPEC section 6)."""
@@ -181,14 +182,24 @@ def baseline(
     check_writable(output, "-o", inputs=(path,))
     prof = load_profile(path)
     cluster = cluster_from(gpus, ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us,
-                                                op_overhead_us))
+                                                op_overhead_us), prof)
     pp_value, _ = split_gpus(gpus, pp)
     plan = make_baseline(prof, schedule=schedule, gpus=gpus, pp=pp_value, microbatches=2 * pp_value if microbatches is None else microbatches,
                          partition_method=partition, chunks=chunks, cluster=cluster, profile_path=path)
     save_plan(plan, output)
     console.print(f"{schedule} plan for {gpus} GPUs (pp={plan.pp}, dp={plan.parallel.dp}, "
-                  f"{plan.microbatches} microbatches, {plan.num_stages} stages) -> {output}: "
-                  f"predicted {plan.predicted['iteration_ms']:.2f} ms, bubble {plan.predicted['bubble_ratio']:.1%}")
+                  f"{plan.microbatches} microbatches, {plan.num_stages} stages) -> {escape(str(output))}: "
+                  f"predicted {plan.predicted['iteration_ms']:.2f} ms, bubble {plan.predicted['bubble_ratio']:.1%}",
+                  soft_wrap=True)
+    # a baseline is written even when it does not fit (it is for comparison), but never silently
+    from octoplan.simulator import simulate as run_simulation
+
+    result = run_simulation(plan, prof)
+    if not result.fits_memory:
+        fullest = max(range(plan.pp), key=lambda r: result.peak_memory_bytes[r])
+        typer.echo(f"warning: this plan does not fit: rank {fullest} peaks at "
+                   f"{result.peak_memory_bytes[fullest] / 1e9:.1f} GB, over the {cluster.memory_gb:g} GB per GPU "
+                   f"(--memory-gb); octoplan tune finds plans that fit", err=True)
 
 
 @app.command()

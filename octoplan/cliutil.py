@@ -7,7 +7,7 @@ import functools
 import logging
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -16,13 +16,16 @@ import yaml
 
 from octoplan.errors import InputError
 from octoplan.plan import CLUSTER_RANGES, MAX_GPUS, Cluster
+from octoplan.profile import Profile
 
-__all__ = ["guarded", "fail", "ClusterOptions", "cluster_from", "newest_profile", "log_setup",
+__all__ = ["guarded", "fail", "ClusterOptions", "cluster_from", "memory_of", "newest_profile", "log_setup",
            "GPUS_PER_NODE", "MEMORY_GB", "INTRA_NODE_GBPS", "INTER_NODE_GBPS", "LATENCY_US", "OP_OVERHEAD_US"]
 
 # The cluster options of SPEC section 5, shared by every command that takes them.
 GPUS_PER_NODE = typer.Option(8, "--gpus-per-node", help="GPUs per node")
-MEMORY_GB = typer.Option(80.0, "--memory-gb", help="memory per GPU, GB")
+MEMORY_GB = typer.Option(None, "--memory-gb",
+                         help="memory per GPU, GB [default: the profile's GPU memory; 80 for a CPU-measured profile]")
+DEFAULT_MEMORY_GB = 80.0  # an 80 GB A100/H100, for profiles that name no GPU
 INTRA_NODE_GBPS = typer.Option(450.0, "--intra-node-gbps", help="GB/s between GPUs of a node")
 INTER_NODE_GBPS = typer.Option(50.0, "--inter-node-gbps", help="GB/s between nodes")
 LATENCY_US = typer.Option(10.0, "--latency-us", help="latency per point-to-point transfer, us")
@@ -65,15 +68,28 @@ def log_setup(verbose: bool) -> None:
 @dataclass(frozen=True)
 class ClusterOptions:
     gpus_per_node: int = 8
-    memory_gb: float = 80.0
+    memory_gb: float | None = None  # None: the profile's GPU memory (see memory_of)
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
     latency_us: float = 10.0
     op_overhead_us: float = 0.0
 
 
-def cluster_from(gpus: int, opts: ClusterOptions) -> Cluster:
-    """The cluster the options describe, held to the same ranges as a plan file's."""
+def memory_of(profile: Profile) -> float:
+    """The GPU memory to plan for when --memory-gb is not given: the profile's device's, unless
+    it was measured on a CPU (whose RAM says nothing about the GPUs the plan is for)."""
+    device = profile.device or {}
+    memory = device.get("memory_gb")
+    if str(device.get("name", "cpu")).lower() == "cpu" or not isinstance(memory, (int, float)) or isinstance(memory, bool):
+        return DEFAULT_MEMORY_GB
+    return float(memory)
+
+
+def cluster_from(gpus: int, opts: ClusterOptions, profile: Profile | None = None) -> Cluster:
+    """The cluster the options describe, held to the same ranges as a plan file's; memory not
+    given comes from ``profile`` (:func:`memory_of`)."""
+    if opts.memory_gb is None:
+        opts = replace(opts, memory_gb=memory_of(profile) if profile is not None else DEFAULT_MEMORY_GB)
     for name, value in (("--gpus", gpus), ("--gpus-per-node", opts.gpus_per_node)):
         if not 1 <= value <= MAX_GPUS:
             raise InputError(None, name, f"is {value}", f"use 1 to {MAX_GPUS}")
@@ -95,6 +111,7 @@ def newest_profile(given: Optional[Path]) -> Path:
     candidates = sorted(folder.glob("*.yaml"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
     if not candidates:
         raise InputError("profiles/", None, "no profile given and none in profiles/", "run octoplan profile first or name a PROFILE")
+    typer.echo(f"using the newest profile, {candidates[-1]}", err=True)  # on stderr: stdout may be JSON
     return candidates[-1]
 
 

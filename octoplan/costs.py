@@ -139,12 +139,13 @@ def allreduce_ms(cluster: Cluster, parallel: Parallel, pp_rank: int, num_bytes: 
     return 2 * (dp - 1) * cluster.latency_us / 1000.0 + 2 * (dp - 1) / dp * num_bytes / (gbps * 1e9) * 1000.0
 
 
-def lower_bound_ms(profile: Profile, *, pp: int, microbatches: int) -> float:
+def lower_bound_ms(profile: Profile, *, pp: int, microbatches: int, op_overhead_ms: float = 0.0) -> float:
     """SPEC section 7: no plan with this pp and microbatch count can be faster. A layer's least
-    time takes the cheaper of its split backward (I + W) and its fused one (B)."""
+    time takes the cheaper of its split backward (I + W) and its fused one (B). With a per-op
+    runtime cost, every rank runs at least two ops (F and B) per microbatch and pays it twice."""
     totals = [layer.forward_ms + min(layer.backward_input_ms + layer.backward_weight_ms, layer.b_ms)
               for layer in profile.layers]
-    return microbatches * max(sum(totals) / pp, max(totals))
+    return microbatches * (max(sum(totals) / pp, max(totals)) + 2 * op_overhead_ms)
 
 
 def to_ticks(ms: float) -> int:

@@ -264,7 +264,8 @@ def simulate(plan: Plan, profile: Profile, *, optimizer: str = "adam-mixed", tab
     return simulate_costs(
         plan,
         costs,
-        lower_bound=lower_bound_ms(profile, pp=plan.pp, microbatches=plan.microbatches),
+        lower_bound=lower_bound_ms(profile, pp=plan.pp, microbatches=plan.microbatches,
+                                   op_overhead_ms=plan.cluster.op_overhead_us / 1000.0),
         dtype_bytes=profile.dtype_bytes,
         optimizer=optimizer,
     )

@@ -348,3 +348,34 @@ def test_a_key_written_twice_is_bad_input_naming_its_line(tmp_path):
     path.write_text("format: octoplan-plan/1\nmodel: {name: a, name: b}\n")
     run = _octoplan("validate", path)
     assert run.returncode == 2 and run.stderr.strip() == f"error: {path}: line 2: key 'name' appears twice (keep one of them)"
+
+
+def test_plans_take_the_profiles_gpu_memory_and_say_when_they_do_not_fit(profile_file, tmp_path):
+    from dataclasses import replace as copy
+
+    # 4 fp32 layers of 20 GB of parameters: 80 GB of weights, gradients and Adam moments each,
+    # 160 GB on each of the 2 ranks
+    heavy = make_profile([(1, 1, 1)] * 4)
+    heavy = heavy.with_layers([copy(layer, param_bytes=20 * 10**9) for layer in heavy.layers])
+    for device, limit in (({"name": "h200", "memory_gb": 141.0}, 141.0), ({"name": "cpu", "memory_gb": 24.0}, 80.0)):
+        path = profile_file(copy(heavy, device=device), f"{device['name']}.yaml")
+        out = tmp_path / f"{device['name']}-plan.yaml"
+        run = _octoplan("baseline", path, "--gpus", 2, "--schedule", "1f1b", "-o", out)
+        # a CPU's RAM says nothing about the GPUs planned for: the 80 GB default then
+        assert run.returncode == 0 and load_plan(out).cluster.memory_gb == limit, run.stderr
+        assert run.stderr == (f"warning: this plan does not fit: rank 0 peaks at 160.0 GB, over the {limit:g} GB per GPU "
+                              "(--memory-gb); octoplan tune finds plans that fit\n")
+    run = _octoplan("baseline", path, "--gpus", 2, "--schedule", "1f1b", "--memory-gb", 400, "-o", out)
+    assert run.returncode == 0 and run.stderr == "" and load_plan(out).cluster.memory_gb == 400
+
+
+def test_the_implicit_profile_is_named_once(tmp_path):
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    from octoplan.profile import save_profile
+
+    save_profile(make_profile([(1, 1, 1)] * 4), folder / "only.yaml")
+    for command in (["baseline", "--schedule", "1f1b"], ["tune", "--time-limit", 1]):
+        run = _octoplan(*command, "--gpus", 2, "-o", "plan.yaml", cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        assert run.stderr.count("using the newest profile, profiles/only.yaml") == 1, run.stderr

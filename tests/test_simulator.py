@@ -230,7 +230,10 @@ def test_op_overhead_is_added_to_every_op_once():
     cluster = Cluster(gpus=2, latency_us=0, intra_node_gbps=1e12, op_overhead_us=500.0)
     plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"],
                  cluster=cluster, microbatches=4)
-    assert simulate(plan, profile).iteration_ms == pytest.approx(5 * 4)
+    result = simulate(plan, profile)
+    assert result.iteration_ms == pytest.approx(5 * 4)
+    # the bound: 4 microbatches x (3 ms of layers per rank + F's and B's 0.5 ms each) = 16 ms
+    assert result.lower_bound_ms == pytest.approx(16.0) and result.efficiency == pytest.approx(16 / 20)
     split = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0I0 0W0", "1F0 1I0 1W0"], cluster=cluster, microbatches=1)
     # 0F0 [0, 1.5], 1F0 [1.5, 3], 1I0 [3, 4.5], 1W0 [4.5, 6]
     assert simulate(split, profile).op_times()[Op(1, Kind.W, 0)] == pytest.approx((4.5, 6.0))

@@ -149,7 +149,7 @@ def test_cli_tune_writes_a_plan_and_compare_prints_the_table(profile_file, tmp_p
     assert plan.profile == str(path)
     assert plan.profile_sha256 == file_sha256(path)
     assert plan.predicted["iteration_ms"] == pytest.approx(154.5)
-    assert "beats 154.50 ms: reordering could save at most 0.0%" in " ".join(result.output.split())
+    assert "beats 154.50 ms, so reordering could save at most 0.0%" in " ".join(result.output.split())
     assert ("efficiency 0.932 = balance 1.000 (the busiest rank, 3, works 144.00 ms; the lower bound is 144.00) x "
             "schedule 0.932 (rank 3 idles 10.50 ms before its first op, 0.00 between its ops, 0.00 after its last)"
             ) in " ".join(result.output.split())

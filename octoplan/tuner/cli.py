@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from octoplan.cliutil import (
@@ -75,7 +76,7 @@ def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, c
 
     path = newest_profile(profile_path)
     profile = load_profile(path)
-    cluster = cluster_from(gpus, cluster_opts)
+    cluster = cluster_from(gpus, cluster_opts, profile)
     opts = TuneOptions(gpus=gpus, pp=pp, microbatches=microbatches, global_batch=global_batch,
                        time_limit_s=time_limit, seed=seed, chunks_max=chunks_max, use_cpsat=not no_cpsat,
                        max_plans=max_plans, workers=workers)
@@ -126,28 +127,32 @@ def register(app: typer.Typer) -> None:
         output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
         microbatches: Optional[int] = _MB, pp: Optional[int] = _PP, global_batch: Optional[int] = _GB,
         time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
-        gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
+        gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
         inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
         max_plans: Optional[int] = _MAXP, workers: int = _WORKERS,
     ) -> None:
         """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
         from octoplan.plan import save_plan
 
-        check_writable(output, "-o", inputs=(newest_profile(profile_path),))
+        profile_path = newest_profile(profile_path)
+        check_writable(output, "-o", inputs=(profile_path,))
         result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
                       max_plans, workers)
         save_plan(result.plan, output)
         console.print(_table(result))
         plan = result.plan
+        # soft_wrap: long lines wrap at the terminal's edge, never inside a path or a number
         console.print(f"tuned plan for {gpus} GPUs ({result.candidate.config.label()}, {plan.num_stages} stages) -> "
-                      f"{output}: predicted {plan.predicted['iteration_ms']:.2f} ms, bubble "
+                      f"{escape(str(output))}: predicted {plan.predicted['iteration_ms']:.2f} ms, bubble "
                       f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "
-                      f"({result.stats['evaluations']} plans simulated in {result.stats['wall_s']:.1f} s)")
-        console.print(_where_the_time_goes(result.stats, plan.predicted["efficiency"]))
+                      f"({result.stats['evaluations']} plans simulated in {result.stats['wall_s']:.1f} s)", soft_wrap=True)
+        console.print(_where_the_time_goes(result.stats, plan.predicted["efficiency"]), soft_wrap=True)
         bound = result.stats["order_bound_ms"]
-        console.print(f"no op order of these stages and placement beats {bound:.2f} ms: reordering could save at most "
-                      f"{max(0.0, 1 - bound / plan.predicted['iteration_ms']):.1%} (`octoplan bound` searches for it)")
+        console.print(f"a quick bound (each rank alone, any memory): no op order of these stages and placement beats "
+                      f"{bound:.2f} ms, so reordering could save at most "
+                      f"{max(0.0, 1 - bound / plan.predicted['iteration_ms']):.1%}; `octoplan bound {escape(str(output))}` "
+                      f"proves a tighter bound with CP-SAT and searches for such an order", soft_wrap=True)
 
     @app.command()
     @guarded
@@ -156,7 +161,7 @@ def register(app: typer.Typer) -> None:
         gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
         microbatches: Optional[int] = _MB, pp: Optional[int] = _PP, global_batch: Optional[int] = _GB,
         time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
-        gpus_per_node: int = _GPN, memory_gb: float = _MEM, intra_node_gbps: float = _INTRA,
+        gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
         inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
         max_plans: Optional[int] = _MAXP, workers: int = _WORKERS,
     ) -> None:

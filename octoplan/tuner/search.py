@@ -490,7 +490,7 @@ def tune(
         raise InputError(
             str(profile_path) if profile_path else None, "--memory-gb",
             f"no plan fits {cluster.memory_gb:g} GB per GPU; the leanest plan found needs {needed} per GPU",
-            "use more GPUs, a larger --memory-gb, or a smaller microbatch",
+            "use more GPUs, a larger --memory-gb, or a profile of a smaller --microbatch-size",
         )
     plan = _final_plan(evaluator, best, best_scored, profile_path=profile_path)
     from octoplan.schedules.exact import relaxation_bound  # OR-Tools only when the tuner runs

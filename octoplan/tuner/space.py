@@ -185,7 +185,8 @@ class Evaluator:
         plan = self.plan(cand)
         result = simulate_costs(
             plan, self.costs(cand),
-            lower_bound=lower_bound_ms(self.profile, pp=cand.config.pp, microbatches=cand.config.microbatches),
+            lower_bound=lower_bound_ms(self.profile, pp=cand.config.pp, microbatches=cand.config.microbatches,
+                                       op_overhead_ms=self.cluster.op_overhead_us / 1000.0),
             dtype_bytes=self.profile.dtype_bytes, optimizer=self.optimizer,
         )
         self.evaluations += 1
