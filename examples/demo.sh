@@ -29,6 +29,8 @@ step "4. The tuned plan's timeline (also out/hybrid.svg, and out/hybrid-trace.js
 octoplan show plans/hybrid.yaml --svg out/hybrid.svg --trace out/hybrid-trace.json
 
 step "5. Train the real model with the tuned plan: torchrun, 4 processes, gloo"
+echo "The losses are real. The times are not the plan's: four processes share this machine's cores, while"
+echo "each layer was profiled with the cores to itself. Step 6 replays the ops at their profiled times."
 "${RUN[@]}" plans/hybrid.yaml --steps 6 --optimizer adamw --lr 3e-3 --metrics out/train.jsonl
 
 step "6. Predicted vs measured, and the speedup over 1F1B"
