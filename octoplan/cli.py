@@ -164,12 +164,12 @@ def _print_profile(result: Profile, out: Path) -> None:
 @app.command()
 @guarded
 def baseline(
-    profile_path: Optional[Path] = typer.Argument(None, metavar="[PROFILE]", help="profile (default: newest in profiles/)"),
+    profile_path: Optional[Path] = typer.Argument(None, metavar="PROFILE", help="profile (default: newest in profiles/)"),
     gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
     schedule: str = typer.Option(..., "--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, dualpipev"),
     partition: str = typer.Option("uniform", "--partition", help="uniform or balanced"),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="stages per rank for interleaved-1f1b [default: 2]"),
-    microbatches: Optional[int] = typer.Option(None, "--microbatches", help="microbatches per iteration (default 2*pp)"),
+    microbatches: Optional[int] = typer.Option(None, "--microbatches", help="microbatches per pipeline [default: 2 x pp]"),
     pp: Optional[int] = typer.Option(None, "--pp", help="pipeline degree (default: all GPUs)"),
     output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
     gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,

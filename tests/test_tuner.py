@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from typer.testing import CliRunner
 
@@ -157,6 +159,11 @@ def test_cli_tune_writes_a_plan_and_compare_prints_the_table(profile_file, tmp_p
     compare = runner.invoke(app, ["compare", *args])
     assert compare.exit_code == 0, compare.output
     assert "1f1b/uniform" in compare.output and "tuned" in compare.output
+    verdict = re.search(r"fastest baseline that fits: (\S+) \(.*\), ([\d.]+) ms; the tuned plan is ([\d.]+)x faster",
+                        " ".join(compare.output.split()))
+    assert verdict is not None, compare.output
+    assert float(verdict.group(3)) == pytest.approx(float(verdict.group(2)) / 154.5, abs=1e-3)
+    assert f"│ {verdict.group(1)} " in compare.output  # a row of the table above it
     failed = runner.invoke(app, ["tune", str(path), "--gpus", "4", "--pp", "3", "-o", str(out)])
     assert failed.exit_code == 2
     assert "--pp" in failed.output
@@ -293,3 +300,12 @@ def test_a_cheaper_fused_backward_makes_the_tuner_keep_b_whole():
     assert {op.kind.value for ops in result.plan.schedule for op in ops} == {"F", "B"}
     rows = {row.name: row.scored.iteration_ms for row in result.baselines}
     assert rows["zb-h1/uniform"] == pytest.approx(198.0)  # the split baseline pays I + W
+
+
+def test_the_verdict_says_when_no_baseline_fits():
+    from types import SimpleNamespace
+
+    from octoplan.tuner.cli import _verdict
+
+    result = SimpleNamespace(best_baseline=lambda: None)
+    assert _verdict(result, 80.0) == "no baseline fits 80 GB per GPU; the tuned plan does"

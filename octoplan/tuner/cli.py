@@ -53,7 +53,9 @@ def _short(config) -> str:
 
 
 def _table(result) -> Table:
-    table = Table(title="tuned plan vs the baselines (SPEC section 6) on the same GPUs")
+    table = Table(title="tuned plan vs the baselines (SPEC section 6) on the same GPUs",
+                  caption="pp.dp.mb: pipeline degree, data-parallel degree, microbatches per pipeline "
+                          "(pi / di: pp-inner / dp-inner rank order); tuned x: how much faster the tuned plan is")
     for name, justify in (("plan", "left"), ("pp.dp.mb", "left"), ("iter ms", "right"), ("tuned x", "right"),
                           ("bubble", "right"), ("eff", "right"), ("peak GB", "right"), ("fits", "center")):
         table.add_column(name, justify=justify, no_wrap=True)
@@ -65,6 +67,15 @@ def _table(result) -> Table:
             "yes" if row["fits"] else "no", style=style,
         )
     return table
+
+
+def _verdict(result, memory_gb: float) -> str:
+    """The line under the table: the comparison that counts, against baselines that fit."""
+    best = result.best_baseline()
+    if best is None:
+        return f"no baseline fits {memory_gb:g} GB per GPU; the tuned plan does"
+    return (f"fastest baseline that fits: {best.name} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
+            f"the tuned plan is {best.scored.iteration_ms / result.scored.iteration_ms:.3f}x faster")
 
 
 def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,
@@ -122,7 +133,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @guarded
     def tune(
-        profile_path: Optional[Path] = typer.Argument(None, metavar="[PROFILE]", help="profile (default: newest in profiles/)"),
+        profile_path: Optional[Path] = typer.Argument(None, metavar="PROFILE", help="profile (default: newest in profiles/)"),
         gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
         output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
         microbatches: Optional[int] = _MB, pp: Optional[int] = _PP, global_batch: Optional[int] = _GB,
@@ -141,6 +152,7 @@ def register(app: typer.Typer) -> None:
                       max_plans, workers)
         save_plan(result.plan, output)
         console.print(_table(result))
+        console.print(_verdict(result, result.plan.cluster.memory_gb), soft_wrap=True)
         plan = result.plan
         # soft_wrap: long lines wrap at the terminal's edge, never inside a path or a number
         console.print(f"tuned plan for {gpus} GPUs ({result.candidate.config.label()}, {plan.num_stages} stages) -> "
@@ -157,7 +169,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @guarded
     def compare(
-        profile_path: Optional[Path] = typer.Argument(None, metavar="[PROFILE]", help="profile (default: newest in profiles/)"),
+        profile_path: Optional[Path] = typer.Argument(None, metavar="PROFILE", help="profile (default: newest in profiles/)"),
         gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
         microbatches: Optional[int] = _MB, pp: Optional[int] = _PP, global_batch: Optional[int] = _GB,
         time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
@@ -170,3 +182,4 @@ def register(app: typer.Typer) -> None:
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
                       max_plans, workers)
         console.print(_table(result))
+        console.print(_verdict(result, result.plan.cluster.memory_gb), soft_wrap=True)
