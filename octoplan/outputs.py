@@ -8,6 +8,7 @@ file beside the target, which then replaces the target in one rename.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -71,7 +72,6 @@ def write_text(path: str | Path, text: str, *, flag: str | None = None, newline:
         raise _cannot(target, flag, exc) from None
     finally:
         if probe is not None:
-            try:
+            # the write already failed and says why; a temporary file that will not go is no news
+            with contextlib.suppress(OSError):
                 os.unlink(probe)
-            except OSError:
-                pass
