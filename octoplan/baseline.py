@@ -11,10 +11,10 @@ from octoplan.plan import MAX_MICROBATCHES, Cluster, Parallel, Plan, Stage, chec
 from octoplan.partition import partition
 from octoplan.profile import Profile
 from octoplan.schedules import SCHEDULES, get_schedule
-from octoplan.simulator import simulate
+from octoplan.simulator import SimResult, simulate
 from octoplan.yamlio import file_sha256
 
-__all__ = ["make_baseline", "split_gpus"]
+__all__ = ["make_baseline", "simulated_baseline", "split_gpus"]
 
 
 def split_gpus(gpus: int, pp: int | None) -> tuple[int, int]:
@@ -30,7 +30,7 @@ def split_gpus(gpus: int, pp: int | None) -> tuple[int, int]:
 DEFAULT_CHUNKS = 2  # interleaved 1F1B's stages per rank unless --chunks says otherwise (SPEC section 6)
 
 
-def make_baseline(
+def simulated_baseline(
     profile: Profile,
     *,
     schedule: str,
@@ -42,8 +42,9 @@ def make_baseline(
     cluster: Cluster | None = None,
     profile_path: str | Path | None = None,
     rank_order: str = "pp-inner",
-) -> Plan:
-    """A plan of one known schedule; ``InputError`` when the schedule cannot apply."""
+) -> tuple[Plan, SimResult]:
+    """A plan of one known schedule, with its simulated timeline; ``InputError`` when the
+    schedule cannot apply."""
     if schedule not in SCHEDULES:
         raise InputError(None, "--schedule", f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
     spec = get_schedule(schedule)
@@ -84,4 +85,9 @@ def make_baseline(
     return replace(plan, predicted={
         "iteration_ms": round(result.iteration_ms, 4),
         "bubble_ratio": round(result.bubble_ratio, 4),
-    })
+    }), result
+
+
+def make_baseline(profile: Profile, **options) -> Plan:
+    """The plan of :func:`simulated_baseline` (same options), its prediction filled in."""
+    return simulated_baseline(profile, **options)[0]

@@ -176,7 +176,7 @@ def baseline(
     inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
 ) -> None:
     """Write a plan of a known schedule, for comparison (SPEC section 6)."""
-    from octoplan.baseline import make_baseline, split_gpus
+    from octoplan.baseline import simulated_baseline, split_gpus
 
     path = newest_profile(profile_path)
     check_writable(output, "-o", inputs=(path,))
@@ -184,17 +184,15 @@ def baseline(
     cluster = cluster_from(gpus, ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us,
                                                 op_overhead_us), prof)
     pp_value, _ = split_gpus(gpus, pp)
-    plan = make_baseline(prof, schedule=schedule, gpus=gpus, pp=pp_value, microbatches=2 * pp_value if microbatches is None else microbatches,
-                         partition_method=partition, chunks=chunks, cluster=cluster, profile_path=path)
+    plan, result = simulated_baseline(
+        prof, schedule=schedule, gpus=gpus, pp=pp_value, microbatches=2 * pp_value if microbatches is None else microbatches,
+        partition_method=partition, chunks=chunks, cluster=cluster, profile_path=path)
     save_plan(plan, output)
     console.print(f"{schedule} plan for {gpus} GPUs (pp={plan.pp}, dp={plan.parallel.dp}, "
                   f"{plan.microbatches} microbatches, {plan.num_stages} stages) -> {escape(str(output))}: "
                   f"predicted {plan.predicted['iteration_ms']:.2f} ms, bubble {plan.predicted['bubble_ratio']:.1%}",
                   soft_wrap=True)
     # a baseline is written even when it does not fit (it is for comparison), but never silently
-    from octoplan.simulator import simulate as run_simulation
-
-    result = run_simulation(plan, prof)
     if not result.fits_memory:
         fullest = max(range(plan.pp), key=lambda r: result.peak_memory_bytes[r])
         typer.echo(f"warning: this plan does not fit: rank {fullest} peaks at "
@@ -506,7 +504,7 @@ def main() -> None:
         typer.echo(f"error: {message} (see octoplan --help)", err=True)
         raise SystemExit(2) from None
     if code == 130:
-        typer.echo("interrupted: nothing was written", err=True)
+        typer.echo("interrupted (an output file is written whole or not at all)", err=True)
     if isinstance(code, int) and code:
         raise SystemExit(code)
 

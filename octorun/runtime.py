@@ -41,7 +41,8 @@ from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
 from octorun.stage import StageExecutor, Tape
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
 
-__all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "summarize_step", "LaunchError", "LAUNCH_VARIABLES", "OPTIMIZERS"]
+__all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "summarize_step", "LaunchError",
+           "LAUNCH_VARIABLES", "OPTIMIZERS"]
 
 log = logging.getLogger(__name__)
 
