@@ -42,9 +42,11 @@ def simulated_baseline(
     cluster: Cluster | None = None,
     profile_path: str | Path | None = None,
     rank_order: str = "pp-inner",
+    recompute: bool = False,
 ) -> tuple[Plan, SimResult]:
     """A plan of one known schedule, with its simulated timeline; ``InputError`` when the
-    schedule cannot apply."""
+    schedule cannot apply. ``recompute``: every stage recomputes its activations (Megatron-LM's
+    full recomputation)."""
     if schedule not in SCHEDULES:
         raise InputError(None, "--schedule", f"unknown schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
     spec = get_schedule(schedule)
@@ -74,11 +76,12 @@ def simulated_baseline(
         model=profile.model,
         cluster=cluster,
         parallel=Parallel(pp=pp, dp=dp, microbatches=microbatches, rank_order=rank_order),
-        stages=tuple(Stage(start, end, rank) for (start, end), rank in zip(bounds, ranks)),
+        stages=tuple(Stage(start, end, rank, recompute) for (start, end), rank in zip(bounds, ranks)),
         schedule=order,
         profile=str(profile_path) if profile_path else None,
         profile_sha256=file_sha256(profile_path) if profile_path and Path(profile_path).exists() else None,
-        extra={"generator": {"schedule": schedule, "partition": partition_method, "chunks": num_stages // pp}},
+        extra={"generator": {"schedule": schedule, "partition": partition_method, "chunks": num_stages // pp,
+                             **({"recompute": True} if recompute else {})}},
     )
     check_structure(plan, num_layers=profile.num_layers)
     result = simulate(plan, profile)

@@ -172,6 +172,8 @@ def baseline(
     microbatches: Optional[int] = typer.Option(None, "--microbatches", help="microbatches per pipeline [default: 2 x pp]"),
     pp: Optional[int] = typer.Option(None, "--pp", help="pipeline degree (default: all GPUs)"),
     output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
+    recompute: bool = typer.Option(False, "--recompute", help="every stage recomputes its activations (full "
+                                                               "recomputation: F keeps only the stage input)"),
     gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
     inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
 ) -> None:
@@ -186,10 +188,11 @@ def baseline(
     pp_value, _ = split_gpus(gpus, pp)
     plan, result = simulated_baseline(
         prof, schedule=schedule, gpus=gpus, pp=pp_value, microbatches=2 * pp_value if microbatches is None else microbatches,
-        partition_method=partition, chunks=chunks, cluster=cluster, profile_path=path)
+        partition_method=partition, chunks=chunks, cluster=cluster, profile_path=path, recompute=recompute)
     save_plan(plan, output)
     console.print(f"{schedule} plan for {gpus} GPUs (pp={plan.pp}, dp={plan.parallel.dp}, "
-                  f"{plan.microbatches} microbatches, {plan.num_stages} stages) -> {escape(str(output))}: "
+                  f"{plan.microbatches} microbatches, {plan.num_stages} stages{', recomputing' if recompute else ''}) -> "
+                  f"{escape(str(output))}: "
                   f"predicted {plan.predicted['iteration_ms']:.2f} ms, bubble {plan.predicted['bubble_ratio']:.1%}",
                   soft_wrap=True)
     # a baseline is written even when it does not fit (it is for comparison), but never silently
@@ -197,7 +200,7 @@ def baseline(
         fullest = max(range(plan.pp), key=lambda r: result.peak_memory_bytes[r])
         typer.echo(f"warning: this plan does not fit: rank {fullest} peaks at "
                    f"{result.peak_memory_bytes[fullest] / 1e9:.1f} GB, over the {cluster.memory_gb:g} GB per GPU "
-                   f"(--memory-gb); octoplan tune finds plans that fit", err=True)
+                   f"(--memory-gb); octoplan tune finds plans that fit{'' if recompute else ', --recompute trades compute for memory'}", err=True)
 
 
 @app.command()
@@ -478,8 +481,14 @@ def export(
     from octoplan.export import export_plan
 
     check_writable(output, "-o", inputs=(plan_path,))
-    export_plan(load_plan(plan_path), output, format=format, file=str(plan_path))
-    console.print(f"{format} -> {output}")
+    plan = load_plan(plan_path)
+    export_plan(plan, output, format=format, file=str(plan_path))
+    console.print(f"{format} -> {escape(str(output))}", soft_wrap=True)
+    recomputing = [str(s) for s, stage in enumerate(plan.stages) if stage.recompute]
+    if recomputing:  # the CSV holds the op order only; recomputation lives in the stage modules
+        typer.echo(f"note: stages {', '.join(recomputing)} recompute their activations in this plan; the CSV carries "
+                   f"only the op order, so wrap those stage modules in torch.utils.checkpoint, or the run will "
+                   f"need more memory than the plan predicts", err=True)
 
 
 # tune and compare live beside the tuner they drive.

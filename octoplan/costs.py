@@ -7,7 +7,7 @@ any layer range in O(1). The integer scaling CP-SAT needs lives in :func:`to_tic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Sequence
 
@@ -33,6 +33,17 @@ TICKS_PER_MS = 1000  # CP-SAT works in integers: one tick is a microsecond
 
 @dataclass(frozen=True)
 class StageCost:
+    """What one stage's ops cost: their times, and the bytes a microbatch holds.
+
+    With activation recomputation (``Stage.recompute``) the figures are the recomputed stage's:
+    F keeps only the stage's input (``activation_bytes``, from the end of F to the end of the
+    backward), and the first backward op, I or B, runs the forward again before its own work
+    (``backward_input_ms`` and ``backward_ms`` include ``forward_ms``). The re-run forward
+    rebuilds the rest of the activations (``recompute_bytes``): an I holds them until its W
+    ends, a B only while it runs. Every user of these costs prices recomputation that way
+    without knowing of it.
+    """
+
     forward_ms: float
     backward_input_ms: float
     backward_weight_ms: float
@@ -40,6 +51,7 @@ class StageCost:
     activation_bytes: int
     output_bytes: int  # sent forward; the gradient sent back has the same size
     backward_ms: float | None = None  # the fused backward, where the profile measured it
+    recompute_bytes: int = 0  # 0 without recomputation
 
     @property
     def b_ms(self) -> float:
@@ -69,15 +81,30 @@ class LayerTable:
         self.output_bytes = [layer.output_bytes for layer in layers]
         self.layer_total_ms = [layer.total_ms for layer in layers]
 
-    def stage(self, start: int, end: int) -> StageCost:
-        return StageCost(
-            forward_ms=self._f[end] - self._f[start],
+    def stage(self, start: int, end: int, *, recompute: bool = False) -> StageCost:
+        forward_ms = self._f[end] - self._f[start]
+        backward_ms = None if self._b is None else self._b[end] - self._b[start]
+        activation_bytes = self._act[end] - self._act[start]
+        cost = StageCost(
+            forward_ms=forward_ms,
             backward_input_ms=self._i[end] - self._i[start],
             backward_weight_ms=self._w[end] - self._w[start],
             param_bytes=self._param[end] - self._param[start],
-            activation_bytes=self._act[end] - self._act[start],
+            activation_bytes=activation_bytes,
             output_bytes=self.output_bytes[end - 1],
-            backward_ms=None if self._b is None else self._b[end] - self._b[start],
+            backward_ms=backward_ms,
+        )
+        if not recompute:
+            return cost
+        # The stage's input is the previous layer's output; the first stage's input, the
+        # microbatch itself, is not in the profile and counts as nothing.
+        kept = self.output_bytes[start - 1] if start > 0 else 0
+        return replace(
+            cost,
+            backward_input_ms=cost.backward_input_ms + forward_ms,
+            backward_ms=None if backward_ms is None else backward_ms + forward_ms,
+            activation_bytes=kept,
+            recompute_bytes=max(activation_bytes - kept, 0),
         )
 
     def total_ms(self, start: int = 0, end: int | None = None) -> float:
@@ -86,7 +113,7 @@ class LayerTable:
 
 
 def stage_costs(stages: Sequence[Stage], table: LayerTable) -> list[StageCost]:
-    return [table.stage(stage.start, stage.end) for stage in stages]
+    return [table.stage(stage.start, stage.end, recompute=stage.recompute) for stage in stages]
 
 
 def op_ms(cost: StageCost, kind: Kind) -> float:

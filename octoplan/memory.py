@@ -8,7 +8,9 @@ Per rank, per stage it holds:
   master copy needed). ``sgd`` keeps no moments. No ZeRO sharding across dp is assumed.
 - *activations*: a stage's ``activation_bytes`` (summed over its layers) per microbatch, held
   from the start of its F until the end of its backward of that microbatch (B, or W when the
-  backward is split, since W still reads the saved inputs).
+  backward is split, since W still reads the saved inputs). A stage that recomputes holds
+  only its input that long, and its rebuilt activations from its I to its W, or during its B
+  (:class:`octoplan.costs.StageCost`; the simulator applies both).
 """
 
 from __future__ import annotations

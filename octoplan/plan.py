@@ -110,6 +110,9 @@ class Stage:
     start: int  # first layer
     end: int  # one past the last layer
     rank: int  # pipeline rank holding the stage
+    # Activation recomputation: F keeps only the stage's input, and the stage's first backward
+    # op (I or B) runs the forward again before it (octoplan.costs.StageCost says what that costs).
+    recompute: bool = False
 
     @property
     def layers(self) -> range:
@@ -216,7 +219,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
         layers = s.raw("layers")
         if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
             raise InputError(file, f"stages[{i}].layers", f"is {layers!r}", "write [start, end) as two integers")
-        stages.append(Stage(start=layers[0], end=layers[1], rank=s.int("rank")))
+        stages.append(Stage(start=layers[0], end=layers[1], rank=s.int("rank"), recompute=s.bool("recompute", False)))
     schedule = _parse_schedule(top.raw("schedule"), file=file, pp=parallel.pp)
     predicted = data.get("predicted")
     known = {"format", "profile", "profile_sha256", "model", "cluster", "parallel", "stages", "schedule", "predicted"}
@@ -305,7 +308,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     out["model"] = plan.model.to_dict()
     out["cluster"] = plan.cluster.to_dict()
     out["parallel"] = plan.parallel.to_dict()
-    out["stages"] = [{"layers": [s.start, s.end], "rank": s.rank} for s in plan.stages]
+    out["stages"] = [{"layers": [s.start, s.end], "rank": s.rank, **({"recompute": True} if s.recompute else {})}
+                     for s in plan.stages]
     out["schedule"] = {rank: format_ops(ops) for rank, ops in enumerate(plan.schedule)}
     if plan.predicted is not None:
         out["predicted"] = plan.predicted

@@ -295,6 +295,7 @@ def simulate_costs(
     dest = [-1] * size
     wire = [0.0] * size
     act = [0] * size  # activation bytes an op allocates (F, +) or frees (B/W, -)
+    burst = [0] * size  # bytes an op holds only while it runs (a recomputing B's rebuilt activations)
     present = bytearray(size)
     keys: list[list[int]] = []
     for ops in plan.schedule:
@@ -330,8 +331,13 @@ def simulate_costs(
             kw = base + 2 * num_mb + mb
             kb = base + 3 * num_mb + mb
             dur[kf], dur[ki], dur[kw], dur[kb] = f_ms, i_ms, w_ms, cost.b_ms + overhead
+            # with recomputation, I rebuilds the activations and W frees them; B holds them only
+            # while it runs (octoplan.costs.StageCost)
             act[kf] = cost.activation_bytes
-            act[kw] = act[kb] = -cost.activation_bytes  # W exists only where I does
+            act[ki] = cost.recompute_bytes
+            act[kw] = -(cost.activation_bytes + cost.recompute_bytes)  # W exists only where I does
+            act[kb] = -cost.activation_bytes
+            burst[kb] = cost.recompute_bytes
             if stage > 0:
                 cross[kf] = ((stage - 1) * 4) * num_mb + mb
             if stage + 1 < num_stages:
@@ -411,6 +417,8 @@ def simulate_costs(
             w = waiter[k]
             if w >= 0 and w != r:
                 work.append(w)
+            if burst[k] and mem + burst[k] > peak:
+                peak = mem + burst[k]
             delta = act[k]
             if delta:
                 mem += delta

@@ -155,6 +155,12 @@ class Fields:
             raise self._error(key, f"must be <= {maximum:.3g}, got {got}", f"use a value <= {maximum:.3g}")
         return value
 
+    def bool(self, key: str, default: Any = ...) -> bool:
+        value = self.raw(key, default)
+        if not isinstance(value, bool):
+            raise self._error(key, f"must be true or false, got {value!r}", "write true or false")
+        return value
+
     def mapping(self, key: str, default: Any = ...) -> "Fields":
         value = self.raw(key, default)
         return Fields(value if value is not None else {}, file=self.file, prefix=self._name(key))

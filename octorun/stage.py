@@ -9,6 +9,21 @@ the same split the profiler measures, so I + W costs about one fused backward. `
 in one autograd pass per layer. Values are a Tensor or a tuple of Tensors; integer tensors pass
 through without gradients. The gradient travelling between stages is a tuple with one tensor
 per floating tensor of the stage input, in order (zeros where the input was unused).
+
+Activation recomputation (``recompute=True``, a plan stage's ``recompute: true``): F runs the
+stage under :func:`torch.no_grad`, so no layer keeps activations or a graph; its tape holds only
+what it takes to run the same forward again: the stage input (detached), the targets, and the RNG
+states at the start of F (the CPU generator's, and that of each CUDA device holding the stage's
+weights or input). The stage's first backward op, I or B, first rebuilds the tape by running the one forward
+implementation again with grad enabled, on the stashed input and with those RNG states restored
+inside :func:`torch.random.fork_rng` (so dropout draws the same masks, and the global RNG stream
+afterwards is the same as without recomputation); then it does exactly what it does without
+recomputation, and W uses what I left. The rebuilt graph is the one F would have kept — the same
+layers, input, parameters (no optimizer step happens between a microbatch's F and its backward)
+and random draws — so the gradients are identical, as long as the layers compute the same values
+with and without grad mode (torch's kernels do on CPU; a layer that changes state in its forward,
+such as BatchNorm's running statistics, would do so twice). The price is one more stage forward
+per microbatch, which the planner's cost model (octoplan.costs) charges to the first backward op.
 """
 
 from __future__ import annotations
@@ -38,11 +53,22 @@ class _LayerTape:
 
 
 @dataclass
+class _Stash:
+    """What F of a recomputing stage keeps to run the same forward again."""
+
+    value: Any  # the stage input, its tensors detached
+    targets: Any
+    cpu_rng: torch.Tensor  # torch.get_rng_state() at the start of F
+    cuda_rng: dict[int, torch.Tensor]  # CUDA device index -> its RNG state at the start of F
+
+
+@dataclass
 class Tape:
     """What F of one (stage, mb) keeps for its backward ops."""
 
     layers: list[_LayerTape] = field(default_factory=list)
     loss: torch.Tensor | None = None  # unscaled, detached; last stage only
+    stash: _Stash | None = None  # recompute only: until the first backward op rebuilds ``layers``
 
 
 def _zeros_for_none(grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -60,16 +86,36 @@ class StageExecutor:
         last: bool,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         loss_scale: float,
+        recompute: bool = False,
     ):
         self.layers = list(layers)
         self.first = first
         self.last = last
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
+        self.recompute = recompute
         self.params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
+        # CUDA devices of the stage's weights, whose RNG state a recomputed forward restores
+        self._cuda_devices = {
+            _device_index(t) for layer in self.layers for t in (*layer.parameters(), *layer.buffers()) if t.is_cuda
+        }
 
     def forward(self, value: Any, targets: Any = None) -> tuple[Any, Tape]:
-        """Run the stage; returns (output value, or None on the last stage; tape)."""
+        """Run the stage; returns (output value, or None on the last stage; tape).
+
+        With ``recompute`` the tape keeps no activations, only the stash to run F again.
+        """
+        if not self.recompute:
+            return self._forward(value, targets)
+        devices = self._cuda_devices | {_device_index(t) for t in as_args(value) if isinstance(t, torch.Tensor) and t.is_cuda}
+        stash = _Stash(value=_detached(value), targets=targets, cpu_rng=torch.get_rng_state(),
+                       cuda_rng={d: torch.cuda.get_rng_state(d) for d in sorted(devices)})
+        with torch.no_grad():
+            output, tape = self._forward(value, targets)
+        return output, Tape(loss=tape.loss, stash=stash)
+
+    def _forward(self, value: Any, targets: Any) -> tuple[Any, Tape]:
+        """The one forward implementation: F, and the rebuild of a recomputing stage's tape."""
         tape = Tape()
         for index, layer in enumerate(self.layers):
             args = as_args(value)
@@ -88,8 +134,23 @@ class StageExecutor:
             tape.layers.append(_LayerTape(inputs, floating(as_args(value))))
         return value, tape
 
+    def _rebuild(self, tape: Tape) -> None:
+        """Recompute: run F again with grad, from the stash and with its RNG states, filling the tape."""
+        stash = tape.stash
+        if stash is None:
+            return
+        with torch.random.fork_rng(devices=list(stash.cuda_rng), device_type="cuda"):
+            torch.set_rng_state(stash.cpu_rng)
+            for device, state in stash.cuda_rng.items():
+                torch.cuda.set_rng_state(state, device)
+            with torch.enable_grad():
+                _, rebuilt = self._forward(stash.value, stash.targets)
+        tape.layers = rebuilt.layers  # tape.loss stays F's (the same value)
+        tape.stash = None  # from here on the tape is the one F keeps without recompute
+
     def backward_input(self, tape: Tape, grad_output: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
         """I: gradients w.r.t. the stage's floating inputs; keeps each layer's output gradient."""
+        self._rebuild(tape)
         grads = self._output_grads(tape, grad_output)
         for layer_tape, params in zip(reversed(tape.layers), reversed(self.params)):
             layer_tape.grad_outputs = list(grads)
@@ -111,6 +172,7 @@ class StageExecutor:
 
     def backward(self, tape: Tape, grad_output: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
         """B: I and W fused, one autograd pass per layer."""
+        self._rebuild(tape)
         grads = self._output_grads(tape, grad_output)
         for layer_tape, params in zip(reversed(tape.layers), reversed(self.params)):
             layer_tape.grad_outputs = list(grads)
@@ -137,6 +199,19 @@ class StageExecutor:
         """The (output, gradient) pairs autograd can use: outputs that depend on something learnable."""
         pairs = [(o, g) for o, g in zip(layer_tape.outputs, layer_tape.grad_outputs or ()) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _device_index(tensor: torch.Tensor) -> int:
+    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with its tensors detached: the stash keeps no graph of an earlier stage alive."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in value)  # as_args spreads it alike
+    return value
 
 
 def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:

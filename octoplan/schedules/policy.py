@@ -148,9 +148,15 @@ def policy_schedule(
     admitted = [0] * num_ranks
     warming = [True] * num_ranks  # the rank has run only first-stage forwards so far
     warm_count = [0] * num_ranks
+    # what a microbatch holds on a stage from its F to its B or W; a recomputed stage's rebuilt
+    # activations are held from its I to its W, or only during its B, and the budget keeps
+    # room for one such rebuild
     act = [c.activation_bytes for c in costs]
+    rebuilt = [c.recompute_bytes for c in costs]
     footprint = [sum(act[s] for s in held) for held in stages_of]  # one microbatch on the whole rank
     budget = list(activation_budget_bytes) if activation_budget_bytes is not None else [_INF] * num_ranks
+    for r, held in enumerate(stages_of):
+        budget[r] -= max(costs[s].recompute_bytes for s in held)
     reserved = [0.0] * num_ranks  # activations admitted microbatches hold or will hold
     free = [0.0] * num_ranks
     link_free: dict[tuple[int, int], float] = {}
@@ -258,7 +264,7 @@ def policy_schedule(
             s, m = pending_w[r].pop(0)
             out[r].append(Op(s, Kind.W, m))
             end = start + w_ms[s]
-            reserved[r] -= act[s]
+            reserved[r] -= act[s] + rebuilt[s]
         elif kind == 0:
             out[r].append(Op(s, Kind.F, m))
             end = start + f_ms[s]
@@ -277,6 +283,7 @@ def policy_schedule(
                 out[r].append(Op(s, Kind.I, m))
                 end = start + i_ms[s]
                 pending_w[r].append((s, m))
+                reserved[r] += rebuilt[s]
             else:
                 out[r].append(Op(s, Kind.B, m))
                 end = start + b_ms[s]

@@ -79,7 +79,7 @@ def _verdict(result, memory_gb: float) -> str:
 
 
 def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,
-         max_plans=None, workers=1):
+         max_plans=None, workers=1, no_recompute=False):
     from rich.live import Live
 
     from octoplan.profile import load_profile
@@ -90,7 +90,7 @@ def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, c
     cluster = cluster_from(gpus, cluster_opts, profile)
     opts = TuneOptions(gpus=gpus, pp=pp, microbatches=microbatches, global_batch=global_batch,
                        time_limit_s=time_limit, seed=seed, chunks_max=chunks_max, use_cpsat=not no_cpsat,
-                       max_plans=max_plans, workers=workers)
+                       max_plans=max_plans, workers=workers, recompute=not no_recompute)
     with Live(console=console, transient=True, refresh_per_second=4) as live:
         live.update(f"tuning {path} on {gpus} GPUs ...")
 
@@ -111,6 +111,9 @@ _TL = typer.Option(60.0, "--time-limit", help="seconds to search")
 _SEED = typer.Option(0, "--seed", help="seed of the search's tie-breaking")
 _CHUNKS = typer.Option(3, "--chunks-max", help="most stages per rank")
 _NOCP = typer.Option(False, "--no-cpsat", help="skip the CP-SAT partition + placement seeds")
+_NORC = typer.Option(False, "--no-recompute", help="never recompute activations (by default, stages may recompute "
+                                                 "where memory is short, and baselines that do not fit are also "
+                                                 "priced with full recomputation)")
 _MAXP = typer.Option(None, "--max-plans", help="stop after simulating this many plans instead of at --time-limit: "
                                              "the same plan on any machine at any load (with one worker)")
 _WORKERS = typer.Option(1, "--workers", help="processes that hill-climb at once, one per core to spare: the climbs "
@@ -140,7 +143,7 @@ def register(app: typer.Typer) -> None:
         time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
         gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
         inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
-        max_plans: Optional[int] = _MAXP, workers: int = _WORKERS,
+        max_plans: Optional[int] = _MAXP, workers: int = _WORKERS, no_recompute: bool = _NORC,
     ) -> None:
         """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
         from octoplan.plan import save_plan
@@ -149,13 +152,15 @@ def register(app: typer.Typer) -> None:
         check_writable(output, "-o", inputs=(profile_path,))
         result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
-                      max_plans, workers)
+                      max_plans, workers, no_recompute)
         save_plan(result.plan, output)
         console.print(_table(result))
         console.print(_verdict(result, result.plan.cluster.memory_gb), soft_wrap=True)
         plan = result.plan
         # soft_wrap: long lines wrap at the terminal's edge, never inside a path or a number
-        console.print(f"tuned plan for {gpus} GPUs ({result.candidate.config.label()}, {plan.num_stages} stages) -> "
+        recomputing = sum(stage.recompute for stage in plan.stages)
+        stages = f"{plan.num_stages} stages" + (f", {recomputing} recomputing their activations" if recomputing else "")
+        console.print(f"tuned plan for {gpus} GPUs ({result.candidate.config.label()}, {stages}) -> "
                       f"{escape(str(output))}: predicted {plan.predicted['iteration_ms']:.2f} ms, bubble "
                       f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "
                       f"({result.stats['evaluations']} plans simulated in {result.stats['wall_s']:.1f} s)", soft_wrap=True)
@@ -175,11 +180,11 @@ def register(app: typer.Typer) -> None:
         time_limit: float = _TL, seed: int = _SEED, chunks_max: int = _CHUNKS, no_cpsat: bool = _NOCP,
         gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
         inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
-        max_plans: Optional[int] = _MAXP, workers: int = _WORKERS,
+        max_plans: Optional[int] = _MAXP, workers: int = _WORKERS, no_recompute: bool = _NORC,
     ) -> None:
         """Tune, and print the tuned plan against every baseline without writing a plan."""
         result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
-                      max_plans, workers)
+                      max_plans, workers, no_recompute)
         console.print(_table(result))
         console.print(_verdict(result, result.plan.cluster.memory_gb), soft_wrap=True)

@@ -284,7 +284,14 @@ def _rank_classes(cluster: Cluster, config: Config) -> tuple[int, ...]:
     return tuple(index.setdefault(k, len(index)) for k in keys)
 
 
-def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_per_rank: int = 3) -> PartitionProblem:
+def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_per_rank: int = 3,
+                recompute: bool = False) -> PartitionProblem:
+    """The partition and placement problem of ``config``. With ``recompute``, every stage
+    recomputes: each backward does its layer's forward again, and a layer's in-flight memory
+    is its input, not its activations (every layer's input, where only a stage's first is
+    kept: an overestimate), plus its activations once over ``max_per_rank`` for the rebuild
+    (counted with the static bytes: a rank rebuilds one stage at a time, estimated as an even
+    share of the rank's layers)."""
     profile, cluster = evaluator.profile, evaluator.cluster
     layers = profile.layers
     classes = _rank_classes(cluster, config)
@@ -299,13 +306,15 @@ def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_pe
     dtype = profile.dtype_bytes
     return PartitionProblem(
         forward=tuple(to_ticks(l.forward_ms) for l in layers),
-        backward_input=tuple(to_ticks(l.backward_input_ms) for l in layers),
+        backward_input=tuple(to_ticks(l.backward_input_ms + (l.forward_ms if recompute else 0.0)) for l in layers),
         backward_weight=tuple(to_ticks(l.backward_weight_ms) for l in layers),
         num_ranks=config.pp,
         num_stages=num_stages,
         microbatches=config.microbatches,
-        static_mb=tuple(math.ceil(static_bytes(l.param_bytes, dtype_bytes=dtype) / _MB) for l in layers),
-        activation_mb=tuple(math.ceil(l.activation_bytes / _MB) for l in layers),
+        static_mb=tuple(math.ceil((static_bytes(l.param_bytes, dtype_bytes=dtype) + (l.activation_bytes / max_per_rank if recompute else 0))
+                                  / _MB) for l in layers),
+        activation_mb=tuple(math.ceil((kept if recompute else l.activation_bytes) / _MB)
+                            for l, kept in zip(layers, [0] + [l.output_bytes for l in layers[:-1]])),
         memory_mb=int(cluster.memory_gb * 1e9 / _MB),
         rank_class=classes,
         intra_ticks=tuple(intra),
@@ -315,22 +324,27 @@ def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_pe
 
 
 def cpsat_seeds(evaluator: Evaluator, config: Config, *, chunks_max: int, time_limit_s: float,
-                seed: int = 0) -> tuple[list[Candidate], list[dict]]:
+                seed: int = 0, recompute: bool = False) -> tuple[list[Candidate], list[dict]]:
     """Candidates from CP-SAT with at most 1 and at most ``chunks_max`` stages per rank, each
-    with policy-scheduler knobs (I/W split at two warm-up depths, and plain B)."""
+    with policy-scheduler knobs (I/W split at two warm-up depths, and plain B). With
+    ``recompute``, a stage count whose problem has no solution within memory is solved again
+    with every stage recomputing, and its seeds recompute."""
     profile = evaluator.profile
     seeds, stats, solutions = [], [], []
     caps = sorted({1, max(1, chunks_max)}) if config.pp > 1 else [1]
     for cap in caps:
         num_stages = min(cap * config.pp, profile.num_layers)
-        problem = problem_for(evaluator, config, num_stages, max_per_rank=cap)
         hint_stages = config.pp
         hint = (bounds_of(balanced_partition(profile, hint_stages)), loop_placement(config.pp, hint_stages))
-        solution = solve_partition(problem, hint=hint, time_limit_s=time_limit_s, seed=seed)
+        for recomputing in (False, True) if recompute else (False,):
+            problem = problem_for(evaluator, config, num_stages, max_per_rank=cap, recompute=recomputing)
+            solution = solve_partition(problem, hint=hint, time_limit_s=time_limit_s, seed=seed)
+            if solution is not None:
+                break
         if solution is None:
             stats.append({"config": config.label(), "max_per_rank": cap, "status": "no solution"})
             continue
-        stats.append({"config": config.label(), "max_per_rank": cap, **solution.stats()})
+        stats.append({"config": config.label(), "max_per_rank": cap, "recompute": recomputing, **solution.stats()})
         if any(solution.ranks == s.ranks and solution.bounds == s.bounds for s in solutions):
             continue
         solutions.append(solution)
@@ -338,5 +352,7 @@ def cpsat_seeds(evaluator: Evaluator, config: Config, *, chunks_max: int, time_l
             policies = default_policies(solution.ranks, config.pp, config.microbatches, split=split, depth=depth,
                                         warmup_gap=gap)
             seeds.append(Candidate(config, solution.bounds, solution.ranks, policies, None,
-                                   f"cp-sat <= {cap}/rank, split={split}, depth={depth:g}, warm-up gap={gap}"))
+                                   f"cp-sat <= {cap}/rank, split={split}, depth={depth:g}, warm-up gap={gap}"
+                                   + (", every rank recomputes" if recomputing else ""),
+                                   recompute=frozenset(range(config.pp)) if recomputing else frozenset()))
     return seeds, stats

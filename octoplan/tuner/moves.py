@@ -6,7 +6,7 @@ Every move changes one of the three dimensions the tuner co-optimizes:
   changes which node each part of the model sits on); re-place the stages so the busiest
   ranks start early (:func:`octoplan.tuner.arrange.start_aware`, given per-stage times);
 - ``schedule``: a rank's warm-up depth (in-flight limit), B split into I + W, how long Ws
-  may wait, which chunk goes first; a baseline's fixed order turned into the policy scheduler;
+  may wait, which chunk goes first, whether its stages recompute their activations; a baseline's fixed order turned into the policy scheduler;
   and direct reorders of an explicit op order at its bubbles: a deferred W moved into the gap
   where its rank idles, or the op a rank waits for moved ahead of the op before it (an
   order with a cycle is rejected by the simulator's DeadlockError).
@@ -84,7 +84,7 @@ def _with_layout(cand: Candidate, bounds: tuple[int, ...], ranks: tuple[int, ...
             fresh = tuple(replace(old, inflight=new.inflight, warmup=new.warmup if old.warmup < num_mb else old.warmup)
                           for old, new in zip(policies, fresh))
         policies = fresh
-    return Candidate(cand.config, bounds, ranks, policies, None, origin, "")
+    return replace(cand, bounds=bounds, ranks=ranks, policies=policies, fixed=None, origin=origin, fixed_id="")
 
 
 def _boundary_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tuple[float, Candidate]]:
@@ -203,8 +203,8 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
     if cand.policies is None:
         for split in (True, False):
             policies = default_policies(cand.ranks, pp, num_mb, split=split)
-            out.append((1e9, Candidate(cand.config, cand.bounds, cand.ranks, policies, None,
-                                       f"policy scheduler (split={split})", "")))
+            out.append((1e9, replace(cand, policies=policies, fixed=None, origin=f"policy scheduler (split={split})",
+                                     fixed_id="")))
         return out
     policies = cand.policies
 
@@ -259,6 +259,34 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
     return out
 
 
+def _recompute_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tuple[float, Candidate]]:
+    """Activation recomputation, per rank: turned on where memory is short, the fullest ranks
+    first (after the in-flight cuts, which cost no compute), or where a full rank idles (its
+    admissions may be throttled by memory); turned off where memory allows, since it costs
+    every backward a forward. The least full ranks are tried first, two per step."""
+    out = []
+    pp = cand.config.pp
+    fullest = sorted(range(pp), key=lambda r: (-heat.peak[r], r))
+
+    def turn(rank: int, on: bool, gain: float) -> None:
+        recompute = cand.recompute | {rank} if on else cand.recompute - {rank}
+        out.append((gain, replace(cand, recompute=recompute, origin=f"rank {rank}: {'recompute' if on else 'no recompute'}")))
+
+    if memory_first:
+        for r in fullest[:3]:
+            if r not in cand.recompute:
+                turn(r, True, 0.95 * heat.peak[r])
+        if len(cand.recompute) < pp:
+            out.append((0.9 * max(heat.peak), replace(cand, recompute=frozenset(range(pp)), origin="every rank recomputes")))
+        return out
+    for r in [r for r in reversed(fullest) if r in cand.recompute][:2]:
+        turn(r, False, heat.busy[r])
+    for r in fullest[:2]:
+        if r not in cand.recompute and heat.idle[r] > 0:
+            turn(r, True, 0.6 * heat.idle[r])
+    return out
+
+
 def _reorder_moves(cand: Candidate, result: SimResult, breadth: int) -> list[tuple[float, Candidate]]:
     """Op-order edits at the longest bubbles of ``result`` (whose schedule is ``cand``'s)."""
     schedule = [[span.op for span in result.spans(r)] for r in range(result.num_ranks)]
@@ -274,7 +302,7 @@ def _reorder_moves(cand: Candidate, result: SimResult, breadth: int) -> list[tup
         # the digest only names the order inside this run (cache identity); no decision
         # depends on its value, so per-process hash seeds do not break determinism
         key = f"{tag}#{hash(frozen) & 0xFFFFFFFFFFFF:x}"
-        out.append((gain, Candidate(cand.config, cand.bounds, cand.ranks, None, frozen, why, key)))
+        out.append((gain, replace(cand, policies=None, fixed=frozen, origin=why, fixed_id=key)))
 
     for bubble in bubbles[: 4 * breadth]:
         need = bubble.waits_for
@@ -332,6 +360,7 @@ def neighbours(
     max_stages_per_rank: int = 3,
     breadth: int = 3,
     work: tuple | None = None,
+    allow_recompute: bool = True,
 ) -> Iterator[Candidate]:
     """The candidates one move away, the most promising first; each is yielded once.
     ``work``: per stage, (F + I + W, F + I) ms of one microbatch, for the start-aware move."""
@@ -351,6 +380,8 @@ def neighbours(
             groups.append(_start_aware_moves(cand, work, max_stages_per_rank))
     if "schedule" in dimensions:
         groups.append(_schedule_moves(cand, heat, memory_first))
+        if allow_recompute:
+            groups.append(_recompute_moves(cand, heat, memory_first))
         groups.append(_reorder_moves(cand, result, breadth))
     seq = 0
     for group in groups:

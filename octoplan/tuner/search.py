@@ -81,6 +81,9 @@ class TuneOptions:
     # processes that climb at once (:mod:`octoplan.tuner.pool`); they are spawned, so a script
     # that calls tune() with workers > 1 needs the usual `if __name__ == "__main__":` guard
     workers: int = 1
+    # may stages recompute their activations (octoplan.costs.StageCost)? The tuner then also
+    # prices every baseline that does not fit memory with full recomputation, as its users would
+    recompute: bool = True
 
 
 @dataclass(frozen=True)
@@ -298,6 +301,7 @@ class _Search:
             work = ([c.forward_ms + c.backward_input_ms + c.backward_weight_ms for c in costs],
                     [c.forward_ms + c.backward_input_ms for c in costs])
             moves = neighbours(current, result, dimensions=self.opts.dimensions, rng=self.rng,
+                               allow_recompute=self.opts.recompute,
                                max_stages_per_rank=max(1, self.opts.chunks_max), work=work)
             if "schedule" in self.opts.dimensions:
                 # at a local optimum, the whole order justified: one move that can close many
@@ -423,7 +427,7 @@ def tune(
             # CP-SAT's limit is deterministic time (work), so the seeds do not depend on the clock
             found, stats = cpsat_seeds(evaluator, config, chunks_max=opts.chunks_max,
                                        time_limit_s=max(0.5, min(5.0, opts.time_limit_s / (20 * len(configs)))),
-                                       seed=opts.seed)
+                                       seed=opts.seed, recompute=opts.recompute)
             seeds.extend(found)
             cpsat_stats.extend(stats)
         if "placement" in opts.dimensions:
@@ -434,6 +438,8 @@ def tune(
             break
         ranked.append((search.offer(cand).score, index, cand))
     ranked.sort(key=lambda item: (item[0], item[1]))
+    if opts.recompute and "schedule" in opts.dimensions:
+        ranked = _with_recompute_seeds(search, ranked)
     if "schedule" in opts.dimensions:
         ranked = _with_justified_seeds(search, ranked)
     seeded_s = search.clock.elapsed()
@@ -490,7 +496,8 @@ def tune(
         raise InputError(
             str(profile_path) if profile_path else None, "--memory-gb",
             f"no plan fits {cluster.memory_gb:g} GB per GPU; the leanest plan found needs {needed} per GPU",
-            "use more GPUs, a larger --memory-gb, or a profile of a smaller --microbatch-size",
+            "use more GPUs, a larger --memory-gb, or a profile of a smaller --microbatch-size"
+            + ("" if opts.recompute else "; or let stages recompute their activations (drop --no-recompute)"),
         )
     plan = _final_plan(evaluator, best, best_scored, profile_path=profile_path)
     from octoplan.schedules.exact import relaxation_bound  # OR-Tools only when the tuner runs
@@ -536,6 +543,25 @@ def tune(
 
 
 JUSTIFIED_SEEDS = 8  # the best seeds whose orders are justified before the climbs
+RECOMPUTE_SEEDS = 8  # the fastest seeds that do not fit memory, copied with recomputation
+
+
+def _with_recompute_seeds(search: _Search, ranked: list) -> list:
+    """``ranked`` (score, index, candidate) with recomputing copies of the fastest seeds that
+    do not fit memory, and of the fastest that do (those whose admissions memory throttles
+    can run deeper with it), ranked again; every rank recomputes, and the climbs turn it off
+    rank by rank where memory allows."""
+    short = sorted((item for item in ranked if item[0][0] != 0 and not item[2].recompute),
+                   key=lambda item: (search.ev.score(item[2]).iteration_ms, item[1]))
+    fitting = [item for item in ranked if item[0][0] == 0 and not item[2].recompute]
+    out = list(ranked)
+    for _, index, cand in short[:RECOMPUTE_SEEDS] + fitting[:RECOMPUTE_SEEDS // 2]:
+        if search.clock.out():
+            break
+        moved = replace(cand, recompute=frozenset(range(cand.config.pp)), origin=f"{cand.origin}, every rank recomputes")
+        out.append((search.offer(moved).score, index, moved))
+    out.sort(key=lambda item: (item[0], item[1]))
+    return out
 
 
 def _with_justified_seeds(search: _Search, ranked: list) -> list:
@@ -561,19 +587,36 @@ def _with_justified_seeds(search: _Search, ranked: list) -> list:
 
 def _collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Config], opts: TuneOptions,
                        search: _Search) -> list[BaselineRow]:
-    """Every baseline on every configuration; one row per schedule/partition, its best config."""
+    """Every baseline on every configuration; one row per schedule/partition, its best config.
+    A baseline that fits memory in no configuration gets a second row, ``LABEL+recompute``,
+    with every stage recomputing its activations (Megatron-LM's full recomputation: what its
+    users turn on when a schedule runs out of memory), unless ``opts.recompute`` is off."""
     best: dict[str, BaselineRow] = {}
     order: list[str] = []
-    for config in configs:
-        for label, cand in _baseline_candidates(profile, cluster, config, opts.chunks_max):
-            scored = search.offer(cand)
-            row = BaselineRow(label, config, scored, cand)
-            if label not in best:
-                order.append(label)
-                best[label] = row
-            elif scored.score < best[label].scored.score:
-                best[label] = row
-    return [best[label] for label in order]
+
+    def consider(label: str, config: Config, cand: Candidate) -> None:
+        row = BaselineRow(label, config, search.offer(cand), cand)
+        if label not in best:
+            order.append(label)
+            best[label] = row
+        elif row.scored.score < best[label].scored.score:
+            best[label] = row
+
+    candidates = [(config, label, cand) for config in configs
+                  for label, cand in _baseline_candidates(profile, cluster, config, opts.chunks_max)]
+    for config, label, cand in candidates:
+        consider(label, config, cand)
+    if opts.recompute:
+        short = {label for label in order if not best[label].scored.fits}
+        for config, label, cand in candidates:
+            if label in short:
+                consider(f"{label}+recompute", config,
+                         replace(cand, recompute=frozenset(range(config.pp)), origin=f"{label}+recompute"))
+    rows = []
+    for label in order:
+        if not label.endswith("+recompute"):
+            rows += [best[name] for name in (label, f"{label}+recompute") if name in best]
+    return rows
 
 
 def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions) -> list[BaselineRow]:

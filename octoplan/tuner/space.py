@@ -14,7 +14,7 @@ costs nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from octoplan.costs import LayerTable, StageCost, lower_bound_ms
@@ -58,13 +58,16 @@ class Candidate:
     # names the fixed order (a baseline's label, plus a digest once reordered): the order itself
     # is left out of equality and hashing, which would cost a pass over every op per lookup
     fixed_id: str = ""
+    # the pipeline ranks whose stages recompute their activations (octoplan.costs.StageCost):
+    # per rank, not per stage, so that every partition and placement move keeps it meaningful
+    recompute: frozenset[int] = frozenset()
 
     @property
     def num_stages(self) -> int:
         return len(self.ranks)
 
     def stages(self) -> tuple[Stage, ...]:
-        return tuple(Stage(self.bounds[i], self.bounds[i + 1], r) for i, r in enumerate(self.ranks))
+        return tuple(Stage(self.bounds[i], self.bounds[i + 1], r, r in self.recompute) for i, r in enumerate(self.ranks))
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.ranks) if r == rank]
@@ -104,20 +107,20 @@ class Evaluator:
         self.optimizer = optimizer
         self.table = LayerTable(profile)
         self.num_layers = profile.num_layers
-        self._stage_cache: dict[tuple[int, int], StageCost] = {}
+        self._stage_cache: dict[tuple[int, int, bool], StageCost] = {}
         self._cache: dict[Candidate, Scored] = {}
         self.evaluations = 0  # simulations actually run (cache misses)
         self._last: tuple[Candidate, SimResult] | None = None  # the latest timeline, for the climb
 
-    def stage_cost(self, start: int, end: int) -> StageCost:
-        key = (start, end)
+    def stage_cost(self, start: int, end: int, recompute: bool = False) -> StageCost:
+        key = (start, end, recompute)
         cost = self._stage_cache.get(key)
         if cost is None:
-            cost = self._stage_cache[key] = self.table.stage(start, end)
+            cost = self._stage_cache[key] = self.table.stage(start, end, recompute=recompute)
         return cost
 
     def costs(self, cand: Candidate) -> list[StageCost]:
-        return [self.stage_cost(cand.bounds[i], cand.bounds[i + 1]) for i in range(cand.num_stages)]
+        return [self.stage_cost(cand.bounds[i], cand.bounds[i + 1], r in cand.recompute) for i, r in enumerate(cand.ranks)]
 
     def schedule(self, cand: Candidate) -> tuple[tuple[Op, ...], ...]:
         if cand.fixed is not None:
@@ -222,7 +225,7 @@ def _add_fixed(out: list[Candidate], cand: Candidate, schedule: tuple[tuple[Op, 
     # the digest only names the order inside this run (the cache's identity for it)
     tag = cand.fixed_id.split("#")[0] if cand.fixed_id else "policy"
     key = f"{tag}+{step}#{hash(frozen) & 0xFFFFFFFFFFFF:x}"
-    made = Candidate(cand.config, cand.bounds, cand.ranks, None, frozen, origin, key)
+    made = replace(cand, policies=None, fixed=frozen, origin=origin, fixed_id=key)
     out.append(made)
     return made
 
