@@ -14,7 +14,7 @@ from rich.table import Table
 
 from octoplan.cliutil import (
     GPUS_PER_NODE, INTER_NODE_GBPS, INTRA_NODE_GBPS, LATENCY_US, MEMORY_GB, OP_OVERHEAD_US,
-    ClusterOptions, cluster_from, dump_json, guarded, log_setup, newest_profile,
+    ClusterOptions, cluster_from, dump_json, guarded, log_setup, newest_profile, terminal,
 )
 from octoplan.errors import InputError
 from octoplan.outputs import check_writable
@@ -23,7 +23,7 @@ from octoplan.profile import Profile, load_profile, save_profile
 from octoplan.tuner.cli import register as register_tuner_commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="OctoPipe planner: profile, tune, simulate and show pipeline plans.")
-console = Console()
+console = terminal()
 
 _GPN, _MEM, _INTRA, _INTER, _LAT, _OVH = GPUS_PER_NODE, MEMORY_GB, INTRA_NODE_GBPS, INTER_NODE_GBPS, LATENCY_US, OP_OVERHEAD_US
 
@@ -143,7 +143,8 @@ def profile(
 def _print_profile(result: Profile, out: Path) -> None:
     table = Table(title=f"{result.model.name} on {result.device.get('name', '?')} -> {out}")
     for column in ("#", "layer", "kind", "F ms", "I ms", "W ms", "B ms", "params MB", "act MB", "out MB"):
-        table.add_column(column, justify="right" if column not in ("layer", "kind") else "left")
+        table.add_column(column, justify="right" if column not in ("layer", "kind") else "left",
+                         no_wrap=column not in ("layer", "kind"))  # numbers are never cut; names wrap
     rows = list(enumerate(result.layers))
     if len(rows) > 24:
         rows = rows[:10] + [(-1, None)] + rows[-10:]
@@ -186,9 +187,10 @@ def baseline(
     cluster = cluster_from(gpus, ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us,
                                                 op_overhead_us), prof)
     pp_value, _ = split_gpus(gpus, pp)
-    plan, result = simulated_baseline(
-        prof, schedule=schedule, gpus=gpus, pp=pp_value, microbatches=2 * pp_value if microbatches is None else microbatches,
-        partition_method=partition, chunks=chunks, cluster=cluster, profile_path=path, recompute=recompute)
+    options = dict(schedule=schedule, gpus=gpus, pp=pp_value,
+                   microbatches=2 * pp_value if microbatches is None else microbatches,
+                   partition_method=partition, chunks=chunks, cluster=cluster, profile_path=path)
+    plan, result = simulated_baseline(prof, recompute=recompute, **options)
     save_plan(plan, output)
     console.print(f"{schedule} plan for {gpus} GPUs (pp={plan.pp}, dp={plan.parallel.dp}, "
                   f"{plan.microbatches} microbatches, {plan.num_stages} stages{', recomputing' if recompute else ''}) -> "
@@ -198,9 +200,15 @@ def baseline(
     # a baseline is written even when it does not fit (it is for comparison), but never silently
     if not result.fits_memory:
         fullest = max(range(plan.pp), key=lambda r: result.peak_memory_bytes[r])
+        hint = ""
+        if not recompute:  # say so where recomputation is what would make it fit
+            again, fits = simulated_baseline(prof, recompute=True, **options)
+            if fits.fits_memory:
+                hint = (f"; with --recompute it fits, at {again.predicted['iteration_ms']:.2f} ms and "
+                        f"{max(fits.peak_memory_bytes) / 1e9:.1f} GB")
         typer.echo(f"warning: this plan does not fit: rank {fullest} peaks at "
                    f"{result.peak_memory_bytes[fullest] / 1e9:.1f} GB, over the {cluster.memory_gb:g} GB per GPU "
-                   f"(--memory-gb); octoplan tune finds plans that fit{'' if recompute else ', --recompute trades compute for memory'}", err=True)
+                   f"(--memory-gb); octoplan tune finds plans that fit{hint}", err=True)
 
 
 @app.command()
@@ -222,7 +230,7 @@ def simulate(
         return
     table = Table(title=f"{plan_path}: pp={plan.pp} dp={plan.parallel.dp} microbatches={plan.microbatches} stages={plan.num_stages}")
     table.add_column("figure")
-    table.add_column("value", justify="right")
+    table.add_column("value", justify="right", no_wrap=True)
     table.add_row("iteration", f"{result.iteration_ms:.3f} ms")
     table.add_row("lower bound", f"{result.lower_bound_ms:.3f} ms")
     table.add_row("efficiency", f"{result.efficiency:.3f}")
@@ -233,7 +241,7 @@ def simulate(
     by_rank = Table(title="per rank")
     for column in ("rank", "stages", "busy ms", "idle ms", "idle: warm-up / between / drain", "peak GB",
                    "largest bubble (waits for)"):
-        by_rank.add_column(column, justify="right")
+        by_rank.add_column(column, justify="right", no_wrap=True)
     for r in range(plan.pp):
         gaps = [b for b in result.bubbles if b.rank == r and b.reason != "drain"]
         worst = max(gaps, key=lambda b: b.duration_ms, default=None)
@@ -351,7 +359,7 @@ def justify(
     _save_with_prediction(chosen, result, output)
     table = Table(title=f"{plan_path} -> {output}")
     for column in ("order", "iteration ms", "bubble", "peak GB", "fits"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=True)
     new_name = "reordered, justified" if reorder else "justified"
     for name, res in (("given", before), (new_name, after)):
         table.add_row(name, f"{res.iteration_ms:.3f}", f"{res.bubble_ratio:.1%}",
@@ -416,7 +424,7 @@ def bound(
         return
     table = Table(title=f"op orders of {plan_path}'s stages and placement")
     for column in ("order", "iteration ms (simulated)", "makespan ms (model)", "peak GB", "fits"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=True)
     table.add_row("PLAN's", f"{before.iteration_ms:.3f}", f"{result.given_ms:.3f}",
                   f"{max(before.peak_memory_bytes) / 1e9:.2f}", "yes" if before.fits_memory else "[red]NO[/red]")
     table.add_row("best found", f"{after.iteration_ms:.3f}", f"{result.best_ms:.3f}",
@@ -457,8 +465,8 @@ def calibrate(
         return
     table = Table(title=f"calibration from {trace_path}")
     table.add_column("figure")
-    table.add_column("measured", justify="right")
-    table.add_column("plan has", justify="right")
+    table.add_column("measured", justify="right", no_wrap=True)
+    table.add_column("plan has", justify="right", no_wrap=True)
     table.add_column("from")
     latency = "-" if cal.latency_ms is None else f"{1000 * cal.latency_ms:.0f} us"
     table.add_row("latency / transfer", latency, f"{plan.cluster.latency_us:.0f} us",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -13,12 +14,13 @@ from typing import Any, Callable, Optional
 
 import typer
 import yaml
+from rich.console import Console
 
 from octoplan.errors import InputError
 from octoplan.plan import CLUSTER_RANGES, MAX_GPUS, Cluster
 from octoplan.profile import Profile
 
-__all__ = ["guarded", "fail", "ClusterOptions", "cluster_from", "memory_of", "newest_profile", "log_setup",
+__all__ = ["terminal", "guarded", "fail", "ClusterOptions", "cluster_from", "memory_of", "newest_profile", "log_setup",
            "GPUS_PER_NODE", "MEMORY_GB", "INTRA_NODE_GBPS", "INTER_NODE_GBPS", "LATENCY_US", "OP_OVERHEAD_US"]
 
 # The cluster options of SPEC section 5, shared by every command that takes them.
@@ -30,6 +32,13 @@ INTRA_NODE_GBPS = typer.Option(450.0, "--intra-node-gbps", help="GB/s between GP
 INTER_NODE_GBPS = typer.Option(50.0, "--inter-node-gbps", help="GB/s between nodes")
 LATENCY_US = typer.Option(10.0, "--latency-us", help="latency per point-to-point transfer, us")
 OP_OVERHEAD_US = typer.Option(0.0, "--op-overhead-us", help="fixed runtime cost added to every op, us (CPU stand-ins for GPUs)")
+
+
+def terminal() -> Console:
+    """The console a command prints to: the terminal's width (or ``COLUMNS``), and 110 columns
+    when the output goes to a file or a pipe, where rich's default 80 would cut the tables'
+    numbers short."""
+    return Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 110)
 
 
 def fail(error: InputError) -> None:

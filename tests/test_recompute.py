@@ -135,7 +135,10 @@ def test_baseline_cli_recompute_flag(tmp_path, profile_file):
     plain = runner.invoke(app, ["baseline", *common, "-o", str(tmp_path / "a.yaml")])
     again = runner.invoke(app, ["baseline", *common, "--recompute", "-o", str(tmp_path / "b.yaml")])
     assert plain.exit_code == 0 and again.exit_code == 0
-    assert "does not fit" in plain.output and "--recompute trades compute for memory" in plain.output
+    # 1F1B on 2 ranks: rank 0 holds 2 microbatches of 40 GB; recomputing, 40 GB of one rebuild;
+    # each of the 4 layers' forward again in every B: 4 microbatches x 4 x 0.5 ms more per rank
+    assert "does not fit" in plain.output and "with --recompute it fits, at" in plain.output
+    assert "40.0 GB" in plain.output
     assert "does not fit" not in again.output and "recomputing" in again.output
     profile = _memory_bound_profile()
     a, b = simulate(load_plan(tmp_path / "a.yaml"), profile), simulate(load_plan(tmp_path / "b.yaml"), profile)
@@ -157,3 +160,38 @@ def test_export_notes_the_recomputing_stages(tmp_path):
     assert result.exit_code == 0, result.output
     assert "stages 1 recompute their activations" in result.output and "torch.utils.checkpoint" in result.output
     assert (tmp_path / "p.csv").read_text().splitlines()[0].startswith("0F0")
+
+
+def test_climb_moves_turn_recomputation_on_where_memory_is_short_and_off_where_it_is_not():
+    import random
+
+    from octoplan.schedules import get_schedule
+    from octoplan.tuner.moves import neighbours
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+
+    profile = _memory_bound_profile()
+    config = Config(2, 1, 8)
+    order = tuple(tuple(ops) for ops in get_schedule("1f1b").generate(2, 8, 2))
+    start = Candidate(config, (0, 4, 8), (0, 1), None, order, "1f1b", "1f1b")
+    tight = Evaluator(profile, free_cluster(2, memory_gb=45))
+    result = tight.simulate(start)
+    assert not result.fits_memory  # 1F1B: rank 0 holds 2 microbatches of 40 GB
+    moves = {m.origin: m for m in neighbours(start, result, rng=random.Random(0))}
+    assert moves["rank 0: recompute"].recompute == {0}
+    assert moves["every rank recomputes"].recompute == {0, 1}
+    assert tight.score(moves["rank 0: recompute"]).fits
+    assert not any("recompute" in origin for origin in
+                   (m.origin for m in neighbours(start, result, rng=random.Random(0), allow_recompute=False)))
+    # with memory to spare, a recomputing rank is offered its memory back for the time
+    roomy = Evaluator(profile, free_cluster(2, memory_gb=1000))
+    both = replace(start, recompute=frozenset({0, 1}))
+    moves = {m.origin: m for m in neighbours(both, roomy.simulate(both), rng=random.Random(0))}
+    assert moves["rank 1: no recompute"].recompute == {0}
+    assert roomy.score(moves["rank 1: no recompute"]).iteration_ms < roomy.score(both).iteration_ms
+
+
+def test_with_memory_to_spare_no_stage_recomputes():
+    result = tune(_memory_bound_profile(), free_cluster(2, memory_gb=1000),
+                  TuneOptions(gpus=2, pp=2, microbatches=8, max_plans=300, chunks_max=2))
+    assert not any(stage.recompute for stage in result.plan.stages)
+    assert not any(row.name.endswith("+recompute") for row in result.baselines)

@@ -281,7 +281,7 @@ def render_comparison(rows: list[dict[str, Any]], *, title: str | None = None) -
     """The rows of :func:`compare_measured` as a rich table."""
     table = Table(title=title, title_justify="left")
     for header in ("kind", "count", "predicted ms", "measured ms", "mean |error| ms", "rel. error", "bias"):
-        table.add_column(header, justify="left" if header == "kind" else "right")
+        table.add_column(header, justify="left" if header == "kind" else "right", no_wrap=header != "kind")
     for index, row in enumerate(rows):
         table.add_row(
             row["kind"], str(row["count"]), f"{row['predicted_ms']:.4g}", f"{row['measured_ms']:.4g}",

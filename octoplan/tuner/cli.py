@@ -7,25 +7,23 @@ write the plan.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from octoplan.cliutil import (
     GPUS_PER_NODE, INTER_NODE_GBPS, INTRA_NODE_GBPS, LATENCY_US, MEMORY_GB, OP_OVERHEAD_US,
-    ClusterOptions, cluster_from, guarded, newest_profile,
+    ClusterOptions, cluster_from, guarded, newest_profile, terminal,
 )
 from octoplan.outputs import check_writable
 
 __all__ = ["register", "comparison_rows"]
 
 # wide enough for the comparison table even when the output is not a terminal
-console = Console(width=None if sys.stdout.isatty() else 110)
+console = terminal()
 
 
 def comparison_rows(result) -> list[dict]:
