@@ -143,8 +143,8 @@ def profile(
 def _print_profile(result: Profile, out: Path) -> None:
     table = Table(title=f"{result.model.name} on {result.device.get('name', '?')} -> {out}")
     for column in ("#", "layer", "kind", "F ms", "I ms", "W ms", "B ms", "params MB", "act MB", "out MB"):
-        table.add_column(column, justify="right" if column not in ("layer", "kind") else "left",
-                         no_wrap=column not in ("layer", "kind"))  # numbers are never cut; names wrap
+        # fold, not "…": in a narrow terminal a number breaks across lines but is never cut
+        table.add_column(column, justify="right" if column not in ("layer", "kind") else "left", overflow="fold")
     rows = list(enumerate(result.layers))
     if len(rows) > 24:
         rows = rows[:10] + [(-1, None)] + rows[-10:]
@@ -229,8 +229,8 @@ def simulate(
         typer.echo(dump_json(summary))
         return
     table = Table(title=f"{plan_path}: pp={plan.pp} dp={plan.parallel.dp} microbatches={plan.microbatches} stages={plan.num_stages}")
-    table.add_column("figure")
-    table.add_column("value", justify="right", no_wrap=True)
+    table.add_column("figure", overflow="fold")
+    table.add_column("value", justify="right", overflow="fold")
     table.add_row("iteration", f"{result.iteration_ms:.3f} ms")
     table.add_row("lower bound", f"{result.lower_bound_ms:.3f} ms")
     table.add_row("efficiency", f"{result.efficiency:.3f}")
@@ -241,7 +241,7 @@ def simulate(
     by_rank = Table(title="per rank")
     for column in ("rank", "stages", "busy ms", "idle ms", "idle: warm-up / between / drain", "peak GB",
                    "largest bubble (waits for)"):
-        by_rank.add_column(column, justify="right", no_wrap=True)
+        by_rank.add_column(column, justify="right", overflow="fold")
     for r in range(plan.pp):
         gaps = [b for b in result.bubbles if b.rank == r and b.reason != "drain"]
         worst = max(gaps, key=lambda b: b.duration_ms, default=None)
@@ -266,7 +266,9 @@ def validate(plan_path: Path = typer.Argument(..., metavar="PLAN")) -> None:
     num_ops = sum(len(ops) for ops in plan.schedule)
     # without a profile nothing says how many layers the model has, so the last stage's end is unchecked
     unchecked = "" if plan.profile else "; no profile field, so whether the stages cover every layer is not checked"
-    console.print(f"{plan_path}: valid ({plan.num_stages} stages on {plan.pp} ranks, {plan.microbatches} microbatches, "
+    recomputing = sum(stage.recompute for stage in plan.stages)
+    console.print(f"{plan_path}: valid ({plan.num_stages} stages on {plan.pp} ranks"
+                  f"{f', {recomputing} recomputing' if recomputing else ''}, {plan.microbatches} microbatches, "
                   f"{num_ops} ops{unchecked})")
 
 
@@ -359,7 +361,7 @@ def justify(
     _save_with_prediction(chosen, result, output)
     table = Table(title=f"{plan_path} -> {output}")
     for column in ("order", "iteration ms", "bubble", "peak GB", "fits"):
-        table.add_column(column, justify="right", no_wrap=True)
+        table.add_column(column, justify="right", overflow="fold")
     new_name = "reordered, justified" if reorder else "justified"
     for name, res in (("given", before), (new_name, after)):
         table.add_row(name, f"{res.iteration_ms:.3f}", f"{res.bubble_ratio:.1%}",
@@ -424,7 +426,7 @@ def bound(
         return
     table = Table(title=f"op orders of {plan_path}'s stages and placement")
     for column in ("order", "iteration ms (simulated)", "makespan ms (model)", "peak GB", "fits"):
-        table.add_column(column, justify="right", no_wrap=True)
+        table.add_column(column, justify="right", overflow="fold")
     table.add_row("PLAN's", f"{before.iteration_ms:.3f}", f"{result.given_ms:.3f}",
                   f"{max(before.peak_memory_bytes) / 1e9:.2f}", "yes" if before.fits_memory else "[red]NO[/red]")
     table.add_row("best found", f"{after.iteration_ms:.3f}", f"{result.best_ms:.3f}",
@@ -464,10 +466,10 @@ def calibrate(
         typer.echo(cal.flags())
         return
     table = Table(title=f"calibration from {trace_path}")
-    table.add_column("figure")
-    table.add_column("measured", justify="right", no_wrap=True)
-    table.add_column("plan has", justify="right", no_wrap=True)
-    table.add_column("from")
+    table.add_column("figure", overflow="fold")
+    table.add_column("measured", justify="right", overflow="fold")
+    table.add_column("plan has", justify="right", overflow="fold")
+    table.add_column("from", overflow="fold")
     latency = "-" if cal.latency_ms is None else f"{1000 * cal.latency_ms:.0f} us"
     table.add_row("latency / transfer", latency, f"{plan.cluster.latency_us:.0f} us",
                   f"{cal.counts['transfers']} waits, {cal.counts['pairs']} pairs both ways")
@@ -494,7 +496,8 @@ def export(
     console.print(f"{format} -> {escape(str(output))}", soft_wrap=True)
     recomputing = [str(s) for s, stage in enumerate(plan.stages) if stage.recompute]
     if recomputing:  # the CSV holds the op order only; recomputation lives in the stage modules
-        typer.echo(f"note: stages {', '.join(recomputing)} recompute their activations in this plan; the CSV carries "
+        which = f"all {len(recomputing)} stages" if len(recomputing) == plan.num_stages else f"stages {', '.join(recomputing)}"
+        typer.echo(f"note: {which} recompute their activations in this plan; the CSV carries "
                    f"only the op order, so wrap those stage modules in torch.utils.checkpoint, or the run will "
                    f"need more memory than the plan predicts", err=True)
 

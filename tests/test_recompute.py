@@ -195,3 +195,43 @@ def test_with_memory_to_spare_no_stage_recomputes():
                   TuneOptions(gpus=2, pp=2, microbatches=8, max_plans=300, chunks_max=2))
     assert not any(stage.recompute for stage in result.plan.stages)
     assert not any(row.name.endswith("+recompute") for row in result.baselines)
+
+
+def test_the_policy_scheduler_runs_a_deferred_w_before_rebuilt_activations_overflow_memory():
+    from octoplan.schedules.policy import default_policies
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+
+    # a V of 4 stages of 2 layers on 2 ranks, all recomputing: a microbatch keeps 10 MB per
+    # stage after F, and each I rebuilds 20 GB that only its W frees; 30 GB per GPU hold one
+    # rebuild, not two. Ws may wait (w_cap 64), and the second stage on a rank admits nothing,
+    # so only the budget can make the rank run a W before the next I.
+    evaluator = Evaluator(_memory_bound_profile(), free_cluster(2, memory_gb=30))
+    ranks = (0, 1, 1, 0)
+    policies = tuple(replace(p, w_cap=64) for p in default_policies(ranks, 2, 8, split=True))
+    cand = Candidate(Config(2, 1, 8), (0, 2, 4, 6, 8), ranks, policies, recompute=frozenset({0, 1}))
+    result = evaluator.simulate(cand)
+    assert result.fits_memory, result.peak_memory_bytes
+    # each rank's peak: one rebuild (20 GB) on top of the inputs its microbatches keep
+    assert max(result.peak_memory_bytes) <= 20 * GB + 16 * GB // 100
+
+
+def test_a_whole_rank_swap_carries_the_ranks_recomputation_with_it():
+    import random
+
+    from octoplan.schedules.policy import default_policies
+    from octoplan.tuner.moves import neighbours
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+
+    # 4 ranks on 2 nodes joined by a slow link: the transfers across it stall, so the tuner
+    # offers to swap whole ranks; rank 1 recomputes, and its stage must keep recomputing
+    profile = Profile(model=ModelRef("t"), layers=tuple(
+        Layer(f"l{i}", "layer", 1.0, 1.0, 1.0, 0, 1000, 10**9) for i in range(8)))
+    cluster = Cluster(gpus=4, gpus_per_node=2, inter_node_gbps=1.0, intra_node_gbps=1000.0, latency_us=0)
+    ranks = (0, 1, 2, 3)
+    cand = Candidate(Config(4, 1, 8), (0, 2, 4, 6, 8), ranks, default_policies(ranks, 4, 8), recompute=frozenset({1}))
+    result = Evaluator(profile, cluster).simulate(cand)
+    swaps = [m for m in neighbours(cand, result, rng=random.Random(0), dimensions=("placement",))
+             if m.origin.startswith("swap ranks")]
+    assert swaps
+    for moved in swaps:
+        assert [stage.recompute for stage in moved.stages()] == [False, True, False, False], moved.origin

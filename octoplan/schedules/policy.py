@@ -157,6 +157,7 @@ def policy_schedule(
     budget = list(activation_budget_bytes) if activation_budget_bytes is not None else [_INF] * num_ranks
     for r, held in enumerate(stages_of):
         budget[r] -= max(costs[s].recompute_bytes for s in held)
+    rebuilds = [any(rebuilt[s] for s in held) for held in stages_of]
     reserved = [0.0] * num_ranks  # activations admitted microbatches hold or will hold
     free = [0.0] * num_ranks
     link_free: dict[tuple[int, int], float] = {}
@@ -222,7 +223,9 @@ def policy_schedule(
         when, r, ver = heapq.heappop(heap)
         if ver != version[r]:
             continue
-        if pending_w[r] and len(pending_w[r]) > w_cap[r]:
+        # a deferred W first when too many wait, or when rebuilt activations that only their
+        # Ws free have pushed a recomputing rank past its budget (I is never held back for memory)
+        if pending_w[r] and (len(pending_w[r]) > w_cap[r] or (rebuilds[r] and reserved[r] > budget[r])):
             choice = (2, -1, -1)
         else:
             # one pass over the ready candidates: the backward of the oldest microbatch (later

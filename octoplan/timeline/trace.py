@@ -70,7 +70,8 @@ def trace_events(plan: Plan, result: SimResult) -> list[dict[str, Any]]:
         events.append({
             "name": str(op), "cat": op.kind.value, "ph": "X", "pid": COMPUTE_PID, "tid": span.rank,
             "ts": us(span.start_ms), "dur": (span.end_ms - span.start_ms) * _US_PER_MS,
-            "args": {"stage": op.stage, "mb": op.mb},
+            # a recomputing stage's I and B include its forward run again
+            "args": {"stage": op.stage, "mb": op.mb, **({"recompute": True} if plan.stages[op.stage].recompute else {})},
         })
 
     transfers = result.transfers
@@ -281,7 +282,7 @@ def render_comparison(rows: list[dict[str, Any]], *, title: str | None = None) -
     """The rows of :func:`compare_measured` as a rich table."""
     table = Table(title=title, title_justify="left")
     for header in ("kind", "count", "predicted ms", "measured ms", "mean |error| ms", "rel. error", "bias"):
-        table.add_column(header, justify="left" if header == "kind" else "right", no_wrap=header != "kind")
+        table.add_column(header, justify="left" if header == "kind" else "right", overflow="fold")
     for index, row in enumerate(rows):
         table.add_row(
             row["kind"], str(row["count"]), f"{row['predicted_ms']:.4g}", f"{row['measured_ms']:.4g}",

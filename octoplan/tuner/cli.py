@@ -56,7 +56,7 @@ def _table(result) -> Table:
                           "(pi / di: pp-inner / dp-inner rank order); tuned x: how much faster the tuned plan is")
     for name, justify in (("plan", "left"), ("pp.dp.mb", "left"), ("iter ms", "right"), ("tuned x", "right"),
                           ("bubble", "right"), ("eff", "right"), ("peak GB", "right"), ("fits", "center")):
-        table.add_column(name, justify=justify, no_wrap=True)
+        table.add_column(name, justify=justify, overflow="fold")
     for row in comparison_rows(result):
         style = "bold green" if row["plan"] == "tuned" else (None if row["fits"] else "dim")
         table.add_row(
@@ -72,8 +72,10 @@ def _verdict(result, memory_gb: float) -> str:
     best = result.best_baseline()
     if best is None:
         return f"no baseline fits {memory_gb:g} GB per GPU; the tuned plan does"
+    ratio = best.scored.iteration_ms / result.scored.iteration_ms
+    tie = ": the search found nothing faster than this baseline" if ratio < 1.0005 else ""
     return (f"fastest baseline that fits: {best.name} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
-            f"the tuned plan is {best.scored.iteration_ms / result.scored.iteration_ms:.3f}x faster")
+            f"the tuned plan is {ratio:.3f}x faster{tie}")
 
 
 def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,

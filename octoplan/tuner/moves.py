@@ -69,9 +69,13 @@ def heat_of(result: SimResult) -> Heat:
     return Heat(list(result.busy_ms), blame, idle, pairs, list(result.peak_memory_bytes), result.memory_limit_bytes)
 
 
-def _with_layout(cand: Candidate, bounds: tuple[int, ...], ranks: tuple[int, ...], origin: str) -> Candidate:
+def _with_layout(cand: Candidate, bounds: tuple[int, ...], ranks: tuple[int, ...], origin: str,
+                 recompute: frozenset[int] | None = None) -> Candidate:
     """A new partition/placement. A fixed order survives only a pure boundary shift; otherwise
-    the policy scheduler takes over with the candidate's knobs (or 1F1B-like defaults)."""
+    the policy scheduler takes over with the candidate's knobs (or 1F1B-like defaults).
+    ``recompute``: the recomputing ranks, when the move renumbers them (default: unchanged)."""
+    if recompute is not None:
+        cand = replace(cand, recompute=recompute)
     if cand.fixed is not None and ranks == cand.ranks:
         return replace(cand, bounds=bounds, origin=origin)
     pp, num_mb = cand.config.pp, cand.config.microbatches
@@ -180,7 +184,9 @@ def _placement_moves(cand: Candidate, heat: Heat, rng: random.Random, breadth: i
                     perm = list(range(pp))
                     perm[moving], perm[partner] = partner, moving
                     swapped = tuple(perm[r] for r in ranks)
-                    out.append((heat.idle[waiting], _with_layout(cand, cand.bounds, swapped, f"swap ranks {moving} and {partner}")))
+                    # a rank's contents move whole, its recomputation with them
+                    out.append((heat.idle[waiting], _with_layout(cand, cand.bounds, swapped, f"swap ranks {moving} and {partner}",
+                                                                 frozenset(perm[r] for r in cand.recompute))))
     rng.shuffle(out)  # ties break by seed, then the stable sort below keeps that order
     return out
 

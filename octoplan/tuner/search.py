@@ -514,7 +514,8 @@ def tune(
     stats = {
         "seed": opts.seed,
         "time_limit_s": opts.time_limit_s,
-        "wall_s": round(search.clock.elapsed(), 3),
+        # real seconds, also under --max-plans (whose clock counts plans as seconds)
+        "wall_s": round(time.perf_counter() - search.clock.start, 3),
         # with workers, a plan simulated in two processes (each has its own cache) counts twice
         "evaluations": evaluator.evaluations + search.extra_plans,
         "workers": opts.workers,
