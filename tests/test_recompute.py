@@ -116,6 +116,10 @@ def test_the_tuner_recomputes_where_nothing_fits_without_it():
     # every layer's work is 2.5 ms plus a recomputed forward of 0.5: 8 microbatches x 4 layers
     # x 3 ms = 96 ms per rank at least
     assert result.scored.iteration_ms >= 96
+    # the summary counts the busiest rank's forwards run again: 8 microbatches x its layers x 0.5 ms
+    busiest = result.stats["busiest_rank"]
+    layers = sum(stage.end - stage.start for stage in result.plan.stages if stage.rank == busiest)
+    assert result.stats["busiest_recompute_ms"] == pytest.approx(8 * layers * 0.5)
     # the baselines that do not fit are priced with full recomputation too
     names = [row.name for row in result.baselines]
     assert "1f1b/uniform" in names and "1f1b/uniform+recompute" in names

@@ -123,8 +123,10 @@ _WORKERS = typer.Option(1, "--workers", help="processes that hill-climb at once,
 def _where_the_time_goes(stats: dict, efficiency: float) -> str:
     """Efficiency as balance x schedule, and the busiest rank's idle time by cause."""
     rank, idle = stats["busiest_rank"], stats["busiest_idle_ms"]
+    again = stats.get("busiest_recompute_ms", 0.0)
+    recomputed = f", {again:.2f} of them forwards its recomputing stages run again" if again else ""
     return (f"efficiency {efficiency:.3f} = balance {stats['balance']:.3f} (the busiest rank, {rank}, works "
-            f"{stats['busiest_busy_ms']:.2f} ms; the lower bound is {stats['lower_bound_ms']:.2f}) x schedule "
+            f"{stats['busiest_busy_ms']:.2f} ms{recomputed}; the lower bound is {stats['lower_bound_ms']:.2f}) x schedule "
             f"{stats['schedule']:.3f} (rank {rank} idles "
             f"{idle['warm_up']:.2f} ms before its first op, {idle['between']:.2f} between its ops, {idle['drain']:.2f} "
             f"after its last)")

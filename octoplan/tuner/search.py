@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from octoplan.errors import InputError
-from octoplan.ops import splits_backward
+from octoplan.ops import Kind, splits_backward
 from octoplan.partition import balanced_partition, partition
 from octoplan.plan import MAX_MICROBATCHES, Cluster, Plan, check_structure
 from octoplan.profile import Profile
@@ -509,6 +509,7 @@ def tune(
     # work is to SPEC section 7's lower bound) x schedule (how little that rank idles), and
     # when it idles: a warm-up says it needs less work, waits between ops a lighter neighbour
     timeline = evaluator.timeline(best)
+    costs = evaluator.costs(best)
     busiest = max(range(best.config.pp), key=lambda r: (timeline.busy_ms[r], -r))
     warm_up, between, drain = timeline.idle_parts(busiest)
     stats = {
@@ -529,6 +530,9 @@ def tune(
         "order_bound_ms": round(order_bound, 4),
         "busiest_rank": busiest,
         "busiest_busy_ms": round(timeline.busy_ms[busiest], 4),
+        # of which the forwards that recomputing stages run again in their I and B ops
+        "busiest_recompute_ms": round(sum(costs[op.stage].forward_ms for op in plan.schedule[busiest]
+                                          if op.kind in (Kind.I, Kind.B) and best.ranks[op.stage] in best.recompute), 4),
         "lower_bound_ms": round(timeline.lower_bound_ms, 4),
         "balance": round(timeline.lower_bound_ms / timeline.busy_ms[busiest], 4),
         "schedule": round(timeline.busy_ms[busiest] / timeline.iteration_ms, 4),
