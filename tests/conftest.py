@@ -31,6 +31,18 @@ def free_cluster(gpus: int, **kwargs) -> Cluster:
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread: on a small shared machine, threads on tiny ops only wait on each
+    other's turn (``pytestmark = pytest.mark.usefixtures("one_thread")`` in a test module)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def profile_file(tmp_path):
     def write(profile: Profile, name: str = "p.yaml") -> Path:
         path = tmp_path / name

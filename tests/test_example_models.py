@@ -31,13 +31,7 @@ UNIGRAM_NATS = {"tiny_gpt": math.log(256), "hybrid": math.log(256), "vlm": math.
 MICROBATCH = 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a small shared machine, two threads wait on each other's turn."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _load(name: str, config: dict | None = None, *, seed: int = 0) -> ModelFile:

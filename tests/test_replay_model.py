@@ -54,13 +54,7 @@ def _write_profile(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a small shared machine, two threads wait on each other's turn."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -23,13 +23,7 @@ STEPS = 2
 LR = {"sgd": 0.1, "adamw": 0.01}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny ops: intra-op threads only contend on a shared 2-core machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------

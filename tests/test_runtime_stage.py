@@ -10,13 +10,7 @@ from octoplan.modelfile import as_args, load_model_file
 from octorun.stage import StageExecutor
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny ops: intra-op threads only contend on a shared 2-core machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _setup(tmp_path, name):
