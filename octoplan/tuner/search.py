@@ -532,7 +532,7 @@ def tune(
         "busiest_busy_ms": round(timeline.busy_ms[busiest], 4),
         # of which the forwards that recomputing stages run again in their I and B ops
         "busiest_recompute_ms": round(sum(costs[op.stage].forward_ms for op in plan.schedule[busiest]
-                                          if op.kind in (Kind.I, Kind.B) and best.ranks[op.stage] in best.recompute), 4),
+                                          if op.kind in (Kind.I, Kind.B) and plan.stages[op.stage].recompute), 4),
         "lower_bound_ms": round(timeline.lower_bound_ms, 4),
         "balance": round(timeline.lower_bound_ms / timeline.busy_ms[busiest], 4),
         "schedule": round(timeline.busy_ms[busiest] / timeline.iteration_ms, 4),
