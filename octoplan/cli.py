@@ -266,7 +266,7 @@ def validate(plan_path: Path = typer.Argument(..., metavar="PLAN")) -> None:
     num_ops = sum(len(ops) for ops in plan.schedule)
     # without a profile nothing says how many layers the model has, so the last stage's end is unchecked
     unchecked = "" if plan.profile else "; no profile field, so whether the stages cover every layer is not checked"
-    recomputing = sum(stage.recompute for stage in plan.stages)
+    recomputing = plan.num_recomputing
     console.print(f"{plan_path}: valid ({plan.num_stages} stages on {plan.pp} ranks"
                   f"{f', {recomputing} recomputing' if recomputing else ''}, {plan.microbatches} microbatches, "
                   f"{num_ops} ops{unchecked})")

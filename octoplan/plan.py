@@ -146,6 +146,11 @@ class Plan:
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, stage in enumerate(self.stages) if stage.rank == rank]
 
+    @property
+    def num_recomputing(self) -> int:
+        """How many stages recompute their activations."""
+        return sum(stage.recompute for stage in self.stages)
+
     def with_schedule(self, schedule: Sequence[Sequence[Op]]) -> "Plan":
         return replace(self, schedule=tuple(tuple(ops) for ops in schedule))
 

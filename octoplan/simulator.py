@@ -352,6 +352,7 @@ def simulate_costs(
                 dest[ki], wire[ki] = prev_rank, bwd_wire
                 dest[kb], wire[kb] = prev_rank, bwd_wire
 
+    bursts = any(burst)  # whether any op holds memory only while it runs (a plan that recomputes)
     static = [0] * num_ranks
     for stage in range(num_stages):
         static[rank_of_stage[stage]] += static_bytes(costs[stage].param_bytes, dtype_bytes=dtype_bytes, optimizer=optimizer)
@@ -417,7 +418,7 @@ def simulate_costs(
             w = waiter[k]
             if w >= 0 and w != r:
                 work.append(w)
-            if burst[k] and mem + burst[k] > peak:
+            if bursts and mem + burst[k] > peak:
                 peak = mem + burst[k]
             delta = act[k]
             if delta:

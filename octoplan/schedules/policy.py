@@ -155,9 +155,8 @@ def policy_schedule(
     rebuilt = [c.recompute_bytes for c in costs]
     footprint = [sum(act[s] for s in held) for held in stages_of]  # one microbatch on the whole rank
     budget = list(activation_budget_bytes) if activation_budget_bytes is not None else [_INF] * num_ranks
-    for r, held in enumerate(stages_of):
-        budget[r] -= max(costs[s].recompute_bytes for s in held)
-    rebuilds = [any(rebuilt[s] for s in held) for held in stages_of]
+    largest_rebuild = [max(rebuilt[s] for s in held) for held in stages_of]
+    budget = [b - extra for b, extra in zip(budget, largest_rebuild)]
     reserved = [0.0] * num_ranks  # activations admitted microbatches hold or will hold
     free = [0.0] * num_ranks
     link_free: dict[tuple[int, int], float] = {}
@@ -225,7 +224,7 @@ def policy_schedule(
             continue
         # a deferred W first when too many wait, or when rebuilt activations that only their
         # Ws free have pushed a recomputing rank past its budget (I is never held back for memory)
-        if pending_w[r] and (len(pending_w[r]) > w_cap[r] or (rebuilds[r] and reserved[r] > budget[r])):
+        if pending_w[r] and (len(pending_w[r]) > w_cap[r] or (largest_rebuild[r] and reserved[r] > budget[r])):
             choice = (2, -1, -1)
         else:
             # one pass over the ready candidates: the backward of the oldest microbatch (later

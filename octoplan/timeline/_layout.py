@@ -132,7 +132,7 @@ def describe_plan(plan: Plan) -> str:
         shape += f" × dp {plan.parallel.dp}"
     parts.append(shape)
     parts.append(f"{plan.microbatches} microbatches")
-    recomputing = sum(stage.recompute for stage in plan.stages)
+    recomputing = plan.num_recomputing
     parts.append(f"{plan.num_stages} stages" + (f" ({recomputing} recompute: their I/B run F again)" if recomputing else ""))
     return " · ".join(parts)
 

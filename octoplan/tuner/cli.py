@@ -160,7 +160,7 @@ def register(app: typer.Typer) -> None:
         console.print(_verdict(result, result.plan.cluster.memory_gb), soft_wrap=True)
         plan = result.plan
         # soft_wrap: long lines wrap at the terminal's edge, never inside a path or a number
-        recomputing = sum(stage.recompute for stage in plan.stages)
+        recomputing = plan.num_recomputing
         stages = f"{plan.num_stages} stages" + (f", {recomputing} recomputing their activations" if recomputing else "")
         console.print(f"tuned plan for {gpus} GPUs ({result.candidate.config.label()}, {stages}) -> "
                       f"{escape(str(output))}: predicted {plan.predicted['iteration_ms']:.2f} ms, bubble "

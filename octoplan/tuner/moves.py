@@ -6,8 +6,8 @@ Every move changes one of the three dimensions the tuner co-optimizes:
   changes which node each part of the model sits on); re-place the stages so the busiest
   ranks start early (:func:`octoplan.tuner.arrange.start_aware`, given per-stage times);
 - ``schedule``: a rank's warm-up depth (in-flight limit), B split into I + W, how long Ws
-  may wait, which chunk goes first, whether its stages recompute their activations; a baseline's fixed order turned into the policy scheduler;
-  and direct reorders of an explicit op order at its bubbles: a deferred W moved into the gap
+  may wait, which chunk goes first, whether its stages recompute their activations; a
+  baseline's fixed order turned into the policy scheduler; and direct reorders of an explicit op order at its bubbles: a deferred W moved into the gap
   where its rank idles, or the op a rank waits for moved ahead of the op before it (an
   order with a cycle is rejected by the simulator's DeadlockError).
 
@@ -269,7 +269,7 @@ def _recompute_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tu
     """Activation recomputation, per rank: turned on where memory is short, the fullest ranks
     first (after the in-flight cuts, which cost no compute), or where a full rank idles (its
     admissions may be throttled by memory); turned off where memory allows, since it costs
-    every backward a forward. The least full ranks are tried first, two per step."""
+    every backward a forward: on the two least full recomputing ranks per step."""
     out = []
     pp = cand.config.pp
     fullest = sorted(range(pp), key=lambda r: (-heat.peak[r], r))
