@@ -111,14 +111,17 @@ def test_the_tuner_recomputes_where_nothing_fits_without_it():
     assert "no plan fits 25 GB per GPU; the leanest plan found needs 40 GB" in str(info.value)
     assert "drop --no-recompute" in str(info.value)
     result = tune(profile, cluster, opts)
-    assert result.scored.fits and all(stage.recompute for stage in result.plan.stages)
+    # every stage recomputes but the last, whose microbatch runs F and its backward back to
+    # back: one microbatch's 20 GB at a time fits beside its rank's other (recomputing) stage
+    assert result.scored.fits
+    assert [stage.recompute for stage in result.plan.stages] == [True] * (result.plan.num_stages - 1) + [False]
     assert max(simulate(result.plan, profile).peak_memory_bytes) <= 25 * GB
     # every layer's work is 2.5 ms plus a recomputed forward of 0.5: 8 microbatches x 4 layers
     # x 3 ms = 96 ms per rank at least
     assert result.scored.iteration_ms >= 96
     # the summary counts the busiest rank's forwards run again: 8 microbatches x its layers x 0.5 ms
     busiest = result.stats["busiest_rank"]
-    layers = sum(stage.end - stage.start for stage in result.plan.stages if stage.rank == busiest)
+    layers = sum(stage.end - stage.start for stage in result.plan.stages if stage.rank == busiest and stage.recompute)
     assert result.stats["busiest_recompute_ms"] == pytest.approx(8 * layers * 0.5)
     # the baselines that do not fit are priced with full recomputation too
     names = [row.name for row in result.baselines]
@@ -212,7 +215,7 @@ def test_the_policy_scheduler_runs_a_deferred_w_before_rebuilt_activations_overf
     evaluator = Evaluator(_memory_bound_profile(), free_cluster(2, memory_gb=30))
     ranks = (0, 1, 1, 0)
     policies = tuple(replace(p, w_cap=64) for p in default_policies(ranks, 2, 8, split=True))
-    cand = Candidate(Config(2, 1, 8), (0, 2, 4, 6, 8), ranks, policies, recompute=frozenset({0, 1}))
+    cand = Candidate(Config(2, 1, 8), (0, 2, 4, 6, 8), ranks, policies, recompute=frozenset({0, 1, 2, 3}))
     result = evaluator.simulate(cand)
     assert result.fits_memory, result.peak_memory_bytes
     # each rank's peak: one rebuild (20 GB) on top of the inputs its microbatches keep
@@ -239,3 +242,47 @@ def test_a_whole_rank_swap_carries_the_ranks_recomputation_with_it():
     assert swaps
     for moved in swaps:
         assert [stage.recompute for stage in moved.stages()] == [False, True, False, False], moved.origin
+
+
+def test_the_climb_turns_recomputation_off_one_stage_at_a_time_where_a_whole_rank_would_not_fit():
+    import random
+
+    from octoplan.schedules import get_schedule
+    from octoplan.tuner.moves import neighbours
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+
+    # ZB-V on 2 ranks, every stage (2 layers, 20 GB of activations) recomputing: rank 1 holds
+    # three 20 GB rebuilds while their Ws wait. 61 GB per GPU: either rank keeping all its
+    # activations needs 80 GB, but keeping one stage's (the rank's later one first) fits
+    profile = _memory_bound_profile()
+    spec = get_schedule("zbv")
+    order = tuple(tuple(ops) for ops in spec.generate(2, 8, 2))
+    start = Candidate(Config(2, 1, 8), (0, 2, 4, 6, 8), tuple(spec.placement(2, 4)), None, order, "zbv", "zbv",
+                      recompute=frozenset(range(4)))
+    evaluator = Evaluator(profile, free_cluster(2, memory_gb=61))
+    result = evaluator.simulate(start)
+    assert result.fits_memory and [p / GB for p in result.peak_memory_bytes] == [20, 60]
+    moves = {m.origin: m for m in neighbours(start, result, rng=random.Random(0)) if "recompute" in m.origin}
+    assert moves["rank 0: no recompute"].recompute == {1, 2} and moves["rank 1: no recompute"].recompute == {0, 3}
+    assert moves["stage 3 (rank 0): no recompute"].recompute == {0, 1, 2}
+    assert moves["stage 2 (rank 1): no recompute"].recompute == {0, 1, 3}
+    for whole in ("rank 0: no recompute", "rank 1: no recompute"):
+        assert not evaluator.score(moves[whole]).fits, whole
+    for stage in ("stage 3 (rank 0): no recompute", "stage 2 (rank 1): no recompute"):
+        scored = evaluator.score(moves[stage])
+        assert scored.fits and scored.iteration_ms < result.iteration_ms, stage
+    # the plan says which stages recompute, one by one
+    assert [s.recompute for s in moves["stage 2 (rank 1): no recompute"].stages()] == [True, True, False, True]
+
+
+def test_splits_and_merges_carry_each_stages_recomputation():
+    from octoplan.tuner.moves import _renumbered
+
+    # stages 0..4, stages 1 and 3 recompute
+    flags = frozenset({1, 3})
+    assert _renumbered(flags, split=1) == {1, 2, 4}  # both halves of stage 1; stage 3 is now 4
+    assert _renumbered(flags, split=2) == {1, 4}
+    assert _renumbered(flags, merged=1) == {1, 2}  # stages 1 + 2 recompute as one; 3 is now 2
+    assert _renumbered(flags, merged=3) == {1, 3}  # stages 3 + 4: the merged stage keeps it
+    assert _renumbered(flags, merged=0) == {0, 2}  # stages 0 + 1 merged: recomputes, as 1 did
+    assert _renumbered(frozenset(), merged=0) == frozenset()

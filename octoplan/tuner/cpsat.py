@@ -354,5 +354,5 @@ def cpsat_seeds(evaluator: Evaluator, config: Config, *, chunks_max: int, time_l
             seeds.append(Candidate(config, solution.bounds, solution.ranks, policies, None,
                                    f"cp-sat <= {cap}/rank, split={split}, depth={depth:g}, warm-up gap={gap}"
                                    + (", every rank recomputes" if recomputing else ""),
-                                   recompute=frozenset(range(config.pp)) if recomputing else frozenset()))
+                                   recompute=frozenset(range(len(solution.ranks))) if recomputing else frozenset()))
     return seeds, stats

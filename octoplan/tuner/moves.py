@@ -6,7 +6,8 @@ Every move changes one of the three dimensions the tuner co-optimizes:
   changes which node each part of the model sits on); re-place the stages so the busiest
   ranks start early (:func:`octoplan.tuner.arrange.start_aware`, given per-stage times);
 - ``schedule``: a rank's warm-up depth (in-flight limit), B split into I + W, how long Ws
-  may wait, which chunk goes first, whether its stages recompute their activations; a
+  may wait, which chunk goes first, whether its stages recompute their activations (all of
+  them, or one stage at a time: selective recomputation); a
   baseline's fixed order turned into the policy scheduler; and direct reorders of an explicit op order at its bubbles: a deferred W moved into the gap
   where its rank idles, or the op a rank waits for moved ahead of the op before it (an
   order with a cycle is rejected by the simulator's DeadlockError).
@@ -73,7 +74,8 @@ def _with_layout(cand: Candidate, bounds: tuple[int, ...], ranks: tuple[int, ...
                  recompute: frozenset[int] | None = None) -> Candidate:
     """A new partition/placement. A fixed order survives only a pure boundary shift; otherwise
     the policy scheduler takes over with the candidate's knobs (or 1F1B-like defaults).
-    ``recompute``: the recomputing ranks, when the move renumbers them (default: unchanged)."""
+    ``recompute``: the recomputing stages, when the move renumbers them (default: unchanged;
+    a stage moved to another rank keeps its flag)."""
     if recompute is not None:
         cand = replace(cand, recompute=recompute)
     if cand.fixed is not None and ranks == cand.ranks:
@@ -114,6 +116,18 @@ def _boundary_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
     return out
 
 
+def _renumbered(recompute: frozenset[int], *, split: int | None = None, merged: int | None = None) -> frozenset[int]:
+    """The recomputing stages after stage ``split`` is cut in two (both halves keep its flag) or
+    stages ``merged`` and ``merged + 1`` become one (which recomputes if either did, so the
+    merge never needs more memory than its parts)."""
+    if split is not None:
+        return frozenset(i if i <= split else i + 1 for i in recompute) | ({split + 1} if split in recompute else set())
+    assert merged is not None
+    either = merged in recompute or merged + 1 in recompute
+    return frozenset(i if i < merged else i - 1 for i in recompute if i not in (merged, merged + 1)) | (
+        {merged} if either else set())
+
+
 def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[tuple[float, Candidate]]:
     out = []
     pp = cand.config.pp
@@ -135,7 +149,8 @@ def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[t
             if target == hottest and counts[hottest] >= max_per_rank:
                 continue
             ranks = cand.ranks[:s + 1] + (target,) + cand.ranks[s + 1:]
-            out.append((heat.heat(hottest) - heat.heat(target), _with_layout(cand, bounds, ranks, f"split stage {s}")))
+            out.append((heat.heat(hottest) - heat.heat(target),
+                        _with_layout(cand, bounds, ranks, f"split stage {s}", _renumbered(cand.recompute, split=s))))
     # merge a stage into a neighbour: fewer stages, fewer transfers
     for s in range(cand.num_stages - 1):
         r0, r1 = cand.ranks[s], cand.ranks[s + 1]
@@ -145,7 +160,8 @@ def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[t
                 continue
             ranks = cand.ranks[:s] + (keep,) + cand.ranks[s + 2:]
             gain = 1e9 if keep == drop else heat.heat(drop) - heat.heat(keep)
-            out.append((gain, _with_layout(cand, bounds, ranks, f"merge stages {s} and {s + 1}")))
+            out.append((gain, _with_layout(cand, bounds, ranks, f"merge stages {s} and {s + 1}",
+                                           _renumbered(cand.recompute, merged=s))))
             if keep == drop:
                 break
     return out
@@ -184,9 +200,8 @@ def _placement_moves(cand: Candidate, heat: Heat, rng: random.Random, breadth: i
                     perm = list(range(pp))
                     perm[moving], perm[partner] = partner, moving
                     swapped = tuple(perm[r] for r in ranks)
-                    # a rank's contents move whole, its recomputation with them
-                    out.append((heat.idle[waiting], _with_layout(cand, cand.bounds, swapped, f"swap ranks {moving} and {partner}",
-                                                                 frozenset(perm[r] for r in cand.recompute))))
+                    # a rank's contents move whole; its stages keep their recomputation
+                    out.append((heat.idle[waiting], _with_layout(cand, cand.bounds, swapped, f"swap ranks {moving} and {partner}")))
     rng.shuffle(out)  # ties break by seed, then the stable sort below keeps that order
     return out
 
@@ -266,30 +281,47 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
 
 
 def _recompute_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tuple[float, Candidate]]:
-    """Activation recomputation, per rank: turned on where memory is short, the fullest ranks
-    first (after the in-flight cuts, which cost no compute), or where a full rank idles (its
-    admissions may be throttled by memory); turned off where memory allows, since it costs
-    every backward a forward: on the two least full recomputing ranks per step."""
+    """Activation recomputation, per rank and per stage. Where memory is short, on the fullest
+    ranks first (after the in-flight cuts, which cost no compute): the rank's earliest stage
+    that keeps its activations (the one with the most microbatches in flight, so the most
+    memory per millisecond of recomputed forward), then all its stages. Where a full rank
+    idles (its admissions may be throttled by memory), the same. Where memory allows, off,
+    since it costs every backward a forward: all of a rank's stages, then one stage at a time,
+    the latest first (the fewest in flight, so the least memory back), on the least full
+    recomputing ranks and on the busiest ones (whose recomputed forwards the iteration waits
+    for)."""
     out = []
     pp = cand.config.pp
     fullest = sorted(range(pp), key=lambda r: (-heat.peak[r], r))
+    recomputing = [r for r in range(pp) if any(s in cand.recompute for s in cand.stages_of(r))]
 
-    def turn(rank: int, on: bool, gain: float) -> None:
-        recompute = cand.recompute | {rank} if on else cand.recompute - {rank}
-        out.append((gain, replace(cand, recompute=recompute, origin=f"rank {rank}: {'recompute' if on else 'no recompute'}")))
+    def emit(gain: float, recompute: frozenset[int], origin: str) -> None:
+        if recompute != cand.recompute:
+            out.append((gain, replace(cand, recompute=recompute, origin=origin)))
+
+    def turn_on(rank: int, gain: float) -> None:
+        kept = [s for s in cand.stages_of(rank) if s not in cand.recompute]
+        if len(kept) > 1:  # with one left, the stage's move is the rank's
+            emit(gain, cand.recompute | {kept[0]}, f"stage {kept[0]} (rank {rank}): recompute")
+        emit(0.99 * gain, cand.recompute | set(kept), f"rank {rank}: recompute")
 
     if memory_first:
         for r in fullest[:3]:
-            if r not in cand.recompute:
-                turn(r, True, 0.95 * heat.peak[r])
-        if len(cand.recompute) < pp:
-            out.append((0.9 * max(heat.peak), replace(cand, recompute=frozenset(range(pp)), origin="every rank recomputes")))
+            if any(s not in cand.recompute for s in cand.stages_of(r)):
+                turn_on(r, 0.95 * heat.peak[r])
+        emit(0.9 * max(heat.peak), cand.every_stage, "every rank recomputes")
         return out
-    for r in [r for r in reversed(fullest) if r in cand.recompute][:2]:
-        turn(r, False, heat.busy[r])
+    busiest = sorted(recomputing, key=lambda r: (-heat.busy[r], r))[:2]
+    least_full = [r for r in reversed(fullest) if r in recomputing][:2]
+    for r in dict.fromkeys(least_full + busiest):
+        mine = [s for s in cand.stages_of(r) if s in cand.recompute]
+        emit(heat.busy[r], cand.recompute - set(mine), f"rank {r}: no recompute")
+        if len(mine) > 1:
+            for k, s in enumerate(reversed(mine)):
+                emit(heat.busy[r] * (0.9 - 0.01 * k), cand.recompute - {s}, f"stage {s} (rank {r}): no recompute")
     for r in fullest[:2]:
-        if r not in cand.recompute and heat.idle[r] > 0:
-            turn(r, True, 0.6 * heat.idle[r])
+        if heat.idle[r] > 0 and any(s not in cand.recompute for s in cand.stages_of(r)):
+            turn_on(r, 0.6 * heat.idle[r])
     return out
 
 

@@ -554,8 +554,8 @@ RECOMPUTE_SEEDS = 8  # the fastest seeds that do not fit memory, copied with rec
 def _with_recompute_seeds(search: _Search, ranked: list) -> list:
     """``ranked`` (score, index, candidate) with recomputing copies of the fastest seeds that
     do not fit memory, and of the fastest that do (those whose admissions memory throttles
-    can run deeper with it), ranked again; every rank recomputes, and the climbs turn it off
-    rank by rank where memory allows."""
+    can run deeper with it), ranked again; every stage recomputes, and the climbs turn it off
+    rank by rank and stage by stage where memory allows."""
     short = sorted((item for item in ranked if item[0][0] != 0 and not item[2].recompute),
                    key=lambda item: (search.ev.score(item[2]).iteration_ms, item[1]))
     fitting = [item for item in ranked if item[0][0] == 0 and not item[2].recompute]
@@ -563,7 +563,7 @@ def _with_recompute_seeds(search: _Search, ranked: list) -> list:
     for _, index, cand in short[:RECOMPUTE_SEEDS] + fitting[:RECOMPUTE_SEEDS // 2]:
         if search.clock.out():
             break
-        moved = replace(cand, recompute=frozenset(range(cand.config.pp)), origin=f"{cand.origin}, every rank recomputes")
+        moved = replace(cand, recompute=cand.every_stage, origin=f"{cand.origin}, every rank recomputes")
         out.append((search.offer(moved).score, index, moved))
     out.sort(key=lambda item: (item[0], item[1]))
     return out
@@ -616,7 +616,7 @@ def _collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Con
         for config, label, cand in candidates:
             if label in short:
                 consider(f"{label}+recompute", config,
-                         replace(cand, recompute=frozenset(range(config.pp)), origin=f"{label}+recompute"))
+                         replace(cand, recompute=cand.every_stage, origin=f"{label}+recompute"))
     rows = []
     for label in order:
         if not label.endswith("+recompute"):

@@ -58,8 +58,9 @@ class Candidate:
     # names the fixed order (a baseline's label, plus a digest once reordered): the order itself
     # is left out of equality and hashing, which would cost a pass over every op per lookup
     fixed_id: str = ""
-    # the pipeline ranks whose stages recompute their activations (octoplan.costs.StageCost):
-    # per rank, not per stage, so that every partition and placement move keeps it meaningful
+    # the stages that recompute their activations (octoplan.costs.StageCost), by index: a rank
+    # may recompute some of its stages and keep the others' activations (selective
+    # recomputation); moves that renumber stages carry the flags with them (moves._renumbered)
     recompute: frozenset[int] = frozenset()
 
     @property
@@ -67,10 +68,15 @@ class Candidate:
         return len(self.ranks)
 
     def stages(self) -> tuple[Stage, ...]:
-        return tuple(Stage(self.bounds[i], self.bounds[i + 1], r, r in self.recompute) for i, r in enumerate(self.ranks))
+        return tuple(Stage(self.bounds[i], self.bounds[i + 1], r, i in self.recompute) for i, r in enumerate(self.ranks))
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.ranks) if r == rank]
+
+    @property
+    def every_stage(self) -> frozenset[int]:
+        """Every stage's index: ``recompute`` for full recomputation."""
+        return frozenset(range(self.num_stages))
 
     @property
     def num_ops(self) -> int:
@@ -120,7 +126,7 @@ class Evaluator:
         return cost
 
     def costs(self, cand: Candidate) -> list[StageCost]:
-        return [self.stage_cost(cand.bounds[i], cand.bounds[i + 1], r in cand.recompute) for i, r in enumerate(cand.ranks)]
+        return [self.stage_cost(cand.bounds[i], cand.bounds[i + 1], i in cand.recompute) for i in range(cand.num_stages)]
 
     def schedule(self, cand: Candidate) -> tuple[tuple[Op, ...], ...]:
         if cand.fixed is not None:
