@@ -494,7 +494,8 @@ def export(
     plan = load_plan(plan_path)
     export_plan(plan, output, format=format, file=str(plan_path))
     console.print(f"{format} -> {escape(str(output))}", soft_wrap=True)
-    recomputing = [str(s) for s, stage in enumerate(plan.stages) if stage.recompute]
+    recomputing = [str(s) if stage.recompute_layers is None else f"{s} (its first {stage.recomputed_layers} layers)"
+                   for s, stage in enumerate(plan.stages) if stage.recompute]
     if recomputing:  # the CSV holds the op order only; recomputation lives in the stage modules
         which = f"all {len(recomputing)} stages" if len(recomputing) == plan.num_stages else f"stages {', '.join(recomputing)}"
         typer.echo(f"note: {which} recompute their activations in this plan; the CSV carries "

@@ -40,8 +40,10 @@ class StageCost:
     backward), and the first backward op, I or B, runs the forward again before its own work
     (``backward_input_ms`` and ``backward_ms`` include ``forward_ms``). The re-run forward
     rebuilds the rest of the activations (``recompute_bytes``): an I holds them until its W
-    ends, a B only while it runs. Every user of these costs prices recomputation that way
-    without knowing of it.
+    ends, a B only while it runs. Where only the stage's first k layers recompute
+    (``Stage.recompute_layers``), F also keeps the activations of the layers after them, and
+    the backward runs again only those k layers' forward and rebuilds only their activations.
+    Every user of these costs prices recomputation that way without knowing of it.
     """
 
     forward_ms: float
@@ -81,7 +83,9 @@ class LayerTable:
         self.output_bytes = [layer.output_bytes for layer in layers]
         self.layer_total_ms = [layer.total_ms for layer in layers]
 
-    def stage(self, start: int, end: int, *, recompute: bool = False) -> StageCost:
+    def stage(self, start: int, end: int, *, recompute: bool = False, recompute_layers: int | None = None) -> StageCost:
+        """Layers [start, end) as one stage; with ``recompute``, the first ``recompute_layers``
+        of them (None: all) run their forward again in the first backward op."""
         forward_ms = self._f[end] - self._f[start]
         backward_ms = None if self._b is None else self._b[end] - self._b[start]
         activation_bytes = self._act[end] - self._act[start]
@@ -98,13 +102,16 @@ class LayerTable:
             return cost
         # The stage's input is the previous layer's output; the first stage's input, the
         # microbatch itself, is not in the profile and counts as nothing.
-        kept = self.output_bytes[start - 1] if start > 0 else 0
+        stash = self.output_bytes[start - 1] if start > 0 else 0
+        cut = end if recompute_layers is None else min(start + recompute_layers, end)
+        again_ms = self._f[cut] - self._f[start]  # the recomputed layers' forward
+        rebuilt = self._act[cut] - self._act[start]  # what they hold again, their input among it
         return replace(
             cost,
-            backward_input_ms=cost.backward_input_ms + forward_ms,
-            backward_ms=None if backward_ms is None else backward_ms + forward_ms,
-            activation_bytes=kept,
-            recompute_bytes=max(activation_bytes - kept, 0),
+            backward_input_ms=cost.backward_input_ms + again_ms,
+            backward_ms=None if backward_ms is None else backward_ms + again_ms,
+            activation_bytes=stash + (self._act[end] - self._act[cut]),
+            recompute_bytes=max(rebuilt - stash, 0),
         )
 
     def total_ms(self, start: int = 0, end: int | None = None) -> float:
@@ -113,7 +120,8 @@ class LayerTable:
 
 
 def stage_costs(stages: Sequence[Stage], table: LayerTable) -> list[StageCost]:
-    return [table.stage(stage.start, stage.end, recompute=stage.recompute) for stage in stages]
+    return [table.stage(stage.start, stage.end, recompute=stage.recompute, recompute_layers=stage.recompute_layers)
+            for stage in stages]
 
 
 def op_ms(cost: StageCost, kind: Kind) -> float:

@@ -113,10 +113,21 @@ class Stage:
     # Activation recomputation: F keeps only the stage's input, and the stage's first backward
     # op (I or B) runs the forward again before it (octoplan.costs.StageCost says what that costs).
     recompute: bool = False
+    # With recompute, how many of the stage's first layers run again (None: all of them). The
+    # rest keep their activations from F, as Megatron-LM's --recompute-method block does.
+    recompute_layers: int | None = None
 
     @property
     def layers(self) -> range:
         return range(self.start, self.end)
+
+    @property
+    def recomputed_layers(self) -> int:
+        """How many of the stage's layers its first backward op runs again (0: none)."""
+        if not self.recompute:
+            return 0
+        count = self.end - self.start
+        return count if self.recompute_layers is None else min(self.recompute_layers, count)
 
 
 @dataclass(frozen=True)
@@ -224,7 +235,12 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
         layers = s.raw("layers")
         if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
             raise InputError(file, f"stages[{i}].layers", f"is {layers!r}", "write [start, end) as two integers")
-        stages.append(Stage(start=layers[0], end=layers[1], rank=s.int("rank"), recompute=s.bool("recompute", False)))
+        recompute = s.bool("recompute", False)
+        some = s.int("recompute_layers", None, minimum=1, maximum=max(1, layers[1] - layers[0]))
+        if some is not None and not recompute:
+            raise InputError(file, f"stages[{i}].recompute_layers", f"is {some} but the stage does not recompute",
+                             "add recompute: true, or drop recompute_layers")
+        stages.append(Stage(start=layers[0], end=layers[1], rank=s.int("rank"), recompute=recompute, recompute_layers=some))
     schedule = _parse_schedule(top.raw("schedule"), file=file, pp=parallel.pp)
     predicted = data.get("predicted")
     known = {"format", "profile", "profile_sha256", "model", "cluster", "parallel", "stages", "schedule", "predicted"}
@@ -313,7 +329,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     out["model"] = plan.model.to_dict()
     out["cluster"] = plan.cluster.to_dict()
     out["parallel"] = plan.parallel.to_dict()
-    out["stages"] = [{"layers": [s.start, s.end], "rank": s.rank, **({"recompute": True} if s.recompute else {})}
+    out["stages"] = [{"layers": [s.start, s.end], "rank": s.rank, **({"recompute": True} if s.recompute else {}),
+                      **({"recompute_layers": s.recompute_layers} if s.recompute and s.recompute_layers is not None else {})}
                      for s in plan.stages]
     out["schedule"] = {rank: format_ops(ops) for rank, ops in enumerate(plan.schedule)}
     if plan.predicted is not None:

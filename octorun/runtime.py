@@ -376,7 +376,8 @@ class _Interpreter:
                 mods.append(model.build_layer(index).to(device))
                 self.layers[index] = mods[-1]
             self.executors[s] = StageExecutor(mods, first=s == 0, last=s == self.last_stage,
-                                              loss_fn=model.loss, loss_scale=scale, recompute=stage.recompute)
+                                              loss_fn=model.loss, loss_scale=scale, recompute=stage.recompute,
+                                              recompute_layers=stage.recompute_layers)
         params = [p for layer in self.layers.values() for p in layer.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None  # a rank of parameterless layers has none
         if params and config.optimizer == "sgd":

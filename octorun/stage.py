@@ -24,6 +24,12 @@ and random draws — so the gradients are identical, as long as the layers compu
 with and without grad mode (torch's kernels do on CPU; a layer that changes state in its forward,
 such as BatchNorm's running statistics, would do so twice). The price is one more stage forward
 per microbatch, which the planner's cost model (octoplan.costs) charges to the first backward op.
+
+With ``recompute_layers=k`` (a plan stage's ``recompute_layers``) only the stage's first k layers
+work that way: F runs them under :func:`torch.no_grad` and the rest with their tapes, as without
+recomputation, and the rebuild runs only those k layers again, from the stash, putting their
+tapes in front of the kept ones. Each layer's input is a detached leaf either way, so the kept
+tapes do not care that their input now comes from a rebuilt layer: the values are the same.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ class StageExecutor:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         loss_scale: float,
         recompute: bool = False,
+        recompute_layers: int | None = None,
     ):
         self.layers = list(layers)
         self.first = first
@@ -94,6 +101,9 @@ class StageExecutor:
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
         self.recompute = recompute
+        # how many of the first layers F runs without their tapes, to run them again later
+        self.recompute_layers = (len(self.layers) if recompute_layers is None else min(recompute_layers, len(self.layers))) \
+            if recompute else 0
         self.params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         # CUDA devices of the stage's weights, whose RNG state a recomputed forward restores
         self._cuda_devices = {
@@ -103,7 +113,8 @@ class StageExecutor:
     def forward(self, value: Any, targets: Any = None) -> tuple[Any, Tape]:
         """Run the stage; returns (output value, or None on the last stage; tape).
 
-        With ``recompute`` the tape keeps no activations, only the stash to run F again.
+        With ``recompute`` the tape keeps no activations of the recomputed layers, only the stash
+        to run them again.
         """
         if not self.recompute:
             return self._forward(value, targets)
@@ -111,13 +122,18 @@ class StageExecutor:
         stash = _Stash(value=_detached(value), targets=targets, cpu_rng=torch.get_rng_state(),
                        cuda_rng={d: torch.cuda.get_rng_state(d) for d in sorted(devices)})
         with torch.no_grad():
-            output, tape = self._forward(value, targets)
-        return output, Tape(loss=tape.loss, stash=stash)
+            output, tape = self._forward(value, targets, stop=self.recompute_layers)
+        kept = Tape()
+        if self.recompute_layers < len(self.layers):  # the layers after the recomputed ones keep their tapes
+            output, kept = self._forward(output, targets, begin=self.recompute_layers)
+        return output, Tape(layers=kept.layers, loss=tape.loss if kept.loss is None else kept.loss, stash=stash)
 
-    def _forward(self, value: Any, targets: Any) -> tuple[Any, Tape]:
-        """The one forward implementation: F, and the rebuild of a recomputing stage's tape."""
+    def _forward(self, value: Any, targets: Any, *, begin: int = 0, stop: int | None = None) -> tuple[Any, Tape]:
+        """The one forward implementation, of layers ``begin`` to ``stop`` (the stage's end):
+        F, and the rebuild of a recomputing stage's tapes."""
         tape = Tape()
-        for index, layer in enumerate(self.layers):
+        for index in range(begin, len(self.layers) if stop is None else stop):
+            layer = self.layers[index]
             args = as_args(value)
             if not (self.first and index == 0):  # the model's inputs need no gradient
                 args = tuple(
@@ -144,8 +160,8 @@ class StageExecutor:
             for device, state in stash.cuda_rng.items():
                 torch.cuda.set_rng_state(state, device)
             with torch.enable_grad():
-                _, rebuilt = self._forward(stash.value, stash.targets)
-        tape.layers = rebuilt.layers  # tape.loss stays F's (the same value)
+                _, rebuilt = self._forward(stash.value, stash.targets, stop=self.recompute_layers)
+        tape.layers = rebuilt.layers + tape.layers  # tape.loss stays F's (the same value)
         tape.stash = None  # from here on the tape is the one F keeps without recompute
 
     def backward_input(self, tape: Tape, grad_output: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:

@@ -94,6 +94,46 @@ def test_the_plan_file_keeps_recompute_and_rejects_a_value_that_is_not_a_boolean
     assert str(info.value).startswith("p.yaml: stages[1].recompute: must be true or false, got 'yes'")
 
 
+def test_recomputing_a_stages_first_layers_keeps_the_rest_and_pays_only_their_forward():
+    table = LayerTable(_profile())
+    # stage b, c with only b recomputing: F keeps b's input (a's output, 4 bytes) and c's 10
+    # bytes; the backward runs b's forward (4 ms) again and rebuilds b's 20 bytes less the input
+    some = table.stage(1, 3, recompute=True, recompute_layers=1)
+    assert (some.forward_ms, some.backward_input_ms, some.backward_weight_ms, some.b_ms) == (11, 17, 15, 32)
+    assert (some.activation_bytes, some.recompute_bytes) == (14, 16)
+    # a, b of a, b, c (the first stage: its input is not sized): 1 + 4 ms again, 50 bytes rebuilt
+    first = table.stage(0, 3, recompute=True, recompute_layers=2)
+    assert (first.backward_input_ms, first.activation_bytes, first.recompute_bytes) == (20, 10, 50)
+    # as many layers as the stage has, or more, is full recomputation
+    assert table.stage(1, 3, recompute=True, recompute_layers=2) == table.stage(1, 3, recompute=True)
+    assert table.stage(1, 3, recompute=True, recompute_layers=9) == table.stage(1, 3, recompute=True)
+    # a plan stage says so, and the costs follow it
+    stage = Stage(1, 3, 0, recompute=True, recompute_layers=1)
+    assert (stage.recomputed_layers, Stage(1, 3, 0, recompute=True).recomputed_layers, Stage(1, 3, 0).recomputed_layers) == (1, 2, 0)
+    assert stage_costs([stage], table) == [some]
+    # while the rebuild lives, the stage holds what it would hold without recomputation
+    assert some.activation_bytes + some.recompute_bytes == table.stage(1, 3).activation_bytes
+
+
+def test_the_plan_file_keeps_recompute_layers_and_rejects_bad_counts(tmp_path):
+    plan = _one_rank_plan("0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1", recompute=True)
+    plan = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], recompute_layers=1)))
+    save_plan(plan, tmp_path / "p.yaml")
+    assert load_plan(tmp_path / "p.yaml").stages == plan.stages
+    data = plan_to_dict(plan)
+    assert data["stages"][1] == {"layers": [1, 3], "rank": 0, "recompute": True, "recompute_layers": 1}
+    for value, problem in ((3, "must be <= 2, got 3"), (0, "must be >= 1, got 0"), (True, "must be a whole number, got True")):
+        data["stages"][1]["recompute_layers"] = value
+        with pytest.raises(InputError) as info:
+            plan_from_dict(data, file="p.yaml")
+        assert str(info.value).startswith(f"p.yaml: stages[1].recompute_layers: {problem}"), str(info.value)
+    data["stages"][1].update(recompute=False, recompute_layers=1)
+    with pytest.raises(InputError) as info:
+        plan_from_dict(data, file="p.yaml")
+    assert "stages[1].recompute_layers: is 1 but the stage does not recompute" in str(info.value)
+    assert "add recompute: true, or drop recompute_layers" in str(info.value)
+
+
 def _memory_bound_profile() -> Profile:
     # 8 equal layers of 10 GB activations each but small outputs
     return Profile(model=ModelRef("t"), layers=tuple(
@@ -167,6 +207,16 @@ def test_export_notes_the_recomputing_stages(tmp_path):
     assert result.exit_code == 0, result.output
     assert "stages 1 recompute their activations" in result.output and "torch.utils.checkpoint" in result.output
     assert (tmp_path / "p.csv").read_text().splitlines()[0].startswith("0F0")
+    # a stage that recomputes only its first layers says how many, in the note and in the trace
+    some = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], recompute_layers=1)))
+    save_plan(some, tmp_path / "q.yaml")
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "q.yaml"), "-o", str(tmp_path / "q.csv")])
+    assert result.exit_code == 0 and "stages 1 (its first 1 layers) recompute" in result.output, result.output
+    from octoplan.timeline.trace import trace_events
+
+    args = {e["name"]: e["args"] for e in trace_events(some, simulate(some, _profile())) if e.get("ph") == "X" and "mb" in e.get("args", {})}
+    assert args["1B0"] == {"stage": 1, "mb": 0, "recompute": True, "recompute_layers": 1}
+    assert args["0F0"] == {"stage": 0, "mb": 0}
 
 
 def test_climb_moves_turn_recomputation_on_where_memory_is_short_and_off_where_it_is_not():
@@ -277,12 +327,104 @@ def test_the_climb_turns_recomputation_off_one_stage_at_a_time_where_a_whole_ran
 
 def test_splits_and_merges_carry_each_stages_recomputation():
     from octoplan.tuner.moves import _renumbered
+    from octoplan.tuner.space import Candidate, Config
 
-    # stages 0..4, stages 1 and 3 recompute
-    flags = frozenset({1, 3})
-    assert _renumbered(flags, split=1) == {1, 2, 4}  # both halves of stage 1; stage 3 is now 4
-    assert _renumbered(flags, split=2) == {1, 4}
-    assert _renumbered(flags, merged=1) == {1, 2}  # stages 1 + 2 recompute as one; 3 is now 2
-    assert _renumbered(flags, merged=3) == {1, 3}  # stages 3 + 4: the merged stage keeps it
-    assert _renumbered(flags, merged=0) == {0, 2}  # stages 0 + 1 merged: recomputes, as 1 did
-    assert _renumbered(frozenset(), merged=0) == frozenset()
+    # stages 0..4; stages 1 and 3 recompute, stage 3 only its first layer
+    cand = Candidate(Config(2, 1, 8), (0, 2, 4, 6, 8, 10), (0, 1, 0, 1, 0), None, recompute=frozenset({1, 3}),
+                     recompute_layers=((3, 1),))
+    assert [s.recomputed_layers for s in cand.stages()] == [0, 2, 0, 1, 0]
+    assert _renumbered(cand, split=1) == ({1, 2, 4}, ((4, 1),))  # both halves of stage 1; stage 3 is now 4
+    assert _renumbered(cand, split=2) == ({1, 4}, ((4, 1),))
+    assert _renumbered(cand, merged=1) == ({1, 2}, ((2, 1),))  # stages 1 + 2 recompute as one; 3 is now 2
+    assert _renumbered(cand, merged=3) == ({1, 3}, ())  # stages 3 + 4: the merged stage recomputes all it has
+    assert _renumbered(cand, merged=0) == ({0, 2}, ((2, 1),))  # stages 0 + 1 merged: recomputes, as 1 did
+    assert _renumbered(Candidate(Config(2, 1, 8), (0, 2, 4), (0, 1), None), merged=0) == (frozenset(), ())
+
+
+def _sixteen_layers() -> Profile:
+    # 16 equal layers of 10 GB activations (F 0.5, I 1, W 1 ms): stages of 4 layers hold 40 GB per microbatch
+    return Profile(model=ModelRef("t"), layers=tuple(
+        Layer(f"l{i}", "layer", 0.5, 1.0, 1.0, 0, 10 * GB, GB // 100) for i in range(16)))
+
+
+def test_the_climb_recomputes_fewer_of_a_stages_layers_where_keeping_all_would_not_fit():
+    import random
+
+    from octoplan.schedules import get_schedule
+    from octoplan.tuner.moves import neighbours
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+
+    # ZB-V on 2 ranks, 4 stages of 4 layers, all recomputing; rank 0's first stage has 4
+    # microbatches in flight. Keeping its activations needs 4 x 40 = 160 GB; recomputing 2 of
+    # its 4 layers keeps 4 x 20 GB and rebuilds 20 GB: 100 GB; 3 of 4: 4 x 10 + 30 = 70 GB
+    spec = get_schedule("zbv")
+    order = tuple(tuple(ops) for ops in spec.generate(2, 8, 2))
+    start = Candidate(Config(2, 1, 8), (0, 4, 8, 12, 16), tuple(spec.placement(2, 4)), None, order, "zbv", "zbv",
+                      recompute=frozenset(range(4)))
+    evaluator = Evaluator(_sixteen_layers(), free_cluster(2, memory_gb=125))
+    result = evaluator.simulate(start)
+    assert result.fits_memory and result.peak_memory_bytes[0] == 40 * GB
+    moves = {m.origin: m for m in neighbours(start, result, rng=random.Random(0)) if "recompute" in m.origin}
+    peak = {name: evaluator.simulate(moves[name]).peak_memory_bytes[0] / GB for name in
+            ("stage 0 (rank 0): no recompute", "stage 0 (rank 0): recompute 2 of 4 layers",
+             "stage 0 (rank 0): recompute 3 of 4 layers")}
+    assert peak == {"stage 0 (rank 0): no recompute": 160, "stage 0 (rank 0): recompute 2 of 4 layers": 100,
+                    "stage 0 (rank 0): recompute 3 of 4 layers": 70}
+    half = moves["stage 0 (rank 0): recompute 2 of 4 layers"]
+    assert half.recompute == {0, 1, 2, 3} and half.recompute_layers == ((0, 2),)
+    assert half.stages()[0] == Stage(0, 4, 0, recompute=True, recompute_layers=2)
+    # stage 3 (the latest on rank 0) recomputing 2 of 4 layers saves 8 microbatches x 2 x 0.5 ms of rank 0's work
+    fewer = evaluator.simulate(moves["stage 3 (rank 0): recompute 2 of 4 layers"])
+    assert fewer.busy_ms[0] == pytest.approx(result.busy_ms[0] - 8)
+
+
+def test_the_tuner_recomputes_part_of_a_stage_where_that_is_what_fits():
+    # at 45 GB the tuner recomputes every stage but the last (192 ms); at 65 GB it keeps some
+    # of the recomputing stages' layers and is faster
+    profile = _sixteen_layers()
+    opts = TuneOptions(gpus=2, pp=2, microbatches=8, max_plans=600, chunks_max=2)
+    lean = tune(profile, free_cluster(2, memory_gb=45), opts)
+    roomier = tune(profile, free_cluster(2, memory_gb=65), opts)
+    assert lean.scored.fits and roomier.scored.fits
+    assert max(simulate(roomier.plan, profile).peak_memory_bytes) <= 65 * GB
+    assert any(0 < s.recomputed_layers < s.end - s.start for s in roomier.plan.stages)
+    assert roomier.scored.iteration_ms < lean.scored.iteration_ms
+    # what the plan file says is what the simulator priced
+    assert simulate(roomier.plan, profile).iteration_ms == pytest.approx(roomier.scored.iteration_ms)
+
+
+def test_tune_cli_says_which_stages_recompute_only_their_first_layers(tmp_path, profile_file):
+    from typer.testing import CliRunner
+
+    from octoplan.cli import app
+
+    path = profile_file(_sixteen_layers())
+    out = tmp_path / "plan.yaml"
+    result = CliRunner().invoke(app, ["tune", str(path), "--gpus", "2", "--pp", "2", "--microbatches", "8",
+                                      "--memory-gb", "65", "--chunks-max", "2", "--max-plans", "600", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    some = [s for s in plan.stages if s.recompute and s.recompute_layers is not None]
+    assert some and all(0 < s.recompute_layers < s.end - s.start for s in some)
+    assert f"{plan.num_recomputing} recomputing their activations ({len(some)} only their first layers)" in result.output
+
+
+def test_a_baseline_that_does_not_fit_recomputes_the_fewest_layers_per_stage_that_fit():
+    from octoplan.tuner import compare_baselines
+    from octoplan.tuner.space import Evaluator
+
+    # 1F1B on 2 ranks of 8 layers: rank 0 holds 2 microbatches x 80 GB; recomputing its first
+    # N layers keeps 2 x (8 - N) x 10 GB and rebuilds N x 10 GB: (16 - N) x 10 GB, within 125
+    # GB from N = 4 on (rank 1, one microbatch at a time, needs less)
+    profile = _sixteen_layers()
+    cluster = free_cluster(2, memory_gb=125)
+    rows = {row.name: row for row in compare_baselines(profile, cluster, TuneOptions(gpus=2, pp=2, microbatches=8))}
+    assert not rows["1f1b/uniform"].scored.fits
+    row = rows["1f1b/uniform+recompute"]
+    assert row.scored.fits and row.candidate.recompute == {0, 1}
+    assert row.candidate.recompute_layers == ((0, 4), (1, 4))
+    assert row.candidate.origin == "1f1b/uniform+recompute (first 4 layers per stage)"
+    evaluator = Evaluator(profile, cluster)
+    assert evaluator.simulate(row.candidate).peak_memory_bytes[0] == 120 * GB
+    three = replace(row.candidate, recompute_layers=((0, 3), (1, 3)))
+    assert evaluator.simulate(three).peak_memory_bytes[0] == 130 * GB  # one layer fewer does not fit

@@ -31,19 +31,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ---------------------------------------------------------------------------------------------
 
 
-def _two_stages(model, *, recompute: bool) -> tuple[list[nn.Module], list[StageExecutor]]:
-    """Fresh layers (build_layer seeds each one, so every call builds the same weights), cut in two."""
+def _two_stages(model, *, recompute: bool, some: int | None = None) -> tuple[list[nn.Module], list[StageExecutor]]:
+    """Fresh layers (build_layer seeds each one, so every call builds the same weights), cut in
+    two; ``some``: only each stage's first ``some`` layers recompute."""
     layers = [model.build_layer(i) for i in range(model.num_layers())]
     cut = len(layers) // 2
     return layers, [
-        StageExecutor(layers[:cut], first=True, last=False, loss_fn=model.loss, loss_scale=0.25, recompute=recompute),
-        StageExecutor(layers[cut:], first=False, last=True, loss_fn=model.loss, loss_scale=0.25, recompute=recompute),
+        StageExecutor(layers[:cut], first=True, last=False, loss_fn=model.loss, loss_scale=0.25, recompute=recompute,
+                      recompute_layers=some),
+        StageExecutor(layers[cut:], first=False, last=True, loss_fn=model.loss, loss_scale=0.25, recompute=recompute,
+                      recompute_layers=some),
     ]
 
 
-def _train_two_stages(model, batch, *, recompute: bool, split: bool):
+def _train_two_stages(model, batch, *, recompute: bool, split: bool, some: int | None = None):
     """F of both stages, then I+W or B; returns (loss, F's output, the gradient message, params, tape lengths after F)."""
-    layers, stages = _two_stages(model, recompute=recompute)
+    layers, stages = _two_stages(model, recompute=recompute, some=some)
     out, tape0 = stages[0].forward(batch[0])
     none, tape1 = stages[1].forward(out, batch[1])
     assert none is None
@@ -64,15 +67,20 @@ def _train_two_stages(model, batch, *, recompute: bool, split: bool):
 
 @pytest.mark.parametrize("name", ["tiny_gpt", "tiny"])
 @pytest.mark.parametrize("split", [True, False], ids=["I+W", "B"])
-def test_recomputed_gradients_are_bit_identical(tmp_path, name, split):
+@pytest.mark.parametrize("some", [None, 1], ids=["all layers", "the first layer"])
+def test_recomputed_gradients_are_bit_identical(tmp_path, name, split, some):
     model_path, config = h.model_spec(name, tmp_path)
     model = load_model_file(model_path, config)
     batch = model.sample_batch(2, step=0, replica=0, mb=0)
     loss, out, message, params, kept = _train_two_stages(model, batch, recompute=False, split=split)
-    loss_r, out_r, message_r, params_r, kept_r = _train_two_stages(model, batch, recompute=True, split=split)
+    loss_r, out_r, message_r, params_r, kept_r = _train_two_stages(model, batch, recompute=True, split=split, some=some)
     count = model.num_layers()
+    assert count >= 4  # two layers per stage at least, so that one can keep its tape
     assert kept == (count // 2, count - count // 2)  # without recompute F keeps every layer's tape
-    assert kept_r == (0, 0)  # with recompute F keeps no per-layer activations
+    if some is None:
+        assert kept_r == (0, 0)  # with recompute F keeps no per-layer activations
+    else:  # only the recomputed first layer of each stage keeps none
+        assert kept_r == (count // 2 - 1, count - count // 2 - 1)
     assert torch.equal(loss_r, loss)
     assert len(_floats(out_r)) == len(_floats(out)) > 0
     for a, b in zip(_floats(out_r), _floats(out)):
@@ -102,14 +110,14 @@ def _dropout_layers() -> list[nn.Module]:
     ]
 
 
-def _dropout_run(*, recompute: bool, last: bool, split: bool, dropout: bool = True):
+def _dropout_run(*, recompute: bool, last: bool, split: bool, dropout: bool = True, some: int | None = None):
     """One stage with dropout: F, unrelated random draws, then I+W or B; and the RNG's next number."""
     layers = _dropout_layers()
     if not dropout:
         for layer in layers:
             layer.eval()
     stage = StageExecutor(layers, first=False, last=last, loss_fn=lambda out, target: ((out - target) ** 2).mean(),
-                          loss_scale=0.5, recompute=recompute)
+                          loss_scale=0.5, recompute=recompute, recompute_layers=some)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(4, 6, generator=generator)
     target = torch.randn(4, 3, generator=generator)
@@ -130,10 +138,14 @@ def _dropout_run(*, recompute: bool, last: bool, split: bool, dropout: bool = Tr
 
 @pytest.mark.parametrize("last", [False, True], ids=["middle", "last"])
 @pytest.mark.parametrize("split", [True, False], ids=["I+W", "B"])
-def test_recompute_restores_the_rng_for_dropout(last, split):
+@pytest.mark.parametrize("some", [None, 1], ids=["all layers", "the first layer"])
+def test_recompute_restores_the_rng_for_dropout(last, split, some):
+    # with some=1 the recomputed first layer's dropout draws again and the kept second one's
+    # does not: the rebuild must replay exactly the first layer's draws
     out, loss, grad_input, grads, kept, noise, after = _dropout_run(recompute=False, last=last, split=split)
-    out_r, loss_r, grad_input_r, grads_r, kept_r, noise_r, after_r = _dropout_run(recompute=True, last=last, split=split)
-    assert kept == 3 and kept_r == 0
+    out_r, loss_r, grad_input_r, grads_r, kept_r, noise_r, after_r = _dropout_run(recompute=True, last=last, split=split,
+                                                                                  some=some)
+    assert kept == 3 and kept_r == (0 if some is None else 3 - some)
     if last:
         assert out is None and out_r is None and torch.equal(loss_r, loss)
     else:
@@ -186,10 +198,13 @@ def test_rebuild_frees_the_stash_and_w_uses_what_i_left(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _recompute(plan, stages: set[int] | None = None):
-    """``plan`` with ``recompute: true`` on ``stages`` (all when None)."""
+def _recompute(plan, stages: set[int] | None = None, some: int | None = None):
+    """``plan`` with ``recompute: true`` on ``stages`` (all when None), of their first ``some``
+    layers (all when None)."""
     return dataclasses.replace(plan, stages=tuple(
-        dataclasses.replace(s, recompute=stages is None or i in stages) for i, s in enumerate(plan.stages)))
+        dataclasses.replace(s, recompute=stages is None or i in stages,
+                            recompute_layers=some if stages is None or i in stages else None)
+        for i, s in enumerate(plan.stages)))
 
 
 def test_pipelined_training_with_recompute_equals_reference(tmp_path, monkeypatch):
@@ -210,6 +225,9 @@ def test_pipelined_training_with_recompute_equals_reference(tmp_path, monkeypatc
         # zero bubble: I and W split, the rebuilt tape lives from I to W
         "gpt-zb-h1-all": (_recompute(h.baseline_plan("zb-h1", gpt_path, gpt_config, tmp_path, gpus=2, pp=2, microbatches=4)),
                           gpt_path, gpt_config, "sgd", 2),
+        # only each stage's first layer recomputes; the others keep their tapes from F
+        "gpt-zb-h1-first": (_recompute(h.baseline_plan("zb-h1", gpt_path, gpt_config, tmp_path, gpus=2, pp=2, microbatches=4),
+                                       some=1), gpt_path, gpt_config, "sgd", 2),
         # 1F1B: fused B on a recomputing last stage next to one that keeps its activations
         "gpt-1f1b-last": (_recompute(h.baseline_plan("1f1b", gpt_path, gpt_config, tmp_path, gpus=2, pp=2, microbatches=4), {1}),
                           gpt_path, gpt_config, "sgd", 1),
@@ -221,7 +239,7 @@ def test_pipelined_training_with_recompute_equals_reference(tmp_path, monkeypatc
     for name, (plan, _, _, optimizer, _) in cases.items():
         path = tmp_path / f"{name}.yaml"
         save_plan(plan, path)
-        assert [s.recompute for s in load_plan(path).stages] == [s.recompute for s in plan.stages]  # survives the file
+        assert load_plan(path).stages == plan.stages  # recompute and recompute_layers survive the file
         jobs.append(h.Job(name, RunConfig(plan_path=str(path), steps=STEPS, optimizer=optimizer, lr=LR[optimizer], timeout_s=30)))
     launched = h.launch(2, jobs, tmp_path / "out", timeout_s=90)
     assert launched.exitcodes == [0, 0], "\n".join(launched.logs)

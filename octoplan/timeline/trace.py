@@ -30,7 +30,7 @@ from rich.table import Table
 from octoplan.errors import InputError
 from octoplan.ops import Kind, Op, parse_op
 from octoplan.outputs import write_text
-from octoplan.plan import Plan
+from octoplan.plan import Plan, Stage
 from octoplan.simulator import SimResult
 from octoplan.timeline._layout import KIND_ORDER, describe_plan, spans_by_rank, time_origin
 
@@ -47,6 +47,13 @@ def _meta(name: str, pid: int, tid: int, value: Any) -> dict[str, Any]:
     Process-level ones carry tid 0, as Chrome's own traces do."""
     key = "sort_index" if name.endswith("sort_index") else "name"
     return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
+
+
+def _recompute_args(stage: Stage) -> dict[str, Any]:
+    """A recomputing stage's ops say so in their args, and how many of its layers run again."""
+    if not stage.recompute:
+        return {}
+    return {"recompute": True, **({} if stage.recompute_layers is None else {"recompute_layers": stage.recompute_layers})}
 
 
 def trace_events(plan: Plan, result: SimResult) -> list[dict[str, Any]]:
@@ -71,7 +78,7 @@ def trace_events(plan: Plan, result: SimResult) -> list[dict[str, Any]]:
             "name": str(op), "cat": op.kind.value, "ph": "X", "pid": COMPUTE_PID, "tid": span.rank,
             "ts": us(span.start_ms), "dur": (span.end_ms - span.start_ms) * _US_PER_MS,
             # a recomputing stage's I and B include its forward run again
-            "args": {"stage": op.stage, "mb": op.mb, **({"recompute": True} if plan.stages[op.stage].recompute else {})},
+            "args": {"stage": op.stage, "mb": op.mb, **_recompute_args(plan.stages[op.stage])},
         })
 
     transfers = result.transfers

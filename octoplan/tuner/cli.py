@@ -161,7 +161,9 @@ def register(app: typer.Typer) -> None:
         plan = result.plan
         # soft_wrap: long lines wrap at the terminal's edge, never inside a path or a number
         recomputing = plan.num_recomputing
-        stages = f"{plan.num_stages} stages" + (f", {recomputing} recomputing their activations" if recomputing else "")
+        some = sum(1 for s in plan.stages if s.recompute and s.recomputed_layers < s.end - s.start)
+        stages = f"{plan.num_stages} stages" + (f", {recomputing} recomputing their activations" if recomputing else "") + (
+            f" ({some} only their first layers)" if some else "")
         console.print(f"tuned plan for {gpus} GPUs ({result.candidate.config.label()}, {stages}) -> "
                       f"{escape(str(output))}: predicted {plan.predicted['iteration_ms']:.2f} ms, bubble "
                       f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "

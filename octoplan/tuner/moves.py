@@ -71,13 +71,13 @@ def heat_of(result: SimResult) -> Heat:
 
 
 def _with_layout(cand: Candidate, bounds: tuple[int, ...], ranks: tuple[int, ...], origin: str,
-                 recompute: frozenset[int] | None = None) -> Candidate:
+                 recompute: tuple[frozenset[int], tuple[tuple[int, int], ...]] | None = None) -> Candidate:
     """A new partition/placement. A fixed order survives only a pure boundary shift; otherwise
     the policy scheduler takes over with the candidate's knobs (or 1F1B-like defaults).
-    ``recompute``: the recomputing stages, when the move renumbers them (default: unchanged;
-    a stage moved to another rank keeps its flag)."""
+    ``recompute``: the recomputing stages and their layer counts, when the move renumbers them
+    (default: unchanged; a stage moved to another rank keeps its recomputation)."""
     if recompute is not None:
-        cand = replace(cand, recompute=recompute)
+        cand = replace(cand, recompute=recompute[0], recompute_layers=recompute[1])
     if cand.fixed is not None and ranks == cand.ranks:
         return replace(cand, bounds=bounds, origin=origin)
     pp, num_mb = cand.config.pp, cand.config.microbatches
@@ -116,16 +116,25 @@ def _boundary_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
     return out
 
 
-def _renumbered(recompute: frozenset[int], *, split: int | None = None, merged: int | None = None) -> frozenset[int]:
-    """The recomputing stages after stage ``split`` is cut in two (both halves keep its flag) or
-    stages ``merged`` and ``merged + 1`` become one (which recomputes if either did, so the
-    merge never needs more memory than its parts)."""
+def _renumbered(cand: Candidate, *, split: int | None = None,
+                merged: int | None = None) -> tuple[frozenset[int], tuple[tuple[int, int], ...]]:
+    """The recomputing stages and their layer counts after stage ``split`` is cut in two (both
+    halves keep its recomputation, of all their layers) or stages ``merged`` and ``merged + 1``
+    become one (which recomputes all its layers if either did, so the merge never needs more
+    memory than its parts). Other stages keep theirs, renumbered."""
     if split is not None:
-        return frozenset(i if i <= split else i + 1 for i in recompute) | ({split + 1} if split in recompute else set())
-    assert merged is not None
-    either = merged in recompute or merged + 1 in recompute
-    return frozenset(i if i < merged else i - 1 for i in recompute if i not in (merged, merged + 1)) | (
-        {merged} if either else set())
+        def new(i: int) -> list[int]:
+            return [i] if i < split else [split, split + 1] if i == split else [i + 1]
+        touched = {split}
+    else:
+        assert merged is not None
+
+        def new(i: int) -> list[int]:
+            return [i] if i < merged else [merged] if i <= merged + 1 else [i - 1]
+        touched = {merged, merged + 1}
+    recompute = frozenset(j for i in cand.recompute for j in new(i))
+    some = tuple((new(i)[0], k) for i, k in cand.recompute_layers if i not in touched)
+    return recompute, some
 
 
 def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[tuple[float, Candidate]]:
@@ -150,7 +159,7 @@ def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[t
                 continue
             ranks = cand.ranks[:s + 1] + (target,) + cand.ranks[s + 1:]
             out.append((heat.heat(hottest) - heat.heat(target),
-                        _with_layout(cand, bounds, ranks, f"split stage {s}", _renumbered(cand.recompute, split=s))))
+                        _with_layout(cand, bounds, ranks, f"split stage {s}", _renumbered(cand, split=s))))
     # merge a stage into a neighbour: fewer stages, fewer transfers
     for s in range(cand.num_stages - 1):
         r0, r1 = cand.ranks[s], cand.ranks[s + 1]
@@ -161,7 +170,7 @@ def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[t
             ranks = cand.ranks[:s] + (keep,) + cand.ranks[s + 2:]
             gain = 1e9 if keep == drop else heat.heat(drop) - heat.heat(keep)
             out.append((gain, _with_layout(cand, bounds, ranks, f"merge stages {s} and {s + 1}",
-                                           _renumbered(cand.recompute, merged=s))))
+                                           _renumbered(cand, merged=s))))
             if keep == drop:
                 break
     return out
@@ -280,47 +289,79 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
     return out
 
 
+def _recomputing(cand: Candidate, counts: dict[int, int], origin: str) -> Candidate:
+    """``cand`` with each stage of ``counts`` recomputing that many of its first layers (0:
+    none; as many as it has, or more: all)."""
+    recompute, some = set(cand.recompute), dict(cand.recompute_layers)
+    for stage, k in counts.items():
+        length = cand.bounds[stage + 1] - cand.bounds[stage]
+        some.pop(stage, None)
+        if k <= 0:
+            recompute.discard(stage)
+            continue
+        recompute.add(stage)
+        if k < length:
+            some[stage] = k
+    return replace(cand, recompute=frozenset(recompute), recompute_layers=tuple(sorted(some.items())), origin=origin)
+
+
 def _recompute_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tuple[float, Candidate]]:
-    """Activation recomputation, per rank and per stage. Where memory is short, on the fullest
-    ranks first (after the in-flight cuts, which cost no compute): the rank's earliest stage
-    that keeps its activations (the one with the most microbatches in flight, so the most
-    memory per millisecond of recomputed forward), then all its stages. Where a full rank
-    idles (its admissions may be throttled by memory), the same. Where memory allows, off,
-    since it costs every backward a forward: all of a rank's stages, then one stage at a time,
-    the latest first (the fewest in flight, so the least memory back), on the least full
-    recomputing ranks and on the busiest ones (whose recomputed forwards the iteration waits
-    for)."""
+    """Activation recomputation, per rank, per stage and per layer. Where memory is short, on
+    the fullest ranks first (after the in-flight cuts, which cost no compute): more layers of
+    a stage that recomputes some, then the rank's earliest stage that keeps its activations
+    (the one with the most microbatches in flight, so the most memory per millisecond of
+    recomputed forward), then all its stages. Where a full rank idles (its admissions may be
+    throttled by memory), the same. Where memory allows, off, since it costs every backward a
+    forward: all of a rank's stages, then one stage at a time, the latest first (the fewest in
+    flight, so the least memory back), then half or all but one of a stage's recomputed
+    layers, the latest stage first; on the least full recomputing ranks and on the busiest
+    ones (whose recomputed forwards the iteration waits for)."""
     out = []
     pp = cand.config.pp
     fullest = sorted(range(pp), key=lambda r: (-heat.peak[r], r))
     recomputing = [r for r in range(pp) if any(s in cand.recompute for s in cand.stages_of(r))]
 
-    def emit(gain: float, recompute: frozenset[int], origin: str) -> None:
-        if recompute != cand.recompute:
-            out.append((gain, replace(cand, recompute=recompute, origin=origin)))
+    def emit(gain: float, counts: dict[int, int], origin: str) -> None:
+        moved = _recomputing(cand, counts, origin)
+        if (moved.recompute, moved.recompute_layers) != (cand.recompute, cand.recompute_layers):
+            out.append((gain, moved))
+
+    def length(stage: int) -> int:
+        return cand.bounds[stage + 1] - cand.bounds[stage]
 
     def turn_on(rank: int, gain: float) -> None:
-        kept = [s for s in cand.stages_of(rank) if s not in cand.recompute]
+        mine = cand.stages_of(rank)
+        for s in mine:  # a partly recomputing stage: twice its layers, or one more
+            k = cand.recomputed_layers(s)
+            if 0 < k < length(s):
+                for more in dict.fromkeys((min(2 * k, length(s)), k + 1)):
+                    emit(gain, {s: more}, f"stage {s} (rank {rank}): recompute {more} of {length(s)} layers")
+        kept = [s for s in mine if s not in cand.recompute]
         if len(kept) > 1:  # with one left, the stage's move is the rank's
-            emit(gain, cand.recompute | {kept[0]}, f"stage {kept[0]} (rank {rank}): recompute")
-        emit(0.99 * gain, cand.recompute | set(kept), f"rank {rank}: recompute")
+            emit(0.995 * gain, {kept[0]: length(kept[0])}, f"stage {kept[0]} (rank {rank}): recompute")
+        emit(0.99 * gain, {s: length(s) for s in mine}, f"rank {rank}: recompute")
 
     if memory_first:
         for r in fullest[:3]:
-            if any(s not in cand.recompute for s in cand.stages_of(r)):
+            if any(cand.recomputed_layers(s) < length(s) for s in cand.stages_of(r)):
                 turn_on(r, 0.95 * heat.peak[r])
-        emit(0.9 * max(heat.peak), cand.every_stage, "every rank recomputes")
+        emit(0.9 * max(heat.peak), {s: length(s) for s in range(cand.num_stages)}, "every rank recomputes")
         return out
     busiest = sorted(recomputing, key=lambda r: (-heat.busy[r], r))[:2]
     least_full = [r for r in reversed(fullest) if r in recomputing][:2]
     for r in dict.fromkeys(least_full + busiest):
         mine = [s for s in cand.stages_of(r) if s in cand.recompute]
-        emit(heat.busy[r], cand.recompute - set(mine), f"rank {r}: no recompute")
+        emit(heat.busy[r], {s: 0 for s in mine}, f"rank {r}: no recompute")
         if len(mine) > 1:
             for k, s in enumerate(reversed(mine)):
-                emit(heat.busy[r] * (0.9 - 0.01 * k), cand.recompute - {s}, f"stage {s} (rank {r}): no recompute")
+                emit(heat.busy[r] * (0.9 - 0.01 * k), {s: 0}, f"stage {s} (rank {r}): no recompute")
+        for j, s in enumerate(reversed(mine)):
+            k = cand.recomputed_layers(s)
+            for fewer in dict.fromkeys((k // 2, k - 1)):
+                if 0 < fewer < k:
+                    emit(heat.busy[r] * (0.8 - 0.01 * j), {s: fewer}, f"stage {s} (rank {r}): recompute {fewer} of {length(s)} layers")
     for r in fullest[:2]:
-        if heat.idle[r] > 0 and any(s not in cand.recompute for s in cand.stages_of(r)):
+        if heat.idle[r] > 0 and any(cand.recomputed_layers(s) < length(s) for s in cand.stages_of(r)):
             turn_on(r, 0.6 * heat.idle[r])
     return out
 

@@ -594,8 +594,10 @@ def _collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Con
                        search: _Search) -> list[BaselineRow]:
     """Every baseline on every configuration; one row per schedule/partition, its best config.
     A baseline that fits memory in no configuration gets a second row, ``LABEL+recompute``,
-    with every stage recomputing its activations (Megatron-LM's full recomputation: what its
-    users turn on when a schedule runs out of memory), unless ``opts.recompute`` is off."""
+    with every stage recomputing its first N layers, the fewest N that fits (Megatron-LM's
+    ``--recompute-method block --recompute-num-layers N``: what its users turn on when a
+    schedule runs out of memory; all layers where nothing less fits), unless
+    ``opts.recompute`` is off."""
     best: dict[str, BaselineRow] = {}
     order: list[str] = []
 
@@ -615,13 +617,36 @@ def _collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Con
         short = {label for label in order if not best[label].scored.fits}
         for config, label, cand in candidates:
             if label in short:
-                consider(f"{label}+recompute", config,
-                         replace(cand, recompute=cand.every_stage, origin=f"{label}+recompute"))
+                consider(f"{label}+recompute", config, _fewest_recomputed_layers(search, cand, f"{label}+recompute"))
     rows = []
     for label in order:
         if not label.endswith("+recompute"):
             rows += [best[name] for name in (label, f"{label}+recompute") if name in best]
     return rows
+
+
+def _fewest_recomputed_layers(search: _Search, cand: Candidate, origin: str) -> Candidate:
+    """``cand`` with every stage recomputing its first N layers (all of a shorter stage's), for
+    the fewest N with which it fits memory; with all layers where none does. Fewer recomputed
+    layers keep more activations, so whether a plan fits falls as N does: a bisection finds N."""
+    longest = max(b - a for a, b in zip(cand.bounds, cand.bounds[1:]))
+
+    def with_layers(n: int) -> Candidate:
+        some = tuple((s, n) for s in range(cand.num_stages) if n < cand.bounds[s + 1] - cand.bounds[s])
+        return replace(cand, recompute=cand.every_stage, recompute_layers=some,
+                       origin=origin if not some else f"{origin} (first {n} layers per stage)")
+
+    best = with_layers(longest)
+    if not search.offer(best).fits:
+        return best
+    low, high = 0, longest  # fits with high layers, not known to with low
+    while high - low > 1:
+        middle = (low + high) // 2
+        if search.offer(with_layers(middle)).fits:
+            high = middle
+        else:
+            low = middle
+    return with_layers(high)
 
 
 def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions) -> list[BaselineRow]:

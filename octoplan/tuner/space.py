@@ -62,13 +62,25 @@ class Candidate:
     # may recompute some of its stages and keep the others' activations (selective
     # recomputation); moves that renumber stages carry the flags with them (moves._renumbered)
     recompute: frozenset[int] = frozenset()
+    # (stage, k) for the recomputing stages that recompute only their first k layers, sorted;
+    # the others recompute all of theirs (a k as large as the stage is all of them)
+    recompute_layers: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_stages(self) -> int:
         return len(self.ranks)
 
     def stages(self) -> tuple[Stage, ...]:
-        return tuple(Stage(self.bounds[i], self.bounds[i + 1], r, i in self.recompute) for i, r in enumerate(self.ranks))
+        some = dict(self.recompute_layers)
+        return tuple(Stage(self.bounds[i], self.bounds[i + 1], r, i in self.recompute, some.get(i) if i in self.recompute else None)
+                     for i, r in enumerate(self.ranks))
+
+    def recomputed_layers(self, stage: int) -> int:
+        """How many of ``stage``'s layers recompute (0: none)."""
+        if stage not in self.recompute:
+            return 0
+        count = self.bounds[stage + 1] - self.bounds[stage]
+        return min(dict(self.recompute_layers).get(stage, count), count)
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.ranks) if r == rank]
@@ -118,15 +130,16 @@ class Evaluator:
         self.evaluations = 0  # simulations actually run (cache misses)
         self._last: tuple[Candidate, SimResult] | None = None  # the latest timeline, for the climb
 
-    def stage_cost(self, start: int, end: int, recompute: bool = False) -> StageCost:
-        key = (start, end, recompute)
+    def stage_cost(self, start: int, end: int, recompute_layers: int = 0) -> StageCost:
+        """Layers [start, end) as a stage whose first ``recompute_layers`` recompute (0: none)."""
+        key = (start, end, min(recompute_layers, end - start))
         cost = self._stage_cache.get(key)
         if cost is None:
-            cost = self._stage_cache[key] = self.table.stage(start, end, recompute=recompute)
+            cost = self._stage_cache[key] = self.table.stage(start, end, recompute=key[2] > 0, recompute_layers=key[2] or None)
         return cost
 
     def costs(self, cand: Candidate) -> list[StageCost]:
-        return [self.stage_cost(cand.bounds[i], cand.bounds[i + 1], i in cand.recompute) for i in range(cand.num_stages)]
+        return [self.stage_cost(cand.bounds[i], cand.bounds[i + 1], cand.recomputed_layers(i)) for i in range(cand.num_stages)]
 
     def schedule(self, cand: Candidate) -> tuple[tuple[Op, ...], ...]:
         if cand.fixed is not None:
