@@ -8,7 +8,9 @@ and tuning time at 64 and 1024 GPUs.
 
 Prints markdown tables (docs/BENCHMARKS.md holds a run's output). Megatron-LM = uniform
 partition, the better of 1F1B and interleaved 1F1B (2 chunks); best baseline = the fastest
-fitting plan of every SPEC section 6 schedule x partition. Efficiency = SPEC section 7's
+fitting plan of every SPEC section 6 schedule x partition, including the ``+recompute`` rows of those
+that fit nowhere without recomputation (stages recomputing their first N layers, the fewest that fit);
+the summary line also gives the speedup over the best without them. Efficiency = SPEC section 7's
 lower_bound_ms / iteration_ms.
 
 ``--split-blocks`` tunes on profiles whose blocks are split into mixer and MLP/MoE layers
@@ -114,6 +116,10 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
     megatron = [rows[n + suffix].iteration_ms for n in ("1f1b/uniform", "interleaved-1f1b/uniform")
                 if n + suffix in rows and rows[n + suffix].fits]
     best = min((row for row in baselines if row.scored.fits), key=lambda row: row.scored.iteration_ms, default=None)
+    # SPEC section 6's baselines as they are, without the recomputation this project adds to
+    # the ones that fit nowhere (the issue's target is stated against these)
+    plain = min((row for row in baselines if row.scored.fits and "+recompute" not in row.name),
+                key=lambda row: row.scored.iteration_ms, default=None)
     bound = {}
     if order_bound_s > 0:  # how much a better order of the tuned layout could still save
         from octoplan.costs import LayerTable, stage_costs
@@ -136,6 +142,7 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
         "megatron_ms": min(megatron) if megatron else None,
         "best_baseline": best.name if best else None, "best_baseline_ms": best.scored.iteration_ms if best else None,
         "best_baseline_efficiency": best.scored.efficiency if best else None,
+        "best_plain_baseline": plain.name if plain else None, "best_plain_baseline_ms": plain.scored.iteration_ms if plain else None,
         "origin": result.candidate.origin, "stages": result.plan.num_stages,
         "evaluations": result.stats["evaluations"], "climbs": result.stats["climbs"], "wall_s": wall,
         "last_improvement_s": found[-1], **bound,
@@ -195,7 +202,9 @@ def suite(args) -> None:
     print()
     print(f"geo-mean efficiency {_geo([r['efficiency'] for r in results]):.3f}, min {min(r['efficiency'] for r in results):.3f}; "
           f"speedup vs Megatron {_geo([r['megatron_ms'] / r['tuned_ms'] for r in results if r['megatron_ms']]):.3f}; "
-          f"vs best baseline {_geo([r['best_baseline_ms'] / r['tuned_ms'] for r in results if r['best_baseline_ms']]):.3f}")
+          f"vs best baseline {_geo([r['best_baseline_ms'] / r['tuned_ms'] for r in results if r['best_baseline_ms']]):.3f}; "
+          f"vs the best without recomputation "
+          f"{_geo([r['best_plain_baseline_ms'] / r['tuned_ms'] for r in results if r['best_plain_baseline_ms']]):.3f}")
     if args.order_bound > 0:
         print()
         print("| workload | tuned ms | its order in the order model (ms) | no order of its layout beats (ms) | "

@@ -391,6 +391,10 @@ def test_the_tuner_recomputes_part_of_a_stage_where_that_is_what_fits():
     assert roomier.scored.iteration_ms < lean.scored.iteration_ms
     # what the plan file says is what the simulator priced
     assert simulate(roomier.plan, profile).iteration_ms == pytest.approx(roomier.scored.iteration_ms)
+    # the summary counts only the recomputed layers' forwards: 8 microbatches x 0.5 ms each
+    busiest = roomier.stats["busiest_rank"]
+    again = sum(s.recomputed_layers for s in roomier.plan.stages if s.rank == busiest)
+    assert roomier.stats["busiest_recompute_ms"] == pytest.approx(8 * 0.5 * again)
 
 
 def test_tune_cli_says_which_stages_recompute_only_their_first_layers(tmp_path, profile_file):
@@ -428,3 +432,14 @@ def test_a_baseline_that_does_not_fit_recomputes_the_fewest_layers_per_stage_tha
     assert evaluator.simulate(row.candidate).peak_memory_bytes[0] == 120 * GB
     three = replace(row.candidate, recompute_layers=((0, 3), (1, 3)))
     assert evaluator.simulate(three).peak_memory_bytes[0] == 130 * GB  # one layer fewer does not fit
+
+
+def test_a_layer_count_that_a_boundary_shift_made_whole_is_written_as_the_whole_stage(tmp_path):
+    from octoplan.tuner.space import Candidate, Config
+
+    # stage 1 recomputes 3 of its 4 layers; a shift leaves it 3 layers: all of them recompute
+    cand = Candidate(Config(2, 1, 8), (0, 4, 8), (0, 1), None, recompute=frozenset({1}), recompute_layers=((1, 3),))
+    assert cand.stages()[1] == Stage(4, 8, 1, recompute=True, recompute_layers=3)
+    shifted = replace(cand, bounds=(0, 5, 8))
+    assert shifted.stages()[1] == Stage(5, 8, 1, recompute=True)  # a valid plan stage, not 3 of 3
+    assert shifted.recomputed_layers(1) == 3 and cand.recomputed_layers(0) == 0

@@ -6,8 +6,8 @@ Every move changes one of the three dimensions the tuner co-optimizes:
   changes which node each part of the model sits on); re-place the stages so the busiest
   ranks start early (:func:`octoplan.tuner.arrange.start_aware`, given per-stage times);
 - ``schedule``: a rank's warm-up depth (in-flight limit), B split into I + W, how long Ws
-  may wait, which chunk goes first, whether its stages recompute their activations (all of
-  them, or one stage at a time: selective recomputation); a
+  may wait, which chunk goes first, whether its stages recompute their activations (a rank's
+  stages, one stage, or a stage's first layers: selective recomputation); a
   baseline's fixed order turned into the policy scheduler; and direct reorders of an explicit op order at its bubbles: a deferred W moved into the gap
   where its rank idles, or the op a rank waits for moved ahead of the op before it (an
   order with a cycle is rejected by the simulator's DeadlockError).

@@ -509,7 +509,6 @@ def tune(
     # work is to SPEC section 7's lower bound) x schedule (how little that rank idles), and
     # when it idles: a warm-up says it needs less work, waits between ops a lighter neighbour
     timeline = evaluator.timeline(best)
-    costs = evaluator.costs(best)
     busiest = max(range(best.config.pp), key=lambda r: (timeline.busy_ms[r], -r))
     warm_up, between, drain = timeline.idle_parts(busiest)
     stats = {
@@ -531,8 +530,8 @@ def tune(
         "busiest_rank": busiest,
         "busiest_busy_ms": round(timeline.busy_ms[busiest], 4),
         # of which the forwards that recomputing stages run again in their I and B ops
-        "busiest_recompute_ms": round(sum(costs[op.stage].forward_ms for op in plan.schedule[busiest]
-                                          if op.kind in (Kind.I, Kind.B) and plan.stages[op.stage].recompute), 4),
+        "busiest_recompute_ms": round(sum(_again_ms(evaluator, best, op.stage) for op in plan.schedule[busiest]
+                                          if op.kind in (Kind.I, Kind.B)), 4),
         "lower_bound_ms": round(timeline.lower_bound_ms, 4),
         "balance": round(timeline.lower_bound_ms / timeline.busy_ms[busiest], 4),
         "schedule": round(timeline.busy_ms[busiest] / timeline.iteration_ms, 4),
@@ -545,6 +544,13 @@ def tune(
     plan = replace(plan, extra={"tuner": stats})
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     return TuneResult(plan, best_scored, best, tuple(baselines), stats)
+
+
+def _again_ms(evaluator: Evaluator, cand: Candidate, stage: int) -> float:
+    """The forward time ``stage``'s first backward op runs again: its recomputed layers' (0
+    where the stage does not recompute)."""
+    start = cand.bounds[stage]
+    return evaluator.table.stage(start, start + cand.recomputed_layers(stage)).forward_ms
 
 
 JUSTIFIED_SEEDS = 8  # the best seeds whose orders are justified before the climbs

@@ -71,8 +71,9 @@ class Candidate:
         return len(self.ranks)
 
     def stages(self) -> tuple[Stage, ...]:
-        some = dict(self.recompute_layers)
-        return tuple(Stage(self.bounds[i], self.bounds[i + 1], r, i in self.recompute, some.get(i) if i in self.recompute else None)
+        # a count that a boundary shift has made as large as its stage is the whole stage
+        return tuple(Stage(self.bounds[i], self.bounds[i + 1], r, i in self.recompute,
+                           k if 0 < (k := self.recomputed_layers(i)) < self.bounds[i + 1] - self.bounds[i] else None)
                      for i, r in enumerate(self.ranks))
 
     def recomputed_layers(self, stage: int) -> int:
