@@ -106,12 +106,15 @@ class LayerTable:
         cut = end if recompute_layers is None else min(start + recompute_layers, end)
         again_ms = self._f[cut] - self._f[start]  # the recomputed layers' forward
         rebuilt = self._act[cut] - self._act[start]  # what they hold again, their input among it
+        # where layers after them kept their tapes, the rebuilt output of the last recomputed
+        # layer is a new tensor beside the one the next layer kept from F as its input
+        seam = self.output_bytes[cut - 1] if cut < end else 0
         return replace(
             cost,
             backward_input_ms=cost.backward_input_ms + again_ms,
             backward_ms=None if backward_ms is None else backward_ms + again_ms,
             activation_bytes=stash + (self._act[end] - self._act[cut]),
-            recompute_bytes=max(rebuilt - stash, 0),
+            recompute_bytes=max(rebuilt - stash, 0) + seam,
         )
 
     def total_ms(self, start: int = 0, end: int | None = None) -> float:

@@ -117,6 +117,10 @@ class Stage:
     # rest keep their activations from F, as Megatron-LM's --recompute-method block does.
     recompute_layers: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.recompute_layers is not None and self.recompute_layers < 1:
+            raise ValueError(f"recompute_layers is {self.recompute_layers}: recompute at least 1 layer, or set None for all")
+
     @property
     def layers(self) -> range:
         return range(self.start, self.end)

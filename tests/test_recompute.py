@@ -97,13 +97,15 @@ def test_the_plan_file_keeps_recompute_and_rejects_a_value_that_is_not_a_boolean
 def test_recomputing_a_stages_first_layers_keeps_the_rest_and_pays_only_their_forward():
     table = LayerTable(_profile())
     # stage b, c with only b recomputing: F keeps b's input (a's output, 4 bytes) and c's 10
-    # bytes; the backward runs b's forward (4 ms) again and rebuilds b's 20 bytes less the input
+    # bytes; the backward runs b's forward (4 ms) again and rebuilds b's 20 bytes less the
+    # input, plus b's output (3 bytes): a new tensor beside the one c kept from F as its input
     some = table.stage(1, 3, recompute=True, recompute_layers=1)
     assert (some.forward_ms, some.backward_input_ms, some.backward_weight_ms, some.b_ms) == (11, 17, 15, 32)
-    assert (some.activation_bytes, some.recompute_bytes) == (14, 16)
-    # a, b of a, b, c (the first stage: its input is not sized): 1 + 4 ms again, 50 bytes rebuilt
+    assert (some.activation_bytes, some.recompute_bytes) == (14, 16 + 3)
+    # a, b of a, b, c (the first stage: its input is not sized): 1 + 4 ms again, 50 bytes
+    # rebuilt and b's 3-byte output
     first = table.stage(0, 3, recompute=True, recompute_layers=2)
-    assert (first.backward_input_ms, first.activation_bytes, first.recompute_bytes) == (20, 10, 50)
+    assert (first.backward_input_ms, first.activation_bytes, first.recompute_bytes) == (20, 10, 50 + 3)
     # as many layers as the stage has, or more, is full recomputation
     assert table.stage(1, 3, recompute=True, recompute_layers=2) == table.stage(1, 3, recompute=True)
     assert table.stage(1, 3, recompute=True, recompute_layers=9) == table.stage(1, 3, recompute=True)
@@ -111,8 +113,9 @@ def test_recomputing_a_stages_first_layers_keeps_the_rest_and_pays_only_their_fo
     stage = Stage(1, 3, 0, recompute=True, recompute_layers=1)
     assert (stage.recomputed_layers, Stage(1, 3, 0, recompute=True).recomputed_layers, Stage(1, 3, 0).recomputed_layers) == (1, 2, 0)
     assert stage_costs([stage], table) == [some]
-    # while the rebuild lives, the stage holds what it would hold without recomputation
-    assert some.activation_bytes + some.recompute_bytes == table.stage(1, 3).activation_bytes
+    # while the rebuild lives, the stage holds what it would hold without recomputation, and
+    # the seam's second copy
+    assert some.activation_bytes + some.recompute_bytes == table.stage(1, 3).activation_bytes + 3
 
 
 def test_the_plan_file_keeps_recompute_layers_and_rejects_bad_counts(tmp_path):
@@ -329,16 +332,24 @@ def test_splits_and_merges_carry_each_stages_recomputation():
     from octoplan.tuner.moves import _renumbered
     from octoplan.tuner.space import Candidate, Config
 
-    # stages 0..4; stages 1 and 3 recompute, stage 3 only its first layer
+    # stages 0..4 of 2 layers; stages 1 and 3 recompute, stage 3 only its first layer
     cand = Candidate(Config(2, 1, 8), (0, 2, 4, 6, 8, 10), (0, 1, 0, 1, 0), None, recompute=frozenset({1, 3}),
                      recompute_layers=((3, 1),))
     assert [s.recomputed_layers for s in cand.stages()] == [0, 2, 0, 1, 0]
-    assert _renumbered(cand, split=1) == ({1, 2, 4}, ((4, 1),))  # both halves of stage 1; stage 3 is now 4
-    assert _renumbered(cand, split=2) == ({1, 4}, ((4, 1),))
-    assert _renumbered(cand, merged=1) == ({1, 2}, ((2, 1),))  # stages 1 + 2 recompute as one; 3 is now 2
-    assert _renumbered(cand, merged=3) == ({1, 3}, ())  # stages 3 + 4: the merged stage recomputes all it has
-    assert _renumbered(cand, merged=0) == ({0, 2}, ((2, 1),))  # stages 0 + 1 merged: recomputes, as 1 did
+    # a split recomputes the same layers: both 1-layer halves of stage 1; stage 3 is now 4
+    assert _renumbered(cand, split=1, at=3) == ({1, 2, 4}, ((4, 1),))
+    assert _renumbered(cand, split=2, at=5) == ({1, 4}, ((4, 1),))
+    assert _renumbered(cand, split=3, at=7) == ({1, 3}, ())  # stage 3's recomputed layer is the first half
+    # a merge recomputes a prefix: stages 1 + 2 recompute stage 1's 2 layers of 4; 3 is now 2
+    assert _renumbered(cand, merged=1) == ({1, 2}, ((1, 2), (2, 1)))
+    assert _renumbered(cand, merged=3) == ({1, 3}, ((3, 1),))  # stages 3 + 4: the first layer of 4
+    # stages 0 + 1: the second recomputes, so the merged stage recomputes all of the first and
+    # the second's 2 layers: all 4
+    assert _renumbered(cand, merged=0) == ({0, 2}, ((2, 1),))
     assert _renumbered(Candidate(Config(2, 1, 8), (0, 2, 4), (0, 1), None), merged=0) == (frozenset(), ())
+    # a long stage recomputing 1 of its 8 layers, split in the middle: the first half keeps it
+    long = Candidate(Config(2, 1, 8), (0, 8, 10), (0, 1), None, recompute=frozenset({0}), recompute_layers=((0, 1),))
+    assert _renumbered(long, split=0, at=4) == ({0}, ((0, 1),))
 
 
 def _sixteen_layers() -> Profile:
@@ -356,7 +367,8 @@ def test_the_climb_recomputes_fewer_of_a_stages_layers_where_keeping_all_would_n
 
     # ZB-V on 2 ranks, 4 stages of 4 layers, all recomputing; rank 0's first stage has 4
     # microbatches in flight. Keeping its activations needs 4 x 40 = 160 GB; recomputing 2 of
-    # its 4 layers keeps 4 x 20 GB and rebuilds 20 GB: 100 GB; 3 of 4: 4 x 10 + 30 = 70 GB
+    # its 4 layers keeps 4 x 20 GB and rebuilds 20 GB: 100 GB; 3 of 4: 4 x 10 + 30 = 70 GB;
+    # each rebuild also holds the seam, a second copy of a 10 MB output
     spec = get_schedule("zbv")
     order = tuple(tuple(ops) for ops in spec.generate(2, 8, 2))
     start = Candidate(Config(2, 1, 8), (0, 4, 8, 12, 16), tuple(spec.placement(2, 4)), None, order, "zbv", "zbv",
@@ -365,11 +377,12 @@ def test_the_climb_recomputes_fewer_of_a_stages_layers_where_keeping_all_would_n
     result = evaluator.simulate(start)
     assert result.fits_memory and result.peak_memory_bytes[0] == 40 * GB
     moves = {m.origin: m for m in neighbours(start, result, rng=random.Random(0)) if "recompute" in m.origin}
-    peak = {name: evaluator.simulate(moves[name]).peak_memory_bytes[0] / GB for name in
+    peak = {name: evaluator.simulate(moves[name]).peak_memory_bytes[0] for name in
             ("stage 0 (rank 0): no recompute", "stage 0 (rank 0): recompute 2 of 4 layers",
              "stage 0 (rank 0): recompute 3 of 4 layers")}
-    assert peak == {"stage 0 (rank 0): no recompute": 160, "stage 0 (rank 0): recompute 2 of 4 layers": 100,
-                    "stage 0 (rank 0): recompute 3 of 4 layers": 70}
+    seam = GB // 100
+    assert peak == {"stage 0 (rank 0): no recompute": 160 * GB, "stage 0 (rank 0): recompute 2 of 4 layers": 100 * GB + seam,
+                    "stage 0 (rank 0): recompute 3 of 4 layers": 70 * GB + seam}
     half = moves["stage 0 (rank 0): recompute 2 of 4 layers"]
     assert half.recompute == {0, 1, 2, 3} and half.recompute_layers == ((0, 2),)
     assert half.stages()[0] == Stage(0, 4, 0, recompute=True, recompute_layers=2)
@@ -418,8 +431,8 @@ def test_a_baseline_that_does_not_fit_recomputes_the_fewest_layers_per_stage_tha
     from octoplan.tuner.space import Evaluator
 
     # 1F1B on 2 ranks of 8 layers: rank 0 holds 2 microbatches x 80 GB; recomputing its first
-    # N layers keeps 2 x (8 - N) x 10 GB and rebuilds N x 10 GB: (16 - N) x 10 GB, within 125
-    # GB from N = 4 on (rank 1, one microbatch at a time, needs less)
+    # N layers keeps 2 x (8 - N) x 10 GB and rebuilds N x 10 GB (and a 10 MB seam): (16 - N) x
+    # 10 GB, within 125 GB from N = 4 on (rank 1, one microbatch at a time, needs less)
     profile = _sixteen_layers()
     cluster = free_cluster(2, memory_gb=125)
     rows = {row.name: row for row in compare_baselines(profile, cluster, TuneOptions(gpus=2, pp=2, microbatches=8))}
@@ -429,9 +442,9 @@ def test_a_baseline_that_does_not_fit_recomputes_the_fewest_layers_per_stage_tha
     assert row.candidate.recompute_layers == ((0, 4), (1, 4))
     assert row.candidate.origin == "1f1b/uniform+recompute (first 4 layers per stage)"
     evaluator = Evaluator(profile, cluster)
-    assert evaluator.simulate(row.candidate).peak_memory_bytes[0] == 120 * GB
+    assert evaluator.simulate(row.candidate).peak_memory_bytes[0] == 120 * GB + GB // 100
     three = replace(row.candidate, recompute_layers=((0, 3), (1, 3)))
-    assert evaluator.simulate(three).peak_memory_bytes[0] == 130 * GB  # one layer fewer does not fit
+    assert evaluator.simulate(three).peak_memory_bytes[0] == 130 * GB + GB // 100  # one layer fewer does not fit
 
 
 def test_a_layer_count_that_a_boundary_shift_made_whole_is_written_as_the_whole_stage(tmp_path):
@@ -443,3 +456,24 @@ def test_a_layer_count_that_a_boundary_shift_made_whole_is_written_as_the_whole_
     shifted = replace(cand, bounds=(0, 5, 8))
     assert shifted.stages()[1] == Stage(5, 8, 1, recompute=True)  # a valid plan stage, not 3 of 3
     assert shifted.recomputed_layers(1) == 3 and cand.recomputed_layers(0) == 0
+
+
+def test_a_shift_that_makes_a_stage_no_longer_than_its_count_drops_the_count():
+    import random
+
+    from octoplan.tuner.moves import neighbours
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+
+    # stage 1 (layers 4..8) recomputes its first 3: shifting boundary 1 by +1 leaves it 3 layers,
+    # all recomputed, and the candidate says so (not a hidden 3 that a later shift would revive)
+    from octoplan.schedules import get_schedule
+
+    profile = _memory_bound_profile()
+    order = tuple(tuple(ops) for ops in get_schedule("1f1b").generate(2, 8, 2))
+    cand = Candidate(Config(2, 1, 8), (0, 4, 8), (0, 1), None, order, "1f1b", "1f1b", recompute=frozenset({1}),
+                     recompute_layers=((1, 3),))
+    result = Evaluator(profile, free_cluster(2, memory_gb=1000)).simulate(cand)
+    shifted = next(m for m in neighbours(cand, result, rng=random.Random(0)) if m.origin == "shift boundary 1 by +1")
+    assert shifted.bounds == (0, 5, 8) and shifted.recompute == {1} and shifted.recompute_layers == ()
+    with pytest.raises(ValueError, match="recompute at least 1 layer"):
+        Stage(0, 4, 0, recompute=True, recompute_layers=0)

@@ -78,6 +78,8 @@ def _with_layout(cand: Candidate, bounds: tuple[int, ...], ranks: tuple[int, ...
     (default: unchanged; a stage moved to another rank keeps its recomputation)."""
     if recompute is not None:
         cand = replace(cand, recompute=recompute[0], recompute_layers=recompute[1])
+    if cand.recompute_layers:  # a count the new boundaries make as large as its stage is the whole stage
+        cand = replace(cand, recompute_layers=tuple((s, k) for s, k in cand.recompute_layers if k < bounds[s + 1] - bounds[s]))
     if cand.fixed is not None and ranks == cand.ranks:
         return replace(cand, bounds=bounds, origin=origin)
     pp, num_mb = cand.config.pp, cand.config.microbatches
@@ -116,24 +118,31 @@ def _boundary_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
     return out
 
 
-def _renumbered(cand: Candidate, *, split: int | None = None,
+def _renumbered(cand: Candidate, *, split: int | None = None, at: int | None = None,
                 merged: int | None = None) -> tuple[frozenset[int], tuple[tuple[int, int], ...]]:
-    """The recomputing stages and their layer counts after stage ``split`` is cut in two (both
-    halves keep its recomputation, of all their layers) or stages ``merged`` and ``merged + 1``
-    become one (which recomputes all its layers if either did, so the merge never needs more
-    memory than its parts). Other stages keep theirs, renumbered."""
+    """The recomputing stages and their layer counts (stage -> how many of its first layers)
+    after stage ``split`` is cut in two at layer ``at``, or stages ``merged`` and ``merged + 1``
+    become one. A split recomputes the same layers as before. A merge recomputes a prefix:
+    the first stage's recomputed layers, or, where the second stage recomputes, all of the
+    first and the second's; that is a superset of the layers its parts recomputed (more
+    recomputation never needs more memory). Other stages keep theirs, renumbered."""
+    counts = {s: cand.recomputed_layers(s) for s in cand.recompute}
+    lengths = [b - a for a, b in zip(cand.bounds, cand.bounds[1:])]
     if split is not None:
-        def new(i: int) -> list[int]:
-            return [i] if i < split else [split, split + 1] if i == split else [i + 1]
-        touched = {split}
+        assert at is not None
+        first = at - cand.bounds[split]
+        k = counts.pop(split, 0)
+        counts = {(s if s < split else s + 1): n for s, n in counts.items()}
+        lengths = lengths[:split] + [first, lengths[split] - first] + lengths[split + 1:]
+        counts.update({split: min(k, first), split + 1: max(k - first, 0)})
     else:
         assert merged is not None
-
-        def new(i: int) -> list[int]:
-            return [i] if i < merged else [merged] if i <= merged + 1 else [i - 1]
-        touched = {merged, merged + 1}
-    recompute = frozenset(j for i in cand.recompute for j in new(i))
-    some = tuple((new(i)[0], k) for i, k in cand.recompute_layers if i not in touched)
+        k1, k2 = counts.pop(merged, 0), counts.pop(merged + 1, 0)
+        counts = {(s if s < merged else s - 1): n for s, n in counts.items()}
+        counts[merged] = lengths[merged] + k2 if k2 else k1
+        lengths = lengths[:merged] + [lengths[merged] + lengths[merged + 1]] + lengths[merged + 2:]
+    recompute = frozenset(s for s, n in counts.items() if n > 0)
+    some = tuple(sorted((s, n) for s, n in counts.items() if 0 < n < lengths[s]))
     return recompute, some
 
 
@@ -159,7 +168,7 @@ def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[t
                 continue
             ranks = cand.ranks[:s + 1] + (target,) + cand.ranks[s + 1:]
             out.append((heat.heat(hottest) - heat.heat(target),
-                        _with_layout(cand, bounds, ranks, f"split stage {s}", _renumbered(cand, split=s))))
+                        _with_layout(cand, bounds, ranks, f"split stage {s}", _renumbered(cand, split=s, at=cut))))
     # merge a stage into a neighbour: fewer stages, fewer transfers
     for s in range(cand.num_stages - 1):
         r0, r1 = cand.ranks[s], cand.ranks[s + 1]
@@ -337,7 +346,8 @@ def _recompute_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tu
                 for more in dict.fromkeys((min(2 * k, length(s)), k + 1)):
                     emit(gain, {s: more}, f"stage {s} (rank {rank}): recompute {more} of {length(s)} layers")
         kept = [s for s in mine if s not in cand.recompute]
-        if len(kept) > 1:  # with one left, the stage's move is the rank's
+        partly = any(0 < cand.recomputed_layers(s) < length(s) for s in mine)
+        if kept and (len(kept) > 1 or partly):  # else the stage's move is the rank's
             emit(0.995 * gain, {kept[0]: length(kept[0])}, f"stage {kept[0]} (rank {rank}): recompute")
         emit(0.99 * gain, {s: length(s) for s in mine}, f"rank {rank}: recompute")
 

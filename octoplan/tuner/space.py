@@ -126,7 +126,7 @@ class Evaluator:
         self.optimizer = optimizer
         self.table = LayerTable(profile)
         self.num_layers = profile.num_layers
-        self._stage_cache: dict[tuple[int, int, bool], StageCost] = {}
+        self._stage_cache: dict[tuple[int, int, int], StageCost] = {}  # (start, end, recomputed layers)
         self._cache: dict[Candidate, Scored] = {}
         self.evaluations = 0  # simulations actually run (cache misses)
         self._last: tuple[Candidate, SimResult] | None = None  # the latest timeline, for the climb
