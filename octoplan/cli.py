@@ -497,7 +497,8 @@ def export(
     recomputing = [str(s) if stage.recompute_layers is None else f"{s} (its first {stage.recomputed_layers} layers)"
                    for s, stage in enumerate(plan.stages) if stage.recompute]
     if recomputing:  # the CSV holds the op order only; recomputation lives in the stage modules
-        which = f"all {len(recomputing)} stages" if len(recomputing) == plan.num_stages else f"stages {', '.join(recomputing)}"
+        whole = len(recomputing) == plan.num_stages and not plan.num_recomputing_part
+        which = f"all {len(recomputing)} stages" if whole else f"stages {', '.join(recomputing)}"
         typer.echo(f"note: {which} recompute their activations in this plan; the CSV carries "
                    f"only the op order, so wrap those stage modules in torch.utils.checkpoint, or the run will "
                    f"need more memory than the plan predicts", err=True)

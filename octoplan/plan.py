@@ -166,6 +166,11 @@ class Plan:
         """How many stages recompute their activations."""
         return sum(stage.recompute for stage in self.stages)
 
+    @property
+    def num_recomputing_part(self) -> int:
+        """How many of those recompute only their first layers (``recompute_layers``)."""
+        return sum(0 < stage.recomputed_layers < stage.end - stage.start for stage in self.stages)
+
     def with_schedule(self, schedule: Sequence[Sequence[Op]]) -> "Plan":
         return replace(self, schedule=tuple(tuple(ops) for ops in schedule))
 

@@ -220,6 +220,10 @@ def test_export_notes_the_recomputing_stages(tmp_path):
     args = {e["name"]: e["args"] for e in trace_events(some, simulate(some, _profile())) if e.get("ph") == "X" and "mb" in e.get("args", {})}
     assert args["1B0"] == {"stage": 1, "mb": 0, "recompute": True, "recompute_layers": 1}
     assert args["0F0"] == {"stage": 0, "mb": 0}
+    from octoplan.timeline._layout import describe_plan
+
+    assert describe_plan(some).endswith("2 stages (1 recompute, 1 of them only their first layers: their I/B run F again)")
+    assert describe_plan(plan).endswith("2 stages (1 recompute: their I/B run F again)")
 
 
 def test_climb_moves_turn_recomputation_on_where_memory_is_short_and_off_where_it_is_not():

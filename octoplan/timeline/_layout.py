@@ -133,7 +133,8 @@ def describe_plan(plan: Plan) -> str:
     parts.append(shape)
     parts.append(f"{plan.microbatches} microbatches")
     recomputing = plan.num_recomputing
-    parts.append(f"{plan.num_stages} stages" + (f" ({recomputing} recompute: their I/B run F again)" if recomputing else ""))
+    some = f", {plan.num_recomputing_part} of them only their first layers" if plan.num_recomputing_part else ""
+    parts.append(f"{plan.num_stages} stages" + (f" ({recomputing} recompute{some}: their I/B run F again)" if recomputing else ""))
     return " · ".join(parts)
 
 

@@ -161,7 +161,7 @@ def register(app: typer.Typer) -> None:
         plan = result.plan
         # soft_wrap: long lines wrap at the terminal's edge, never inside a path or a number
         recomputing = plan.num_recomputing
-        some = sum(1 for s in plan.stages if s.recompute and s.recomputed_layers < s.end - s.start)
+        some = plan.num_recomputing_part
         stages = f"{plan.num_stages} stages" + (f", {recomputing} recomputing their activations" if recomputing else "") + (
             f" ({some} only their first layers)" if some else "")
         console.print(f"tuned plan for {gpus} GPUs ({result.candidate.config.label()}, {stages}) -> "
