@@ -481,3 +481,16 @@ def test_a_shift_that_makes_a_stage_no_longer_than_its_count_drops_the_count():
     assert shifted.bounds == (0, 5, 8) and shifted.recompute == {1} and shifted.recompute_layers == ()
     with pytest.raises(ValueError, match="recompute at least 1 layer"):
         Stage(0, 4, 0, recompute=True, recompute_layers=0)
+
+
+def test_tune_table_names_the_layers_a_recompute_baseline_recomputes(tmp_path, profile_file):
+    from typer.testing import CliRunner
+
+    from octoplan.cli import app
+
+    # as in the bisection test above: 1F1B/uniform fits 125 GB with each stage's first 4 of 8 layers recomputed
+    path = profile_file(_sixteen_layers())
+    result = CliRunner().invoke(app, ["compare", str(path), "--gpus", "2", "--pp", "2", "--microbatches", "8",
+                                      "--memory-gb", "125", "--max-plans", "200"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "1f1b/uniform+recompute (first 4 layers)" in result.output

@@ -38,11 +38,17 @@ def comparison_rows(result) -> list[dict]:
     for row in result.baselines:
         s = row.scored
         rows.append({
-            "plan": row.name, "config": row.config.label(), "short": _short(row.config), "iteration_ms": s.iteration_ms,
+            "plan": _label(row), "config": row.config.label(), "short": _short(row.config), "iteration_ms": s.iteration_ms,
             "speedup": s.iteration_ms / tuned_ms if tuned_ms > 0 else 1.0, "bubble_ratio": s.bubble_ratio,
             "efficiency": s.efficiency, "peak_memory_gb": s.peak_memory_bytes / 1e9, "fits": s.fits,
         })
     return rows
+
+
+def _label(row) -> str:
+    """A baseline's name; a +recompute one's stages recompute their first N layers, or all."""
+    layers = max((k for _, k in row.candidate.recompute_layers), default=None)
+    return row.name if layers is None else f"{row.name} (first {layers} layers)"
 
 
 def _short(config) -> str:
@@ -74,7 +80,7 @@ def _verdict(result, memory_gb: float) -> str:
         return f"no baseline fits {memory_gb:g} GB per GPU; the tuned plan does"
     ratio = best.scored.iteration_ms / result.scored.iteration_ms
     tie = ": the search found nothing faster than this baseline" if ratio < 1.0005 else ""
-    return (f"fastest baseline that fits: {best.name} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
+    return (f"fastest baseline that fits: {_label(best)} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
             f"the tuned plan is {ratio:.3f}x faster{tie}")
 
 
