@@ -32,7 +32,7 @@ from octoplan.simulator import SimResult
 from octoplan.tuner.arrange import start_aware
 from octoplan.tuner.space import Candidate
 
-__all__ = ["DIMENSIONS", "neighbours", "shifts_off_hot_ranks", "Heat", "heat_of"]
+__all__ = ["DIMENSIONS", "neighbours", "shifts_off_hot_ranks", "with_recomputation", "Heat", "heat_of"]
 
 DIMENSIONS = ("partition", "placement", "schedule")
 
@@ -298,7 +298,7 @@ def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
     return out
 
 
-def _recomputing(cand: Candidate, counts: dict[int, int], origin: str) -> Candidate:
+def with_recomputation(cand: Candidate, counts: dict[int, int], origin: str) -> Candidate:
     """``cand`` with each stage of ``counts`` recomputing that many of its first layers (0:
     none; as many as it has, or more: all)."""
     recompute, some = set(cand.recompute), dict(cand.recompute_layers)
@@ -331,7 +331,7 @@ def _recompute_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tu
     recomputing = [r for r in range(pp) if any(s in cand.recompute for s in cand.stages_of(r))]
 
     def emit(gain: float, counts: dict[int, int], origin: str) -> None:
-        moved = _recomputing(cand, counts, origin)
+        moved = with_recomputation(cand, counts, origin)
         if (moved.recompute, moved.recompute_layers) != (cand.recompute, cand.recompute_layers):
             out.append((gain, moved))
 

@@ -49,7 +49,7 @@ from octoplan.schedules import SCHEDULES, get_schedule, loop_placement, v_placem
 from octoplan.schedules.policy import default_policies
 from octoplan.simulator import DeadlockError, SimResult
 from octoplan.tuner.arrange import start_aware
-from octoplan.tuner.moves import DIMENSIONS, neighbours, shifts_off_hot_ranks
+from octoplan.tuner.moves import DIMENSIONS, neighbours, shifts_off_hot_ranks, with_recomputation
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored, bounds_of
 from octoplan.yamlio import file_sha256
 
@@ -638,9 +638,8 @@ def _fewest_recomputed_layers(search: _Search, cand: Candidate, origin: str) -> 
     longest = max(b - a for a, b in zip(cand.bounds, cand.bounds[1:]))
 
     def with_layers(n: int) -> Candidate:
-        some = tuple((s, n) for s in range(cand.num_stages) if n < cand.bounds[s + 1] - cand.bounds[s])
-        return replace(cand, recompute=cand.every_stage, recompute_layers=some,
-                       origin=origin if not some else f"{origin} (first {n} layers per stage)")
+        return with_recomputation(cand, dict.fromkeys(range(cand.num_stages), n),
+                                  origin if n == longest else f"{origin} (first {n} layers per stage)")
 
     best = with_layers(longest)
     if not search.offer(best).fits:

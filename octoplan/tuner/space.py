@@ -81,7 +81,8 @@ class Candidate:
         if stage not in self.recompute:
             return 0
         count = self.bounds[stage + 1] - self.bounds[stage]
-        return min(dict(self.recompute_layers).get(stage, count), count)
+        # a short scan: only the stages that recompute part of their layers are listed
+        return min(next((k for s, k in self.recompute_layers if s == stage), count), count)
 
     def stages_of(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.ranks) if r == rank]
