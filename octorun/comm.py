@@ -18,9 +18,11 @@ every step, for models whose shapes change between steps.
 
 Channels. Each directed pair ``src -> dst`` of global ranks that exchanges messages gets its own
 process group, used by exactly one thread on each side: the sender's compute thread issues
-``isend`` and never waits; a receiver thread per incoming channel posts ``recv`` for the channel's
-messages in the order the sender sends them (the lowering pass fixes that order), ahead of need,
-and drops the tensors in a mailbox the compute thread takes from. Why a group per *direction*:
+``isend`` and lets go of a send's tensors an op later, once it is surely delivered (see
+``Transport.begin_op``); a receiver thread per incoming channel posts its receives for the
+channel's messages in the order the sender sends them (the lowering pass fixes that order),
+ahead of need, on a CUDA stream of its own, and drops the tensors in a mailbox the compute
+thread takes from. Why a group per *direction*:
 NCCL runs all send/recv between two ranks of one communicator on one ordered stream and ignores
 tags, so a gradient travelling B -> A could queue behind an activation A -> B that waits for B;
 V-shaped placements send activations both ways between the same pair, so even separate
@@ -46,9 +48,15 @@ from octorun.lowering import ACT, GRAD, Message
 from octorun.watchdog import gist
 
 __all__ = ["Channel", "Mailbox", "Transport", "ShapeChanged", "encode_header", "decode_header", "layout_of", "wait_work",
-           "HEADER_SLOTS"]
+           "HEADER_SLOTS", "RECEIVE_LAST_RESORT"]
 
 HEADER_SLOTS = 128
+
+# A receiver thread's receive may wait for most of a step and beyond it, for the next step's
+# first message, so no timeout derived from --timeout fits every legal plan. The compute
+# thread's deadlines (each of its waits is bounded by --timeout) and a dead peer's closed
+# connection are what end a stuck job; a receive's own timeout is only a last resort.
+RECEIVE_LAST_RESORT = datetime.timedelta(days=7)
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -167,8 +175,10 @@ class Transport:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.static_shapes = static_shapes
         self.mailbox = Mailbox()
-        # (work, message, tensors kept alive, completion polled rather than waited: NCCL payloads)
-        self._pending: list[tuple[Any, Message, tuple[torch.Tensor, ...], bool]] = []
+        # (work, message, tensors kept alive, completion polled rather than waited: NCCL
+        # payloads, the op count when it started), oldest first
+        self._pending: list[tuple[Any, Message, tuple[torch.Tensor, ...], bool, int]] = []
+        self._ops = 0  # ops begun so far (see begin_op)
         self._threads = [
             threading.Thread(target=self._receive_loop, args=(channel,), name=f"octorun-recv-{src}", daemon=True)
             for src, channel in incoming.items()
@@ -180,15 +190,16 @@ class Transport:
 
     # -- sending (compute thread) -------------------------------------------------------------
     def send(self, message: Message, tensors: Sequence[torch.Tensor], *, dst: int, step: int) -> None:
-        """Start sending; the tensors stay referenced until :meth:`wait_sends`. Raises
-        :class:`ShapeChanged` (before sending anything) when static shapes do not hold."""
+        """Start sending; the tensors stay referenced until the send is known to be done (see
+        :meth:`begin_op`). Raises :class:`ShapeChanged` (before sending anything) when static
+        shapes do not hold."""
         channel = self.outgoing[dst]
         payload = tuple(t.detach().contiguous() for t in tensors)
         if self._header_in(step):
             header = encode_header(message, payload)
             channel.layouts[message.key] = layout_of(payload)
             work = dist.isend(header, dst, group=channel.meta_group, tag=channel.next_tag())
-            self._pending.append((work, message, (header,), False))
+            self._pending.append((work, message, (header,), False, self._ops))
         elif (layout := layout_of(payload)) != channel.layouts[message.key]:
             raise ShapeChanged(f"the {message} of step {step} has tensors {_describe(layout)}, in step 0 "
                                f"{_describe(channel.layouts[message.key])}; run octorun with --dynamic-shapes "
@@ -196,19 +207,53 @@ class Transport:
         polled = self.device.type == "cuda"
         for tensor in payload:
             work = dist.isend(tensor, dst, group=channel.data_group, tag=channel.next_tag())
-            self._pending.append((work, message, (tensor,), polled))
+            self._pending.append((work, message, (tensor,), polled, self._ops))
+
+    def begin_op(self, *, deadline: float) -> Message | None:
+        """Called before each op: lets go of the sends started before the previous op, so a
+        rank holds the tensors of about one op's sends, not of a whole step's (a sent
+        activation would otherwise outlive its backward by the rest of the step).
+
+        Waiting for them costs nothing in practice: every channel's receiver thread posts its
+        receives in send order, ahead of need, so a send from two ops ago has been taken or is
+        being transferred. NCCL sends are only polled (their wait orders streams). Returns the
+        message that missed the deadline, if any."""
+        self._ops += 1
+        done = 0
+        for work, message, _, polled, started in self._pending:
+            if polled:
+                if not work.is_completed():
+                    break
+            elif started >= self._ops - 1:
+                break
+            elif (late := self._wait(work, message, polled=False, deadline=deadline)) is not None:
+                return late
+            done += 1
+        del self._pending[:done]
+        return None
 
     def wait_sends(self, *, deadline: float) -> Message | None:
         """Wait for every started send; returns the message that missed the deadline, if any."""
         pending, self._pending = self._pending, []
-        for work, message, _, polled in pending:
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0 or not wait_work(work, left, polled=polled):
-                    return message
-            except RuntimeError:
-                return message
+        for work, message, _, polled, _ in pending:
+            if (late := self._wait(work, message, polled=polled, deadline=deadline)) is not None:
+                return late
         return None
+
+    @staticmethod
+    def _wait(work: Any, message: Message, *, polled: bool, deadline: float) -> Message | None:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0 or not wait_work(work, left, polled=polled):
+                return message
+        except RuntimeError:
+            return message
+        return None
+
+    @property
+    def sends_in_flight(self) -> int:
+        """How many tensors this rank still holds for sends (a test's view of the release)."""
+        return len(self._pending)
 
     def _header_in(self, step: int) -> bool:
         """Whether the messages of ``step`` carry a header (the same answer on both sides)."""
@@ -218,12 +263,21 @@ class Transport:
     def _receive_loop(self, channel: Channel) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # Receives run on a stream of their own. On the compute thread's stream a receive
+            # posted ahead of need would queue that thread's later kernels (and so the sends
+            # the receive waits for) behind itself: a deadlock from the first early receive on.
+            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                self._receive_all(channel)
+        else:
+            self._receive_all(channel)
+
+    def _receive_all(self, channel: Channel) -> None:
         try:
             for step in range(self.steps):
                 for message in channel.messages:
                     if self._header_in(step):
                         header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
-                        dist.recv(header, channel.src, group=channel.meta_group, tag=channel.next_tag())
+                        _receive(header, channel.src, group=channel.meta_group, tag=channel.next_tag())
                         key, layout = decode_header(header)
                         if key != message.key:
                             raise RuntimeError(f"protocol error: expected the {message}, received {key[0]} {key[1]}.{key[2]} instead")
@@ -232,15 +286,31 @@ class Transport:
                         layout = channel.layouts[message.key]
                     tensors = []
                     for dtype, shape in layout:
-                        tensor = torch.empty(shape, dtype=dtype, device=self.device)
-                        dist.recv(tensor, channel.src, group=channel.data_group, tag=channel.next_tag())
+                        tensor = self._empty(shape, dtype)
+                        _receive(tensor, channel.src, group=channel.data_group, tag=channel.next_tag())
                         tensors.append(tensor)
                     if self.device.type == "cuda":
-                        # the compute thread may use the tensors on another stream: make them land first
+                        # the compute thread uses the tensors on its own stream: make them land first
                         torch.cuda.current_stream(self.device).synchronize()
                     self.mailbox.put(step, message, tuple(tensors))
         except Exception as exc:  # a dead peer closes the connection: tell whoever waits on it
             self.mailbox.fail(channel.src, gist(exc))
+
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A receive buffer. On CUDA it is allocated on the compute thread's (default) stream,
+        which uses and frees it, so the caching allocator never hands the block to another
+        stream while that stream's kernels still read it."""
+        if self.device.type != "cuda":
+            return torch.empty(shape, dtype=dtype)
+        with torch.cuda.stream(torch.cuda.default_stream(self.device)):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+def _receive(tensor: torch.Tensor, src: int, *, group: Any, tag: int) -> None:
+    """``dist.recv`` with :data:`RECEIVE_LAST_RESORT` as its timeout: a blocking ``recv``
+    would use the group's, which gloo fixes when the group is created."""
+    dist.irecv(tensor, src, group=group, tag=tag).wait(timeout=RECEIVE_LAST_RESORT)
 
 
 def _describe(layout: Layout) -> str:

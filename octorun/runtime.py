@@ -24,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from octoplan.ops import Kind, Op
 from octoplan.outputs import check_writable, write_text
 from octoplan.plan import MAX_GPUS, Plan, load_plan, load_plan_profile, resolve_profile_path
 from octoplan.validate import check_runnable
-from octorun.comm import Channel, Transport, wait_work
+from octorun.comm import RECEIVE_LAST_RESORT, Channel, Transport, wait_work
 from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
 from octorun.stage import StageExecutor, Tape
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
@@ -268,8 +268,8 @@ def _make_groups(prepared: Prepared, *, backend: str, timeout: datetime.timedelt
     program = prepared.lowered.programs[pp_rank]
     outgoing: dict[int, Channel] = {}
     incoming: dict[int, Channel] = {}
-    # Receiver threads wait ahead of need, so a channel's own timeout is set past the deadline
-    # the compute thread enforces: the failure then names the op that waits, not a thread.
+    # Forming a channel waits for its peer this long at most; past the deadline the compute
+    # thread enforces, so a failure names the op that waits, not a thread.
     channel_timeout = timeout * 2 + datetime.timedelta(seconds=30)
     for dp in range(parallel.dp):
         for src_pp, dst_pp in prepared.lowered.channels:
@@ -286,12 +286,26 @@ def _make_groups(prepared: Prepared, *, backend: str, timeout: datetime.timedelt
             group = dist.new_group([parallel.global_rank(pp, d) for d in range(parallel.dp)], timeout=timeout, backend=backend)
             if pp == pp_rank:
                 dp_group = group
+    if backend == "nccl":
+        for channel in incoming.values():
+            _unbounded_receives(channel.data_group)
     control = None if backend == "gloo" else dist.new_group(timeout=timeout, backend="gloo")
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # private API: without it the watchdog still has its deadlines
         store = None
     return _Groups(outgoing=outgoing, incoming=incoming, dp_group=dp_group, control=control, store=store)
+
+
+def _unbounded_receives(group: Any) -> None:
+    """Lift a connected channel group's timeout to :data:`RECEIVE_LAST_RESORT`, as each
+    receive's own wait does (octorun.comm): NCCL's watchdog would otherwise abort a receive
+    posted ahead of need once the group's timeout passed. The group is created with a finite
+    one, so that forming it still fails in time when a peer is gone."""
+    try:
+        dist.distributed_c10d._set_pg_timeout(RECEIVE_LAST_RESORT, group)
+    except Exception as exc:  # private API: gloo's receives do not need it
+        log.debug("could not lift a channel's timeout: %s", exc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +392,7 @@ class _Interpreter:
             self.executors[s] = StageExecutor(mods, first=s == 0, last=s == self.last_stage,
                                               loss_fn=model.loss, loss_scale=scale, recompute=stage.recompute,
                                               recompute_layers=stage.recompute_layers)
-        params = [p for layer in self.layers.values() for p in layer.parameters() if p.requires_grad]
+        params = _unique_trainable(self.layers.values())
         self.optimizer: torch.optim.Optimizer | None = None  # a rank of parameterless layers has none
         if params and config.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0, weight_decay=0)
@@ -426,12 +440,18 @@ class _Interpreter:
         reductions: list[tuple[Any, torch.Tensor, list[torch.Tensor], int]] = []
         for instr in self.program.instrs:
             op = instr.op
+            self.watchdog.doing(f"letting go of the sends before op {op} of step {step}")
+            late = self.transport.begin_op(deadline=self.watchdog.deadline())
+            if late is not None:
+                self._late_send(late, step)
             for message in instr.recvs:
                 self._receive(step, op, message, state)
             self.watchdog.doing(f"running op {op} of step {step}")
             begin = self.timer.mark()
             try:
                 outgoing = self._run_op(op, state)
+            except InputError as exc:  # the model file's fault (a loss that is not a scalar ...)
+                self.watchdog.fail(f"op {op} of step {step}: {exc.line()}", code=EXIT_BAD_INPUT)
             except Exception as exc:
                 self.watchdog.fail(f"op {op} of step {step} raised {gist(exc)}")
             self.timer.add(op, begin, self.timer.mark())
@@ -446,8 +466,7 @@ class _Interpreter:
         self.watchdog.doing(f"waiting for the sends of step {step} to complete")
         late = self.transport.wait_sends(deadline=deadline)
         if late is not None:
-            self.watchdog.fail(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) "
-                               f"did not complete within {self.config.timeout_s:g} s")
+            self._late_send(late, step)
         for work, flat, grads, stage in reductions:
             self.watchdog.doing(f"waiting for the gradient all-reduce of stage {stage}, step {step}")
             try:
@@ -475,6 +494,10 @@ class _Interpreter:
             "reduced_s": None if reduced_at is None else self.timer.seconds(reduced_at),
             "origin_s": self.timer.origin_host, "host": socket.gethostname(),
         }
+
+    def _late_send(self, late: Message, step: int) -> NoReturn:
+        self.watchdog.fail(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) "
+                           f"did not complete within {self.config.timeout_s:g} s")
 
     def _receive(self, step: int, op: Op, message: Message, state: _StepState) -> None:
         src = self._global(message.src)
@@ -569,6 +592,12 @@ class _Interpreter:
 
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
         return {i: {k: v.detach().cpu().clone() for k, v in layer.state_dict().items()} for i, layer in self.layers.items()}
+
+
+def _unique_trainable(layers) -> list[torch.nn.Parameter]:
+    """The trainable parameters of ``layers``, each once: a module two layers of one rank share
+    (a tied embedding and head) would otherwise be stepped twice by the optimizer."""
+    return list({id(p): p for layer in layers for p in layer.parameters() if p.requires_grad}.values())
 
 
 def summarize_step(step: int, records: list[dict[str, Any]], predicted_ms: float | None) -> StepMetrics:

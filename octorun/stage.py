@@ -235,6 +235,10 @@ def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
         if grad is None:
             continue
         if param.grad is None:
-            param.grad = grad
+            # A copy, never autograd's result itself: for ``x + p`` with ``p`` of the output's
+            # shape autograd hands back the upstream gradient unchanged, which is also the
+            # layer's input gradient (sent on, or handed to the stage before). Adding the next
+            # microbatch into it in place would change those too.
+            param.grad = grad.clone()
         else:
             param.grad.add_(grad)

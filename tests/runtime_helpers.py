@@ -301,7 +301,7 @@ def _reference(
 ) -> Reference:
     model = load_model_file(model_path, config, seed=seed)
     layers = [model.build_layer(i) for i in range(model.num_layers())]
-    params = [p for layer in layers for p in layer.parameters()]
+    params = list({id(p): p for layer in layers for p in layer.parameters()}.values())  # a tied module once
     opt = torch.optim.SGD(params, lr=lr, momentum=0, weight_decay=0) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
     losses = []
     for step in range(steps):

@@ -76,6 +76,23 @@ def test_plan_with_wrong_layer_count_is_bad_input(tmp_path):
         prepare(RunConfig(plan_path=str(tmp_path / "short.yaml")))
 
 
+def test_a_model_file_found_wrong_while_training_exits_2_with_one_line(tmp_path):
+    """The model file's fault, seen only once an op runs (here a loss that is not a scalar),
+    is still bad input: exit 2, one line naming the file, the field and the fix."""
+    model_path, config = h.model_spec("tiny", tmp_path)
+    source = model_path.read_text().replace("return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))",
+                                            "return nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction='none')")
+    model_path.write_text(source)
+    plan = h.make_plan(model_path, config, stages=[(0, 6, 0)], schedule=["0F0 0B0"], microbatches=1)
+    save_plan(plan, tmp_path / "one.yaml")
+    done = _octorun(str(tmp_path / "one.yaml"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"octorun: rank 0: op 0F0 of step 0: {model_path}: loss_fn: returned (2, 5), not a scalar tensor "
+        "(reduce the loss with .mean())"
+    ]
+
+
 def _launch_fault(tmp_path: Path, fault: dict, *, timeout_s: float = 5.0) -> h.Launch:
     plan = _two_rank_plan(tmp_path)
     job = h.Job("faulty", RunConfig(plan_path=str(plan), steps=2, timeout_s=timeout_s), fault=fault)
