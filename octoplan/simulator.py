@@ -199,8 +199,13 @@ class SimResult:
     @cached_property
     def _idle_parts(self) -> list[tuple[float, float, float]]:
         parts = [[0.0, 0.0, 0.0] for _ in range(self.num_ranks)]  # one pass over the bubbles
+        # the wait before a rank's first op, even when an op of no time at 0 came first
+        first_start = [self._start[keys[0]] if keys else 0.0 for keys in self._keys]
         for bubble in self.bubbles:
-            part = 2 if bubble.reason == "drain" else 0 if bubble.start_ms == 0.0 else 1
+            if bubble.reason == "drain":
+                part = 2
+            else:
+                part = 0 if bubble.end_ms <= first_start[bubble.rank] + 1e-9 else 1
             parts[bubble.rank][part] += bubble.duration_ms
         return [(before, between, after) for before, between, after in parts]
 

@@ -461,7 +461,9 @@ class _Interpreter:
                 except (TypeError, ValueError) as exc:  # a dtype gloo cannot send, a shape that changed
                     self.watchdog.fail(f"op {op} of step {step}: {exc}")
             if instr.allreduce_stage is not None and self.groups.dp_group is not None:
-                reductions.append(self._start_allreduce(instr.allreduce_stage))
+                started_reduction = self._start_allreduce(instr.allreduce_stage)
+                if started_reduction is not None:
+                    reductions.append(started_reduction)
         deadline = self.watchdog.deadline()
         self.watchdog.doing(f"waiting for the sends of step {step} to complete")
         late = self.transport.wait_sends(deadline=deadline)
@@ -541,7 +543,10 @@ class _Interpreter:
             state.grads[(op.stage - 1, op.mb)] = grads
         return grads
 
-    def _start_allreduce(self, stage: int) -> tuple[Any, torch.Tensor, list[torch.Tensor], int]:
+    def _start_allreduce(self, stage: int) -> tuple[Any, torch.Tensor, list[torch.Tensor], int] | None:
+        """Start the stage's gradient all-reduce; None for a stage without trainable parameters,
+        which has nothing to reduce (every replica holds the same layers, so all skip it alike,
+        and the simulator prices it at nothing)."""
         grads = []
         for layer_index in self.plan.stages[stage].layers:
             for param in self.layers[layer_index].parameters():
@@ -550,7 +555,9 @@ class _Interpreter:
                 if param.grad is None:  # keep the flat layout identical on every replica
                     param.grad = torch.zeros_like(param)
                 grads.append(param.grad)
-        flat = torch._utils._flatten_dense_tensors(grads) if grads else torch.zeros(1, device=self.device)
+        if not grads:
+            return None
+        flat = torch._utils._flatten_dense_tensors(grads)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.dp_group, async_op=True)
         return work, flat, grads, stage
 

@@ -43,6 +43,12 @@ def test_interleaved_1f1b_closed_form(p, m, chunks):
     assert result.iteration_ms == pytest.approx(m * f_plus_b + (p - 1) * f_plus_b / chunks)
 
 
+def test_interleaved_1f1b_with_one_chunk_is_1f1b():
+    profile = uniform_profile(4, 1.0)
+    one = make_baseline(profile, schedule="interleaved-1f1b", gpus=4, microbatches=8, chunks=1, cluster=free_cluster(4))
+    assert one.schedule == make_baseline(profile, schedule="1f1b", gpus=4, microbatches=8, cluster=free_cluster(4)).schedule
+
+
 @pytest.mark.parametrize("p,m", SHAPES)
 def test_zb_h1_takes_3mt_plus_p_minus_1_t(p, m):
     t = 2.0  # F = I = W = t per rank
@@ -61,6 +67,7 @@ def test_zbv_takes_3mt_plus_half_p_minus_1_t(p, m):
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 12), (6, 12), (8, 16), (8, 32)])
 def test_zb_h2_leaves_no_gap_between_a_ranks_first_and_last_op(p, m):
     _, result = _run("zb-h2", p, m, layers_per_rank=1)
+    assert result.iteration_ms == pytest.approx(3 * m + (p - 1))  # F = I = W = 1: the ramp only
     for rank in range(p):
         spans = result.spans(rank)
         for before, after in zip(spans, spans[1:]):
@@ -79,7 +86,9 @@ def test_zb_h1_holds_no_more_activations_than_1f1b_and_zb_h2_about_twice():
     # W frees the activations, so a rank lagging r Ws holds r more, but the peak over ranks
     # stays 1F1B's: rank r holds at most (p - r) + r.
     assert max(peaks["zb-h1"]) == max(peaks["1f1b"]) == 100 * p
-    assert max(peaks["zb-h2"]) <= 2 * max(peaks["1f1b"])
+    # ZB-H2: every rank holds 2p - 1 (the paper's peak): rank r's 2(p - r) - 1 forwards before
+    # its first backward, plus the 2r Ws it lags
+    assert peaks["zb-h2"] == (100 * (2 * p - 1),) * p
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 9), (3, 10)])

@@ -73,6 +73,17 @@ def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
     assert result.peak_memory_bytes == (200, 2000)
 
 
+def test_a_wait_after_a_first_op_of_no_time_is_between_ops_not_before_the_first():
+    a, b = _two_layer_profile().layers
+    profile = Profile(model=ModelRef("t"), layers=(replace(a, forward_ms=0.0), b))
+    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0B0", "1F0 1B0"], cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=1)
+    result = simulate(plan, profile)
+    # 0F0 [0,0]; its activation [0,3]; 1F0 [3,4] 1B0 [4,8]; the gradient back [8,11]; 0B0 [11,13]
+    assert result.op_times()[Op(0, Kind.B, 0)] == (11, 13)
+    # rank 0 started at 0 and then waited 11 ms: between its ops, although the wait starts at 0
+    assert [result.idle_parts(r) for r in range(2)] == [(0, 11, 0), (3, 0, 5)]
+
+
 def test_a_measured_fused_backward_prices_b_while_i_and_w_keep_theirs():
     # As above, with fused backwards measured: layer a's B 1.5 (I + W is 2), layer b's 3 (4).
     a, b = _two_layer_profile().layers

@@ -86,7 +86,14 @@ def one_f_one_b(pp: int, microbatches: int) -> list[list[Op]]:
 
 
 def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> list[list[Op]]:
-    """Megatron-LM's interleaved 1F1B: a warm-up of (V-1) rounds plus 2(pp-1-r) forwards."""
+    """Megatron-LM's interleaved 1F1B: a warm-up of (V-1) rounds plus 2(pp-1-r) forwards.
+
+    With one chunk it is plain 1F1B, as in Megatron-LM. Where pp does not divide the
+    microbatches (which Megatron-LM refused until recently), the rounds are those of
+    ``rounds`` and the warm-up counts the first round's length: the rule of PyTorch's
+    ``ScheduleInterleaved1F1B``, extended to counts its rounds do not divide."""
+    if chunks == 1:
+        return one_f_one_b(pp, microbatches)
     first_round = len(rounds(microbatches, pp)[0])
     return looped_schedule(
         pp, microbatches, chunks=chunks, warmup=lambda r: (chunks - 1) * first_round + 2 * (pp - 1 - r)
@@ -100,9 +107,11 @@ def zb_h1(pp: int, microbatches: int) -> list[list[Op]]:
 
 
 def zb_h2(pp: int, microbatches: int) -> list[list[Op]]:
-    """Zero-bubble H2: 2(pp-1-r)+1 warm-up forwards fill the ramp-up; Ws lag further to fill
-    the drain, trading about twice 1F1B's activation memory for no bubble between a rank's
-    first and last op."""
+    """Zero-bubble H2: rank r runs 2(pp-r)-1 forwards before its first backward (a warm-up
+    of 2(pp-1-r), then the steady phase's forward), as many as fit before the first input
+    gradient can come back to it; Ws lag 2r backwards to fill the drain. No bubble between a
+    rank's first and last op, at (2pp-1) microbatches' activations on rank 0 (the paper's
+    peak), against 1F1B's pp."""
     return looped_schedule(
-        pp, microbatches, chunks=1, warmup=lambda r: 2 * (pp - 1 - r) + 1, split=True, w_lag=lambda r: 2 * r
+        pp, microbatches, chunks=1, warmup=lambda r: 2 * (pp - 1 - r), split=True, w_lag=lambda r: 2 * r
     )
