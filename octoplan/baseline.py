@@ -53,9 +53,10 @@ def simulated_baseline(
     pp, dp = split_gpus(gpus, pp)
     if chunks is not None and chunks < 1:
         raise InputError(None, "--chunks", f"is {chunks}", "use 1 or more chunks")
-    if chunks is not None and spec.num_stages(pp, chunks) != pp * chunks:
-        # only interleaved 1F1B takes a chunk count; the others fix theirs (ZB-V: 2 per rank)
-        per_rank = spec.num_stages(pp, chunks) // pp
+    if chunks is not None and spec.stages_per_rank(1) == spec.stages_per_rank(2):
+        # only interleaved 1F1B takes a chunk count; the others fix theirs (ZB-V: 2 per rank),
+        # so --chunks there is a misunderstanding even where it names their own count
+        per_rank = spec.stages_per_rank(chunks)
         raise InputError(None, "--chunks", f"{schedule} always holds {per_rank} stage(s) per rank",
                          "drop --chunks (it applies to interleaved-1f1b)")
     chunks = DEFAULT_CHUNKS if chunks is None else chunks

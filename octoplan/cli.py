@@ -17,8 +17,8 @@ from octoplan.cliutil import (
     ClusterOptions, cluster_from, dump_json, guarded, log_setup, newest_profile, terminal,
 )
 from octoplan.errors import InputError
-from octoplan.outputs import check_writable
-from octoplan.plan import Plan, load_plan, load_plan_profile, save_plan
+from octoplan.outputs import check_distinct, check_writable
+from octoplan.plan import Plan, load_plan, load_plan_profile, resolve_profile_path, save_plan
 from octoplan.profile import Profile, load_profile, save_profile
 from octoplan.tuner.cli import register as register_tuner_commands
 
@@ -31,6 +31,12 @@ _GPN, _MEM, _INTRA, _INTER, _LAT, _OVH = GPUS_PER_NODE, MEMORY_GB, INTRA_NODE_GB
 def _load_plan_with_profile(path: Path) -> tuple[Plan, Profile]:
     plan = load_plan(path)
     return plan, load_plan_profile(plan, path)
+
+
+def _plan_files(plan: Plan, path: Path) -> tuple[Path, Path | None]:
+    """The files a command on ``plan`` reads, which none of its outputs may overwrite: the
+    plan and the profile it names."""
+    return path, resolve_profile_path(plan, path)
 
 
 @app.callback()
@@ -288,11 +294,11 @@ def show(
 
     if width is not None and not 40 <= width <= 2000:
         raise InputError(None, "--width", f"is {width}", "use 40 to 2000 columns")
+    plan, prof = _load_plan_with_profile(plan_path)
+    check_distinct({"--svg": svg, "--trace": trace})
     for flag, path in (("--svg", svg), ("--trace", trace)):
         if path is not None:
-            check_writable(path, flag, inputs=(plan_path, measured))
-
-    plan, prof = _load_plan_with_profile(plan_path)
+            check_writable(path, flag, inputs=(*_plan_files(plan, plan_path), measured))
     check_runnable(plan, file=str(plan_path))
     result = run_simulation(plan, prof)
     out = Console(width=width) if width else console
@@ -342,8 +348,8 @@ def justify(
     from octoplan.simulator import simulate as run_simulation
     from octoplan.validate import check_runnable
 
-    check_writable(output, "-o")  # PLAN itself may be the output: it is read first, then replaced whole
     plan, prof = _load_plan_with_profile(plan_path)
+    check_writable(output, "-o", inputs=_plan_files(plan, plan_path))
     check_runnable(plan, file=str(plan_path))
     before = run_simulation(plan, prof)
     costs = stage_costs(plan.stages, LayerTable(prof))
@@ -398,9 +404,9 @@ def bound(
         raise InputError(None, "--time-limit", f"is {time_limit:g}", "give CP-SAT a positive, finite number of seconds")
     if workers < 1:
         raise InputError(None, "--workers", f"is {workers}", "use at least 1")
-    if output is not None:
-        check_writable(output, "-o")
     plan, prof = _load_plan_with_profile(plan_path)
+    if output is not None:
+        check_writable(output, "-o", inputs=_plan_files(plan, plan_path))
     check_runnable(plan, file=str(plan_path))
     before = run_simulation(plan, prof)
     costs = stage_costs(plan.stages, LayerTable(prof))
@@ -490,8 +496,8 @@ def export(
     """Write PLAN in another tool's format."""
     from octoplan.export import export_plan
 
-    check_writable(output, "-o", inputs=(plan_path,))
     plan = load_plan(plan_path)
+    check_writable(output, "-o", inputs=_plan_files(plan, plan_path))
     export_plan(plan, output, format=format, file=str(plan_path))
     console.print(f"{format} -> {escape(str(output))}", soft_wrap=True)
     recomputing = [str(s) if stage.recompute_layers is None else f"{s} (its first {stage.recomputed_layers} layers)"

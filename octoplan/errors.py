@@ -10,6 +10,18 @@ from __future__ import annotations
 __all__ = ["InputError"]
 
 
+# A part of the line longer than this is cut in its middle: a bad value echoed back may be a
+# whole file's worth (a 50 MB line of YAML), and the line must stay one that can be read.
+_PART_CHARS = 400
+
+
+def _clipped(part):
+    if not isinstance(part, str) or len(part) <= _PART_CHARS:
+        return part
+    half = _PART_CHARS // 2
+    return f"{part[:half]}...[{len(part) - 2 * half} characters]...{part[-half:]}"
+
+
 class InputError(ValueError):
     """Bad input from a user: a file, a field in it, what is wrong and how to fix it."""
 
@@ -21,10 +33,11 @@ class InputError(ValueError):
         super().__init__(self.line())
 
     def line(self) -> str:
-        where = ": ".join(part for part in (self.file, self.field) if part)
-        text = f"{where}: {self.problem}" if where else self.problem
-        if self.fix:
-            text += f" ({self.fix})"
+        file, field, problem, fix = (_clipped(part) for part in (self.file, self.field, self.problem, self.fix))
+        where = ": ".join(part for part in (file, field) if part)
+        text = f"{where}: {problem}" if where else problem
+        if fix:
+            text += f" ({fix})"
         return text
 
     def in_file(self, file: str) -> "InputError":

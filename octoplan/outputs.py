@@ -15,7 +15,7 @@ from pathlib import Path
 
 from octoplan.errors import InputError
 
-__all__ = ["check_writable", "write_text"]
+__all__ = ["check_writable", "check_distinct", "write_text"]
 
 
 def _cannot(path: Path, flag: str | None, exc: OSError) -> InputError:
@@ -23,17 +23,27 @@ def _cannot(path: Path, flag: str | None, exc: OSError) -> InputError:
     return InputError(str(path), None, f"{what}: {exc.strerror or exc}", "give a writable file path")
 
 
+def _target(path: str | Path) -> Path:
+    """Where writing ``path`` lands: a symbolic link's target, not the link (which the rename
+    of :func:`write_text` would otherwise replace by a file)."""
+    target = Path(path)
+    return target.resolve() if target.is_symlink() else target
+
+
 def check_writable(path: str | Path, flag: str | None = None, *, inputs: tuple[str | Path | None, ...] = ()) -> None:
     """Fail now, not after the work, when ``path`` cannot be written. Creates missing folders
     and a throw-away file beside ``path`` (never ``path`` itself, so several processes may check
     one path at once). ``inputs``: files the command reads, which ``path`` must not overwrite."""
-    target = Path(path)
+    target = _target(path)
     for source in inputs:
         if source is not None and target.exists() and Path(source).exists() and target.samefile(source):
-            raise InputError(str(target), None, f"{flag or '-o'} names the input file {source}, which writing would destroy",
+            raise InputError(str(path), None, f"{flag or '-o'} names the input file {source}, which writing would destroy",
                              "write to another file")
     if target.is_dir():
-        raise InputError(str(target), None, f"{flag or 'the output'} names a folder", "give a file path")
+        raise InputError(str(path), None, f"{flag or 'the output'} names a folder", "give a file path")
+    if target.exists() and not target.is_file():  # a device or FIFO would be replaced by a plain file
+        raise InputError(str(path), None, f"{flag or 'the output'} names a device, FIFO or socket, not a file",
+                         "give a file path")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".check", dir=target.parent)
@@ -43,6 +53,20 @@ def check_writable(path: str | Path, flag: str | None = None, *, inputs: tuple[s
             raise PermissionError(13, "Permission denied", str(target))
     except OSError as exc:
         raise _cannot(target, flag, exc) from None
+
+
+def check_distinct(outputs: dict[str, str | Path | None]) -> None:
+    """Two outputs of one command (``{flag: path}``) must not name one file: the second
+    written would silently replace the first."""
+    seen: dict[Path, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        key = _target(path).absolute()
+        if key in seen:
+            raise InputError(str(path), None, f"{flag} names the file {seen[key]} names too, so one output would be lost",
+                             "give each output its own file")
+        seen[key] = flag
 
 
 def _mode_for(target: Path) -> int:
@@ -58,7 +82,7 @@ def write_text(path: str | Path, text: str, *, flag: str | None = None, newline:
     """Write ``text`` to ``path`` atomically: on any failure the old file (if any) is untouched
     and no partial file remains. ``newline`` as for :func:`open` (``""``: write line endings
     as they are, which the csv module needs)."""
-    target = Path(path)
+    target = _target(path)
     probe = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

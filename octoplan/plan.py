@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 
 from octoplan.errors import InputError
 from octoplan.ops import Kind, Op, format_ops, parse_op
-from octoplan.profile import ModelRef, Profile, load_profile
+from octoplan.profile import MEMORY_GB_RANGE, ModelRef, Profile, load_profile
 from octoplan.yamlio import Fields, file_sha256, read_yaml, write_yaml
 
 __all__ = [
@@ -48,7 +48,7 @@ MAX_GPUS = 1 << 20
 # The range of each cluster figure, for plan files and the command line alike: wide enough
 # for any machine, narrow enough that times and byte counts stay finite.
 CLUSTER_RANGES = {
-    "memory_gb": (0.0, 1e6),  # up to a petabyte per GPU
+    "memory_gb": MEMORY_GB_RANGE,
     "intra_node_gbps": (1e-9, 1e15),  # 1e12 and more: transfers as good as free
     "inter_node_gbps": (1e-9, 1e15),
     "latency_us": (0.0, 1e9),  # up to 1000 s

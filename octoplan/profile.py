@@ -14,6 +14,10 @@ from typing import Any, Callable
 from octoplan.errors import InputError
 from octoplan.yamlio import Fields, read_yaml, write_yaml
 
+# GB per GPU a profile's device or a cluster may have: up to a petabyte (octoplan.plan's
+# CLUSTER_RANGES holds the same range for plan files and the command line)
+MEMORY_GB_RANGE = (0.0, 1e6)
+
 __all__ = [
     "PROFILE_FORMAT",
     "Layer",
@@ -167,8 +171,8 @@ def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profi
     if not isinstance(config, dict):
         raise InputError(file, "model.config", "must be a mapping", "write key: value pairs")
     device = top.mapping("device", {})
-    if device.has("memory_gb"):
-        device.number("memory_gb")
+    if device.has("memory_gb"):  # the default of --memory-gb: the same range
+        device.number("memory_gb", minimum=MEMORY_GB_RANGE[0], maximum=MEMORY_GB_RANGE[1])
     raw_layers = top.list("layers")
     if not raw_layers:
         raise InputError(file, "layers", "is empty", "a profile needs at least one layer")

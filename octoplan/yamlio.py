@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from octoplan.errors import InputError
+from octoplan.inputs import read_input_bytes, read_input_text
 from octoplan.outputs import write_text
 
 __all__ = ["read_yaml", "write_yaml", "file_sha256", "Fields"]
@@ -55,11 +56,9 @@ def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise InputError(str(path), None, f"no such {what} file", "check the path")
+    text = read_input_text(path, fix=f"give a {what} YAML file")
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader)
-    except (OSError, UnicodeDecodeError) as exc:
-        problem = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not readable as UTF-8 text"
-        raise InputError(str(path), None, f"cannot read the {what} file: {problem}", f"give a {what} YAML file") from None
+        data = yaml.load(text, Loader=_Loader)
     except RecursionError:
         raise InputError(str(path), None, f"nested too deeply to be a {what} file", f"give a {what} YAML file") from None
     except yaml.YAMLError as exc:
@@ -90,7 +89,7 @@ def write_yaml(path: str | Path, data: dict[str, Any]) -> None:
 
 
 def file_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return hashlib.sha256(read_input_bytes(path, fix="give the profile file")).hexdigest()
 
 
 class Fields:

@@ -33,7 +33,7 @@ from octoplan.costs import LayerTable, op_ms, plan_stage_costs
 from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.ops import Kind, Op
-from octoplan.outputs import check_writable, write_text
+from octoplan.outputs import check_distinct, check_writable, write_text
 from octoplan.plan import MAX_GPUS, Plan, load_plan, load_plan_profile, resolve_profile_path
 from octoplan.validate import check_runnable
 from octorun.comm import RECEIVE_LAST_RESORT, Channel, Transport, wait_work
@@ -144,9 +144,13 @@ def prepare(config: RunConfig) -> Prepared:
     if plan.stages[-1].end != num_layers:
         raise InputError(config.plan_path, "stages", f"cover {plan.stages[-1].end} layers but {model.path} has {num_layers}",
                          "re-plan from a profile of this model file")
+    check_distinct({"--metrics": config.metrics_path, "--trace": config.trace_path})
+    # the files the job reads, which neither output may overwrite (the model file too)
+    inputs = (config.plan_path, resolve_profile_path(plan, config.plan_path),
+              None if config.replay_time_scale is not None else model.path)
     for flag, path in (("--metrics", config.metrics_path), ("--trace", config.trace_path)):
         if path:  # last: a file is created only once everything else is known to be good
-            check_writable(path, flag)
+            check_writable(path, flag, inputs=inputs)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan))
 

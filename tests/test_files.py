@@ -278,6 +278,86 @@ def test_an_output_over_the_input_profile_is_refused(profile_file, tmp_path):
         assert path.read_bytes() == before
 
 
+@pytest.mark.parametrize("command", [
+    ["show", "{plan}", "--trace", "{out}"], ["show", "{plan}", "--svg", "{out}"], ["justify", "{plan}", "-o", "{out}"],
+    ["bound", "{plan}", "--time-limit", "1", "-o", "{out}"], ["export", "{plan}", "-o", "{out}"],
+])
+@pytest.mark.parametrize("victim", ["plan", "profile"])
+def test_no_output_overwrites_the_plan_or_the_profile_it_names(baseline_files, command, victim):
+    ppath, plan = baseline_files
+    target = plan if victim == "plan" else ppath
+    before = target.read_bytes()
+    run = _octoplan(*[part.format(plan=plan, out=target) for part in command])
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert f"names the input file {target}" in run.stderr
+    assert target.read_bytes() == before
+
+
+def test_two_outputs_on_one_file_are_refused(baseline_files, tmp_path):
+    _, plan = baseline_files
+    run = _octoplan("show", plan, "--svg", tmp_path / "both", "--trace", tmp_path / "both")
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "--trace names the file --svg names too" in run.stderr
+    assert not (tmp_path / "both").exists()
+
+
+def test_an_output_through_a_link_writes_its_target_and_a_fifo_is_refused(profile_file, tmp_path):
+    path = profile_file(make_profile([(1, 1, 1)] * 4))
+    (tmp_path / "real.yaml").write_text("old")
+    (tmp_path / "link.yaml").symlink_to(tmp_path / "real.yaml")
+    run = _octoplan("baseline", path, "--gpus", 2, "--schedule", "1f1b", "-o", tmp_path / "link.yaml")
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "link.yaml").is_symlink()  # the link stays a link; its target holds the plan
+    assert load_plan(tmp_path / "real.yaml").pp == 2
+    os.mkfifo(tmp_path / "fifo")
+    run = _octoplan("baseline", path, "--gpus", 2, "--schedule", "1f1b", "-o", tmp_path / "fifo")
+    assert run.returncode == 2 and "names a device, FIFO or socket" in run.stderr, run.stderr
+    assert not (tmp_path / "fifo").is_file()
+
+
+def test_inputs_that_never_end_are_refused_not_read(tmp_path):
+    os.mkfifo(tmp_path / "fifo")  # opening it would block until a writer came
+    for source in ("/dev/zero", tmp_path / "fifo"):
+        run = subprocess.run([sys.executable, "-m", "octoplan.cli", "simulate", str(source)], capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 2, run.stderr
+        assert run.stderr == f"error: {source}: is not an ordinary file (a device, FIFO or socket) (give a plan YAML file)\n"
+
+
+def test_a_huge_bad_value_is_echoed_cut_short(tmp_path):
+    (tmp_path / "long.yaml").write_text("format: " + "x" * 1_000_000 + "\n")
+    run = _octoplan("validate", tmp_path / "long.yaml")
+    assert run.returncode == 2 and run.stderr.count("\n") == 1
+    assert len(run.stderr) < 1500 and "characters]..." in run.stderr
+
+
+def test_a_device_memory_out_of_range_names_the_profile_not_a_flag(tmp_path, profile_file):
+    path = profile_file(make_profile([(1, 1, 1)] * 4))
+    data = yaml.safe_load(path.read_text())
+    data["device"] = {"name": "x", "memory_gb": 1e300}
+    path.write_text(yaml.safe_dump(data))
+    run = _octoplan("baseline", path, "--gpus", 2, "--schedule", "1f1b", "-o", tmp_path / "b.yaml")
+    assert run.returncode == 2
+    assert run.stderr == f"error: {path}: device.memory_gb: must be <= 1e+06, got 1e+300 (use a value <= 1e+06)\n"
+
+
+def test_chunks_is_refused_for_every_schedule_that_fixes_its_own(profile_file, tmp_path):
+    path = profile_file(make_profile([(1, 1, 1)] * 8))
+    for schedule, chunks in (("1f1b", 1), ("gpipe", 1), ("zbv", 2), ("dualpipev", 2)):
+        run = _octoplan("baseline", path, "--gpus", 2, "--schedule", schedule, "--chunks", chunks, "-o", tmp_path / "c.yaml")
+        assert run.returncode == 2 and "drop --chunks" in run.stderr, (schedule, run.stderr)
+
+
+def test_tune_with_a_huge_chunks_max_and_layers_of_no_time_still_ends(profile_file, tmp_path):
+    # --chunks-max 1000 used to build interleaved orders of up to 1000 chunks (minutes), and a
+    # profile of 0 ms layers divided by zero in the summary
+    path = profile_file(make_profile([(0, 0, 0)] * 8))
+    run = subprocess.run([sys.executable, "-m", "octoplan.cli", "tune", str(path), "--gpus", "2", "--pp", "2", "--chunks-max", "1000",
+                          "--max-plans", "30", "-o", str(tmp_path / "t.yaml")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert load_plan(tmp_path / "t.yaml").pp == 2
+
+
 def test_an_output_that_cannot_be_written_is_refused_before_the_search(profile_file, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -93,6 +93,18 @@ def test_a_model_file_found_wrong_while_training_exits_2_with_one_line(tmp_path)
     ]
 
 
+def test_metrics_and_trace_overwrite_no_input_and_not_each_other(tmp_path):
+    plan = _two_rank_plan(tmp_path)
+    model = tmp_path / "tiny_model.py"
+    source = model.read_text()
+    for flag, target in (("metrics_path", model), ("trace_path", plan)):
+        with pytest.raises(InputError, match=f"names the input file {target}"):
+            prepare(RunConfig(plan_path=str(plan), **{flag: str(target)}))
+    with pytest.raises(InputError, match="--trace names the file --metrics names too"):
+        prepare(RunConfig(plan_path=str(plan), metrics_path=str(tmp_path / "m"), trace_path=str(tmp_path / "m")))
+    assert model.read_text() == source
+
+
 def _launch_fault(tmp_path: Path, fault: dict, *, timeout_s: float = 5.0) -> h.Launch:
     plan = _two_rank_plan(tmp_path)
     job = h.Job("faulty", RunConfig(plan_path=str(plan), steps=2, timeout_s=timeout_s), fault=fault)

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from rich.table import Table
 
 from octoplan.errors import InputError
+from octoplan.inputs import read_input_text
 from octoplan.ops import Kind, Op, parse_op
 from octoplan.outputs import write_text
 from octoplan.plan import Plan, Stage
@@ -131,12 +132,9 @@ def write_trace(plan: Plan, result: SimResult, path: str | Path) -> None:
 
 def _read_events(path: Path) -> list[Any]:
     file = str(path)
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(file, 0, "no such file", "pass the trace octorun --trace wrote") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(file, 0, f"cannot be read ({exc})", "pass a Chrome trace-event JSON file") from None
+    if not path.exists():
+        raise InputError(file, 0, "no such file", "pass the trace octorun --trace wrote")
+    raw = read_input_text(path, field=0, fix="pass a Chrome trace-event JSON file")
     try:
         doc = json.loads(raw)
     except json.JSONDecodeError as exc:

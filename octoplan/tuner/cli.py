@@ -78,7 +78,7 @@ def _verdict(result, memory_gb: float) -> str:
     best = result.best_baseline()
     if best is None:
         return f"no baseline fits {memory_gb:g} GB per GPU; the tuned plan does"
-    ratio = best.scored.iteration_ms / result.scored.iteration_ms
+    ratio = best.scored.iteration_ms / result.scored.iteration_ms if result.scored.iteration_ms > 0 else 1.0
     tie = ": the search found nothing faster than this baseline" if ratio < 1.0005 else ""
     return (f"fastest baseline that fits: {_label(best)} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
             f"the tuned plan is {ratio:.3f}x faster{tie}")
@@ -178,7 +178,7 @@ def register(app: typer.Typer) -> None:
         bound = result.stats["order_bound_ms"]
         console.print(f"a quick bound (each rank alone, any memory): no op order of these stages and placement beats "
                       f"{bound:.2f} ms, so reordering could save at most "
-                      f"{max(0.0, 1 - bound / plan.predicted['iteration_ms']):.1%}; `octoplan bound {escape(str(output))}` "
+                      f"{max(0.0, 1 - bound / plan.predicted['iteration_ms']) if plan.predicted['iteration_ms'] > 0 else 0.0:.1%}; `octoplan bound {escape(str(output))}` "
                       f"proves a tighter bound with CP-SAT and searches for such an order", soft_wrap=True)
 
     @app.command()

@@ -186,9 +186,11 @@ def _baseline_candidates(profile: Profile, cluster: Cluster, config: Config, chu
         spec = get_schedule(schedule)
         if config.microbatches < spec.min_microbatches(config.pp):
             continue  # the schedule does not apply here (too few microbatches)
+        num_stages = spec.num_stages(config.pp, chunks)
+        if num_stages > profile.num_layers:
+            continue  # before generating an order: --chunks-max may be large
         order = tuple(tuple(ops) for ops in spec.generate(config.pp, config.microbatches, chunks))
         try:
-            num_stages = spec.num_stages(config.pp, chunks)
             pairs = partition(profile, num_stages, partition_method, fused_backward=not splits_backward(order))
         except (InputError, ValueError):
             continue  # too few layers for the schedule's stages
@@ -407,6 +409,8 @@ def tune(
         raise InputError(None, "--chunks-max", f"is {opts.chunks_max}", "allow at least 1 stage per rank")
     if opts.workers < 1:
         raise InputError(None, "--workers", f"is {opts.workers}", "use at least 1 process")
+    # no rank can hold more stages than there are layers: a larger --chunks-max changes nothing
+    opts = replace(opts, chunks_max=min(opts.chunks_max, profile.num_layers))
     configs = configs_for(profile, opts)
     if cluster.gpus != opts.gpus:
         cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
@@ -533,8 +537,9 @@ def tune(
         "busiest_recompute_ms": round(sum(_again_ms(evaluator, best, op.stage) for op in plan.schedule[busiest]
                                           if op.kind in (Kind.I, Kind.B)), 4),
         "lower_bound_ms": round(timeline.lower_bound_ms, 4),
-        "balance": round(timeline.lower_bound_ms / timeline.busy_ms[busiest], 4),
-        "schedule": round(timeline.busy_ms[busiest] / timeline.iteration_ms, 4),
+        # a profile of layers that take no time makes every plan perfect: 1, not a division by 0
+        "balance": round(timeline.lower_bound_ms / timeline.busy_ms[busiest], 4) if timeline.busy_ms[busiest] else 1.0,
+        "schedule": round(timeline.busy_ms[busiest] / timeline.iteration_ms, 4) if timeline.iteration_ms else 1.0,
         "busiest_idle_ms": {"warm_up": round(warm_up, 4), "between": round(between, 4), "drain": round(drain, 4)},
         "dimensions": list(opts.dimensions),
         "cpsat": cpsat_stats,

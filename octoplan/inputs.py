@@ -1,0 +1,51 @@
+"""Input files: read whole, and only when they are ordinary files of a sane size.
+
+A plan, profile or trace is read into memory at once. ``/dev/zero``, a FIFO or a terminal
+would never end (a command must never hang), and a stray multi-gigabyte file would take the
+machine's memory before any parse error could name it; both are refused up front instead.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from octoplan.errors import InputError
+
+__all__ = ["MAX_INPUT_BYTES", "read_input_text", "read_input_bytes"]
+
+# Far above any plan, profile or trace of a 1024-GPU job (a trace of 1024 ranks x 2048 ops is
+# about 200 MB), far below what would exhaust the memory of the machines octoplan runs on.
+MAX_INPUT_BYTES = 1 << 30
+
+
+def read_input_bytes(path: str | Path, *, field: str | int | None = None, fix: str) -> bytes:
+    """The bytes of ``path``; :class:`InputError` (naming ``fix``) when it is missing, not an
+    ordinary file, larger than :data:`MAX_INPUT_BYTES`, or unreadable."""
+    file = str(path)
+    try:
+        info = os.stat(path)  # before opening: opening a FIFO without a writer blocks
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError()
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(file, field, "is not an ordinary file (a device, FIFO or socket)", fix)
+        if info.st_size > MAX_INPUT_BYTES:
+            raise InputError(file, field, f"is {info.st_size / 2**30:.1f} GiB, more than the "
+                             f"{MAX_INPUT_BYTES // 2**30} GiB an input file may have", fix)
+        with open(path, "rb") as handle:
+            return handle.read(MAX_INPUT_BYTES)
+    except FileNotFoundError:
+        raise InputError(file, field, "no such file", fix) from None
+    except IsADirectoryError:
+        raise InputError(file, field, "is a folder", fix) from None
+    except OSError as exc:
+        raise InputError(file, field, f"cannot be read: {exc.strerror or exc}", fix) from None
+
+
+def read_input_text(path: str | Path, *, field: str | int | None = None, fix: str) -> str:
+    """:func:`read_input_bytes` decoded as UTF-8."""
+    try:
+        return read_input_bytes(path, field=field, fix=fix).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(str(path), field, "is not readable as UTF-8 text", fix) from None
