@@ -15,7 +15,7 @@ from pathlib import Path
 
 from octoplan.errors import InputError
 
-__all__ = ["check_writable", "check_distinct", "write_text"]
+__all__ = ["check_writable", "check_distinct", "write_text", "StreamedOutput"]
 
 
 def _cannot(path: Path, flag: str | None, exc: OSError) -> InputError:
@@ -99,3 +99,35 @@ def write_text(path: str | Path, text: str, *, flag: str | None = None, newline:
             # the write already failed and says why; a temporary file that will not go is no news
             with contextlib.suppress(OSError):
                 os.unlink(probe)
+
+
+class StreamedOutput:
+    """A file written line by line over a long run (octorun's metrics), yet whole or not at
+    all: the lines go to ``PATH.partial`` as they come (flushed, so a watcher sees them), which
+    replaces ``PATH`` when the run ends well. A run that fails, is interrupted or is killed
+    leaves any old ``PATH`` as it was and its own lines in ``PATH.partial``."""
+
+    def __init__(self, path: str | Path, *, flag: str | None = None):
+        self.target = _target(path)
+        self.partial = self.target.with_name(self.target.name + ".partial")
+        self.flag = flag
+        try:
+            self._out = open(self.partial, "w", encoding="utf-8")
+        except OSError as exc:
+            raise _cannot(self.partial, flag, exc) from None
+
+    def write_line(self, line: str) -> None:
+        self._out.write(line + "\n")
+        self._out.flush()
+
+    def commit(self) -> None:
+        """The run ended well: the lines become ``PATH``."""
+        self._out.close()
+        try:
+            os.replace(self.partial, self.target)
+        except OSError as exc:
+            raise _cannot(self.target, self.flag, exc) from None
+
+    def close(self) -> None:
+        """Without :meth:`commit`: keep ``PATH.partial`` as it is."""
+        self._out.close()

@@ -65,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.stderr.write(f"octorun: rank {os.environ.get('RANK', '?')}: {exc}\n")
         sys.exit(1)
     except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":  # every process gets the signal: one of them speaks
+            kept = f"; {args.metrics} is left as it was, this run's steps are in {args.metrics}.partial" if args.metrics else ""
+            sys.stderr.write(f"octorun: interrupted{kept}\n")
         sys.exit(130)
     if result.global_rank == 0:
         for m in result.metrics:

@@ -33,7 +33,7 @@ from octoplan.costs import LayerTable, op_ms, plan_stage_costs
 from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.ops import Kind, Op
-from octoplan.outputs import check_distinct, check_writable, write_text
+from octoplan.outputs import StreamedOutput, check_distinct, check_writable, write_text
 from octoplan.plan import MAX_GPUS, Plan, load_plan, load_plan_profile, resolve_profile_path
 from octoplan.validate import check_runnable
 from octorun.comm import RECEIVE_LAST_RESORT, Channel, Transport, wait_work
@@ -569,7 +569,7 @@ class _Interpreter:
     def train(self) -> tuple[StepMetrics, ...]:
         self.transport.start()
         metrics: list[StepMetrics] = []
-        metrics_file = open(self.config.metrics_path, "w") if self.config.metrics_path and self.me == 0 else None
+        metrics_file = StreamedOutput(self.config.metrics_path, flag="--metrics") if self.config.metrics_path and self.me == 0 else None
         try:
             for step in range(self.config.steps):
                 record = self.step(step)
@@ -586,10 +586,11 @@ class _Interpreter:
                 metrics.append(step_metrics)
                 log.info("step %d loss %.6f iteration %.2f ms", step, step_metrics.loss, step_metrics.iteration_ms)
                 if metrics_file:
-                    metrics_file.write(json.dumps(step_metrics.to_dict()) + "\n")
-                    metrics_file.flush()
+                    metrics_file.write_line(json.dumps(step_metrics.to_dict()))
                 if self.config.trace_path and step == self.config.steps - 1:
                     _write_trace(self.config.trace_path, gathered)
+            if metrics_file:
+                metrics_file.commit()
         finally:
             if metrics_file:
                 metrics_file.close()

@@ -3,6 +3,7 @@ bad input exits 2 with one line and no traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -91,6 +92,28 @@ def test_a_model_file_found_wrong_while_training_exits_2_with_one_line(tmp_path)
         f"octorun: rank 0: op 0F0 of step 0: {model_path}: loss_fn: returned (2, 5), not a scalar tensor "
         "(reduce the loss with .mean())"
     ]
+
+
+def test_a_run_that_fails_leaves_an_old_metrics_file_as_it_was(tmp_path):
+    model_path, config = h.model_spec("tiny", tmp_path)
+    source = model_path.read_text().replace("def loss_fn(logits, targets):\n",
+                                            "_CALLS = []\n\ndef loss_fn(logits, targets):\n"
+                                            "    _CALLS.append(1)\n"
+                                            "    if len(_CALLS) == 2:\n"
+                                            "        raise RuntimeError('the second step breaks')\n")
+    model_path.write_text(source)
+    plan = h.make_plan(model_path, config, stages=[(0, 6, 0)], schedule=["0F0 0B0"], microbatches=1)
+    save_plan(plan, tmp_path / "one.yaml")
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("OLD\n")
+    done = _octorun(str(tmp_path / "one.yaml"), "--steps", "3", "--metrics", str(metrics))
+    assert done.returncode == 1 and "the second step breaks" in done.stderr, done.stderr
+    assert metrics.read_text() == "OLD\n"
+    assert [json.loads(line)["step"] for line in (tmp_path / "m.jsonl.partial").read_text().splitlines()] == [0]
+    done = _octorun(str(tmp_path / "one.yaml"), "--steps", "1", "--metrics", str(metrics))  # _CALLS starts anew
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0]
+    assert not (tmp_path / "m.jsonl.partial").exists()
 
 
 def test_metrics_and_trace_overwrite_no_input_and_not_each_other(tmp_path):
