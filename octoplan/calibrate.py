@@ -33,7 +33,7 @@ from pathlib import Path
 from octoplan.costs import LayerTable, op_ms, plan_stage_costs
 from octoplan.errors import InputError
 from octoplan.ops import Kind, Op
-from octoplan.plan import Plan
+from octoplan.plan import CLUSTER_RANGES, Plan
 from octoplan.profile import Profile
 from octoplan.timeline.trace import measured_ops
 
@@ -235,7 +235,14 @@ def calibrate(plan: Plan, profile: Profile, trace_path: str | Path) -> Calibrati
     if plan.parallel.pp < 2:
         raise InputError(str(trace_path), "parallel.pp", f"is {plan.parallel.pp}: nothing is sent between ranks",
                          "calibrate from the trace of a plan with 2 or more pipeline ranks")
-    return calibration_of(split_trace(plan, profile, trace_path))
+    found = calibration_of(split_trace(plan, profile, trace_path))
+    # figures no cluster option accepts: the trace's times are not those of a run
+    for name, ms in (("latency_us", found.latency_ms), ("op_overhead_us", found.op_overhead_ms)):
+        high = CLUSTER_RANGES[name][1]
+        if ms is not None and not 1000 * ms <= high:
+            raise InputError(str(trace_path), "traceEvents", f"imply {name} {1000 * ms:.3g}, beyond the {high:g} any plan "
+                             "accepts", "pass the trace octorun --trace wrote for this plan")
+    return found
 
 
 def calibration_of(split: TraceSplit) -> Calibration:

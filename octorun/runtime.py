@@ -47,6 +47,11 @@ __all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run"
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("sgd", "adamw")
+# Far beyond any run of one octorun job, small enough that a typo is caught (a job of 10**20
+# steps would only ever end by being killed)
+MAX_STEPS = 10**7
+# Samples per microbatch of a plan without a profile (one the sample batch must fit in memory)
+MAX_MICROBATCH_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -120,8 +125,8 @@ def prepare(config: RunConfig) -> Prepared:
     """
     if config.optimizer not in OPTIMIZERS:
         raise InputError(None, "--optimizer", f"is {config.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
-    if config.steps < 1:
-        raise InputError(None, "--steps", f"is {config.steps}", "train at least one step")
+    if not 1 <= config.steps <= MAX_STEPS:
+        raise InputError(None, "--steps", f"is {config.steps}", f"train 1 to {MAX_STEPS} steps")
     if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
         raise InputError(None, "--timeout", f"is {config.timeout_s}", "give a positive number of seconds")
     if not (math.isfinite(config.lr) and config.lr >= 0):
@@ -161,8 +166,8 @@ def _microbatch_size(plan: Plan, plan_path: str) -> int:
     if resolve_profile_path(plan, plan_path) is not None:
         return load_plan_profile(plan, plan_path).microbatch_size
     size = plan.extra.get("microbatch_size", 1)
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise InputError(plan_path, "microbatch_size", f"is {size!r}", "write a positive integer")
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_MICROBATCH_SIZE:
+        raise InputError(plan_path, "microbatch_size", f"is {size!r}", f"write a whole number from 1 to {MAX_MICROBATCH_SIZE}")
     return size
 
 
@@ -173,7 +178,8 @@ def _replay_model(plan: Plan, config: RunConfig) -> ModelFile:
 
     profile_path = resolve_profile_path(plan, config.plan_path)
     if profile_path is None:
-        raise InputError(config.plan_path, "profile", f"profile {plan.profile!r} not found", "--replay needs the plan's profile")
+        problem = f"profile {plan.profile!r} not found" if plan.profile else "is missing"
+        raise InputError(config.plan_path, "profile", problem, "--replay needs the plan's profile")
     profile = load_plan_profile(plan, config.plan_path)  # the hash and layer count must still match
     # a replayed op sleeps its profiled time x scale; one longer than --timeout would trip the
     # watchdog of every process waiting on it, blaming a wait instead of the scale

@@ -61,6 +61,18 @@ def test_clock_offsets_cancel_both_ways(tmp_path):
     assert calibrate(plan, PROFILE, path).latency_ms == pytest.approx(0.8, abs=1e-9)
 
 
+def test_times_no_run_could_have_are_bad_input(tmp_path):
+    plan, path = _simulated_trace(tmp_path, "1f1b", 100.0, 0.0)
+    doc = json.loads(path.read_text())
+    ops = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") in "FIWB"]
+    ops[-1]["dur"] = 1e300  # one op lasting 10^294 s: the median excess stays sane, the mean gap does not
+    for event in ops:
+        event["ts"] = 1e300 if event is ops[0] else event["ts"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="beyond the 1e\\+09 any plan accepts"):
+        calibrate(plan, PROFILE, path)
+
+
 def test_a_trace_of_another_plan_is_bad_input(tmp_path):
     plan, _ = _simulated_trace(tmp_path, "1f1b", 100.0, 0.0)
     other = make_baseline(PROFILE, schedule="1f1b", gpus=4, microbatches=2, cluster=plan.cluster)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 import runtime_helpers as h
 from octoplan.errors import InputError
@@ -92,6 +93,21 @@ def test_a_model_file_found_wrong_while_training_exits_2_with_one_line(tmp_path)
         f"octorun: rank 0: op 0F0 of step 0: {model_path}: loss_fn: returned (2, 5), not a scalar tensor "
         "(reduce the loss with .mean())"
     ]
+
+
+def test_counts_beyond_any_run_and_a_replay_without_a_profile_are_bad_input(tmp_path):
+    plan = _two_rank_plan(tmp_path)
+    with pytest.raises(InputError, match=r"--steps: is 100000000000000000000 \(train 1 to 10000000 steps\)"):
+        prepare(RunConfig(plan_path=str(plan), steps=10**20))
+    data = yaml.safe_load(plan.read_text())
+    data["microbatch_size"] = 10**12
+    plan.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError, match="microbatch_size: is 1000000000000"):
+        prepare(RunConfig(plan_path=str(plan)))
+    data["microbatch_size"] = 2
+    plan.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError, match=r"profile: is missing \(--replay needs the plan's profile\)"):
+        prepare(RunConfig(plan_path=str(plan), replay_time_scale=1.0))
 
 
 def test_a_run_that_fails_leaves_an_old_metrics_file_as_it_was(tmp_path):
