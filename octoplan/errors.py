@@ -11,8 +11,9 @@ __all__ = ["InputError"]
 
 
 # A part of the line longer than this is cut in its middle: a bad value echoed back may be a
-# whole file's worth (a 50 MB line of YAML), and the line must stay one that can be read.
-_PART_CHARS = 400
+# whole file's worth (a 50 MB line of YAML), and the line must stay one that can be read. Far
+# above what octoplan's own texts need (a deadlock's waits on 16 ranks: about 700 characters).
+_PART_CHARS = 4000
 
 
 def _clipped(part):

@@ -33,8 +33,14 @@ def read_input_bytes(path: str | Path, *, field: str | int | None = None, fix: s
         if info.st_size > MAX_INPUT_BYTES:
             raise InputError(file, field, f"is {info.st_size / 2**30:.1f} GiB, more than the "
                              f"{MAX_INPUT_BYTES // 2**30} GiB an input file may have", fix)
-        with open(path, "rb") as handle:
-            return handle.read(MAX_INPUT_BYTES)
+        with open(path, "rb") as handle:  # in chunks: read(n) would reserve n bytes at once
+            chunks, size = [], 0
+            while chunk := handle.read(1 << 20):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_INPUT_BYTES:  # a file that grows, or one whose size stat does not tell (/proc)
+                    raise InputError(file, field, f"is more than the {MAX_INPUT_BYTES // 2**30} GiB an input file may have", fix)
+            return b"".join(chunks)
     except FileNotFoundError:
         raise InputError(file, field, "no such file", fix) from None
     except IsADirectoryError:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from octoplan.errors import InputError
 
-__all__ = ["check_writable", "check_distinct", "write_text", "StreamedOutput"]
+__all__ = ["check_writable", "check_distinct", "write_text", "StreamedOutput", "partial_path"]
 
 
 def _cannot(path: Path, flag: str | None, exc: OSError) -> InputError:
@@ -27,7 +27,8 @@ def _target(path: str | Path) -> Path:
     """Where writing ``path`` lands: a symbolic link's target, not the link (which the rename
     of :func:`write_text` would otherwise replace by a file)."""
     target = Path(path)
-    return target.resolve() if target.is_symlink() else target
+    # realpath, not Path.resolve: a loop of links is no error here; it then fails to be written
+    return Path(os.path.realpath(target)) if target.is_symlink() else target
 
 
 def check_writable(path: str | Path, flag: str | None = None, *, inputs: tuple[str | Path | None, ...] = ()) -> None:
@@ -39,6 +40,8 @@ def check_writable(path: str | Path, flag: str | None = None, *, inputs: tuple[s
         if source is not None and target.exists() and Path(source).exists() and target.samefile(source):
             raise InputError(str(path), None, f"{flag or '-o'} names the input file {source}, which writing would destroy",
                              "write to another file")
+    if target.is_symlink():  # still a link after following links: a loop of them
+        raise InputError(str(path), None, f"{flag or 'the output'} names a loop of symbolic links", "give a file path")
     if target.is_dir():
         raise InputError(str(path), None, f"{flag or 'the output'} names a folder", "give a file path")
     if target.exists() and not target.is_file():  # a device or FIFO would be replaced by a plain file
@@ -62,7 +65,7 @@ def check_distinct(outputs: dict[str, str | Path | None]) -> None:
     for flag, path in outputs.items():
         if path is None:
             continue
-        key = _target(path).absolute()
+        key = Path(os.path.realpath(path))  # a/../m and a link to a folder name one file too
         if key in seen:
             raise InputError(str(path), None, f"{flag} names the file {seen[key]} names too, so one output would be lost",
                              "give each output its own file")
@@ -101,6 +104,12 @@ def write_text(path: str | Path, text: str, *, flag: str | None = None, newline:
                 os.unlink(probe)
 
 
+def partial_path(path: str | Path) -> Path:
+    """Where :class:`StreamedOutput` writes ``path``'s lines until the run ends well."""
+    target = _target(path)
+    return target.with_name(target.name + ".partial")
+
+
 class StreamedOutput:
     """A file written line by line over a long run (octorun's metrics), yet whole or not at
     all: the lines go to ``PATH.partial`` as they come (flushed, so a watcher sees them), which
@@ -109,7 +118,7 @@ class StreamedOutput:
 
     def __init__(self, path: str | Path, *, flag: str | None = None):
         self.target = _target(path)
-        self.partial = self.target.with_name(self.target.name + ".partial")
+        self.partial = partial_path(path)
         self.flag = flag
         try:
             self._out = open(self.partial, "w", encoding="utf-8")
@@ -124,6 +133,7 @@ class StreamedOutput:
         """The run ended well: the lines become ``PATH``."""
         self._out.close()
         try:
+            os.chmod(self.partial, _mode_for(self.target))  # the old file's permissions, as write_text keeps them
             os.replace(self.partial, self.target)
         except OSError as exc:
             raise _cannot(self.target, self.flag, exc) from None

@@ -17,6 +17,8 @@ from octoplan.yamlio import Fields, read_yaml, write_yaml
 # GB per GPU a profile's device or a cluster may have: up to a petabyte (octoplan.plan's
 # CLUSTER_RANGES holds the same range for plan files and the command line)
 MEMORY_GB_RANGE = (0.0, 1e6)
+# Samples per microbatch: far beyond any run, small enough that a batch of them can be built
+MAX_MICROBATCH_SIZE = 1 << 20
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -190,7 +192,7 @@ def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profi
         model=ModelRef(name=model.str("name"), source=model.str("source", None), config=dict(config)),
         layers=layers,
         device=dict(device.data),
-        microbatch_size=top.int("microbatch_size", 1, minimum=1),
+        microbatch_size=top.int("microbatch_size", 1, minimum=1, maximum=MAX_MICROBATCH_SIZE),
         dtype=dtype,
         extra={k: v for k, v in data.items() if k not in known},
     )

@@ -151,7 +151,8 @@ class Fields:
             raise self._error(key, f"must be >= {minimum}, got {value}", f"use a value >= {minimum}")
         if maximum is not None and value > maximum:
             got = f"{value:.3g}" if value < 10**300 else f"a {len(str(value))}-digit number"
-            raise self._error(key, f"must be <= {maximum:.3g}, got {got}", f"use a value <= {maximum:.3g}")
+            limit = str(maximum) if maximum < 10**15 else f"{maximum:.3g}"  # whole numbers as they are
+            raise self._error(key, f"must be <= {limit}, got {got}", f"use a value <= {limit}")
         return value
 
     def bool(self, key: str, default: Any = ...) -> bool:

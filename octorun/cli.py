@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":  # every process gets the signal: one of them speaks
-            kept = f"; {args.metrics} is left as it was, this run's steps are in {args.metrics}.partial" if args.metrics else ""
+            kept = " (--metrics replaces its file only when a run ends well)" if args.metrics else ""
             sys.stderr.write(f"octorun: interrupted{kept}\n")
         sys.exit(130)
     if result.global_rank == 0:

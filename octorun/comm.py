@@ -47,7 +47,7 @@ import torch.distributed as dist
 from octorun.lowering import ACT, GRAD, Message
 from octorun.watchdog import gist
 
-__all__ = ["Channel", "Mailbox", "Transport", "ShapeChanged", "encode_header", "decode_header", "layout_of", "wait_work",
+__all__ = ["Channel", "Mailbox", "Transport", "ShapeChanged", "SendFailed", "encode_header", "decode_header", "layout_of", "wait_work",
            "HEADER_SLOTS", "RECEIVE_LAST_RESORT"]
 
 HEADER_SLOTS = 128
@@ -68,6 +68,14 @@ _KINDS = (ACT, GRAD)
 
 
 Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+
+class SendFailed(ConnectionError):
+    """A send the transport reported as failed (not merely late)."""
+
+    def __init__(self, message: Message, problem: str):
+        super().__init__(f"the send of the {message} failed: {problem}")
+        self.message = message
 
 
 class ShapeChanged(ValueError):
@@ -242,12 +250,15 @@ class Transport:
 
     @staticmethod
     def _wait(work: Any, message: Message, *, polled: bool, deadline: float) -> Message | None:
+        """None once the send is done; raises :class:`SendFailed` when the transport reports
+        a failure (a peer that died closes the connection), returns ``message`` past the
+        deadline."""
         left = deadline - time.monotonic()
         try:
             if left <= 0 or not wait_work(work, left, polled=polled):
                 return message
-        except RuntimeError:
-            return message
+        except RuntimeError as exc:
+            raise SendFailed(message, gist(exc)) from None
         return None
 
     @property
@@ -304,7 +315,13 @@ class Transport:
         if self.device.type != "cuda":
             return torch.empty(shape, dtype=dtype)
         with torch.cuda.stream(torch.cuda.default_stream(self.device)):
-            return torch.empty(shape, dtype=dtype, device=self.device)
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        # The block may have been freed by the compute thread a moment ago, with kernels that
+        # use its old tensor still queued on the default stream; NCCL's receive orders itself
+        # after this thread's stream only, so that stream waits for them first. (The default
+        # stream never waits on a receive: no deadlock.)
+        torch.cuda.current_stream(self.device).wait_stream(torch.cuda.default_stream(self.device))
+        return tensor
 
 
 def _receive(tensor: torch.Tensor, src: int, *, group: Any, tag: int) -> None:

@@ -24,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,11 @@ from octoplan.costs import LayerTable, op_ms, plan_stage_costs
 from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.ops import Kind, Op
-from octoplan.outputs import StreamedOutput, check_distinct, check_writable, write_text
+from octoplan.outputs import StreamedOutput, check_distinct, check_writable, partial_path, write_text
 from octoplan.plan import MAX_GPUS, Plan, load_plan, load_plan_profile, resolve_profile_path
+from octoplan.profile import MAX_MICROBATCH_SIZE
 from octoplan.validate import check_runnable
-from octorun.comm import RECEIVE_LAST_RESORT, Channel, Transport, wait_work
+from octorun.comm import RECEIVE_LAST_RESORT, Channel, SendFailed, Transport, wait_work
 from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
 from octorun.stage import StageExecutor, Tape
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
@@ -50,8 +51,6 @@ OPTIMIZERS = ("sgd", "adamw")
 # Far beyond any run of one octorun job, small enough that a typo is caught (a job of 10**20
 # steps would only ever end by being killed)
 MAX_STEPS = 10**7
-# Samples per microbatch of a plan without a profile (one the sample batch must fit in memory)
-MAX_MICROBATCH_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -149,11 +148,16 @@ def prepare(config: RunConfig) -> Prepared:
     if plan.stages[-1].end != num_layers:
         raise InputError(config.plan_path, "stages", f"cover {plan.stages[-1].end} layers but {model.path} has {num_layers}",
                          "re-plan from a profile of this model file")
-    check_distinct({"--metrics": config.metrics_path, "--trace": config.trace_path})
-    # the files the job reads, which neither output may overwrite (the model file too)
+    # --metrics grows as METRICS.partial first (octoplan.outputs.StreamedOutput): that file
+    # is an output too
+    partial = partial_path(config.metrics_path) if config.metrics_path else None
+    check_distinct({"--metrics": config.metrics_path, "--metrics (while it is written)": partial,
+                    "--trace": config.trace_path})
+    # the files the job reads, which no output may overwrite (the model file too)
     inputs = (config.plan_path, resolve_profile_path(plan, config.plan_path),
               None if config.replay_time_scale is not None else model.path)
-    for flag, path in (("--metrics", config.metrics_path), ("--trace", config.trace_path)):
+    for flag, path in (("--metrics", config.metrics_path), ("--metrics (while it is written)", partial),
+                       ("--trace", config.trace_path)):
         if path:  # last: a file is created only once everything else is known to be good
             check_writable(path, flag, inputs=inputs)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
@@ -437,6 +441,7 @@ class _Interpreter:
     def step(self, step: int) -> dict[str, Any]:
         state = _StepState()
         stages = set(self.program.stages)
+        self.watchdog.doing(f"sampling the batches of step {step}")
         for mb in range(self.plan.microbatches):
             if 0 in stages or self.last_stage in stages:
                 inputs, targets = self.model.sample_batch(self.mbs, step=step, replica=self.dp_rank, mb=mb)
@@ -451,9 +456,7 @@ class _Interpreter:
         for instr in self.program.instrs:
             op = instr.op
             self.watchdog.doing(f"letting go of the sends before op {op} of step {step}")
-            late = self.transport.begin_op(deadline=self.watchdog.deadline())
-            if late is not None:
-                self._late_send(late, step)
+            self._check_sends(step, lambda deadline: self.transport.begin_op(deadline=deadline))
             for message in instr.recvs:
                 self._receive(step, op, message, state)
             self.watchdog.doing(f"running op {op} of step {step}")
@@ -476,9 +479,7 @@ class _Interpreter:
                     reductions.append(started_reduction)
         deadline = self.watchdog.deadline()
         self.watchdog.doing(f"waiting for the sends of step {step} to complete")
-        late = self.transport.wait_sends(deadline=deadline)
-        if late is not None:
-            self._late_send(late, step)
+        self._check_sends(step, lambda _: self.transport.wait_sends(deadline=deadline))
         for work, flat, grads, stage in reductions:
             self.watchdog.doing(f"waiting for the gradient all-reduce of stage {stage}, step {step}")
             try:
@@ -507,9 +508,15 @@ class _Interpreter:
             "origin_s": self.timer.origin_host, "host": socket.gethostname(),
         }
 
-    def _late_send(self, late: Message, step: int) -> NoReturn:
-        self.watchdog.fail(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) "
-                           f"did not complete within {self.config.timeout_s:g} s")
+    def _check_sends(self, step: int, wait) -> None:
+        """Run ``wait(deadline)`` (a wait for sends); a send it reports late or failed ends the job."""
+        try:
+            late = wait(self.watchdog.deadline())
+        except SendFailed as exc:  # a peer that died closed the connection: not a timeout
+            self.watchdog.fail(f"step {step}: {exc} (global rank {self._global(exc.message.dst)})")
+        if late is not None:
+            self.watchdog.fail(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) "
+                               f"did not complete within {self.config.timeout_s:g} s")
 
     def _receive(self, step: int, op: Op, message: Message, state: _StepState) -> None:
         src = self._global(message.src)
@@ -714,6 +721,8 @@ def run(config: RunConfig) -> RunResult:
         watchdog.fail(f"building the stages failed while {watchdog.activity}: {gist(exc)}")
     try:
         metrics = interpreter.train()
+    except InputError as exc:  # the model file's fault, found as it runs (sample_batch's return ...)
+        watchdog.fail(f"while {watchdog.activity}: {exc.line()}", code=EXIT_BAD_INPUT)
     except Exception as exc:  # anything unexpected still ends the whole job, with its reason
         watchdog.fail(f"failed while {watchdog.activity}: {gist(exc)}")
     # Peers that finish may close the store; stop polling it, then meet once more (with a

@@ -78,21 +78,26 @@ def test_plan_with_wrong_layer_count_is_bad_input(tmp_path):
         prepare(RunConfig(plan_path=str(tmp_path / "short.yaml")))
 
 
-def test_a_model_file_found_wrong_while_training_exits_2_with_one_line(tmp_path):
-    """The model file's fault, seen only once an op runs (here a loss that is not a scalar),
-    is still bad input: exit 2, one line naming the file, the field and the fix."""
+@pytest.mark.parametrize("old, new, line", [
+    ("return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))",
+     "return nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction='none')",
+     "op 0F0 of step 0: {model}: loss_fn: returned (2, 5), not a scalar tensor (reduce the loss with .mean())"),
+    ("    return ids, targets\n", "    return ids\n",
+     "while sampling the batches of step 0: {model}: sample_batch: must return (inputs, targets) (return a 2-tuple)"),
+])
+def test_a_model_file_found_wrong_while_training_exits_2_with_one_line(tmp_path, old, new, line):
+    """The model file's fault, seen only once the job runs (a loss that is not a scalar, a
+    batch that is not a pair), is still bad input: exit 2, one line naming the file, the field
+    and the fix."""
     model_path, config = h.model_spec("tiny", tmp_path)
-    source = model_path.read_text().replace("return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))",
-                                            "return nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction='none')")
-    model_path.write_text(source)
+    source = model_path.read_text()
+    assert old in source
+    model_path.write_text(source.replace(old, new))
     plan = h.make_plan(model_path, config, stages=[(0, 6, 0)], schedule=["0F0 0B0"], microbatches=1)
     save_plan(plan, tmp_path / "one.yaml")
     done = _octorun(str(tmp_path / "one.yaml"))
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines() == [
-        f"octorun: rank 0: op 0F0 of step 0: {model_path}: loss_fn: returned (2, 5), not a scalar tensor "
-        "(reduce the loss with .mean())"
-    ]
+    assert done.stderr.strip().splitlines() == [f"octorun: rank 0: {line.format(model=model_path)}"]
 
 
 def test_counts_beyond_any_run_and_a_replay_without_a_profile_are_bad_input(tmp_path):
@@ -141,6 +146,13 @@ def test_metrics_and_trace_overwrite_no_input_and_not_each_other(tmp_path):
             prepare(RunConfig(plan_path=str(plan), **{flag: str(target)}))
     with pytest.raises(InputError, match="--trace names the file --metrics names too"):
         prepare(RunConfig(plan_path=str(plan), metrics_path=str(tmp_path / "m"), trace_path=str(tmp_path / "m")))
+    # the file --metrics grows in until the run ends (METRICS.partial) is an output as well
+    with pytest.raises(InputError, match=r"--trace names the file --metrics \(while it is written\) names too"):
+        prepare(RunConfig(plan_path=str(plan), metrics_path=str(tmp_path / "m"), trace_path=str(tmp_path / "m.partial")))
+    odd = tmp_path / "m2.partial"  # a plan so named, with --metrics m2
+    odd.write_text(plan.read_text())
+    with pytest.raises(InputError, match=f"--metrics \\(while it is written\\) names the input file {odd}"):
+        prepare(RunConfig(plan_path=str(odd), metrics_path=str(tmp_path / "m2")))
     assert model.read_text() == source
 
 
@@ -155,10 +167,15 @@ def test_process_that_dies_ends_the_others_with_a_message(tmp_path):
     assert launched.exitcodes[1] == 17  # the process that vanished
     assert launched.exitcodes[0] == 1, launched.logs
     line = launched.logs[0].strip().splitlines()[-1]
-    # rank 0 waits for a gradient of rank 1 (1B0's may die unsent with its process) when it vanishes
+    # rank 0 waits for a gradient of rank 1 (1B0's may die unsent with its process) when it
+    # vanishes, or for a send to it that the closed connection failed: either way a failure
+    # that names the peer, not a timeout
     assert re.fullmatch(
         r"octorun: rank 0: op 0B([01]) of step 0 cannot receive the gradient out of stage 0 mb \1 from rank 1 to rank 0 "
         r"\(global rank 1\): RuntimeError: (Read error \S+: Connection reset by peer|Connection closed by peer \S+)", line
+    ) or re.fullmatch(
+        r"octorun: rank 0: step 0: the send of the activation into stage 1 mb [12] from rank 0 to rank 1 failed: "
+        r"RuntimeError: .+ \(global rank 1\)", line
     ), line
     assert launched.seconds < 20  # the closed connection is noticed long before the deadline
 
