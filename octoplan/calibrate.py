@@ -235,8 +235,12 @@ def calibrate(plan: Plan, profile: Profile, trace_path: str | Path) -> Calibrati
     if plan.parallel.pp < 2:
         raise InputError(str(trace_path), "parallel.pp", f"is {plan.parallel.pp}: nothing is sent between ranks",
                          "calibrate from the trace of a plan with 2 or more pipeline ranks")
-    found = calibration_of(split_trace(plan, profile, trace_path))
-    # figures no cluster option accepts: the trace's times are not those of a run
+    return within_cluster_ranges(calibration_of(split_trace(plan, profile, trace_path)), trace_path)
+
+
+def within_cluster_ranges(found: Calibration, trace_path: str | Path) -> Calibration:
+    """``found``, unless a figure is one no cluster option accepts: then the trace's times are
+    not those of a run (:class:`InputError`)."""
     for name, ms in (("latency_us", found.latency_ms), ("op_overhead_us", found.op_overhead_ms)):
         high = CLUSTER_RANGES[name][1]
         if ms is not None and not 1000 * ms <= high:

@@ -5,12 +5,13 @@ op (tests/test_runtime_replay.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
 
 from octoplan.baseline import make_baseline
-from octoplan.calibrate import calibrate, split_trace
+from octoplan.calibrate import calibrate, split_trace, within_cluster_ranges
 from octoplan.cli import app
 from octoplan.errors import InputError
 from octoplan.plan import Cluster, save_plan
@@ -65,11 +66,17 @@ def test_times_no_run_could_have_are_bad_input(tmp_path):
     plan, path = _simulated_trace(tmp_path, "1f1b", 100.0, 0.0)
     doc = json.loads(path.read_text())
     ops = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") in "FIWB"]
-    ops[-1]["dur"] = 1e300  # one op lasting 10^294 s: the median excess stays sane, the mean gap does not
-    for event in ops:
-        event["ts"] = 1e300 if event is ops[0] else event["ts"]
+    # figures beyond the 1e9 us any plan accepts, from times a trace may hold
+    sane = calibrate(plan, PROFILE, path)
+    assert within_cluster_ranges(sane, path) is sane
+    with pytest.raises(InputError, match="imply op_overhead_us 2e\\+09, beyond the 1e\\+09 any plan accepts"):
+        within_cluster_ranges(replace(sane, gap_ms=2e6, excess_ms=0.0), path)
+    with pytest.raises(InputError, match="imply latency_us 3e\\+09"):
+        within_cluster_ranges(replace(sane, latency_ms=3e6), path)
+    last = ops[-1]
+    last["ts"] = 1e300  # no clock reads that
     path.write_text(json.dumps(doc))
-    with pytest.raises(InputError, match="beyond the 1e\\+09 any plan accepts"):
+    with pytest.raises(InputError, match=r"traceEvents\[\d+\]\.ts: of op \S+ is 1e\+300 us, more than 1e\+12"):
         calibrate(plan, PROFILE, path)
 
 

@@ -164,6 +164,11 @@ class MeasuredOp(NamedTuple):
     dur_ms: float
 
 
+# The largest time or duration (microseconds) a measured op may have: 11.6 days, far beyond a
+# step, far below where sums of such times lose all precision.
+_MAX_TRACE_US = 1e12
+
+
 def measured_ops(path: Path, plan: Plan) -> list[MeasuredOp]:
     """Every op event of a measured trace, in file order; anything else is skipped."""
     file = str(path)
@@ -185,6 +190,9 @@ def measured_ops(path: Path, plan: Plan) -> list[MeasuredOp]:
             value = event.get(key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InputError(file, f"{where}.{key}", f"of op {name} is {value!r}", "give a number of microseconds")
+            if abs(value) > _MAX_TRACE_US:  # no run's clock reads that: the file is not a trace of one
+                raise InputError(file, f"{where}.{key}", f"of op {name} is {value:g} us, more than {_MAX_TRACE_US:g} "
+                                 "(11.6 days)", "pass the trace octorun --trace wrote")
             values.append(float(value))
         ts, dur = values
         if dur < 0:
