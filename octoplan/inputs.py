@@ -13,26 +13,38 @@ from pathlib import Path
 
 from octoplan.errors import InputError
 
-__all__ = ["MAX_INPUT_BYTES", "read_input_text", "read_input_bytes"]
+__all__ = ["MAX_INPUT_BYTES", "check_input_file", "read_input_text", "read_input_bytes"]
 
 # Far above any plan, profile or trace of a 1024-GPU job (a trace of 1024 ranks x 2048 ops is
 # about 200 MB), far below what would exhaust the memory of the machines octoplan runs on.
 MAX_INPUT_BYTES = 1 << 30
 
 
-def read_input_bytes(path: str | Path, *, field: str | int | None = None, fix: str) -> bytes:
-    """The bytes of ``path``; :class:`InputError` (naming ``fix``) when it is missing, not an
-    ordinary file, larger than :data:`MAX_INPUT_BYTES`, or unreadable."""
+def check_input_file(path: str | Path, *, field: str | int | None = None, fix: str) -> None:
+    """:class:`InputError` (naming ``fix``) unless ``path`` is an ordinary file of at most
+    :data:`MAX_INPUT_BYTES`; only a ``stat``, so it never blocks (opening a FIFO without a
+    writer would)."""
     file = str(path)
     try:
-        info = os.stat(path)  # before opening: opening a FIFO without a writer blocks
-        if stat.S_ISDIR(info.st_mode):
-            raise IsADirectoryError()
-        if not stat.S_ISREG(info.st_mode):
-            raise InputError(file, field, "is not an ordinary file (a device, FIFO or socket)", fix)
-        if info.st_size > MAX_INPUT_BYTES:
-            raise InputError(file, field, f"is {info.st_size / 2**30:.1f} GiB, more than the "
-                             f"{MAX_INPUT_BYTES // 2**30} GiB an input file may have", fix)
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise InputError(file, field, "no such file", fix) from None
+    except OSError as exc:
+        raise InputError(file, field, f"cannot be read: {exc.strerror or exc}", fix) from None
+    if stat.S_ISDIR(info.st_mode):
+        raise InputError(file, field, "is a folder", fix)
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(file, field, "is not an ordinary file (a device, FIFO or socket)", fix)
+    if info.st_size > MAX_INPUT_BYTES:
+        raise InputError(file, field, f"is {info.st_size / 2**30:.1f} GiB, more than the "
+                         f"{MAX_INPUT_BYTES // 2**30} GiB an input file may have", fix)
+
+
+def read_input_bytes(path: str | Path, *, field: str | int | None = None, fix: str) -> bytes:
+    """The bytes of ``path``, once :func:`check_input_file` has passed it."""
+    file = str(path)
+    check_input_file(path, field=field, fix=fix)
+    try:
         with open(path, "rb") as handle:  # in chunks: read(n) would reserve n bytes at once
             chunks, size = [], 0
             while chunk := handle.read(1 << 20):
@@ -41,10 +53,8 @@ def read_input_bytes(path: str | Path, *, field: str | int | None = None, fix: s
                 if size > MAX_INPUT_BYTES:  # a file that grows, or one whose size stat does not tell (/proc)
                     raise InputError(file, field, f"is more than the {MAX_INPUT_BYTES // 2**30} GiB an input file may have", fix)
             return b"".join(chunks)
-    except FileNotFoundError:
+    except FileNotFoundError:  # gone since the stat
         raise InputError(file, field, "no such file", fix) from None
-    except IsADirectoryError:
-        raise InputError(file, field, "is a folder", fix) from None
     except OSError as exc:
         raise InputError(file, field, f"cannot be read: {exc.strerror or exc}", fix) from None
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from octoplan.errors import InputError
-from octoplan.inputs import read_input_bytes
+from octoplan.inputs import check_input_file
 
 __all__ = [
     "ModelFile",
@@ -103,7 +103,7 @@ def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, s
     path = Path(path)
     if not path.exists():
         raise InputError(str(path), None, "no such model file", "check the path")
-    read_input_bytes(path, fix="give a model file (.py)")  # an ordinary file of a sane size: importing /dev/zero never ends
+    check_input_file(path, fix="give a model file (.py)")  # importing /dev/zero would never end
     module_name = f"_octopipe_model_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:

@@ -307,7 +307,6 @@ class Transport:
         except Exception as exc:  # a dead peer closes the connection: tell whoever waits on it
             self.mailbox.fail(channel.src, gist(exc))
 
-
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A receive buffer. On CUDA it is allocated on the compute thread's (default) stream,
         which uses and frees it, so the caching allocator never hands the block to another

@@ -456,7 +456,7 @@ class _Interpreter:
         for instr in self.program.instrs:
             op = instr.op
             self.watchdog.doing(f"letting go of the sends before op {op} of step {step}")
-            self._check_sends(step, lambda deadline: self.transport.begin_op(deadline=deadline))
+            self._check_sends(step, self.transport.begin_op, self.watchdog.deadline())
             for message in instr.recvs:
                 self._receive(step, op, message, state)
             self.watchdog.doing(f"running op {op} of step {step}")
@@ -479,7 +479,7 @@ class _Interpreter:
                     reductions.append(started_reduction)
         deadline = self.watchdog.deadline()
         self.watchdog.doing(f"waiting for the sends of step {step} to complete")
-        self._check_sends(step, lambda _: self.transport.wait_sends(deadline=deadline))
+        self._check_sends(step, self.transport.wait_sends, deadline)
         for work, flat, grads, stage in reductions:
             self.watchdog.doing(f"waiting for the gradient all-reduce of stage {stage}, step {step}")
             try:
@@ -508,10 +508,11 @@ class _Interpreter:
             "origin_s": self.timer.origin_host, "host": socket.gethostname(),
         }
 
-    def _check_sends(self, step: int, wait) -> None:
-        """Run ``wait(deadline)`` (a wait for sends); a send it reports late or failed ends the job."""
+    def _check_sends(self, step: int, wait, deadline: float) -> None:
+        """``wait(deadline=deadline)``, a wait of the transport's for sends; a send it reports
+        late or failed ends the job."""
         try:
-            late = wait(self.watchdog.deadline())
+            late = wait(deadline=deadline)
         except SendFailed as exc:  # a peer that died closed the connection: not a timeout
             self.watchdog.fail(f"step {step}: {exc} (global rank {self._global(exc.message.dst)})")
         if late is not None:

@@ -26,6 +26,11 @@ __all__ = ["register", "comparison_rows"]
 console = terminal()
 
 
+def _ratio(ms: float, against_ms: float) -> float:
+    """``ms / against_ms``, and 1 where both plans take no time (a profile of 0 ms layers)."""
+    return ms / against_ms if against_ms > 0 else 1.0
+
+
 def comparison_rows(result) -> list[dict]:
     """The tuned plan against every baseline on the same GPUs, as plain rows."""
     tuned_ms = result.scored.iteration_ms
@@ -39,7 +44,7 @@ def comparison_rows(result) -> list[dict]:
         s = row.scored
         rows.append({
             "plan": _label(row), "config": row.config.label(), "short": _short(row.config), "iteration_ms": s.iteration_ms,
-            "speedup": s.iteration_ms / tuned_ms if tuned_ms > 0 else 1.0, "bubble_ratio": s.bubble_ratio,
+            "speedup": _ratio(s.iteration_ms, tuned_ms), "bubble_ratio": s.bubble_ratio,
             "efficiency": s.efficiency, "peak_memory_gb": s.peak_memory_bytes / 1e9, "fits": s.fits,
         })
     return rows
@@ -78,7 +83,7 @@ def _verdict(result, memory_gb: float) -> str:
     best = result.best_baseline()
     if best is None:
         return f"no baseline fits {memory_gb:g} GB per GPU; the tuned plan does"
-    ratio = best.scored.iteration_ms / result.scored.iteration_ms if result.scored.iteration_ms > 0 else 1.0
+    ratio = _ratio(best.scored.iteration_ms, result.scored.iteration_ms)
     tie = ": the search found nothing faster than this baseline" if ratio < 1.0005 else ""
     return (f"fastest baseline that fits: {_label(best)} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
             f"the tuned plan is {ratio:.3f}x faster{tie}")
@@ -178,7 +183,7 @@ def register(app: typer.Typer) -> None:
         bound = result.stats["order_bound_ms"]
         console.print(f"a quick bound (each rank alone, any memory): no op order of these stages and placement beats "
                       f"{bound:.2f} ms, so reordering could save at most "
-                      f"{max(0.0, 1 - bound / plan.predicted['iteration_ms']) if plan.predicted['iteration_ms'] > 0 else 0.0:.1%}; `octoplan bound {escape(str(output))}` "
+                      f"{max(0.0, 1 - _ratio(bound, plan.predicted['iteration_ms'])):.1%}; `octoplan bound {escape(str(output))}` "
                       f"proves a tighter bound with CP-SAT and searches for such an order", soft_wrap=True)
 
     @app.command()
