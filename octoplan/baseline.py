@@ -89,6 +89,7 @@ def simulated_baseline(
     return replace(plan, predicted={
         "iteration_ms": round(result.iteration_ms, 4),
         "bubble_ratio": round(result.bubble_ratio, 4),
+        "peak_activation_bytes": list(result.peak_activation_bytes),  # what octorun --activation-memory measures
     }), result
 
 

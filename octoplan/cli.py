@@ -325,7 +325,8 @@ def _save_with_prediction(plan: Plan, result, output: Path) -> None:
     from dataclasses import replace
 
     predicted = {**(plan.predicted or {}), "iteration_ms": round(result.iteration_ms, 4),
-                 "bubble_ratio": round(result.bubble_ratio, 4), "efficiency": round(result.efficiency, 4)}
+                 "bubble_ratio": round(result.bubble_ratio, 4), "efficiency": round(result.efficiency, 4),
+                 "peak_activation_bytes": list(result.peak_activation_bytes)}
     save_plan(replace(plan, predicted=predicted), output)
 
 

@@ -54,6 +54,12 @@ class StageCost:
     output_bytes: int  # sent forward; the gradient sent back has the same size
     backward_ms: float | None = None  # the fused backward, where the profile measured it
     recompute_bytes: int = 0  # 0 without recomputation
+    pending_w_bytes: int = 0  # what an I keeps for its W besides the activations (its layers')
+    # Of activation_bytes: the stage's output, which F keeps as its backward's root, and its
+    # input, which its first layer's figure holds (at most that whole figure, for profiles
+    # written otherwise). Where two consecutive stages share a rank these are one tensor.
+    output_held_bytes: int = 0
+    input_held_bytes: int = 0
 
     @property
     def b_ms(self) -> float:
@@ -80,6 +86,7 @@ class LayerTable:
         self._b = [0.0, *accumulate(layer.b_ms for layer in layers)] if profile.measures_fused_backward else None
         self._param = [0, *accumulate(layer.param_bytes for layer in layers)]
         self._act = [0, *accumulate(layer.activation_bytes for layer in layers)]
+        self._pending_w = [0, *accumulate(layer.pending_w_bytes for layer in layers)]
         self.output_bytes = [layer.output_bytes for layer in layers]
         self.layer_total_ms = [layer.total_ms for layer in layers]
 
@@ -88,7 +95,11 @@ class LayerTable:
         of them (None: all) run their forward again in the first backward op."""
         forward_ms = self._f[end] - self._f[start]
         backward_ms = None if self._b is None else self._b[end] - self._b[start]
-        activation_bytes = self._act[end] - self._act[start]
+        # The stage's output stays on its tape as the root of its backward (octorun keeps it);
+        # the layers' own figures hold their inputs, so the other boundaries are in them. The
+        # last stage's output is the loss.
+        output_held = self.output_bytes[end - 1] if end < self.num_layers else 0
+        activation_bytes = self._act[end] - self._act[start] + output_held
         cost = StageCost(
             forward_ms=forward_ms,
             backward_input_ms=self._i[end] - self._i[start],
@@ -97,6 +108,9 @@ class LayerTable:
             activation_bytes=activation_bytes,
             output_bytes=self.output_bytes[end - 1],
             backward_ms=backward_ms,
+            pending_w_bytes=self._pending_w[end] - self._pending_w[start],
+            output_held_bytes=output_held,
+            input_held_bytes=min(self.output_bytes[start - 1], self._act[start + 1] - self._act[start]) if start > 0 else 0,
         )
         if not recompute:
             return cost
@@ -106,15 +120,18 @@ class LayerTable:
         cut = end if recompute_layers is None else min(start + recompute_layers, end)
         again_ms = self._f[cut] - self._f[start]  # the recomputed layers' forward
         rebuilt = self._act[cut] - self._act[start]  # what they hold again, their input among it
-        # where layers after them kept their tapes, the rebuilt output of the last recomputed
-        # layer is a new tensor beside the one the next layer kept from F as its input
-        seam = self.output_bytes[cut - 1] if cut < end else 0
+        # the rebuilt output of the last recomputed layer is a new tensor: beside the one the
+        # next layer kept from F as its input where layers after them kept their tapes, else the
+        # stage's output, which F (without grad) did not keep
+        seam = self.output_bytes[cut - 1] if cut < end else output_held
         return replace(
             cost,
             backward_input_ms=cost.backward_input_ms + again_ms,
             backward_ms=None if backward_ms is None else backward_ms + again_ms,
-            activation_bytes=stash + (self._act[end] - self._act[cut]),
+            activation_bytes=stash + (self._act[end] - self._act[cut]) + (output_held if cut < end else 0),
             recompute_bytes=max(rebuilt - stash, 0) + seam,
+            output_held_bytes=output_held if cut < end else 0,  # F without grad keeps no output
+            input_held_bytes=stash,
         )
 
     def total_ms(self, start: int = 0, end: int | None = None) -> float:

@@ -58,6 +58,10 @@ class Layer:
     # its per-call overhead twice, and per kernel where a layer is launch-bound: in octorun on an
     # H200, the hybrid example's fused backward took 58% of its I + W. None: B = I + W.
     backward_ms: float | None = None
+    # What an I op of the layer keeps for its W besides the activations: the gradients arriving
+    # where its weight branches leave the input path (a linear layer's output gradient), held
+    # from the end of I to the end of W. Plans that never split a backward do not pay it.
+    pending_w_bytes: int = 0
 
     @property
     def total_ms(self) -> float:
@@ -147,6 +151,7 @@ def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
         output_bytes=f.int("output_bytes", maximum=MAX_LAYER_BYTES),
         flops=flops,
         backward_ms=f.number("backward_ms", None, maximum=MAX_LAYER_MS),
+        pending_w_bytes=f.int("pending_w_bytes", 0, maximum=MAX_LAYER_BYTES),
     )
 
 
@@ -157,7 +162,8 @@ def check_layer_limits(layers: tuple[Layer, ...] | list[Layer], *, file: str | N
     for i, layer in enumerate(layers):
         for name, limit in (("forward_ms", MAX_LAYER_MS), ("backward_input_ms", MAX_LAYER_MS),
                             ("backward_weight_ms", MAX_LAYER_MS), ("param_bytes", MAX_LAYER_BYTES),
-                            ("activation_bytes", MAX_LAYER_BYTES), ("output_bytes", MAX_LAYER_BYTES)):
+                            ("activation_bytes", MAX_LAYER_BYTES), ("output_bytes", MAX_LAYER_BYTES),
+                            ("pending_w_bytes", MAX_LAYER_BYTES)):
             value = getattr(layer, name)
             if not value <= limit:  # also catches NaN
                 raise InputError(file, cause, f"set layer {i} ({layer.name}) {name} to {value:.3g}, above the limit {limit:.3g}", fix)
@@ -220,6 +226,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             entry["flops"] = float(f"{layer.flops:.6g}")
         if layer.backward_ms is not None:
             entry["backward_ms"] = round(layer.backward_ms, 6)
+        if layer.pending_w_bytes:
+            entry["pending_w_bytes"] = int(layer.pending_w_bytes)
         layers.append(entry)
     out: dict[str, Any] = {
         "format": PROFILE_FORMAT,

@@ -38,7 +38,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import yaml
@@ -230,6 +230,13 @@ def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _storage_bytes(tensors: Iterable[torch.Tensor], *, excluded: Iterable[torch.Tensor] = ()) -> int:
+    """The bytes of the distinct storages under ``tensors``, those of ``excluded`` left out."""
+    skip = {t.untyped_storage().data_ptr() for t in excluded}
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for ptr, n in sizes.items() if ptr not in skip)
+
+
 def _layer_inputs(previous: Any, *, first: bool) -> tuple[torch.Tensor, ...]:
     """A layer's arguments: detached, floating ones requiring grad, so that the layer's
     backward stops at its own input (the runtime does the same per stage). The first layer's
@@ -347,11 +354,19 @@ class _LayerRun:
         return _Step(output, roots, [])
 
     def first_forward(self) -> tuple[_Step, int]:
-        """The checked forward: contract errors name the layer; also counts saved activations."""
+        """The checked forward: contract errors name the layer; also counts its activations.
+
+        A layer's ``activation_bytes`` are the storages it keeps from its F to its backward, each
+        once: what autograd saves, and its floating inputs, which octorun's tape keeps as the
+        leaves the backward ends at (they are the previous layer's output, or the stage's
+        received input). Its own floating output, even where autograd saves it, is the next
+        layer's input and counts there; a stage's last output the memory model adds
+        (octoplan.costs). Parameters are not activations;
+        targets the loss saves are (the last stage holds them until its backward)."""
         excluded = {p.untyped_storage().data_ptr() for p in self.layer.parameters()}
-        excluded |= {a.untyped_storage().data_ptr() for a in self.args}
-        excluded |= {t.untyped_storage().data_ptr() for t in (_tensors(self.targets) or [])}
-        saved: dict[int, int] = {}
+        saved: dict[int, int] = {
+            a.untyped_storage().data_ptr(): a.untyped_storage().nbytes() for a in self.args if a.requires_grad
+        }
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
@@ -376,6 +391,9 @@ class _LayerRun:
                 loss = _loss(self.mf, self.index, self.name, output, self.targets)
             step = _Step(output, [loss], [torch.ones_like(loss)])
         else:
+            for tensor in as_args(output):  # the next layer's input, or the stage's output: counted there
+                if tensor.is_floating_point():
+                    saved.pop(tensor.untyped_storage().data_ptr(), None)
             roots = [t for t in as_args(output) if t.requires_grad]
             # Random, not ones: a uniform gradient through a normalization cancels to ~0 and
             # denormal numbers are slow on CPUs.
@@ -425,6 +443,7 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
         with _QuietGC():
             forward_ms = clock.median_ms(run.forward, repeat=repeat, warmup=warmup)
             _, pending = run.backward_input(step)
+            pending_w_bytes = _storage_bytes(pending.gradients(), excluded=run.layer.parameters())
             if run.grad_inputs and step.roots:
                 input_ms = clock.median_ms(lambda: run.backward_input(step), repeat=repeat, warmup=warmup)
             else:  # token ids (or an output with no gradient): there is no I work
@@ -452,6 +471,7 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
         activation_bytes=activation_bytes,
         output_bytes=_tensor_bytes(_tensors(step.output) or []),
         flops=flops,
+        pending_w_bytes=pending_w_bytes,
     )
     return layer, step.output
 

@@ -106,6 +106,8 @@ class SimResult:
     lower_bound_ms: float
     peak_memory_bytes: tuple[int, ...]
     memory_limit_bytes: int
+    # the part of each rank's peak that its weights, gradients and optimizer state take
+    static_memory_bytes: tuple[int, ...]
     busy_ms: tuple[float, ...]
     allreduces: tuple[AllReduce, ...]
     _schedule: tuple[tuple[Op, ...], ...] = field(repr=False)
@@ -121,6 +123,12 @@ class SimResult:
     @property
     def efficiency(self) -> float:
         return self.lower_bound_ms / self.iteration_ms if self.iteration_ms > 0 else 1.0
+
+    @property
+    def peak_activation_bytes(self) -> tuple[int, ...]:
+        """The most activation bytes each rank holds at once: what ``octorun --activation-memory``
+        measures."""
+        return tuple(peak - static for peak, static in zip(self.peak_memory_bytes, self.static_memory_bytes))
 
     @property
     def fits_memory(self) -> bool:
@@ -254,12 +262,43 @@ class SimResult:
             "lower_bound_ms": round(self.lower_bound_ms, 6),
             "efficiency": round(self.efficiency, 6),
             "peak_memory_bytes": list(self.peak_memory_bytes),
+            "peak_activation_bytes": list(self.peak_activation_bytes),
             "fits_memory": self.fits_memory,
             "memory_limit_bytes": self.memory_limit_bytes,
             "busy_ms": [round(b, 6) for b in self.busy_ms],
             # per rank: idle before its first op, between its ops, after its last (idle_parts)
             "idle_ms": [[round(ms, 6) for ms in self.idle_parts(r)] for r in range(self.num_ranks)],
         }
+
+
+def _share_boundaries(plan: Plan, costs: Sequence[StageCost], keys: list[list[int]], present: bytearray, act: list[int]) -> None:
+    """Count once the tensor between two consecutive stages of one rank.
+
+    A stage's figure holds its output until its backward frees it, and the next stage's holds
+    its input; on one rank these are one tensor (octorun hands it over without a copy), held
+    from the first stage's F until the later of the two releases (B, or W where the backward is
+    split). So the second F does not add it, and the earlier release does not free it; both
+    releases are on the rank, so the order says which comes first."""
+    num_mb = plan.microbatches
+    rank_of_stage = [stage.rank for stage in plan.stages]
+    pairs = [s for s in range(len(costs) - 1)
+             if rank_of_stage[s] == rank_of_stage[s + 1] and min(costs[s].output_held_bytes, costs[s + 1].input_held_bytes)]
+    if not pairs:
+        return
+    position: dict[int, int] = {}
+    for rank in {rank_of_stage[s] for s in pairs}:
+        position.update((key, i) for i, key in enumerate(keys[rank]))
+
+    def release(stage: int, mb: int) -> int:
+        w = (stage * 4 + 2) * num_mb + mb
+        return w if present[w] else (stage * 4 + 3) * num_mb + mb
+
+    for s in pairs:
+        shared = min(costs[s].output_held_bytes, costs[s + 1].input_held_bytes)
+        for mb in range(num_mb):
+            act[((s + 1) * 4) * num_mb + mb] -= shared  # the next stage's F
+            mine, theirs = release(s, mb), release(s + 1, mb)
+            act[mine if position[mine] < position[theirs] else theirs] += shared
 
 
 def simulate(plan: Plan, profile: Profile, *, optimizer: str = "adam-mixed", table: LayerTable | None = None) -> SimResult:
@@ -339,8 +378,8 @@ def simulate_costs(
             # with recomputation, I rebuilds the activations and W frees them; B holds them only
             # while it runs (octoplan.costs.StageCost)
             act[kf] = cost.activation_bytes
-            act[ki] = cost.recompute_bytes
-            act[kw] = -(cost.activation_bytes + cost.recompute_bytes)  # W exists only where I does
+            act[ki] = cost.recompute_bytes + cost.pending_w_bytes
+            act[kw] = -(cost.activation_bytes + cost.recompute_bytes + cost.pending_w_bytes)  # W exists only where I does
             act[kb] = -cost.activation_bytes
             burst[kb] = cost.recompute_bytes
             if stage > 0:
@@ -357,6 +396,7 @@ def simulate_costs(
                 dest[ki], wire[ki] = prev_rank, bwd_wire
                 dest[kb], wire[kb] = prev_rank, bwd_wire
 
+    _share_boundaries(plan, costs, keys, present, act)
     bursts = any(burst)  # whether any op holds memory only while it runs (a plan that recomputes)
     static = [0] * num_ranks
     for stage in range(num_stages):
@@ -472,6 +512,7 @@ def simulate_costs(
         lower_bound_ms=lower_bound,
         peak_memory_bytes=tuple(int(m) for m in peak_mem),
         memory_limit_bytes=int(cluster.memory_gb * 1e9),
+        static_memory_bytes=tuple(int(m) for m in static),
         busy_ms=tuple(busy),
         allreduces=tuple(allreduces),
         _schedule=plan.schedule,

@@ -41,6 +41,12 @@ class PendingWeightGrads:
     groups: list[_WeightGroup]
     captured: dict[Node, tuple[torch.Tensor | None, ...]]
 
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients W starts from, captured ones and those of outputs off the input path:
+        memory held from I to W besides the graph's saved tensors (a layer's ``pending_w_bytes``)."""
+        rooted = [g for group in self.groups for _, g in group.roots]
+        return rooted + [g for grads in self.captured.values() for g in grads if g is not None]
+
 
 def _collect(roots: list[Node]) -> dict[Node, list[Node]]:
     """Every node reachable from ``roots`` with its children (``next_functions`` read once)."""

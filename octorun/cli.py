@@ -2,7 +2,7 @@
 
 ``torchrun --nproc-per-node N octorun PLAN [--steps K] [--seed S] [--optimizer sgd|adamw]
 [--lr LR] [--metrics FILE.jsonl] [--trace FILE.json] [--timeout S] [--replay [SCALE]]
-[--dynamic-shapes] [--backend auto|gloo|nccl]``. Without torchrun it runs
+[--dynamic-shapes] [--backend auto|gloo|nccl] [--activation-memory]``. Without torchrun it runs
 as one process. Exit status: 0 success, 2 bad input (one line on stderr), 1 any other failure.
 """
 
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dynamic-shapes", action="store_true",
                         help="send each message's shapes every step (default: only in step 0; later steps must match it)")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="auto: nccl with CUDA, else gloo")
+    parser.add_argument("--activation-memory", action="store_true",
+                        help="count the activation bytes each rank's tapes hold (autograd's saved tensors, the tapes' "
+                             "inputs and outputs, what I keeps for W) and report every rank's peak beside the plan's "
+                             "prediction (in --metrics too); costs a little time per saved tensor")
     return parser
 
 
@@ -51,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = RunConfig(
         plan_path=args.plan, steps=args.steps, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
         metrics_path=args.metrics, trace_path=args.trace, timeout_s=args.timeout, backend=args.backend,
-        replay_time_scale=args.replay, dynamic_shapes=args.dynamic_shapes,
+        replay_time_scale=args.replay, dynamic_shapes=args.dynamic_shapes, activation_memory=args.activation_memory,
     )
     try:
         result = run(config)
@@ -73,7 +77,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         for m in result.metrics:
             predicted = f" (predicted {m.predicted_iteration_ms:.2f} ms)" if m.predicted_iteration_ms is not None else ""
             print(f"step {m.step}: loss {m.loss:.6f}  iteration {m.iteration_ms:.2f} ms{predicted}  bubble {m.bubble_ratio:.3f}")
+        if result.metrics and result.metrics[-1].peak_activation_bytes is not None:
+            print(_activation_line(result.metrics[-1]))
     sys.exit(0)
+
+
+def _activation_line(m) -> str:
+    """The last step's peak activation memory per pipeline rank, beside the plan's prediction."""
+    mib = lambda n: f"{n / 2**20:.2f}"
+    measured = " ".join(mib(b) for b in m.peak_activation_bytes)
+    line = f"peak activation MiB per pipeline rank (step {m.step}): {measured}"
+    if m.predicted_peak_activation_bytes is not None:
+        line += f"  (predicted {' '.join(mib(b) for b in m.predicted_peak_activation_bytes)})"
+    return line
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from octoplan.profile import MAX_MICROBATCH_SIZE
 from octoplan.validate import check_runnable
 from octorun.comm import RECEIVE_LAST_RESORT, Channel, SendFailed, Transport, wait_work
 from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
+from octorun.activations import ActivationMeter
 from octorun.stage import StageExecutor, Tape
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
 
@@ -66,6 +67,7 @@ class RunConfig:
     backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
     replay_time_scale: float | None = None  # run the plan's profile through the replay model
     dynamic_shapes: bool = False  # send every message's layout every step, not only in step 0
+    activation_memory: bool = False  # count the activation bytes the tapes hold (octorun.activations)
 
 
 class LaunchError(RuntimeError):
@@ -81,6 +83,10 @@ class StepMetrics:
     step_ms: float  # the whole step on the slowest rank: ops, waits, all-reduce, optimizer
     bubble_ratio: float  # 1 - busy compute time / (ranks x iteration_ms)
     predicted_iteration_ms: float | None = None
+    # with --activation-memory: per pipeline rank, the most activation bytes its tapes held at
+    # once (the same on every replica), and the plan's prediction of it where the plan has one
+    peak_activation_bytes: tuple[int, ...] | None = None
+    predicted_peak_activation_bytes: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -92,6 +98,10 @@ class StepMetrics:
         }
         if self.predicted_iteration_ms is not None:
             out["predicted_iteration_ms"] = self.predicted_iteration_ms
+        if self.peak_activation_bytes is not None:
+            out["peak_activation_bytes"] = list(self.peak_activation_bytes)
+        if self.predicted_peak_activation_bytes is not None:
+            out["predicted_peak_activation_bytes"] = list(self.predicted_peak_activation_bytes)
         return out
 
 
@@ -396,16 +406,20 @@ class _Interpreter:
         self.layers: dict[int, torch.nn.Module] = {}
         self.executors: dict[int, StageExecutor] = {}
         scale = 1.0 / (self.plan.microbatches * self.plan.parallel.dp)
+        built: dict[int, list[torch.nn.Module]] = {}
         for s in self.program.stages:
-            stage = self.plan.stages[s]
-            mods = []
-            for index in stage.layers:
+            built[s] = []
+            for index in self.plan.stages[s].layers:
                 self.watchdog.doing(f"building layer {index}")
-                mods.append(model.build_layer(index).to(device))
-                self.layers[index] = mods[-1]
+                built[s].append(model.build_layer(index).to(device))
+                self.layers[index] = built[s][-1]
+        self.meter = ActivationMeter(p for layer in self.layers.values() for p in layer.parameters()) \
+            if config.activation_memory else None
+        for s, mods in built.items():
+            stage = self.plan.stages[s]
             self.executors[s] = StageExecutor(mods, first=s == 0, last=s == self.last_stage,
                                               loss_fn=model.loss, loss_scale=scale, recompute=stage.recompute,
-                                              recompute_layers=stage.recompute_layers)
+                                              recompute_layers=stage.recompute_layers, meter=self.meter)
         params = _unique_trainable(self.layers.values())
         self.optimizer: torch.optim.Optimizer | None = None  # a rank of parameterless layers has none
         if params and config.optimizer == "sgd":
@@ -451,6 +465,8 @@ class _Interpreter:
                     state.targets[mb] = self._to_device(targets)
         self._control_barrier(f"waiting at the barrier before step {step}")
         started = time.perf_counter()
+        if self.meter is not None:
+            self.meter.reset()
         self.timer.begin_step()
         reductions: list[tuple[Any, torch.Tensor, list[torch.Tensor], int]] = []
         for instr in self.program.instrs:
@@ -506,6 +522,7 @@ class _Interpreter:
             "spans": [(op.stage, op.kind.value, op.mb, start, end) for op, start, end in spans],
             "reduced_s": None if reduced_at is None else self.timer.seconds(reduced_at),
             "origin_s": self.timer.origin_host, "host": socket.gethostname(),
+            "peak_activation_bytes": None if self.meter is None else self.meter.peak,
         }
 
     def _check_sends(self, step: int, wait, deadline: float) -> None:
@@ -614,7 +631,18 @@ class _Interpreter:
         # A replay at another time scale is not the plan's predicted iteration any more.
         scaled = self.config.replay_time_scale not in (None, 1.0)
         predicted = None if scaled else (self.plan.predicted or {}).get("iteration_ms")
-        return summarize_step(step, records, predicted if isinstance(predicted, (int, float)) else None)
+        metrics = summarize_step(step, records, predicted if isinstance(predicted, (int, float)) else None)
+        if self.meter is None:
+            return metrics
+        peaks = [0] * self.plan.pp
+        for record in records:
+            peaks[record["pp_rank"]] = max(peaks[record["pp_rank"]], record["peak_activation_bytes"])
+        predicted_peaks = (self.plan.predicted or {}).get("peak_activation_bytes")
+        if not (isinstance(predicted_peaks, list) and len(predicted_peaks) == self.plan.pp
+                and all(isinstance(b, int) for b in predicted_peaks)):
+            predicted_peaks = None
+        return replace(metrics, peak_activation_bytes=tuple(peaks),
+                       predicted_peak_activation_bytes=None if predicted_peaks is None else tuple(predicted_peaks))
 
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
         return {i: {k: v.detach().cpu().clone() for k, v in layer.state_dict().items()} for i, layer in self.layers.items()}

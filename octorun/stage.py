@@ -34,6 +34,7 @@ tapes do not care that their input now comes from a rebuilt layer: the values ar
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -41,6 +42,7 @@ import torch
 
 from octoplan.modelfile import as_args
 from octoplan.splitgrad import PendingWeightGrads, backward_input, backward_weight
+from octorun.activations import ActivationMeter, Hold
 
 __all__ = ["StageExecutor", "Tape", "floating"]
 
@@ -56,6 +58,7 @@ class _LayerTape:
     outputs: list[torch.Tensor]  # floating outputs (the scaled loss for the model's last layer)
     grad_outputs: list[torch.Tensor] | None = None
     pending: PendingWeightGrads | None = None  # left by I for W
+    held: list[Hold] = field(default_factory=list)  # with a meter: what this tape keeps counts there
 
 
 @dataclass
@@ -66,6 +69,7 @@ class _Stash:
     targets: Any
     cpu_rng: torch.Tensor  # torch.get_rng_state() at the start of F
     cuda_rng: dict[int, torch.Tensor]  # CUDA device index -> its RNG state at the start of F
+    held: list[Hold] = field(default_factory=list)
 
 
 @dataclass
@@ -94,8 +98,10 @@ class StageExecutor:
         loss_scale: float,
         recompute: bool = False,
         recompute_layers: int | None = None,
+        meter: ActivationMeter | None = None,
     ):
         self.layers = list(layers)
+        self.meter = meter
         self.first = first
         self.last = last
         self.loss_fn = loss_fn
@@ -121,6 +127,8 @@ class StageExecutor:
         devices = self._cuda_devices | {_device_index(t) for t in as_args(value) if isinstance(t, torch.Tensor) and t.is_cuda}
         stash = _Stash(value=_detached(value), targets=targets, cpu_rng=torch.get_rng_state(),
                        cuda_rng={d: torch.cuda.get_rng_state(d) for d in sorted(devices)})
+        if not self.first:  # the first stage's stash is the microbatch itself, not an activation
+            stash.held = self._hold(as_args(stash.value))
         with torch.no_grad():
             output, tape = self._forward(value, targets, stop=self.recompute_layers)
         kept = Tape()
@@ -141,14 +149,26 @@ class StageExecutor:
                     for a in args
                 )
             inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-            value = layer(*args)
+            with self._saving():
+                value = layer(*args)
             if self.last and index == len(self.layers) - 1:
-                loss = self.loss_fn(value, targets)
+                with self._saving():
+                    loss = self.loss_fn(value, targets)
                 tape.loss = loss.detach()
-                tape.layers.append(_LayerTape(inputs, [loss * self.loss_scale]))
+                if torch.is_grad_enabled():  # the scaled loss, a backward root of 4 bytes, is not an activation
+                    tape.layers.append(_LayerTape(inputs, [loss * self.loss_scale], held=self._hold(inputs)))
                 return None, tape
-            tape.layers.append(_LayerTape(inputs, floating(as_args(value))))
+            if torch.is_grad_enabled():  # without grad (a recomputing F) a tape would only keep outputs alive
+                outputs = floating(as_args(value))
+                tape.layers.append(_LayerTape(inputs, outputs, held=self._hold(inputs + outputs)))
         return value, tape
+
+    def _saving(self):
+        """With a meter, what autograd saves counts there."""
+        return self.meter.saving() if self.meter is not None and torch.is_grad_enabled() else nullcontext()
+
+    def _hold(self, tensors: Sequence[Any]) -> list[Hold]:
+        return [] if self.meter is None else self.meter.hold(tensors)
 
     def _rebuild(self, tape: Tape) -> None:
         """Recompute: run F again with grad, from the stash and with its RNG states, filling the tape."""
@@ -174,8 +194,11 @@ class StageExecutor:
             if outs:
                 found, layer_tape.pending = backward_input(outs, gouts, layer_tape.inputs, params)
                 grads = _zeros_for_none(found, layer_tape.inputs)
+                # the gradients captured for W are held until W, like the graph
+                layer_tape.held += self._hold(layer_tape.pending.gradients())
             else:
                 grads = tuple(torch.zeros_like(t) for t in layer_tape.inputs)
+            layer_tape.grad_outputs = None  # W needs only what I captured
         return grads
 
     def backward_weight(self, tape: Tape) -> None:
@@ -184,7 +207,7 @@ class StageExecutor:
             if layer_tape.pending is not None:
                 _accumulate(layer_tape.pending.params, backward_weight(layer_tape.pending))
             layer_tape.pending = None  # free the graph
-            layer_tape.outputs = layer_tape.grad_outputs = layer_tape.inputs = []
+            layer_tape.outputs = layer_tape.grad_outputs = layer_tape.inputs = layer_tape.held = []
 
     def backward(self, tape: Tape, grad_output: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
         """B: I and W fused, one autograd pass per layer."""
@@ -200,7 +223,7 @@ class StageExecutor:
                 _accumulate(params, found[len(layer_tape.inputs):])
             else:
                 grads = tuple(torch.zeros_like(t) for t in layer_tape.inputs)
-            layer_tape.outputs = layer_tape.grad_outputs = layer_tape.inputs = []
+            layer_tape.outputs = layer_tape.grad_outputs = layer_tape.inputs = layer_tape.held = []
         return grads
 
     def _output_grads(self, tape: Tape, grad_output: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:

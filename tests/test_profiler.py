@@ -129,11 +129,18 @@ def test_two_linear_bytes_are_exact(tmp_path):
     assert last.param_bytes == (hidden * 4 + 4) * f32 == 272
     assert first.output_bytes == mbs * hidden * f32 == 192
     assert last.output_bytes == mbs * 4 * f32 == 48
-    # Saved for backward: tanh keeps its output, which the second Linear keeps too (one storage);
-    # the Linears' inputs and weights are not activations. Layer 1 keeps the prediction for the
-    # MSE; its input belongs to layer 0 and the targets to the data.
-    assert first.activation_bytes == mbs * hidden * f32 == 192
-    assert last.activation_bytes == mbs * 4 * f32 == 48
+    # Kept for the backward: the first Linear keeps its input (the data: its weight gradient
+    # needs it), tanh its output, which the second Linear keeps too (one storage). The weights
+    # are not activations, nor is the layer's output (the next layer's input, counted there).
+    assert first.activation_bytes == (mbs * 8 + mbs * hidden) * f32 == 288
+    # Layer 1 keeps its input (octorun's tape holds it as the leaf its backward ends at, and
+    # the Linear saves it, one storage), and the MSE keeps the prediction and the targets.
+    assert last.activation_bytes == (mbs * hidden + mbs * 4 + mbs * 4) * f32 == 288
+    # What a split backward's I leaves for W: the gradients W starts from. Layer 0's input
+    # needs no gradient, so its I does nothing and W starts at the output's gradient; layer
+    # 1's I captures the gradient at its Linear's output, the prediction's.
+    assert first.pending_w_bytes == mbs * hidden * f32 == 192
+    assert last.pending_w_bytes == mbs * 4 * f32 == 48
     # FLOPs of the forward: 2 * m * k * n per matmul.
     assert first.flops == 2 * mbs * 8 * hidden + 2 * mbs * hidden * hidden
     assert last.flops == 2 * mbs * hidden * 4
@@ -149,6 +156,19 @@ def test_two_linear_bytes_are_exact(tmp_path):
     # decimal GB, the unit the plan's memory_gb and the simulator's limit use (not GiB)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert profile.device["memory_gb"] == round(total / 1e9, 1)
+
+
+def test_a_layer_does_not_count_its_own_output_even_where_autograd_saves_it(tmp_path):
+    # the middle layer is Linear then Tanh: tanh saves its result, which is the layer's output,
+    # held by the next layer as its input (and counted there); the layer keeps its input (the
+    # Linear saves it, and the tape holds it), one storage
+    path = write_model(tmp_path, TWO_LINEAR)
+    mbs, hidden, f32 = 3, 16, 4
+    first, middle, last = fast_profile(path, microbatch_size=mbs, config={"middle": 1}).layers
+    assert middle.activation_bytes == mbs * hidden * f32 == 192
+    assert last.activation_bytes == (mbs * hidden + mbs * 4 + mbs * 4) * f32  # as with no middle layer
+    # the middle layer's I captures the gradient at its Linear's output for W
+    assert middle.pending_w_bytes == mbs * hidden * f32
 
 
 def test_bytes_do_not_depend_on_timing_settings(tmp_path):

@@ -39,9 +39,12 @@ def test_a_recomputed_stage_keeps_its_input_and_pays_a_forward_in_its_first_back
     # F keeps only the stage's input (layer a's output, 4 bytes); the rebuild holds the rest
     assert (plain.activation_bytes, plain.recompute_bytes) == (30, 0)
     assert (again.activation_bytes, again.recompute_bytes) == (4, 26)
-    # the first stage's input is the microbatch itself, which the profile does not size
+    # the first stage's input is the microbatch itself, which the profile does not size; the
+    # rebuild also makes the stage's output (3 bytes) anew, which F without grad did not keep
     first = table.stage(0, 2, recompute=True)
-    assert (first.activation_bytes, first.recompute_bytes) == (0, 50)
+    assert (first.activation_bytes, first.recompute_bytes) == (0, 50 + 3)
+    # without recomputation a stage that is not the last keeps its output, its backward's root
+    assert table.stage(0, 2).activation_bytes == 50 + 3
     # a measured fused backward gets the forward too
     fused = Profile(model=ModelRef("t"), layers=tuple(replace(layer, backward_ms=1.5) for layer in _profile().layers))
     assert LayerTable(fused).stage(1, 3, recompute=True).b_ms == pytest.approx(3.0 + 11.0)
@@ -194,8 +197,9 @@ def test_baseline_cli_recompute_flag(tmp_path, profile_file):
     a, b = simulate(load_plan(tmp_path / "a.yaml"), profile), simulate(load_plan(tmp_path / "b.yaml"), profile)
     assert all(s.recompute for s in load_plan(tmp_path / "b.yaml").stages)
     assert not a.fits_memory and b.fits_memory
-    # 1F1B on 2 ranks, 4 microbatches: rank 0 holds 2 x 40 GB without; with, 2 x 0.01 + one 40 GB rebuild
-    assert a.peak_memory_bytes[0] == 80 * GB
+    # 1F1B on 2 ranks, 4 microbatches: rank 0 holds 2 x (40 GB + its 10 MB output) without;
+    # with, 2 x 0.01 + one 40 GB rebuild
+    assert a.peak_memory_bytes[0] == 2 * (40 * GB + GB // 100)
     assert b.peak_memory_bytes[0] == pytest.approx(40 * GB, rel=1e-3)
 
 
@@ -309,8 +313,9 @@ def test_the_climb_turns_recomputation_off_one_stage_at_a_time_where_a_whole_ran
     from octoplan.tuner.space import Candidate, Config, Evaluator
 
     # ZB-V on 2 ranks, every stage (2 layers, 20 GB of activations) recomputing: rank 1 holds
-    # three 20 GB rebuilds while their Ws wait. 61 GB per GPU: either rank keeping all its
-    # activations needs 80 GB, but keeping one stage's (the rank's later one first) fits
+    # three 20 GB rebuilds while their Ws wait (each with its stage's 10 MB output, made anew),
+    # and rank 0 one. 61 GB per GPU: either rank keeping all its activations needs 80 GB, but
+    # keeping one stage's (the rank's later one first) fits
     profile = _memory_bound_profile()
     spec = get_schedule("zbv")
     order = tuple(tuple(ops) for ops in spec.generate(2, 8, 2))
@@ -318,7 +323,8 @@ def test_the_climb_turns_recomputation_off_one_stage_at_a_time_where_a_whole_ran
                       recompute=frozenset(range(4)))
     evaluator = Evaluator(profile, free_cluster(2, memory_gb=61))
     result = evaluator.simulate(start)
-    assert result.fits_memory and [p / GB for p in result.peak_memory_bytes] == [20, 60]
+    out = GB // 100
+    assert result.fits_memory and list(result.peak_memory_bytes) == [20 * GB + out, 3 * (20 * GB + out)]
     moves = {m.origin: m for m in neighbours(start, result, rng=random.Random(0)) if "recompute" in m.origin}
     assert moves["rank 0: no recompute"].recompute == {1, 2} and moves["rank 1: no recompute"].recompute == {0, 3}
     assert moves["stage 3 (rank 0): no recompute"].recompute == {0, 1, 2}
@@ -379,14 +385,16 @@ def test_the_climb_recomputes_fewer_of_a_stages_layers_where_keeping_all_would_n
                       recompute=frozenset(range(4)))
     evaluator = Evaluator(_sixteen_layers(), free_cluster(2, memory_gb=125))
     result = evaluator.simulate(start)
-    assert result.fits_memory and result.peak_memory_bytes[0] == 40 * GB
+    assert result.fits_memory and result.peak_memory_bytes[0] == 40 * GB + GB // 100  # a rebuild and the output it makes anew
     moves = {m.origin: m for m in neighbours(start, result, rng=random.Random(0)) if "recompute" in m.origin}
     peak = {name: evaluator.simulate(moves[name]).peak_memory_bytes[0] for name in
             ("stage 0 (rank 0): no recompute", "stage 0 (rank 0): recompute 2 of 4 layers",
              "stage 0 (rank 0): recompute 3 of 4 layers")}
-    seam = GB // 100
-    assert peak == {"stage 0 (rank 0): no recompute": 160 * GB, "stage 0 (rank 0): recompute 2 of 4 layers": 100 * GB + seam,
-                    "stage 0 (rank 0): recompute 3 of 4 layers": 70 * GB + seam}
+    # (keeping any layers, F keeps the stage's 10 MB output too, 4 in flight)
+    out = seam = GB // 100
+    assert peak == {"stage 0 (rank 0): no recompute": 160 * GB + 4 * out,
+                    "stage 0 (rank 0): recompute 2 of 4 layers": 100 * GB + 4 * out + seam,
+                    "stage 0 (rank 0): recompute 3 of 4 layers": 70 * GB + 4 * out + seam}
     half = moves["stage 0 (rank 0): recompute 2 of 4 layers"]
     assert half.recompute == {0, 1, 2, 3} and half.recompute_layers == ((0, 2),)
     assert half.stages()[0] == Stage(0, 4, 0, recompute=True, recompute_layers=2)
@@ -446,9 +454,11 @@ def test_a_baseline_that_does_not_fit_recomputes_the_fewest_layers_per_stage_tha
     assert row.candidate.recompute_layers == ((0, 4), (1, 4))
     assert row.candidate.origin == "1f1b/uniform+recompute (first 4 layers per stage)"
     evaluator = Evaluator(profile, cluster)
-    assert evaluator.simulate(row.candidate).peak_memory_bytes[0] == 120 * GB + GB // 100
+    # (and F keeps the stage's 10 MB output, 2 in flight)
+    out = GB // 100
+    assert evaluator.simulate(row.candidate).peak_memory_bytes[0] == 120 * GB + GB // 100 + 2 * out
     three = replace(row.candidate, recompute_layers=((0, 3), (1, 3)))
-    assert evaluator.simulate(three).peak_memory_bytes[0] == 130 * GB + GB // 100  # one layer fewer does not fit
+    assert evaluator.simulate(three).peak_memory_bytes[0] == 130 * GB + GB // 100 + 2 * out  # one layer fewer does not fit
 
 
 def test_a_layer_count_that_a_boundary_shift_made_whole_is_written_as_the_whole_stage(tmp_path):

@@ -69,8 +69,10 @@ def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
     assert [result.idle_parts(r) for r in range(2)] == [(0, 14, 0), (5, 2, 5)]
     assert result.summary()["idle_ms"] == [[0, 14, 0], [5, 2, 5]]
     assert [str(op) for op in result.critical_path] == ["0F0", "0F1", "1F1", "1B0", "1B1", "0B1"]
-    # Activations: rank 0 holds two microbatches of layer a, rank 1 two of layer b.
-    assert result.peak_memory_bytes == (200, 2000)
+    # Activations: rank 0 holds two microbatches of layer a, each with its 2 MB output (the
+    # root of its backward, which the tape keeps); rank 1 two of layer b, whose output is the loss.
+    assert result.peak_memory_bytes == (2 * (100 + 2_000_000), 2 * 1000)
+    assert result.peak_activation_bytes == result.peak_memory_bytes  # no parameters
 
 
 def test_a_wait_after_a_first_op_of_no_time_is_between_ops_not_before_the_first():
@@ -112,7 +114,10 @@ def test_same_rank_stages_pass_without_transfer_and_split_backward_frees_at_w():
     ]
     assert result.transfers == []
     assert result.bubble_ratio == 0
-    assert result.peak_memory_bytes == (1100,)
+    # 0F0 holds layer a's 100 bytes and its 2 MB output. Layer b's figure holds its input first
+    # (SPEC_ADDITIONS), here all of its 1000 bytes; on one rank that input is stage 0's output,
+    # already held, so 1F0 adds nothing, 1W0 (the earlier release) frees nothing and 0W0 all.
+    assert result.peak_memory_bytes == (100 + 2_000_000,)
 
 
 def test_inter_node_links_are_slower():
@@ -139,7 +144,8 @@ def test_data_parallel_allreduce_after_the_last_backward_counts_in_the_iteration
     # after its last op, rank 0 waits 10 ms for its all-reduce; rank 1 is done at 17
     assert [result.idle_parts(r) for r in range(2)] == [(0, 14, 10), (5, 2, 15)]
     # static memory: weights + grads + Adam (fp32 profile: 16 bytes per parameter).
-    assert result.peak_memory_bytes[0] == static_bytes(4_000_000, dtype_bytes=4) + 200 == 16_000_200
+    assert result.peak_memory_bytes[0] == static_bytes(4_000_000, dtype_bytes=4) + 2 * (100 + 2_000_000) == 20_000_200
+    assert result.static_memory_bytes[0] == 16_000_000
 
 
 def test_a_cycle_is_a_deadlock_naming_what_each_rank_waits_for():

@@ -90,6 +90,7 @@ def _layer(name: str, kind: str, cost: LayerCost, out_bytes: int) -> Layer:
         activation_bytes=cost.activation_bytes,
         output_bytes=out_bytes,
         flops=cost.flops,
+        pending_w_bytes=cost.pending_w_bytes,
     )
 
 

@@ -114,6 +114,7 @@ class LayerCost:
     params: int  # held by one GPU (all experts: expert parallelism not applied, see remote_expert_params)
     remote_expert_params: int
     activation_bytes: int
+    pending_w_bytes: int  # what a split backward's I keeps for its W (the matmuls' output gradients)
     flops: float  # forward, one GPU
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)  # F/I/W -> category -> ms
 
@@ -133,6 +134,7 @@ class LayerAccount:
         self.remote_expert_params = 0  # experts counted in params that expert parallelism puts elsewhere
         self.flops = 0.0
         self.saved = 0.0
+        self.pending_w = 0.0  # output gradients of the matmuls, kept from I for W
 
     def linear(
         self,
@@ -170,6 +172,9 @@ class LayerAccount:
             self._ms["I"]["matmul"] += ms
         self._ms["W"]["matmul"] += ms
         self.flops += 2.0 * m * n * k * count
+        # W computes dW = X^T dY from this output gradient, which a split backward keeps from
+        # I to W; a row-parallel matmul's is the whole output's (gathered in the backward)
+        self.pending_w += BYTES * m * (n if split == "col" else n_out) * count
 
     def weights(self, count: int, *, split: bool = False) -> None:
         """Parameters outside matmuls (norm scales, conv filters, biases): no time of their own."""
@@ -235,6 +240,7 @@ class LayerAccount:
             params=int(self.params),
             remote_expert_params=int(self.remote_expert_params),
             activation_bytes=int(round(self.saved)),
+            pending_w_bytes=int(round(self.pending_w)),
             flops=self.flops,
             breakdown=breakdown,
         )

@@ -149,10 +149,10 @@ def policy_schedule(
     warming = [True] * num_ranks  # the rank has run only first-stage forwards so far
     warm_count = [0] * num_ranks
     # what a microbatch holds on a stage from its F to its B or W; a recomputed stage's rebuilt
-    # activations are held from its I to its W, or only during its B, and the budget keeps
-    # room for one such rebuild
+    # activations, and the gradients an I keeps for its W, are held from its I to its W (a
+    # rebuild only during a B), and the budget keeps room for one such I
     act = [c.activation_bytes for c in costs]
-    rebuilt = [c.recompute_bytes for c in costs]
+    rebuilt = [c.recompute_bytes + (c.pending_w_bytes if split[s] else 0) for s, c in enumerate(costs)]
     footprint = [sum(act[s] for s in held) for held in stages_of]  # one microbatch on the whole rank
     budget = list(activation_budget_bytes) if activation_budget_bytes is not None else [_INF] * num_ranks
     largest_rebuild = [max(rebuilt[s] for s in held) for held in stages_of]

@@ -680,6 +680,8 @@ def _final_plan(evaluator: Evaluator, cand: Candidate, scored: Scored, *, profil
             "iteration_ms": round(scored.iteration_ms, 4),
             "bubble_ratio": round(scored.bubble_ratio, 4),
             "efficiency": round(scored.efficiency, 4),
+            # what octorun --activation-memory measures, to set beside it
+            "peak_activation_bytes": list(evaluator.simulate(cand).peak_activation_bytes),
         },
     )
 

@@ -1,0 +1,91 @@
+"""Counting the activation memory a rank's tapes hold (``octorun --activation-memory``).
+
+The planner prices a plan's memory with the model of :mod:`octoplan.memory`: each stage holds
+its ``activation_bytes`` per microbatch from the start of its F to the end of its backward.
+This meter measures what the runtime really holds over the same span, so the two can be set side
+by side (``peak_activation_bytes`` in ``--metrics``): every storage that autograd saves for a
+backward (through :func:`torch.autograd.graph.saved_tensors_hooks`), the tensors the stage's
+tapes keep (each layer's input and output, a recomputing stage's stash) and the gradients an I
+op leaves for its W, each storage counted once while anything holds it, parameters never.
+
+The count is exact on any device, as it reads sizes rather than an allocator: a storage counts
+from the moment the first holder takes it until the last one is dropped. CPython frees a holder
+the moment its last reference goes (when autograd releases a saved tensor, when a tape clears a
+list), so the count moves with the runtime's own releases. Received messages waiting for their
+op, gradients waiting for theirs and the transport's buffers are not counted: the planner's model
+leaves them out too.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+
+__all__ = ["ActivationMeter", "Hold"]
+
+
+class Hold:
+    """While this object lives, its tensor's storage counts in its meter."""
+
+    __slots__ = ("meter", "key", "tensor")
+
+    def __init__(self, meter: "ActivationMeter", tensor: torch.Tensor):
+        # Detached: a tensor autograd saves may be an output of the node that saves it, and
+        # holding it with its grad_fn would be a cycle through C++ that Python never frees.
+        self.meter, self.tensor = meter, tensor.detach()
+        self.key = meter._take(tensor)
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.meter._drop(self.key)
+
+
+class ActivationMeter:
+    """Bytes of activation storage held now, and the most held at once since :meth:`reset`."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        self._excluded = {_key(p) for p in parameters}
+        self._held: dict[tuple[str, int], list[int]] = {}  # storage -> [bytes, holders]
+        self.current = 0
+        self.peak = 0
+
+    def reset(self) -> None:
+        """Start a new peak from what is held now (between steps: nothing)."""
+        self.peak = self.current
+
+    def hold(self, tensors: Iterable[object]) -> list[Hold]:
+        """Holders for the tensors among ``tensors``; keep the list as long as they are held."""
+        return [Hold(self, t) for t in tensors if isinstance(t, torch.Tensor)]
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Inside, every tensor autograd saves for a backward counts until autograd lets go of it."""
+        with torch.autograd.graph.saved_tensors_hooks(lambda tensor: Hold(self, tensor), lambda held: held.tensor):
+            yield
+
+    def _take(self, tensor: torch.Tensor) -> tuple[str, int] | None:
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key in self._excluded or not storage.nbytes():
+            return None
+        entry = self._held.get(key)
+        if entry is None:
+            self._held[key] = [storage.nbytes(), 1]
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[1] += 1
+        return key
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        entry = self._held[key]
+        entry[1] -= 1
+        if not entry[1]:
+            del self._held[key]
+            self.current -= entry[0]
+
+
+def _key(tensor: torch.Tensor) -> tuple[str, int]:
+    return str(tensor.device), tensor.untyped_storage().data_ptr()

@@ -1,0 +1,180 @@
+"""The memory model against the runtime: what ``octorun --activation-memory`` counts is, byte
+for byte, the simulator's ``peak_activation_bytes`` for the same plan and a measured profile.
+
+Each job trains one step of a plan on gloo processes; the meter counts every storage the
+rank's tapes keep (autograd's saved tensors, the tapes' inputs and outputs, a recomputing
+stage's stash, what an I keeps for its W). The profile is measured from the same model file in
+this process, so both sides see the same tensors; an error in either (a profiler that leaves a
+layer's input out, a memory model that forgets the stage's output or the gradients an I keeps,
+a runtime that holds a tape too long) shows as a difference of bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from octoplan.baseline import make_baseline
+from octoplan.plan import Cluster, save_plan
+from octoplan.profile import save_profile
+from octoplan.profiler import profile_model_file
+from octoplan.simulator import simulate
+from octoplan.tuner import TuneOptions, tune
+from octorun.activations import ActivationMeter
+from octorun.runtime import RunConfig
+from octorun.stage import StageExecutor
+from runtime_helpers import EXAMPLE_CONFIGS, EXAMPLES, Job, launch
+
+pytestmark = pytest.mark.slow
+
+# (name, model, schedule, pp, microbatches, options): 3-rank plans and 2-rank ones (V shapes,
+# two stages per rank: consecutive stages share a rank there)
+THREE_RANKS = [
+    ("gpt-1f1b", "tiny_gpt", "1f1b", 6, {}),
+    ("gpt-gpipe", "tiny_gpt", "gpipe", 6, {}),
+    ("gpt-zb-h1", "tiny_gpt", "zb-h1", 6, {}),
+    ("gpt-zb-h2", "tiny_gpt", "zb-h2", 6, {}),
+    ("gpt-1f1b-recompute", "tiny_gpt", "1f1b", 6, {"recompute": True}),
+    ("gpt-zb-h1-recompute", "tiny_gpt", "zb-h1", 6, {"recompute": True}),
+    ("hybrid-1f1b", "hybrid", "1f1b", 4, {}),
+    ("hybrid-zb-h1", "hybrid", "zb-h1", 4, {}),
+]
+TWO_RANKS = [
+    ("gpt-zbv", "tiny_gpt", "zbv", 4, {}),
+    ("gpt-dualpipev", "tiny_gpt", "dualpipev", 4, {}),
+    ("gpt-interleaved", "tiny_gpt", "interleaved-1f1b", 4, {}),
+    ("gpt-zbv-recompute", "tiny_gpt", "zbv", 4, {"recompute": True}),
+    ("hybrid-zbv", "hybrid", "zbv", 4, {}),
+]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, Path]:
+    """Measured CPU profiles of two example models (only their bytes matter here)."""
+    folder = tmp_path_factory.mktemp("profiles")
+    paths = {}
+    for model in ("tiny_gpt", "hybrid"):
+        profile = profile_model_file(str(EXAMPLES / f"{model}.py"), config=EXAMPLE_CONFIGS[model], microbatch_size=2,
+                                     repeat=1, warmup=0, device="cpu")
+        paths[model] = folder / f"{model}.yaml"
+        save_profile(profile, paths[model])
+    return paths
+
+
+def _plans(cases, pp: int, measured: dict[str, Path], folder: Path) -> dict[str, tuple[Path, list[int]]]:
+    from octoplan.profile import load_profile
+
+    plans = {}
+    for name, model, schedule, microbatches, options in cases:
+        profile = load_profile(measured[model])
+        plan = make_baseline(profile, schedule=schedule, gpus=pp, pp=pp, microbatches=microbatches,
+                             profile_path=measured[model], **options)
+        if name == "gpt-zb-h1-recompute":  # stage 1 recomputes only its first layer
+            plan = replace(plan, stages=tuple(replace(s, recompute_layers=1) if i == 1 else s for i, s in enumerate(plan.stages)))
+        predicted = list(simulate(plan, profile).peak_activation_bytes)
+        path = folder / f"{name}.yaml"
+        save_plan(replace(plan, predicted={**plan.predicted, "peak_activation_bytes": predicted}), path)
+        plans[name] = (path, predicted)
+    return plans
+
+
+def _measure(world: int, plans: dict[str, tuple[Path, list[int]]], folder: Path) -> dict[str, object]:
+    jobs = [Job(name, RunConfig(plan_path=str(path), steps=2, activation_memory=True, timeout_s=60))
+            for name, (path, _) in plans.items()]
+    done = launch(world, jobs, folder / f"run{world}", timeout_s=240)
+    assert done.exitcodes == [0] * world, done.logs
+    return {name: done.result(name, 0)["metrics"] for name in plans}
+
+
+def test_the_runtime_holds_what_the_memory_model_predicts_on_three_ranks(measured, tmp_path):
+    plans = _plans(THREE_RANKS, 3, measured, tmp_path)
+    metrics = _measure(3, plans, tmp_path)
+    for name, (_, predicted) in plans.items():
+        for step in metrics[name]:  # both steps: a step leaves nothing held behind
+            assert list(step.peak_activation_bytes) == predicted, name
+        # the plan carries the prediction, and octorun reports it beside its count
+        assert list(metrics[name][-1].predicted_peak_activation_bytes) == predicted, name
+    # what a split backward's I keeps for its W is real memory: ZB-H1's last rank holds more
+    # than 1F1B's, by the gradients the head's I keeps (its logits' among them)
+    assert plans["gpt-zb-h1"][1][2] > plans["gpt-1f1b"][1][2]
+
+
+def test_the_runtime_holds_what_the_memory_model_predicts_where_stages_share_a_rank(measured, tmp_path):
+    plans = _plans(TWO_RANKS, 2, measured, tmp_path)
+    # and a tuned plan: any placement, any order, stages of uneven length
+    from octoplan.profile import load_profile
+
+    profile = load_profile(measured["tiny_gpt"])
+    tuned = tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=300, chunks_max=3),
+                 profile_path=measured["tiny_gpt"]).plan
+    save_plan(tuned, tmp_path / "tuned.yaml")
+    plans["gpt-tuned"] = (tmp_path / "tuned.yaml", list(simulate(tuned, profile).peak_activation_bytes))
+    metrics = _measure(2, plans, tmp_path)
+    for name, (_, predicted) in plans.items():
+        for step in metrics[name]:
+            assert list(step.peak_activation_bytes) == predicted, name
+
+
+# ----------------------------------------------------------------------------- the meter itself
+
+
+def test_the_meter_counts_each_storage_once_while_anything_holds_it_and_never_a_parameter():
+    weight = torch.nn.Parameter(torch.ones(4))
+    meter = ActivationMeter([weight])
+    x = torch.zeros(8)  # 32 bytes
+    first, second = meter.hold([x, x[2:]]), meter.hold([x, weight, "not a tensor"])
+    assert (meter.current, meter.peak) == (32, 32)
+    assert len(second) == 2 and second[1].key is None  # the parameter is held uncounted
+    del first
+    assert meter.current == 32  # the second list still holds x
+    y = meter.hold([torch.zeros(2)])  # 8 bytes more
+    assert (meter.current, meter.peak) == (40, 40)
+    del second, y
+    assert meter.current == 0 and meter.peak == 40
+    meter.reset()
+    assert meter.peak == 0
+
+
+def test_a_graph_that_saves_its_own_outputs_is_freed_whole():
+    # exp and tanh save their results: a holder keeping such a tensor with its grad_fn would be
+    # a cycle through autograd's C++ nodes that Python never frees
+    meter = ActivationMeter()
+    leaf = torch.randn(16, requires_grad=True)
+    with meter.saving():
+        out = torch.tanh(torch.exp(leaf)).sum()
+    assert meter.current == 16 * 4 * 2  # exp's result and tanh's (the leaf itself is not saved)
+    out.backward()
+    assert meter.current == 0
+    with meter.saving():
+        out = torch.tanh(torch.exp(leaf)).sum()
+    del out  # never backward: dropping the graph frees it too
+    assert meter.current == 0
+
+
+def test_the_meter_changes_no_gradient(tmp_path):
+    # one stage of the tiny GPT, F, I and W of two microbatches, with and without the meter:
+    # the same gradients bit for bit, and nothing held at the end
+    from octoplan.modelfile import load_model_file
+
+    model = load_model_file(EXAMPLES / "tiny_gpt.py", EXAMPLE_CONFIGS["tiny_gpt"])
+    grads = []
+    for meter in (None, ActivationMeter()):
+        layers = [model.build_layer(i) for i in range(3, model.num_layers())]
+        executor = StageExecutor(layers, first=False, last=True, loss_fn=model.loss, loss_scale=0.5, meter=meter)
+        tapes = []
+        for mb in range(2):
+            _, targets = model.sample_batch(2, step=0, replica=0, mb=mb)
+            hidden = torch.randn(2, EXAMPLE_CONFIGS["tiny_gpt"]["seq"], EXAMPLE_CONFIGS["tiny_gpt"]["hidden"],
+                                 generator=torch.Generator().manual_seed(mb))
+            tapes.append(executor.forward(hidden, targets)[1])
+        inputs = [executor.backward_input(tape, None) for tape in tapes]
+        for tape in tapes:
+            executor.backward_weight(tape)
+        grads.append(([g for grads_ in inputs for g in grads_], [p.grad for layer in layers for p in layer.parameters()]))
+        if meter is not None:
+            assert meter.peak > 0 and meter.current == 0
+    for plain, metered in zip(*[a + b for a, b in grads]):
+        assert torch.equal(plain, metered)
