@@ -361,9 +361,10 @@ class _LayerRun:
         leaves the backward ends at (they are the previous layer's output, or the stage's
         received input). Its own floating output, even where autograd saves it, is the next
         layer's input and counts there; a stage's last output the memory model adds
-        (octoplan.costs). Parameters are not activations;
+        (octoplan.costs). Parameters and buffers are not activations (they stay whatever the
+        schedule);
         targets the loss saves are (the last stage holds them until its backward)."""
-        excluded = {p.untyped_storage().data_ptr() for p in self.layer.parameters()}
+        excluded = {t.untyped_storage().data_ptr() for t in (*self.layer.parameters(), *self.layer.buffers())}
         saved: dict[int, int] = {
             a.untyped_storage().data_ptr(): a.untyped_storage().nbytes() for a in self.args if a.requires_grad
         }

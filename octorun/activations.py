@@ -6,7 +6,7 @@ This meter measures what the runtime really holds over the same span, so the two
 by side (``peak_activation_bytes`` in ``--metrics``): every storage that autograd saves for a
 backward (through :func:`torch.autograd.graph.saved_tensors_hooks`), the tensors the stage's
 tapes keep (each layer's input and output, a recomputing stage's stash) and the gradients an I
-op leaves for its W, each storage counted once while anything holds it, parameters never.
+op leaves for its W, each storage counted once while anything holds it, parameters and buffers never.
 
 The count is exact on any device, as it reads sizes rather than an allocator: a storage counts
 from the moment the first holder takes it until the last one is dropped. CPython frees a holder
@@ -29,13 +29,27 @@ __all__ = ["ActivationMeter", "Hold"]
 class Hold:
     """While this object lives, its tensor's storage counts in its meter."""
 
-    __slots__ = ("meter", "key", "tensor")
+    __slots__ = ("meter", "key", "tensor", "version")
 
     def __init__(self, meter: "ActivationMeter", tensor: torch.Tensor):
         # Detached: a tensor autograd saves may be an output of the node that saves it, and
         # holding it with its grad_fn would be a cycle through C++ that Python never frees.
+        # The detached tensor shares the version counter, which unpack checks (below).
         self.meter, self.tensor = meter, tensor.detach()
+        self.version = tensor._version
         self.key = meter._take(tensor)
+
+    def unpack(self) -> torch.Tensor:
+        """The saved tensor for the backward. With hooks installed autograd no longer checks
+        that a saved tensor was not changed in place since; this does, with autograd's words,
+        so a layer that does so fails as it would without the meter instead of computing
+        wrong gradients."""
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{self.tensor.type()} {list(self.tensor.shape)}] is at version {self.tensor._version}; "
+                f"expected version {self.version} instead")
+        return self.tensor
 
     def __del__(self) -> None:
         if self.key is not None:
@@ -45,8 +59,9 @@ class Hold:
 class ActivationMeter:
     """Bytes of activation storage held now, and the most held at once since :meth:`reset`."""
 
-    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
-        self._excluded = {_key(p) for p in parameters}
+    def __init__(self, static: Iterable[torch.Tensor] = ()):
+        """``static``: the rank's parameters and buffers, held whatever the schedule (never counted)."""
+        self._excluded = {_key(p) for p in static}
         self._held: dict[tuple[str, int], list[int]] = {}  # storage -> [bytes, holders]
         self.current = 0
         self.peak = 0
@@ -62,7 +77,7 @@ class ActivationMeter:
     @contextmanager
     def saving(self) -> Iterator[None]:
         """Inside, every tensor autograd saves for a backward counts until autograd lets go of it."""
-        with torch.autograd.graph.saved_tensors_hooks(lambda tensor: Hold(self, tensor), lambda held: held.tensor):
+        with torch.autograd.graph.saved_tensors_hooks(lambda tensor: Hold(self, tensor), Hold.unpack):
             yield
 
     def _take(self, tensor: torch.Tensor) -> tuple[str, int] | None:

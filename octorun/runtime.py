@@ -413,7 +413,7 @@ class _Interpreter:
                 self.watchdog.doing(f"building layer {index}")
                 built[s].append(model.build_layer(index).to(device))
                 self.layers[index] = built[s][-1]
-        self.meter = ActivationMeter(p for layer in self.layers.values() for p in layer.parameters()) \
+        self.meter = ActivationMeter(t for layer in self.layers.values() for t in (*layer.parameters(), *layer.buffers())) \
             if config.activation_memory else None
         for s, mods in built.items():
             stage = self.plan.stages[s]

@@ -202,7 +202,7 @@ class StageExecutor:
         return grads
 
     def backward_weight(self, tape: Tape) -> None:
-        """W: parameter gradients from the kept output gradients, accumulated into ``.grad``."""
+        """W: parameter gradients from what I captured, accumulated into ``.grad``."""
         for layer_tape in tape.layers:
             if layer_tape.pending is not None:
                 _accumulate(layer_tape.pending.params, backward_weight(layer_tape.pending))

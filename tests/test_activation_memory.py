@@ -178,3 +178,36 @@ def test_the_meter_changes_no_gradient(tmp_path):
             assert meter.peak > 0 and meter.current == 0
     for plain, metered in zip(*[a + b for a, b in grads]):
         assert torch.equal(plain, metered)
+
+
+def test_with_the_meter_a_saved_tensor_changed_in_place_still_fails_the_backward():
+    # installing saved-tensor hooks turns off autograd's own version check: the meter's unpack
+    # does it instead, so the layer fails as it does without the meter (not wrong gradients)
+    class InPlace(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(4.0))
+
+        def forward(self, x):
+            h = x + 0
+            y = h * self.w  # saves h
+            h.mul_(2)
+            return y
+
+    for meter in (None, ActivationMeter()):
+        executor = StageExecutor([InPlace()], first=False, last=False, loss_fn=None, loss_scale=1.0, meter=meter)
+        _, tape = executor.forward(torch.ones(4))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            executor.backward(tape, (torch.ones(4),))
+
+
+def test_buffers_are_not_activations():
+    # a buffer a layer's forward saves (a table, a mask) stays whatever the schedule: neither
+    # the meter nor the profiler counts it
+    table = torch.ones(1024)
+    meter = ActivationMeter([table])
+    x = torch.randn(8, requires_grad=True)
+    with meter.saving():
+        y = (x.exp() * table[:8]).sum()  # saves exp's result and a view of the table
+    assert meter.current == 8 * 4
+    del y

@@ -113,6 +113,12 @@ def test_llama_layer_flops_are_closed_form():
     # Korthikanti et al. 2022: 34 s*b*h bytes without the score matrix (flash attention)
     assert profile.layers[1].activation_bytes == 34 * tokens * h + 4 * 32 * tokens
     assert profile.layers[1].output_bytes == 2 * tokens * h
+    # what a split backward's I keeps for W: every matmul's output gradient (bf16): q, k, v,
+    # the attention's output projection, gate and up, down; the head's logits; the embedding
+    # its output's (for the scatter-add)
+    assert profile.layers[1].pending_w_bytes == 2 * tokens * ((q + 2 * kv) + h + 2 * ffn + h)
+    assert profile.layers[-1].pending_w_bytes == 2 * tokens * 128256
+    assert profile.layers[0].pending_w_bytes == 2 * tokens * h
 
 
 def test_attention_pairs():

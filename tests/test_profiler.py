@@ -171,6 +171,44 @@ def test_a_layer_does_not_count_its_own_output_even_where_autograd_saves_it(tmp_
     assert middle.pending_w_bytes == mbs * hidden * f32
 
 
+
+BUFFERED = """
+import torch
+from torch import nn
+
+def num_layers():
+    return 2
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("table", torch.ones(4096))
+
+    def forward(self, x):
+        return self.lin(x) * self.table[:8]
+
+def build_layer(index):
+    return Scaled()
+
+def sample_batch(mbs, generator):
+    return torch.randn(mbs, 8, generator=generator), torch.randn(mbs, 8, generator=generator)
+
+def loss_fn(out, targets):
+    return ((out - targets) ** 2).mean()
+"""
+
+
+def test_a_buffer_the_forward_saves_is_not_an_activation(tmp_path):
+    # the multiply by the table's slice (a view of the 16 KB buffer) saves only that slice,
+    # which stays whatever the schedule: layer 0 counts only the data its Linear saves; layer 1
+    # its input (the Linear saves it too, one storage) and the difference the loss squares
+    path = write_model(tmp_path, BUFFERED)
+    mbs, f32 = 3, 4
+    first, last = fast_profile(path, microbatch_size=mbs).layers
+    assert first.activation_bytes == mbs * 8 * f32
+    assert last.activation_bytes == (mbs * 8 + mbs * 8) * f32
+
 def test_bytes_do_not_depend_on_timing_settings(tmp_path):
     path = write_model(tmp_path, TWO_LINEAR)
     a = fast_profile(path, microbatch_size=5, repeat=1, warmup=0)

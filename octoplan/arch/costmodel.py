@@ -230,6 +230,10 @@ class LayerAccount:
         """Bytes F keeps for the backward (whole layer)."""
         self.saved += num_bytes / self.tp if sharded else num_bytes
 
+    def keep_for_w(self, num_bytes: float) -> None:
+        """Gradient bytes (whole layer) a split backward's I keeps for W outside a matmul."""
+        self.pending_w += num_bytes / self.tp
+
     def result(self) -> LayerCost:
         total = {phase: float(sum(parts.values())) for phase, parts in self._ms.items()}
         breakdown = {phase: {k: round(v, 6) for k, v in sorted(parts.items())} for phase, parts in self._ms.items()}

@@ -236,6 +236,7 @@ def embedding_cost(arch: Arch, model: CostModel, *, shape: Shape) -> LayerCost:
     passes = 2 if arch.embed_scale else 1
     acct.elementwise(BYTES * text * 2 * h * passes, sharded=False, backward=False)
     acct.weight_grad_memory(BYTES * text * 3 * h)  # scatter-add: read grad, read+write rows
+    acct.keep_for_w(BYTES * text * h)  # which needs the output's gradient: no I, so it waits for W
     acct.save(8 * text, sharded=False)  # int64 token ids
     acct.tp_collective(BYTES * text * h, backward=False)
     if arch.vision is not None:
