@@ -31,7 +31,8 @@ octoplan show plans/hybrid.yaml --svg out/hybrid.svg --trace out/hybrid-trace.js
 step "5. Train the real model with the tuned plan: torchrun, 4 processes, gloo"
 echo "The losses are real. The times are not the plan's: four processes share this machine's cores, while"
 echo "each layer was profiled with the cores to itself. Step 6 replays the ops at their profiled times."
-"${RUN[@]}" plans/hybrid.yaml --steps 6 --optimizer adamw --lr 3e-3 --metrics out/train.jsonl
+echo "The memory is the plan's: --activation-memory counts what each rank holds, beside the prediction."
+"${RUN[@]}" plans/hybrid.yaml --steps 6 --optimizer adamw --lr 3e-3 --metrics out/train.jsonl --activation-memory
 
 step "6. Predicted vs measured, and the speedup over 1F1B"
 # Four processes share the cores here, so real compute would be slowed by the sharing itself;
