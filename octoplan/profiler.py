@@ -362,8 +362,7 @@ class _LayerRun:
         received input). Its own floating output, even where autograd saves it, is the next
         layer's input and counts there; a stage's last output the memory model adds
         (octoplan.costs). Parameters and buffers are not activations (they stay whatever the
-        schedule);
-        targets the loss saves are (the last stage holds them until its backward)."""
+        schedule); targets the loss saves are (the last stage holds them until its backward)."""
         excluded = {t.untyped_storage().data_ptr() for t in (*self.layer.parameters(), *self.layer.buffers())}
         saved: dict[int, int] = {
             a.untyped_storage().data_ptr(): a.untyped_storage().nbytes() for a in self.args if a.requires_grad

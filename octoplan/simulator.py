@@ -281,8 +281,9 @@ def _share_boundaries(plan: Plan, costs: Sequence[StageCost], keys: list[list[in
     releases are on the rank, so the order says which comes first."""
     num_mb = plan.microbatches
     rank_of_stage = [stage.rank for stage in plan.stages]
-    pairs = [s for s in range(len(costs) - 1)
-             if rank_of_stage[s] == rank_of_stage[s + 1] and min(costs[s].output_held_bytes, costs[s + 1].input_held_bytes)]
+    shared_bytes = {s: min(costs[s].output_held_bytes, costs[s + 1].input_held_bytes) for s in range(len(costs) - 1)
+                    if rank_of_stage[s] == rank_of_stage[s + 1]}
+    pairs = {s: shared for s, shared in shared_bytes.items() if shared}
     if not pairs:
         return
     position: dict[int, int] = {}
@@ -293,8 +294,7 @@ def _share_boundaries(plan: Plan, costs: Sequence[StageCost], keys: list[list[in
         w = (stage * 4 + 2) * num_mb + mb
         return w if present[w] else (stage * 4 + 3) * num_mb + mb
 
-    for s in pairs:
-        shared = min(costs[s].output_held_bytes, costs[s + 1].input_held_bytes)
+    for s, shared in pairs.items():
         for mb in range(num_mb):
             act[((s + 1) * 4) * num_mb + mb] -= shared  # the next stage's F
             mine, theirs = release(s, mb), release(s + 1, mb)

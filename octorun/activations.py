@@ -81,14 +81,13 @@ class ActivationMeter:
             yield
 
     def _take(self, tensor: torch.Tensor) -> tuple[str, int] | None:
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
-        if key in self._excluded or not storage.nbytes():
+        key, nbytes = _key(tensor), tensor.untyped_storage().nbytes()
+        if key in self._excluded or not nbytes:
             return None
         entry = self._held.get(key)
         if entry is None:
-            self._held[key] = [storage.nbytes(), 1]
-            self.current += storage.nbytes()
+            self._held[key] = [nbytes, 1]
+            self.current += nbytes
             self.peak = max(self.peak, self.current)
         else:
             entry[1] += 1
