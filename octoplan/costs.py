@@ -35,15 +35,21 @@ TICKS_PER_MS = 1000  # CP-SAT works in integers: one tick is a microsecond
 class StageCost:
     """What one stage's ops cost: their times, and the bytes a microbatch holds.
 
+    Memory (:mod:`octoplan.memory`): F keeps ``activation_bytes`` until the backward. A B frees
+    them. An I frees all but ``w_held_bytes`` and adds ``pending_w_bytes``, both held until its
+    W; walking the layers from the last, it frees each layer's share as it goes, so while it runs
+    it holds at most ``i_peak_bytes`` more than at its start.
+
     With activation recomputation (``Stage.recompute``) the figures are the recomputed stage's:
     F keeps only the stage's input (``activation_bytes``, from the end of F to the end of the
     backward), and the first backward op, I or B, runs the forward again before its own work
     (``backward_input_ms`` and ``backward_ms`` include ``forward_ms``). The re-run forward
-    rebuilds the rest of the activations (``recompute_bytes``): an I holds them until its W
-    ends, a B only while it runs. Where only the stage's first k layers recompute
-    (``Stage.recompute_layers``), F also keeps the activations of the layers after them, and
-    the backward runs again only those k layers' forward and rebuilds only their activations.
-    Every user of these costs prices recomputation that way without knowing of it.
+    rebuilds the rest of the activations (``recompute_bytes``), after which the op goes on as
+    without recomputation: a B holds them only while it runs, an I as above (its
+    ``i_peak_bytes`` counts from the rebuilt state). Where only the stage's first k layers
+    recompute (``Stage.recompute_layers``), F also keeps the activations of the layers after
+    them, and the backward runs again only those k layers' forward and rebuilds only their
+    activations. Every user of these costs prices recomputation that way without knowing of it.
     """
 
     forward_ms: float
@@ -55,11 +61,8 @@ class StageCost:
     backward_ms: float | None = None  # the fused backward, where the profile measured it
     recompute_bytes: int = 0  # 0 without recomputation
     pending_w_bytes: int = 0  # what an I keeps for its W besides the activations (its layers')
-    # Of activation_bytes: the stage's output, which F keeps as its backward's root, and its
-    # input, which its first layer's figure holds (at most that whole figure, for profiles
-    # written otherwise). Where two consecutive stages share a rank these are one tensor.
-    output_held_bytes: int = 0
-    input_held_bytes: int = 0
+    w_held_bytes: int = 0  # of the (rebuilt) activations, what an I keeps for its W
+    i_peak_bytes: int = 0  # the most an I holds above its (rebuilt) start while it runs
 
     @property
     def b_ms(self) -> float:
@@ -71,6 +74,11 @@ class StageCost:
     @property
     def total_ms(self) -> float:
         return self.forward_ms + self.backward_input_ms + self.backward_weight_ms
+
+    @property
+    def i_delta_bytes(self) -> int:
+        """What an I leaves held, less what it found: its W's share minus what F kept."""
+        return self.w_held_bytes + self.pending_w_bytes - self.activation_bytes
 
 
 class LayerTable:
@@ -87,51 +95,82 @@ class LayerTable:
         self._param = [0, *accumulate(layer.param_bytes for layer in layers)]
         self._act = [0, *accumulate(layer.activation_bytes for layer in layers)]
         self._pending_w = [0, *accumulate(layer.pending_w_bytes for layer in layers)]
+        self._layers = layers
         self.output_bytes = [layer.output_bytes for layer in layers]
         self.layer_total_ms = [layer.total_ms for layer in layers]
+
+    def _split_backward(self, start: int, end: int, seam: int | None) -> tuple[int, int]:
+        """(what an I of layers [start, end) leaves for its W besides the captured gradients,
+        the most it holds above its start while it runs), as octorun's I does it: it takes the
+        layers from the last, and at each first holds the gradients it captures, then lets go
+        of all the layer's share W will not read.
+
+        The tensor between two layers of the stage is one storage: the later layer's figures
+        hold it as its input; where the earlier layer holds it too (its ``output_saved_bytes``)
+        and the later one lets go of it at its I, it lives until the earlier layer's step, or
+        its W. The stage's last layer's own outputs, and those of ``seam`` (the last layer a
+        partial recomputation rebuilds, whose rebuilt output is a new tensor), no later layer
+        holds."""
+        layers = self._layers
+        freed = {j: layers[j].activation_bytes - layers[j].held_for_w_bytes for j in range(start, end)}
+        kept = sum(layers[j].held_for_w_bytes for j in range(start, end))
+        for j in range(start, end):
+            layer = layers[j]
+            if j == end - 1 or j == seam:
+                freed[j] += layer.output_saved_bytes - layer.output_w_bytes
+                kept += layer.output_w_bytes
+                continue
+            overlap = min(layer.output_saved_bytes, layers[j + 1].input_freed_bytes)
+            stays = min(layer.output_w_bytes, overlap)
+            freed[j + 1] -= overlap
+            freed[j] += overlap - stays
+            kept += stays
+        peak, change = 0, 0
+        for j in range(end - 1, start - 1, -1):
+            pending = layers[j].pending_w_bytes
+            peak = max(peak, change + pending)
+            change += pending - freed[j]
+        return kept, peak
 
     def stage(self, start: int, end: int, *, recompute: bool = False, recompute_layers: int | None = None) -> StageCost:
         """Layers [start, end) as one stage; with ``recompute``, the first ``recompute_layers``
         of them (None: all) run their forward again in the first backward op."""
         forward_ms = self._f[end] - self._f[start]
         backward_ms = None if self._b is None else self._b[end] - self._b[start]
-        # The stage's output stays on its tape as the root of its backward (octorun keeps it);
-        # the layers' own figures hold their inputs, so the other boundaries are in them. The
-        # last stage's output is the loss.
-        output_held = self.output_bytes[end - 1] if end < self.num_layers else 0
-        activation_bytes = self._act[end] - self._act[start] + output_held
+        # The layers' own figures hold their inputs, so the stage's input is in them; the
+        # stage's output, once sent on, no tape holds (octorun keeps only its gradient edge)
+        # unless its last layer holds it itself.
+        tail = self._layers[end - 1].output_saved_bytes
+        cut = end if not recompute else end if recompute_layers is None else min(start + recompute_layers, end)
+        w_held, i_peak = self._split_backward(start, end, seam=cut - 1 if cut < end else None)
         cost = StageCost(
             forward_ms=forward_ms,
             backward_input_ms=self._i[end] - self._i[start],
             backward_weight_ms=self._w[end] - self._w[start],
             param_bytes=self._param[end] - self._param[start],
-            activation_bytes=activation_bytes,
+            activation_bytes=self._act[end] - self._act[start] + tail,
             output_bytes=self.output_bytes[end - 1],
             backward_ms=backward_ms,
             pending_w_bytes=self._pending_w[end] - self._pending_w[start],
-            output_held_bytes=output_held,
-            input_held_bytes=min(self.output_bytes[start - 1], self._act[start + 1] - self._act[start]) if start > 0 else 0,
+            w_held_bytes=w_held,
+            i_peak_bytes=i_peak,
         )
         if not recompute:
             return cost
         # The stage's input is the previous layer's output; the first stage's input, the
         # microbatch itself, is not in the profile and counts as nothing.
         stash = self.output_bytes[start - 1] if start > 0 else 0
-        cut = end if recompute_layers is None else min(start + recompute_layers, end)
         again_ms = self._f[cut] - self._f[start]  # the recomputed layers' forward
-        rebuilt = self._act[cut] - self._act[start]  # what they hold again, their input among it
-        # the rebuilt output of the last recomputed layer is a new tensor: beside the one the
-        # next layer kept from F as its input where layers after them kept their tapes, else the
-        # stage's output, which F (without grad) did not keep
-        seam = self.output_bytes[cut - 1] if cut < end else output_held
+        # what they hold again, their input among it, and the last one's own outputs, new
+        # tensors (F, without grad, kept none); the layers after them keep their tapes from F
+        rebuilt = self._act[cut] - self._act[start] + self._layers[cut - 1].output_saved_bytes
+        kept = self._act[end] - self._act[cut] + (tail if cut < end else 0)
         return replace(
             cost,
             backward_input_ms=cost.backward_input_ms + again_ms,
             backward_ms=None if backward_ms is None else backward_ms + again_ms,
-            activation_bytes=stash + (self._act[end] - self._act[cut]) + (output_held if cut < end else 0),
-            recompute_bytes=max(rebuilt - stash, 0) + seam,
-            output_held_bytes=output_held if cut < end else 0,  # F without grad keeps no output
-            input_held_bytes=stash,
+            activation_bytes=stash + kept,
+            recompute_bytes=max(rebuilt - stash, 0),
         )
 
     def total_ms(self, start: int = 0, end: int | None = None) -> float:

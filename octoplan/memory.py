@@ -7,13 +7,13 @@ Per rank, per stage it holds:
   16 bytes per parameter for bf16/fp16 profiles, and 16 for fp32 profiles too (4 + 4 + 8, no
   master copy needed). ``sgd`` keeps no moments. No ZeRO sharding across dp is assumed.
 - *activations*: a stage's ``activation_bytes`` (summed over its layers, each layer's input
-  among them) per microbatch, and the stage's output, which stays on the tape as its
-  backward's root, held from the start of its F until the end of its backward of that
-  microbatch (B, or W when the backward is split, since W still reads the saved inputs). A
-  split backward's I also keeps the gradients W starts from (``pending_w_bytes``) until its W.
-  A stage that recomputes holds only its input that long, and its rebuilt activations from
-  its I to its W, or during its B. Two consecutive stages on one rank share the tensor between
-  them (:class:`octoplan.costs.StageCost`; the simulator applies all of it, and ``octorun
+  among them) per microbatch, held from the start of its F. A B frees them. A split
+  backward's I frees, layer by layer from the last, all but what W reads (``w_saved_bytes``)
+  and keeps the gradients W starts from (``pending_w_bytes``): its W frees those. The stage's
+  output no tape holds once sent, so two consecutive stages on one rank share nothing but the
+  second's input. A stage that recomputes holds only its input that long, and its rebuilt
+  activations from its I on (or during its B) as above (:class:`octoplan.costs.StageCost`;
+  the simulator applies all of it, with the peak an I reaches while it runs, and ``octorun
   --activation-memory`` measures the same quantity: ``tests/test_activation_memory.py``).
 """
 

@@ -62,6 +62,22 @@ class Layer:
     # where its weight branches leave the input path (a linear layer's output gradient), held
     # from the end of I to the end of W. Plans that never split a backward do not pay it.
     pending_w_bytes: int = 0
+    # Of activation_bytes, what a split backward still holds from its I to its W: the saved
+    # tensors W reads (a matmul's input, a norm's) and the layer's input where W's graph holds it;
+    # octorun releases the rest at I. None (profiles written before it was measured): all of it.
+    w_saved_bytes: int | None = None
+    # How the tensor between this layer and the next is held (octorun's tape; SPEC_ADDITIONS):
+    # of the layer's floating inputs, the bytes its I lets go (a layer with no weight on its
+    # input path); of its own floating outputs, the bytes it holds itself from F (autograd saved
+    # them, or it passes its input through), and of those the bytes it holds until W.
+    input_freed_bytes: int = 0
+    output_saved_bytes: int = 0
+    output_w_bytes: int = 0
+
+    @property
+    def held_for_w_bytes(self) -> int:
+        """What stays from the layer's I to its W, besides ``pending_w_bytes``."""
+        return self.activation_bytes if self.w_saved_bytes is None else self.w_saved_bytes
 
     @property
     def total_ms(self) -> float:
@@ -152,6 +168,10 @@ def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
         flops=flops,
         backward_ms=f.number("backward_ms", None, maximum=MAX_LAYER_MS),
         pending_w_bytes=f.int("pending_w_bytes", 0, maximum=MAX_LAYER_BYTES),
+        w_saved_bytes=f.int("w_saved_bytes", None, maximum=MAX_LAYER_BYTES),
+        input_freed_bytes=f.int("input_freed_bytes", 0, maximum=MAX_LAYER_BYTES),
+        output_saved_bytes=f.int("output_saved_bytes", 0, maximum=MAX_LAYER_BYTES),
+        output_w_bytes=f.int("output_w_bytes", 0, maximum=MAX_LAYER_BYTES),
     )
 
 
@@ -163,7 +183,7 @@ def check_layer_limits(layers: tuple[Layer, ...] | list[Layer], *, file: str | N
         for name, limit in (("forward_ms", MAX_LAYER_MS), ("backward_input_ms", MAX_LAYER_MS),
                             ("backward_weight_ms", MAX_LAYER_MS), ("param_bytes", MAX_LAYER_BYTES),
                             ("activation_bytes", MAX_LAYER_BYTES), ("output_bytes", MAX_LAYER_BYTES),
-                            ("pending_w_bytes", MAX_LAYER_BYTES)):
+                            ("pending_w_bytes", MAX_LAYER_BYTES), ("held_for_w_bytes", MAX_LAYER_BYTES)):
             value = getattr(layer, name)
             if not value <= limit:  # also catches NaN
                 raise InputError(file, cause, f"set layer {i} ({layer.name}) {name} to {value:.3g}, above the limit {limit:.3g}", fix)
@@ -228,6 +248,11 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
             entry["backward_ms"] = round(layer.backward_ms, 6)
         if layer.pending_w_bytes:
             entry["pending_w_bytes"] = int(layer.pending_w_bytes)
+        if layer.w_saved_bytes is not None:
+            entry["w_saved_bytes"] = int(layer.w_saved_bytes)
+        for name in ("input_freed_bytes", "output_saved_bytes", "output_w_bytes"):
+            if getattr(layer, name):
+                entry[name] = int(getattr(layer, name))
         layers.append(entry)
     out: dict[str, Any] = {
         "format": PROFILE_FORMAT,

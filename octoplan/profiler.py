@@ -21,9 +21,11 @@ branches. I + W then costs about one fused backward, which is what the zero-bubb
 assume. The same pair of functions is what a runtime should call for I and W ops, so that the
 profile describes the work it does.
 
-Activation bytes are the storages autograd saves during the forward (saved-tensor hooks), each
-storage counted once, without the parameters, the layer's inputs (they belong to the layer
-before) or the targets. On the CPU the thread count is fixed (default
+Activation bytes are the storages a layer keeps from its F to its backward, each counted once:
+what autograd saves during the forward (saved-tensor hooks) and the layer's floating inputs,
+without parameters, buffers or the layer's own output (the next layer's input). Of these,
+``w_saved_bytes`` stay from an I to its W (the rest octorun releases at I), and the gradients I
+captures for W add ``pending_w_bytes`` (see :meth:`_LayerRun.memory`). On the CPU the thread count is fixed (default
 :data:`DEFAULT_CPU_THREADS`) and recorded, because timings depend on it.
 
 Contract violations of the model file are :class:`~octoplan.errors.InputError` naming the file
@@ -46,7 +48,7 @@ import yaml
 from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.profile import Layer, ModelRef, Profile
-from octoplan.splitgrad import PendingWeightGrads, backward_input, backward_weight
+from octoplan.splitgrad import PendingWeightGrads, SavedTensors, backward_input, backward_weight
 
 __all__ = [
     "DEFAULT_CPU_THREADS",
@@ -332,6 +334,7 @@ class _Step:
     output: Any
     roots: list[torch.Tensor]  # tensors the backward starts from (the loss for the last layer)
     grads: list[torch.Tensor]
+    saved: SavedTensors  # what autograd saved, in the boxes octorun's tapes use
 
 
 class _LayerRun:
@@ -343,39 +346,25 @@ class _LayerRun:
         self.last = index == total - 1
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.grad_inputs = [a for a in args if a.requires_grad]
+        self.static = [*layer.parameters(), *layer.buffers()]  # never activations
         self.generator = torch.Generator().manual_seed(seed * 7919 + index)
 
     def forward(self) -> _Step:
-        output = self.layer(*self.args)
+        saved = SavedTensors()  # octorun's F records into boxes too: the timed forward pays for them
+        with saved.recording():
+            output = self.layer(*self.args)
+            if self.last:
+                loss = _loss(self.mf, self.index, self.name, output, self.targets)
         if self.last:
-            loss = _loss(self.mf, self.index, self.name, output, self.targets)
-            return _Step(output, [loss], [torch.ones_like(loss)])
+            return _Step(output, [loss], [torch.ones_like(loss)], saved)
         roots = [t for t in as_args(output) if t.requires_grad]
-        return _Step(output, roots, [])
+        return _Step(output, roots, [], saved)
 
-    def first_forward(self) -> tuple[_Step, int]:
-        """The checked forward: contract errors name the layer; also counts its activations.
-
-        A layer's ``activation_bytes`` are the storages it keeps from its F to its backward, each
-        once: what autograd saves, and its floating inputs, which octorun's tape keeps as the
-        leaves the backward ends at (they are the previous layer's output, or the stage's
-        received input). Its own floating output, even where autograd saves it, is the next
-        layer's input and counts there; a stage's last output the memory model adds
-        (octoplan.costs). Parameters and buffers are not activations (they stay whatever the
-        schedule); targets the loss saves are (the last stage holds them until its backward)."""
-        excluded = {t.untyped_storage().data_ptr() for t in (*self.layer.parameters(), *self.layer.buffers())}
-        saved: dict[int, int] = {
-            a.untyped_storage().data_ptr(): a.untyped_storage().nbytes() for a in self.args if a.requires_grad
-        }
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in excluded and storage.nbytes():
-                saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
+    def first_forward(self) -> _Step:
+        """The checked forward: contract errors name the layer; records what autograd saves."""
+        saved = SavedTensors()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with saved.recording():
                 output = self.layer(*self.args)
         except Exception as exc:
             raise self._input_error(exc) from None
@@ -387,19 +376,48 @@ class _LayerRun:
                 "return a tensor or a tuple of tensors",
             )
         if self.last:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with saved.recording():
                 loss = _loss(self.mf, self.index, self.name, output, self.targets)
-            step = _Step(output, [loss], [torch.ones_like(loss)])
-        else:
-            for tensor in as_args(output):  # the next layer's input, or the stage's output: counted there
-                if tensor.is_floating_point():
-                    saved.pop(tensor.untyped_storage().data_ptr(), None)
-            roots = [t for t in as_args(output) if t.requires_grad]
-            # Random, not ones: a uniform gradient through a normalization cancels to ~0 and
-            # denormal numbers are slow on CPUs.
-            grads = [torch.randn(t.shape, generator=self.generator, dtype=t.dtype).to(t.device) for t in roots]
-            step = _Step(output, roots, grads)
-        return step, sum(saved.values())
+            return _Step(output, [loss], [torch.ones_like(loss)], saved)
+        roots = [t for t in as_args(output) if t.requires_grad]
+        # Random, not ones: a uniform gradient through a normalization cancels to ~0 and
+        # denormal numbers are slow on CPUs.
+        grads = [torch.randn(t.shape, generator=self.generator, dtype=t.dtype).to(t.device) for t in roots]
+        return _Step(output, roots, grads, saved)
+
+    def memory(self, step: _Step, pending: PendingWeightGrads) -> dict[str, int]:
+        """The layer's memory figures (profile fields), from its first forward and the I that
+        marked what only I reads (``pending``), each storage counted once.
+
+        ``activation_bytes``: what the layer keeps from its F to its backward: what autograd
+        saves (the targets too, on the last layer) and its floating inputs, which octorun's tape
+        keeps as the leaves the backward ends at. Its own floating outputs are not in it, even
+        where it holds them: they are the next layer's input and count there. Parameters and
+        buffers are never activations. Of these, ``w_saved_bytes`` stay from I to W: the saved
+        tensors W reads, and the inputs where the graph W runs holds them;
+        ``input_freed_bytes`` are the inputs the layer lets go at its I. Its own outputs it
+        holds itself (saved by its autograd, or its input passed through) are
+        ``output_saved_bytes``, ``output_w_bytes`` of them until W: the memory model needs them
+        where no next layer on the rank holds the output, or that layer lets go of it sooner.
+        """
+        own = [] if self.last else [t for t in as_args(step.output) if t.is_floating_point()]
+        own_keys = {t.untyped_storage().data_ptr() for t in own}
+        static = self.static
+        held = [*(box.tensor for box in step.saved.boxes), *self.grad_inputs]
+        kept = step.saved.kept() + (self.grad_inputs if pending.keeps_inputs else [])
+        kept_keys = {t.untyped_storage().data_ptr() for t in kept}
+
+        def mine(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [t for t in tensors if t.untyped_storage().data_ptr() in own_keys]
+
+        return {
+            "activation_bytes": _storage_bytes(held, excluded=[*static, *own]),
+            "w_saved_bytes": _storage_bytes(kept, excluded=[*static, *own]),
+            "input_freed_bytes": _storage_bytes(
+                [t for t in self.grad_inputs if t.untyped_storage().data_ptr() not in kept_keys], excluded=[*static, *own]),
+            "output_saved_bytes": _storage_bytes(mine(held), excluded=static),
+            "output_w_bytes": _storage_bytes(mine(kept), excluded=static),
+        }
 
     def _input_error(self, exc: Exception) -> InputError:
         if isinstance(exc, InputError):
@@ -426,7 +444,8 @@ class _LayerRun:
             return None
 
     def backward_input(self, step: _Step) -> tuple[tuple, PendingWeightGrads]:
-        return backward_input(step.roots, step.grads, self.grad_inputs, self.params)
+        """I, marking the saved tensors only it reads, as octorun's I does (it then releases them)."""
+        return backward_input(step.roots, step.grads, self.grad_inputs, self.params, saved=step.saved)
 
     def backward_fused(self, step: _Step) -> tuple:
         """A B op: the input and parameter gradients in one pass, as octorun's stages run it."""
@@ -436,7 +455,7 @@ class _LayerRun:
 
 def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -> tuple[Layer, Any]:
     """One layer's profile entry (kind left blank) and its output, the next layer's input."""
-    step, activation_bytes = run.first_forward()
+    step = run.first_forward()
     flops = run.flops()
     field_name = f"layer {run.index} ({run.name})"
     try:
@@ -444,6 +463,7 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
             forward_ms = clock.median_ms(run.forward, repeat=repeat, warmup=warmup)
             _, pending = run.backward_input(step)
             pending_w_bytes = _storage_bytes(pending.gradients(), excluded=run.layer.parameters())
+            memory = run.memory(step, pending)
             if run.grad_inputs and step.roots:
                 input_ms = clock.median_ms(lambda: run.backward_input(step), repeat=repeat, warmup=warmup)
             else:  # token ids (or an output with no gradient): there is no I work
@@ -468,10 +488,11 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
         backward_weight_ms=weight_ms,
         backward_ms=fused_ms,
         param_bytes=_tensor_bytes(list(run.layer.parameters())),
-        activation_bytes=activation_bytes,
+        activation_bytes=memory.pop("activation_bytes"),
         output_bytes=_tensor_bytes(_tensors(step.output) or []),
         flops=flops,
         pending_w_bytes=pending_w_bytes,
+        **memory,
     )
     return layer, step.output
 

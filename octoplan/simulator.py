@@ -271,36 +271,6 @@ class SimResult:
         }
 
 
-def _share_boundaries(plan: Plan, costs: Sequence[StageCost], keys: list[list[int]], present: bytearray, act: list[int]) -> None:
-    """Count once the tensor between two consecutive stages of one rank.
-
-    A stage's figure holds its output until its backward frees it, and the next stage's holds
-    its input; on one rank these are one tensor (octorun hands it over without a copy), held
-    from the first stage's F until the later of the two releases (B, or W where the backward is
-    split). So the second F does not add it, and the earlier release does not free it; both
-    releases are on the rank, so the order says which comes first."""
-    num_mb = plan.microbatches
-    rank_of_stage = [stage.rank for stage in plan.stages]
-    shared_bytes = {s: min(costs[s].output_held_bytes, costs[s + 1].input_held_bytes) for s in range(len(costs) - 1)
-                    if rank_of_stage[s] == rank_of_stage[s + 1]}
-    pairs = {s: shared for s, shared in shared_bytes.items() if shared}
-    if not pairs:
-        return
-    position: dict[int, int] = {}
-    for rank in {rank_of_stage[s] for s in pairs}:
-        position.update((key, i) for i, key in enumerate(keys[rank]))
-
-    def release(stage: int, mb: int) -> int:
-        w = (stage * 4 + 2) * num_mb + mb
-        return w if present[w] else (stage * 4 + 3) * num_mb + mb
-
-    for s, shared in pairs.items():
-        for mb in range(num_mb):
-            act[((s + 1) * 4) * num_mb + mb] -= shared  # the next stage's F
-            mine, theirs = release(s, mb), release(s + 1, mb)
-            act[mine if position[mine] < position[theirs] else theirs] += shared
-
-
 def simulate(plan: Plan, profile: Profile, *, optimizer: str = "adam-mixed", table: LayerTable | None = None) -> SimResult:
     """Simulate one iteration of ``plan`` with ``profile``'s costs on the plan's cluster."""
     table = table or LayerTable(profile)
@@ -339,7 +309,7 @@ def simulate_costs(
     dest = [-1] * size
     wire = [0.0] * size
     act = [0] * size  # activation bytes an op allocates (F, +) or frees (B/W, -)
-    burst = [0] * size  # bytes an op holds only while it runs (a recomputing B's rebuilt activations)
+    burst = [0] * size  # bytes an op holds above its start only while it runs (an I; a recomputing B)
     present = bytearray(size)
     keys: list[list[int]] = []
     for ops in plan.schedule:
@@ -375,11 +345,12 @@ def simulate_costs(
             kw = base + 2 * num_mb + mb
             kb = base + 3 * num_mb + mb
             dur[kf], dur[ki], dur[kw], dur[kb] = f_ms, i_ms, w_ms, cost.b_ms + overhead
-            # with recomputation, I rebuilds the activations and W frees them; B holds them only
-            # while it runs (octoplan.costs.StageCost)
+            # I frees all but what its W reads and adds the gradients W starts from, peaking while
+            # it runs; with recomputation I and B first rebuild the activations (octoplan.costs.StageCost)
             act[kf] = cost.activation_bytes
-            act[ki] = cost.recompute_bytes + cost.pending_w_bytes
-            act[kw] = -(cost.activation_bytes + cost.recompute_bytes + cost.pending_w_bytes)  # W exists only where I does
+            act[ki] = cost.i_delta_bytes
+            burst[ki] = cost.recompute_bytes + cost.i_peak_bytes
+            act[kw] = -(cost.w_held_bytes + cost.pending_w_bytes)  # W exists only where I does
             act[kb] = -cost.activation_bytes
             burst[kb] = cost.recompute_bytes
             if stage > 0:
@@ -396,8 +367,7 @@ def simulate_costs(
                 dest[ki], wire[ki] = prev_rank, bwd_wire
                 dest[kb], wire[kb] = prev_rank, bwd_wire
 
-    _share_boundaries(plan, costs, keys, present, act)
-    bursts = any(burst)  # whether any op holds memory only while it runs (a plan that recomputes)
+    bursts = any(burst)  # whether any op holds memory only while it runs (an I, a recomputing B)
     static = [0] * num_ranks
     for stage in range(num_stages):
         static[rank_of_stage[stage]] += static_bytes(costs[stage].param_bytes, dtype_bytes=dtype_bytes, optimizer=optimizer)

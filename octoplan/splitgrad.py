@@ -8,6 +8,13 @@ backward). :func:`backward_input` instead records, while it computes the input g
 gradient arriving at each autograd node where a parameter branch leaves the input's path;
 :func:`backward_weight` starts from those nodes and runs only the parameter branches.
 
+What W needs is far less than what the forward saved: only the tensors the parameter branches
+read (a matmul's input, a norm's input), not the input path's (attention probabilities, the
+softmax a cross-entropy keeps, activation inputs). :class:`SavedTensors` puts each tensor autograd
+saves during a layer's forward in a box; :func:`backward_input` notes which boxes the input path
+alone read, and :meth:`SavedTensors.release` empties them once I is done, so from I to W a layer
+holds only what W reads (a profile's ``w_saved_bytes``).
+
 The profiler measures I and W with these functions and the runtime executes I and W ops with
 them, so a profile describes the work octorun does.
 """
@@ -20,7 +27,76 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["PendingWeightGrads", "backward_input", "backward_weight"]
+__all__ = ["PendingWeightGrads", "SavedTensors", "backward_input", "backward_weight", "root_edge"]
+
+
+class _Box:
+    """One tensor autograd saved, as the pack hook hands it back to autograd."""
+
+    __slots__ = ("tensor", "version", "hold", "input_path_only")
+
+    def __init__(self, tensor: torch.Tensor, hold: object):
+        # Detached: a tensor autograd saves may be an output of the node that saves it, and
+        # keeping it with its grad_fn would be a cycle through C++ that Python never frees.
+        # The detached tensor shares the version counter, which unpack checks.
+        self.tensor: torch.Tensor | None = tensor.detach()
+        self.version = tensor._version
+        self.hold = hold  # whatever counts the storage while the box holds it (a meter's Hold), or None
+        self.input_path_only = False  # read by I outside every weight branch's boundary node
+
+
+class SavedTensors:
+    """The tensors autograd saves inside :meth:`recording`, in boxes that :meth:`release` can empty.
+
+    ``hold(tensor)``, if given, is called for each saved tensor; what it returns lives as long as
+    the box holds the tensor (the runtime's activation meter counts the storage that long).
+    """
+
+    def __init__(self, hold: Callable[[torch.Tensor], object] | None = None):
+        self.boxes: list[_Box] = []
+        self._hold = hold
+        self._tracking = False  # inside a backward_input given these tensors
+        self._in_boundary = 0  # boundary nodes running now (their reads W repeats)
+
+    def recording(self):
+        """Inside, every tensor autograd saves for a backward goes into a box of this object."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> _Box:
+        box = _Box(tensor, None if self._hold is None else self._hold(tensor))
+        self.boxes.append(box)
+        return box
+
+    def _unpack(self, box: _Box) -> torch.Tensor:
+        # With hooks installed autograd no longer checks that a saved tensor was not changed in
+        # place since; this does, in autograd's words, so such a layer fails as it would
+        # without the hooks instead of computing wrong gradients.
+        tensor = box.tensor
+        if tensor is None:
+            raise RuntimeError("a saved tensor released after the input gradient (I) was read again: "
+                               "the weight gradient (W) runs a node that I alone was thought to need")
+        if tensor._version != box.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; "
+                f"expected version {box.version} instead")
+        if self._tracking and not self._in_boundary:
+            box.input_path_only = True
+        return tensor
+
+    def kept(self) -> list[torch.Tensor]:
+        """The saved tensors :meth:`release` would keep: those W reads."""
+        return [box.tensor for box in self.boxes if box.tensor is not None and not box.input_path_only]
+
+    def release(self) -> None:
+        """Empty the boxes only I read (call after :func:`backward_input`): W never reads them."""
+        kept = []
+        for box in self.boxes:
+            if box.input_path_only:
+                box.tensor = box.hold = None
+            else:
+                kept.append(box)
+        self.boxes = kept
 
 
 @dataclass
@@ -40,6 +116,13 @@ class PendingWeightGrads:
     params: list[torch.Tensor]
     groups: list[_WeightGroup]
     captured: dict[Node, tuple[torch.Tensor | None, ...]]
+
+    @property
+    def keeps_inputs(self) -> bool:
+        """Whether the graph W needs reaches the layer's inputs: a boundary node lies on the
+        input path, and the inputs' gradient accumulators hold the input tensors, so until W
+        the inputs stay whatever else lets go of them."""
+        return any(group.nodes for group in self.groups)
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradients W starts from, captured ones and those of outputs off the input path:
@@ -179,31 +262,57 @@ def _grad(outputs: list, inputs: list, grads: list) -> tuple[torch.Tensor | None
 _ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
 
 
+def root_edge(output: torch.Tensor) -> GradientEdge | None:
+    """Where a backward from ``output`` starts, or None if it carries no gradient. A tape keeps
+    this rather than the tensor: the edge holds the graph, not the output's storage."""
+    return get_gradient_edge(output) if output.requires_grad else None
+
+
 def backward_input(
-    outputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor | GradientEdge],
     grad_outputs: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
+    *,
+    saved: SavedTensors | None = None,
 ) -> tuple[tuple[torch.Tensor | None, ...], PendingWeightGrads]:
     """The I op of one layer: gradients of ``outputs`` (weighted by ``grad_outputs``) w.r.t.
     ``inputs`` (floating tensors that require grad; may be empty), plus what
     :func:`backward_weight` needs to finish the parameters without repeating this work.
 
     ``outputs`` are the tensors that carry gradient (for the last layer: the loss, with a grad of
-    ones). The graph is retained; it is freed when the outputs and the pending state are dropped.
+    ones), or their :func:`root_edge`. The graph is retained; it is freed when the outputs and the
+    pending state are dropped. With ``saved`` (the layer's forward recorded into it) the call
+    also marks the saved tensors only the input path read, for :meth:`SavedTensors.release`.
     """
     params = [p for p in params if p.requires_grad]
-    roots = [(get_gradient_edge(out), grad) for out, grad in zip(outputs, grad_outputs) if out.requires_grad]
+    roots = [(out if isinstance(out, GradientEdge) else get_gradient_edge(out), grad)
+             for out, grad in zip(outputs, grad_outputs) if isinstance(out, GradientEdge) or out.requires_grad]
     groups = _plan_weight_groups(roots, inputs, params)
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+    # W reruns each boundary node (the tensors it reads stay) and the weight branches below it,
+    # which I never runs; so what I reads outside boundary nodes, W does not read again. A
+    # group of several boundary nodes is the exception: W runs the input path between them.
+    track = saved is not None and all(len(group.nodes) <= 1 for group in groups)
 
     def capture(node: Node) -> Callable:
         def hook(grads: tuple[torch.Tensor | None, ...]) -> None:
             captured[node] = tuple(grads)
+            if track:
+                saved._in_boundary += 1
 
         return hook
 
-    handles = [node.register_prehook(capture(node)) for group in groups for node in group.nodes]
+    def leave(_grad_inputs, _grad_outputs) -> None:
+        saved._in_boundary -= 1
+
+    boundary = [node for group in groups for node in group.nodes]
+    handles = [node.register_prehook(capture(node)) for node in boundary]
+    if track:
+        handles += [node.register_hook(leave) for node in boundary]
+        for box in saved.boxes:
+            box.input_path_only = False
+        saved._tracking, saved._in_boundary = True, 0
     try:
         if inputs and roots:
             grads = _grad([edge for edge, _ in roots], list(inputs), [g for _, g in roots])
@@ -212,6 +321,8 @@ def backward_input(
     finally:
         for handle in handles:
             handle.remove()
+        if saved is not None:
+            saved._tracking = False
     return tuple(grads), PendingWeightGrads(params=params, groups=groups, captured=captured)
 
 

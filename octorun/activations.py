@@ -4,9 +4,10 @@ The planner prices a plan's memory with the model of :mod:`octoplan.memory`: eac
 its ``activation_bytes`` per microbatch from the start of its F to the end of its backward.
 This meter measures what the runtime really holds over the same span, so the two can be set side
 by side (``peak_activation_bytes`` in ``--metrics``): every storage that autograd saves for a
-backward (through :func:`torch.autograd.graph.saved_tensors_hooks`), the tensors the stage's
-tapes keep (each layer's input and output, a recomputing stage's stash) and the gradients an I
-op leaves for its W, each storage counted once while anything holds it, parameters and buffers never.
+backward (through :class:`octoplan.splitgrad.SavedTensors`, until autograd lets go of it or an I
+releases it), the tensors the stage's tapes keep (each layer's input, a recomputing stage's
+stash) and the gradients an I op leaves for its W, each storage counted once while anything
+holds it, parameters and buffers never.
 
 The count is exact on any device, as it reads sizes rather than an allocator: a storage counts
 from the moment the first holder takes it until the last one is dropped. CPython frees a holder
@@ -23,33 +24,19 @@ from typing import Iterable, Iterator
 
 import torch
 
+from octoplan.splitgrad import SavedTensors
+
 __all__ = ["ActivationMeter", "Hold"]
 
 
 class Hold:
     """While this object lives, its tensor's storage counts in its meter."""
 
-    __slots__ = ("meter", "key", "tensor", "version")
+    __slots__ = ("meter", "key")
 
     def __init__(self, meter: "ActivationMeter", tensor: torch.Tensor):
-        # Detached: a tensor autograd saves may be an output of the node that saves it, and
-        # holding it with its grad_fn would be a cycle through C++ that Python never frees.
-        # The detached tensor shares the version counter, which unpack checks (below).
-        self.meter, self.tensor = meter, tensor.detach()
-        self.version = tensor._version
+        self.meter = meter
         self.key = meter._take(tensor)
-
-    def unpack(self) -> torch.Tensor:
-        """The saved tensor for the backward. With hooks installed autograd no longer checks
-        that a saved tensor was not changed in place since; this does, with autograd's words,
-        so a layer that does so fails as it would without the meter instead of computing
-        wrong gradients."""
-        if self.tensor._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{self.tensor.type()} {list(self.tensor.shape)}] is at version {self.tensor._version}; "
-                f"expected version {self.version} instead")
-        return self.tensor
 
     def __del__(self) -> None:
         if self.key is not None:
@@ -74,10 +61,14 @@ class ActivationMeter:
         """Holders for the tensors among ``tensors``; keep the list as long as they are held."""
         return [Hold(self, t) for t in tensors if isinstance(t, torch.Tensor)]
 
+    def hold_one(self, tensor: torch.Tensor) -> Hold:
+        return Hold(self, tensor)
+
     @contextmanager
     def saving(self) -> Iterator[None]:
-        """Inside, every tensor autograd saves for a backward counts until autograd lets go of it."""
-        with torch.autograd.graph.saved_tensors_hooks(lambda tensor: Hold(self, tensor), Hold.unpack):
+        """Inside, every tensor autograd saves for a backward counts until autograd lets go of it
+        (the stage executor records each layer's into a :class:`SavedTensors` of its own)."""
+        with SavedTensors(self.hold_one).recording():
             yield
 
     def _take(self, tensor: torch.Tensor) -> tuple[str, int] | None:

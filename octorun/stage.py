@@ -6,7 +6,13 @@ stage's layers from last to first with :func:`octoplan.splitgrad.backward_input`
 captures where each layer's parameter branches leave the input path; ``W`` later runs only
 those branches (:func:`octoplan.splitgrad.backward_weight`) and accumulates into ``.grad`` —
 the same split the profiler measures, so I + W costs about one fused backward. ``B`` does both
-in one autograd pass per layer. Values are a Tensor or a tuple of Tensors; integer tensors pass
+in one autograd pass per layer.
+
+What a tape holds: each layer's floating inputs, the tensors autograd saved in its forward
+(in :class:`octoplan.splitgrad.SavedTensors` boxes) and, for its outputs, only their gradient
+edges, so a stage's output is not held once it is sent on. After a layer's I the tape keeps
+only what its W reads: the boxes of the weight branches, the gradients I captured, and the
+inputs (the graph W runs holds them anyway); the rest is released there and then. Values are a Tensor or a tuple of Tensors; integer tensors pass
 through without gradients. The gradient travelling between stages is a tuple with one tensor
 per floating tensor of the stage input, in order (zeros where the input was unused).
 
@@ -41,7 +47,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from octoplan.modelfile import as_args
-from octoplan.splitgrad import PendingWeightGrads, backward_input, backward_weight
+from torch.autograd.graph import GradientEdge
+
+from octoplan.splitgrad import PendingWeightGrads, SavedTensors, backward_input, backward_weight, root_edge
 from octorun.activations import ActivationMeter, Hold
 
 __all__ = ["StageExecutor", "Tape", "floating"]
@@ -55,8 +63,10 @@ def floating(values: Sequence[Any]) -> list[torch.Tensor]:
 @dataclass
 class _LayerTape:
     inputs: list[torch.Tensor]  # the detached floating inputs (leaves that require grad)
-    outputs: list[torch.Tensor]  # floating outputs (the scaled loss for the model's last layer)
-    grad_outputs: list[torch.Tensor] | None = None
+    # where the backward starts, one per floating output (None where it carries no gradient;
+    # the scaled loss for the model's last layer): edges, so the tape holds no output storage
+    roots: list[GradientEdge | None]
+    saved: SavedTensors | None = None  # what autograd saved in the layer's forward
     pending: PendingWeightGrads | None = None  # left by I for W
     held: list[Hold] = field(default_factory=list)  # with a meter: what this tape keeps counts there
 
@@ -149,23 +159,25 @@ class StageExecutor:
                     for a in args
                 )
             inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-            with self._saving():
+            if not torch.is_grad_enabled():  # a recomputing F: no tape, which would only keep outputs alive
                 value = layer(*args)
-            if self.last and index == len(self.layers) - 1:
-                with self._saving():
+                if self.last and index == len(self.layers) - 1:
+                    tape.loss = self.loss_fn(value, targets).detach()
+                    return None, tape
+                continue
+            saved = SavedTensors(None if self.meter is None else self.meter.hold_one)
+            with saved.recording():
+                value = layer(*args)
+                if self.last and index == len(self.layers) - 1:
                     loss = self.loss_fn(value, targets)
+            if self.last and index == len(self.layers) - 1:
                 tape.loss = loss.detach()
-                if torch.is_grad_enabled():  # the scaled loss, a backward root of 4 bytes, is not an activation
-                    tape.layers.append(_LayerTape(inputs, [loss * self.loss_scale], held=self._hold(inputs)))
+                # the scaled loss, a backward root of 4 bytes, is not an activation
+                tape.layers.append(_LayerTape(inputs, [root_edge(loss * self.loss_scale)], saved, held=self._hold(inputs)))
                 return None, tape
-            if torch.is_grad_enabled():  # without grad (a recomputing F) a tape would only keep outputs alive
-                outputs = floating(as_args(value))
-                tape.layers.append(_LayerTape(inputs, outputs, held=self._hold(inputs + outputs)))
+            roots = [root_edge(t) for t in floating(as_args(value))]
+            tape.layers.append(_LayerTape(inputs, roots, saved, held=self._hold(inputs)))
         return value, tape
-
-    def _saving(self):
-        """With a meter, what autograd saves counts there."""
-        return self.meter.saving() if self.meter is not None and torch.is_grad_enabled() else nullcontext()
 
     def _hold(self, tensors: Sequence[Any]) -> list[Hold]:
         return [] if self.meter is None else self.meter.hold(tensors)
@@ -185,20 +197,29 @@ class StageExecutor:
         tape.stash = None  # from here on the tape is the one F keeps without recompute
 
     def backward_input(self, tape: Tape, grad_output: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
-        """I: gradients w.r.t. the stage's floating inputs; keeps each layer's output gradient."""
+        """I: gradients w.r.t. the stage's floating inputs. Each layer then keeps only what its W
+        reads: the saved tensors of its weight branches, the gradients arriving there, and
+        its inputs, which the graph W runs holds anyway (:mod:`octoplan.splitgrad`)."""
         self._rebuild(tape)
         grads = self._output_grads(tape, grad_output)
         for layer_tape, params in zip(reversed(tape.layers), reversed(self.params)):
-            layer_tape.grad_outputs = list(grads)
-            outs, gouts = self._differentiable(layer_tape)
-            if outs:
-                found, layer_tape.pending = backward_input(outs, gouts, layer_tape.inputs, params)
+            roots, gouts = self._differentiable(layer_tape, grads)
+            if roots:
+                found, pending = backward_input(roots, gouts, layer_tape.inputs, params, saved=layer_tape.saved)
                 grads = _zeros_for_none(found, layer_tape.inputs)
-                # the gradients captured for W are held until W, like the graph
-                layer_tape.held += self._hold(layer_tape.pending.gradients())
+                # the gradients captured for W are held until W; they exist before the frees below
+                holds = self._hold(pending.gradients())
+                if pending.keeps_inputs:
+                    holds += layer_tape.held
+                else:
+                    layer_tape.inputs = []
+                layer_tape.pending, layer_tape.held = pending, holds
             else:
                 grads = tuple(torch.zeros_like(t) for t in layer_tape.inputs)
-            layer_tape.grad_outputs = None  # W needs only what I captured
+                layer_tape.inputs, layer_tape.held = [], []
+            layer_tape.roots = []
+            if layer_tape.saved is not None:
+                layer_tape.saved.release()
         return grads
 
     def backward_weight(self, tape: Tape) -> None:
@@ -206,38 +227,38 @@ class StageExecutor:
         for layer_tape in tape.layers:
             if layer_tape.pending is not None:
                 _accumulate(layer_tape.pending.params, backward_weight(layer_tape.pending))
-            layer_tape.pending = None  # free the graph
-            layer_tape.outputs = layer_tape.grad_outputs = layer_tape.inputs = layer_tape.held = []
+            layer_tape.pending = layer_tape.saved = None  # free the graph
+            layer_tape.roots = layer_tape.inputs = layer_tape.held = []
 
     def backward(self, tape: Tape, grad_output: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
         """B: I and W fused, one autograd pass per layer."""
         self._rebuild(tape)
         grads = self._output_grads(tape, grad_output)
         for layer_tape, params in zip(reversed(tape.layers), reversed(self.params)):
-            layer_tape.grad_outputs = list(grads)
-            outs, gouts = self._differentiable(layer_tape)
+            roots, gouts = self._differentiable(layer_tape, grads)
             targets = layer_tape.inputs + params
-            if outs and targets:
-                found = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
+            if roots and targets:
+                found = torch.autograd.grad(roots, targets, gouts, allow_unused=True)
                 grads = _zeros_for_none(found[: len(layer_tape.inputs)], layer_tape.inputs)
                 _accumulate(params, found[len(layer_tape.inputs):])
             else:
                 grads = tuple(torch.zeros_like(t) for t in layer_tape.inputs)
-            layer_tape.outputs = layer_tape.grad_outputs = layer_tape.inputs = layer_tape.held = []
+            layer_tape.saved = None
+            layer_tape.roots = layer_tape.inputs = layer_tape.held = []
         return grads
 
     def _output_grads(self, tape: Tape, grad_output: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
         if self.last:
-            return (torch.ones_like(tape.layers[-1].outputs[0]),)
+            return (torch.ones_like(tape.loss),)
         if grad_output is None:
             raise RuntimeError("a stage that is not the last needs the gradient of its output")
         return tuple(grad_output)
 
     @staticmethod
-    def _differentiable(layer_tape: _LayerTape) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The (output, gradient) pairs autograd can use: outputs that depend on something learnable."""
-        pairs = [(o, g) for o, g in zip(layer_tape.outputs, layer_tape.grad_outputs or ()) if o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
+    def _differentiable(layer_tape: _LayerTape, grads: Sequence[torch.Tensor]) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """The (root, gradient) pairs autograd can use: outputs that depend on something learnable."""
+        pairs = [(root, g) for root, g in zip(layer_tape.roots, grads) if root is not None]
+        return [root for root, _ in pairs], [g for _, g in pairs]
 
 
 def _device_index(tensor: torch.Tensor) -> int:

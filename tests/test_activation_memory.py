@@ -2,11 +2,12 @@
 for byte, the simulator's ``peak_activation_bytes`` for the same plan and a measured profile.
 
 Each job trains one step of a plan on gloo processes; the meter counts every storage the
-rank's tapes keep (autograd's saved tensors, the tapes' inputs and outputs, a recomputing
-stage's stash, what an I keeps for its W). The profile is measured from the same model file in
-this process, so both sides see the same tensors; an error in either (a profiler that leaves a
-layer's input out, a memory model that forgets the stage's output or the gradients an I keeps,
-a runtime that holds a tape too long) shows as a difference of bytes.
+rank's tapes keep (autograd's saved tensors until an I releases those its W does not read, the
+tapes' inputs, a recomputing stage's stash, what an I keeps for its W). The profile is measured
+from the same model file in this process, so both sides see the same tensors; an error in
+either (a profiler that leaves a layer's input out, a memory model that forgets the gradients
+an I keeps or frees at I what W still reads, a runtime that holds a tape too long) shows as a
+difference of bytes.
 """
 
 from __future__ import annotations
@@ -100,6 +101,15 @@ def test_the_runtime_holds_what_the_memory_model_predicts_on_three_ranks(measure
     # what a split backward's I keeps for its W is real memory: ZB-H1's last rank holds more
     # than 1F1B's, by the gradients the head's I keeps (its logits' among them)
     assert plans["gpt-zb-h1"][1][2] > plans["gpt-1f1b"][1][2]
+    # and an I releases what its W does not read: were every layer to hold all it saved until W
+    # (no w_saved_bytes), ZB-H1 would need more on every rank than octorun measured
+    from octoplan.plan import load_plan
+    from octoplan.profile import load_profile
+
+    profile = load_profile(measured["tiny_gpt"])
+    holding = replace(profile, layers=tuple(replace(layer, w_saved_bytes=None) for layer in profile.layers))
+    unreleased = simulate(load_plan(plans["gpt-zb-h1"][0]), holding).peak_activation_bytes
+    assert all(u > m for u, m in zip(unreleased, metrics["gpt-zb-h1"][-1].peak_activation_bytes))
 
 
 def test_the_runtime_holds_what_the_memory_model_predicts_where_stages_share_a_rank(measured, tmp_path):
@@ -116,6 +126,143 @@ def test_the_runtime_holds_what_the_memory_model_predicts_where_stages_share_a_r
     for name, (_, predicted) in plans.items():
         for step in metrics[name]:
             assert list(step.peak_activation_bytes) == predicted, name
+
+
+# ----------------------------------------------------------------------------- one stage, in process
+
+# Layers whose last op saves its own result (ReLU, x ** w), that pass their input through, or
+# have no weight on their input path: the tensor between two layers is then held by both, and
+# lives until the later of their releases. The example models all end their blocks in a
+# residual add, which saves nothing.
+SHAPES = """
+import torch
+from torch import nn
+
+H = 16
+CONFIG = {"kinds": "lin,head"}
+
+
+class Lin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.l(x)
+
+
+class LinRelu(Lin):
+    def forward(self, x):
+        return torch.relu(self.l(x))
+
+
+class Scale(nn.Module):  # no weight: its I lets go of its input
+    def forward(self, x):
+        return x * 2
+
+
+class Ident(nn.Module):  # passes its input through
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(H))
+
+    def forward(self, x):
+        return x
+
+
+class Pow(nn.Module):  # a weight's node that saves its result, the layer's output
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((H,), 1.5))
+
+    def forward(self, x):
+        return x.abs() ** self.w
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(H, 8)
+
+    def forward(self, x):
+        return self.l(x)
+
+
+KINDS = {"lin": Lin, "linrelu": LinRelu, "scale": Scale, "ident": Ident, "pow": Pow, "mlp": Mlp, "head": Head}
+
+
+def num_layers(kinds):
+    return len(kinds.split(","))
+
+
+def build_layer(i, kinds):
+    torch.manual_seed(100 + i)
+    return KINDS[kinds.split(",")[i]]()
+
+
+def sample_batch(microbatch_size, generator, kinds):
+    return torch.randn(microbatch_size, 4, H, generator=generator), torch.randn(microbatch_size, 4, 8, generator=generator)
+
+
+def loss_fn(outputs, targets):
+    return torch.nn.functional.mse_loss(outputs, targets)
+"""
+
+# (layers, stage start, stage end, recompute, recompute_layers)
+STAGES = [
+    ("lin,linrelu,head", 0, 2, False, None),  # the stage's output held by its last layer's ReLU
+    ("lin,ident,lin,head", 1, 2, False, None),  # ... by a layer that passes its input on
+    ("lin,linrelu,scale,head", 1, 3, False, None),  # the next layer lets go of it first
+    ("lin,pow,lin,head", 1, 3, False, None),  # both keep it until W: once
+    ("lin,pow,scale,mlp,head", 0, 5, False, None),
+    ("lin,linrelu,lin,head", 1, 3, True, 1),  # the rebuilt ReLU output beside the one F kept
+    ("lin,linrelu,lin,head", 1, 3, True, None),
+    ("lin,linrelu,scale,mlp,head", 1, 4, True, 2),
+    ("lin,linrelu,linrelu,linrelu,head", 1, 5, False, None),
+]
+
+
+@pytest.mark.parametrize("kinds,start,end,recompute,recompute_layers", STAGES)
+def test_one_stage_holds_what_its_costs_say_after_f_during_i_after_i_and_after_w(tmp_path, kinds, start, end,
+                                                                                 recompute, recompute_layers):
+    from octoplan.costs import LayerTable
+    from octoplan.modelfile import load_model_file
+
+    path = tmp_path / "shapes.py"
+    path.write_text(SHAPES)
+    config = {"kinds": kinds}
+    profile = profile_model_file(str(path), config=config, microbatch_size=2, repeat=1, warmup=0, device="cpu")
+    cost = LayerTable(profile).stage(start, end, recompute=recompute, recompute_layers=recompute_layers)
+    model = load_model_file(str(path), config)
+    layers = [model.build_layer(i) for i in range(model.num_layers())]
+    value, targets = model.sample_batch(2, step=0, replica=0, mb=0)
+    with torch.no_grad():
+        for layer in layers[:start]:
+            value = layer(value)
+    stage = layers[start:end]
+    meter = ActivationMeter([t for layer in stage for t in (*layer.parameters(), *layer.buffers())])
+    last = end == len(layers)
+    executor = StageExecutor(stage, first=start == 0, last=last, loss_fn=model.loss, loss_scale=1.0,
+                             recompute=recompute, recompute_layers=recompute_layers, meter=meter)
+    output, tape = executor.forward(value, targets)
+    grad = None if last else (torch.ones_like(output),)
+    del output  # sent on: from here only the tape holds anything
+    after_f = meter.current
+    meter.reset()
+    executor.backward_input(tape, grad)
+    during_i, after_i = meter.peak - after_f, meter.current
+    executor.backward_weight(tape)
+    assert (after_f, during_i, after_i, meter.current) == (
+        cost.activation_bytes, cost.recompute_bytes + cost.i_peak_bytes, cost.activation_bytes + cost.i_delta_bytes, 0)
 
 
 # ----------------------------------------------------------------------------- the meter itself

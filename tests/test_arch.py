@@ -119,6 +119,12 @@ def test_llama_layer_flops_are_closed_form():
     assert profile.layers[1].pending_w_bytes == 2 * tokens * ((q + 2 * kv) + h + 2 * ffn + h)
     assert profile.layers[-1].pending_w_bytes == 2 * tokens * 128256
     assert profile.layers[0].pending_w_bytes == 2 * tokens * h
+    # what W reads of the activations, held from I to W: each matmul's input (norm outputs,
+    # the attention's output, the SwiGLU's) and each norm's input; the head's final norm and
+    # projection inputs, not its logits; the embedding's token ids
+    assert profile.layers[1].w_saved_bytes == 2 * tokens * ((h + h) + q + (h + h) + ffn)
+    assert profile.layers[-1].w_saved_bytes == 2 * tokens * (h + h)
+    assert profile.layers[0].w_saved_bytes == 8 * tokens == profile.layers[0].activation_bytes
 
 
 def test_attention_pairs():

@@ -21,6 +21,7 @@ from octoplan.profiler import (
     parse_config_overrides,
     profile_model_file,
 )
+from octoplan.splitgrad import SavedTensors, root_edge
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
 
@@ -141,6 +142,11 @@ def test_two_linear_bytes_are_exact(tmp_path):
     # 1's I captures the gradient at its Linear's output, the prediction's.
     assert first.pending_w_bytes == mbs * hidden * f32 == 192
     assert last.pending_w_bytes == mbs * 4 * f32 == 48
+    # What stays from I to W: layer 0 has no input path (its input is data), so its I reads
+    # nothing and W needs all it saved. Layer 1's I reads the MSE's prediction and targets,
+    # which octorun then releases; the Linear's saved input (its weight gradient's) stays.
+    assert first.w_saved_bytes == first.activation_bytes == 288
+    assert last.w_saved_bytes == mbs * hidden * f32 == 192
     # FLOPs of the forward: 2 * m * k * n per matmul.
     assert first.flops == 2 * mbs * 8 * hidden + 2 * mbs * hidden * hidden
     assert last.flops == 2 * mbs * hidden * 4
@@ -169,6 +175,11 @@ def test_a_layer_does_not_count_its_own_output_even_where_autograd_saves_it(tmp_
     assert last.activation_bytes == (mbs * hidden + mbs * 4 + mbs * 4) * f32  # as with no middle layer
     # the middle layer's I captures the gradient at its Linear's output for W
     assert middle.pending_w_bytes == mbs * hidden * f32
+    # and keeps the Linear's input for W; tanh's saved result, the layer's own output, it
+    # holds itself from F until its I (only I reads it); its input it keeps until W
+    assert middle.w_saved_bytes == mbs * hidden * f32
+    assert (middle.output_saved_bytes, middle.output_w_bytes, middle.input_freed_bytes) == (mbs * hidden * f32, 0, 0)
+    assert (first.output_saved_bytes, last.output_saved_bytes) == (0, 0)  # a Linear's output, the loss
 
 
 
@@ -499,6 +510,78 @@ def test_split_backward_without_creation_order(monkeypatch):
     x = torch.randn(3, 8, requires_grad=True)
     _split_matches_autograd(layer, [x], list(layer(x)))
     assert fallbacks
+
+
+def _released_split(layer, inputs, forward):
+    """The split as octorun runs it: F recorded into boxes, I, the boxes only I read released,
+    then W. Returns (input grads, param grads, the saved tensors, how many boxes I released),
+    after checking the gradients against the split without release, bit for bit."""
+    params = list(layer.parameters())
+    grad_inputs = [t for t in inputs if t.requires_grad]
+    torch.manual_seed(1)
+    plain_outputs = forward()
+    grads = [torch.randn_like(t) for t in plain_outputs]
+    plain_inputs, plain_pending = backward_input(plain_outputs, grads, grad_inputs, params)
+    plain_params = backward_weight(plain_pending)
+    saved = SavedTensors()
+    torch.manual_seed(1)
+    with saved.recording():
+        outputs = forward()
+    boxes = len(saved.boxes)
+    got_inputs, pending = backward_input([root_edge(t) for t in outputs], grads, grad_inputs, params, saved=saved)
+    del outputs  # octorun's tape keeps only the edges
+    saved.release()
+    got_params = backward_weight(pending)
+    for got, want in zip([*got_inputs, *got_params], [*plain_inputs, *plain_params]):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert torch.equal(got, want)
+    return saved, boxes - len(saved.boxes)
+
+
+def test_i_releases_what_only_the_input_path_read_and_w_still_gives_the_same_gradients():
+    # Linear, GELU, Linear: W reads the first Linear's input and the second's (the GELU's
+    # output); only the GELU's saved input is the input path's alone
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+    layer = torch.nn.ModuleList([first, second])
+    x = torch.randn(4, 8, requires_grad=True)
+    saved, released = _released_split(layer, [x], lambda: [second(torch.nn.functional.gelu(first(x)))])
+    assert released == 1
+    kept = [tuple(t.shape) for t in saved.kept() if not any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+                                                            for p in layer.parameters())]
+    assert sorted(kept) == [(4, 8), (4, 16)]  # x and the GELU's output
+
+
+def test_i_releases_the_attention_and_activation_tensors_of_a_transformer_block():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True, norm_first=True)
+    layer.train()
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    saved, released = _released_split(layer, [x], lambda: [layer(x)])
+    assert released > 0
+
+
+def test_a_parameter_at_two_boundary_nodes_releases_nothing():
+    # W runs the input path between the two nodes where the tied Linear's branches leave it:
+    # the split then releases nothing, and the gradients stay exact
+    torch.manual_seed(0)
+    layer = _Tied()
+    x = torch.randn(3, 8, requires_grad=True)
+    saved, released = _released_split(layer, [x], lambda: list(layer(x)))
+    assert released == 0
+
+
+def test_a_released_tensor_read_again_is_a_clear_error():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    saved = SavedTensors()
+    with saved.recording():
+        out = torch.sin(x) @ w
+    backward_input([out], [torch.ones_like(out)], [x], [w], saved=saved)
+    saved.release()  # sin's saved input
+    with pytest.raises(RuntimeError, match="released after the input gradient"):
+        torch.autograd.grad(out, x, torch.ones_like(out))
 
 
 def test_split_weight_pass_skips_the_input_path():

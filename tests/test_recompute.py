@@ -39,12 +39,11 @@ def test_a_recomputed_stage_keeps_its_input_and_pays_a_forward_in_its_first_back
     # F keeps only the stage's input (layer a's output, 4 bytes); the rebuild holds the rest
     assert (plain.activation_bytes, plain.recompute_bytes) == (30, 0)
     assert (again.activation_bytes, again.recompute_bytes) == (4, 26)
-    # the first stage's input is the microbatch itself, which the profile does not size; the
-    # rebuild also makes the stage's output (3 bytes) anew, which F without grad did not keep
+    # the first stage's input is the microbatch itself, which the profile does not size
     first = table.stage(0, 2, recompute=True)
-    assert (first.activation_bytes, first.recompute_bytes) == (0, 50 + 3)
-    # without recomputation a stage that is not the last keeps its output, its backward's root
-    assert table.stage(0, 2).activation_bytes == 50 + 3
+    assert (first.activation_bytes, first.recompute_bytes) == (0, 50)
+    # a stage's output, once sent, no tape holds (only its gradient edge): not in its figure
+    assert table.stage(0, 2).activation_bytes == 50
     # a measured fused backward gets the forward too
     fused = Profile(model=ModelRef("t"), layers=tuple(replace(layer, backward_ms=1.5) for layer in _profile().layers))
     assert LayerTable(fused).stage(1, 3, recompute=True).b_ms == pytest.approx(3.0 + 11.0)
@@ -101,14 +100,13 @@ def test_recomputing_a_stages_first_layers_keeps_the_rest_and_pays_only_their_fo
     table = LayerTable(_profile())
     # stage b, c with only b recomputing: F keeps b's input (a's output, 4 bytes) and c's 10
     # bytes; the backward runs b's forward (4 ms) again and rebuilds b's 20 bytes less the
-    # input, plus b's output (3 bytes): a new tensor beside the one c kept from F as its input
+    # input (b's rebuilt output no tape keeps: c holds the one F made)
     some = table.stage(1, 3, recompute=True, recompute_layers=1)
     assert (some.forward_ms, some.backward_input_ms, some.backward_weight_ms, some.b_ms) == (11, 17, 15, 32)
-    assert (some.activation_bytes, some.recompute_bytes) == (14, 16 + 3)
-    # a, b of a, b, c (the first stage: its input is not sized): 1 + 4 ms again, 50 bytes
-    # rebuilt and b's 3-byte output
+    assert (some.activation_bytes, some.recompute_bytes) == (14, 16)
+    # a, b of a, b, c (the first stage: its input is not sized): 1 + 4 ms again, 50 bytes rebuilt
     first = table.stage(0, 3, recompute=True, recompute_layers=2)
-    assert (first.backward_input_ms, first.activation_bytes, first.recompute_bytes) == (20, 10, 50 + 3)
+    assert (first.backward_input_ms, first.activation_bytes, first.recompute_bytes) == (20, 10, 50)
     # as many layers as the stage has, or more, is full recomputation
     assert table.stage(1, 3, recompute=True, recompute_layers=2) == table.stage(1, 3, recompute=True)
     assert table.stage(1, 3, recompute=True, recompute_layers=9) == table.stage(1, 3, recompute=True)
@@ -116,9 +114,8 @@ def test_recomputing_a_stages_first_layers_keeps_the_rest_and_pays_only_their_fo
     stage = Stage(1, 3, 0, recompute=True, recompute_layers=1)
     assert (stage.recomputed_layers, Stage(1, 3, 0, recompute=True).recomputed_layers, Stage(1, 3, 0).recomputed_layers) == (1, 2, 0)
     assert stage_costs([stage], table) == [some]
-    # while the rebuild lives, the stage holds what it would hold without recomputation, and
-    # the seam's second copy
-    assert some.activation_bytes + some.recompute_bytes == table.stage(1, 3).activation_bytes + 3
+    # while the rebuild lives, the stage holds what it would hold without recomputation
+    assert some.activation_bytes + some.recompute_bytes == table.stage(1, 3).activation_bytes
 
 
 def test_the_plan_file_keeps_recompute_layers_and_rejects_bad_counts(tmp_path):
@@ -197,9 +194,9 @@ def test_baseline_cli_recompute_flag(tmp_path, profile_file):
     a, b = simulate(load_plan(tmp_path / "a.yaml"), profile), simulate(load_plan(tmp_path / "b.yaml"), profile)
     assert all(s.recompute for s in load_plan(tmp_path / "b.yaml").stages)
     assert not a.fits_memory and b.fits_memory
-    # 1F1B on 2 ranks, 4 microbatches: rank 0 holds 2 x (40 GB + its 10 MB output) without;
-    # with, 2 x 0.01 + one 40 GB rebuild
-    assert a.peak_memory_bytes[0] == 2 * (40 * GB + GB // 100)
+    # 1F1B on 2 ranks, 4 microbatches: rank 0 holds 2 x 40 GB without; with, one 40 GB rebuild
+    # (its inputs are the microbatches, which no profile sizes)
+    assert a.peak_memory_bytes[0] == 2 * 40 * GB
     assert b.peak_memory_bytes[0] == pytest.approx(40 * GB, rel=1e-3)
 
 
@@ -313,8 +310,7 @@ def test_the_climb_turns_recomputation_off_one_stage_at_a_time_where_a_whole_ran
     from octoplan.tuner.space import Candidate, Config, Evaluator
 
     # ZB-V on 2 ranks, every stage (2 layers, 20 GB of activations) recomputing: rank 1 holds
-    # three 20 GB rebuilds while their Ws wait (each with its stage's 10 MB output, made anew),
-    # and rank 0 one. 61 GB per GPU: either rank keeping all its activations needs 80 GB, but
+    # three 20 GB rebuilds while their Ws wait, and rank 0 one. 61 GB per GPU: either rank keeping all its activations needs 80 GB, but
     # keeping one stage's (the rank's later one first) fits
     profile = _memory_bound_profile()
     spec = get_schedule("zbv")
@@ -323,8 +319,7 @@ def test_the_climb_turns_recomputation_off_one_stage_at_a_time_where_a_whole_ran
                       recompute=frozenset(range(4)))
     evaluator = Evaluator(profile, free_cluster(2, memory_gb=61))
     result = evaluator.simulate(start)
-    out = GB // 100
-    assert result.fits_memory and list(result.peak_memory_bytes) == [20 * GB + out, 3 * (20 * GB + out)]
+    assert result.fits_memory and list(result.peak_memory_bytes) == [20 * GB, 3 * 20 * GB]
     moves = {m.origin: m for m in neighbours(start, result, rng=random.Random(0)) if "recompute" in m.origin}
     assert moves["rank 0: no recompute"].recompute == {1, 2} and moves["rank 1: no recompute"].recompute == {0, 3}
     assert moves["stage 3 (rank 0): no recompute"].recompute == {0, 1, 2}
@@ -377,24 +372,21 @@ def test_the_climb_recomputes_fewer_of_a_stages_layers_where_keeping_all_would_n
 
     # ZB-V on 2 ranks, 4 stages of 4 layers, all recomputing; rank 0's first stage has 4
     # microbatches in flight. Keeping its activations needs 4 x 40 = 160 GB; recomputing 2 of
-    # its 4 layers keeps 4 x 20 GB and rebuilds 20 GB: 100 GB; 3 of 4: 4 x 10 + 30 = 70 GB;
-    # each rebuild also holds the seam, a second copy of a 10 MB output
+    # its 4 layers keeps 4 x 20 GB and rebuilds 20 GB: 100 GB; 3 of 4: 4 x 10 + 30 = 70 GB
     spec = get_schedule("zbv")
     order = tuple(tuple(ops) for ops in spec.generate(2, 8, 2))
     start = Candidate(Config(2, 1, 8), (0, 4, 8, 12, 16), tuple(spec.placement(2, 4)), None, order, "zbv", "zbv",
                       recompute=frozenset(range(4)))
     evaluator = Evaluator(_sixteen_layers(), free_cluster(2, memory_gb=125))
     result = evaluator.simulate(start)
-    assert result.fits_memory and result.peak_memory_bytes[0] == 40 * GB + GB // 100  # a rebuild and the output it makes anew
+    assert result.fits_memory and result.peak_memory_bytes[0] == 40 * GB  # one rebuild
     moves = {m.origin: m for m in neighbours(start, result, rng=random.Random(0)) if "recompute" in m.origin}
     peak = {name: evaluator.simulate(moves[name]).peak_memory_bytes[0] for name in
             ("stage 0 (rank 0): no recompute", "stage 0 (rank 0): recompute 2 of 4 layers",
              "stage 0 (rank 0): recompute 3 of 4 layers")}
-    # (keeping any layers, F keeps the stage's 10 MB output too, 4 in flight)
-    out = seam = GB // 100
-    assert peak == {"stage 0 (rank 0): no recompute": 160 * GB + 4 * out,
-                    "stage 0 (rank 0): recompute 2 of 4 layers": 100 * GB + 4 * out + seam,
-                    "stage 0 (rank 0): recompute 3 of 4 layers": 70 * GB + 4 * out + seam}
+    assert peak == {"stage 0 (rank 0): no recompute": 160 * GB,
+                    "stage 0 (rank 0): recompute 2 of 4 layers": 100 * GB,
+                    "stage 0 (rank 0): recompute 3 of 4 layers": 70 * GB}
     half = moves["stage 0 (rank 0): recompute 2 of 4 layers"]
     assert half.recompute == {0, 1, 2, 3} and half.recompute_layers == ((0, 2),)
     assert half.stages()[0] == Stage(0, 4, 0, recompute=True, recompute_layers=2)
@@ -443,7 +435,7 @@ def test_a_baseline_that_does_not_fit_recomputes_the_fewest_layers_per_stage_tha
     from octoplan.tuner.space import Evaluator
 
     # 1F1B on 2 ranks of 8 layers: rank 0 holds 2 microbatches x 80 GB; recomputing its first
-    # N layers keeps 2 x (8 - N) x 10 GB and rebuilds N x 10 GB (and a 10 MB seam): (16 - N) x
+    # N layers keeps 2 x (8 - N) x 10 GB and rebuilds N x 10 GB: (16 - N) x
     # 10 GB, within 125 GB from N = 4 on (rank 1, one microbatch at a time, needs less)
     profile = _sixteen_layers()
     cluster = free_cluster(2, memory_gb=125)
@@ -454,11 +446,9 @@ def test_a_baseline_that_does_not_fit_recomputes_the_fewest_layers_per_stage_tha
     assert row.candidate.recompute_layers == ((0, 4), (1, 4))
     assert row.candidate.origin == "1f1b/uniform+recompute (first 4 layers per stage)"
     evaluator = Evaluator(profile, cluster)
-    # (and F keeps the stage's 10 MB output, 2 in flight)
-    out = GB // 100
-    assert evaluator.simulate(row.candidate).peak_memory_bytes[0] == 120 * GB + GB // 100 + 2 * out
+    assert evaluator.simulate(row.candidate).peak_memory_bytes[0] == 120 * GB
     three = replace(row.candidate, recompute_layers=((0, 3), (1, 3)))
-    assert evaluator.simulate(three).peak_memory_bytes[0] == 130 * GB + GB // 100 + 2 * out  # one layer fewer does not fit
+    assert evaluator.simulate(three).peak_memory_bytes[0] == 130 * GB  # one layer fewer does not fit
 
 
 def test_a_layer_count_that_a_boundary_shift_made_whole_is_written_as_the_whole_stage(tmp_path):

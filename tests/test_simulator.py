@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from octoplan.costs import LayerTable
 from octoplan.memory import static_bytes
 from octoplan.ops import Kind, Op, parse_ops
 from octoplan.plan import Cluster, Parallel, Plan, Stage
@@ -69,9 +70,9 @@ def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
     assert [result.idle_parts(r) for r in range(2)] == [(0, 14, 0), (5, 2, 5)]
     assert result.summary()["idle_ms"] == [[0, 14, 0], [5, 2, 5]]
     assert [str(op) for op in result.critical_path] == ["0F0", "0F1", "1F1", "1B0", "1B1", "0B1"]
-    # Activations: rank 0 holds two microbatches of layer a, each with its 2 MB output (the
-    # root of its backward, which the tape keeps); rank 1 two of layer b, whose output is the loss.
-    assert result.peak_memory_bytes == (2 * (100 + 2_000_000), 2 * 1000)
+    # Activations: rank 0 holds two microbatches of layer a (its 2 MB output, once sent, no tape
+    # holds: octorun keeps only its backward's gradient edge); rank 1 two of layer b.
+    assert result.peak_memory_bytes == (2 * 100, 2 * 1000)
     assert result.peak_activation_bytes == result.peak_memory_bytes  # no parameters
 
 
@@ -114,10 +115,30 @@ def test_same_rank_stages_pass_without_transfer_and_split_backward_frees_at_w():
     ]
     assert result.transfers == []
     assert result.bubble_ratio == 0
-    # 0F0 holds layer a's 100 bytes and its 2 MB output. Layer b's figure holds its input first
-    # (SPEC_ADDITIONS), here all of its 1000 bytes; on one rank that input is stage 0's output,
-    # already held, so 1F0 adds nothing, 1W0 (the earlier release) frees nothing and 0W0 all.
-    assert result.peak_memory_bytes == (100 + 2_000_000,)
+    # 0F0 holds layer a's 100 bytes, 1F0 layer b's 1000 (its input among them). Without a
+    # w_saved_bytes figure a layer's I frees nothing (profiles written before it was
+    # measured): the Ws free each stage's.
+    assert result.peak_memory_bytes == (100 + 1000,)
+
+
+def test_an_i_frees_what_its_w_does_not_read_and_peaks_while_it_walks_the_layers():
+    # Three layers (activation, of it what W reads, the gradients I captures for W):
+    # (100, 30, 20), (200, 50, 400), (300, 40, 10). I takes them from the last: before each frees
+    # its share it holds its captured gradients too; it ends holding 120 + 430 = 550.
+    layers = tuple(replace(Layer(name, "layer", 1.0, 1.0, 1.0, 0, act, 8), w_saved_bytes=kept, pending_w_bytes=pend)
+                   for name, act, kept, pend in (("a", 100, 30, 20), ("b", 200, 50, 400), ("c", 300, 40, 10)))
+    profile = Profile(model=ModelRef("t"), layers=layers)
+    cost = LayerTable(profile).stage(0, 3)
+    # walking down: c adds 10 (peak 10) then ends at -250; b adds 400 (peak 150), ends at 0;
+    # a adds 20 (peak 20 < 150) and ends at -50
+    assert (cost.activation_bytes, cost.w_held_bytes, cost.pending_w_bytes, cost.i_peak_bytes, cost.i_delta_bytes) == \
+        (600, 120, 430, 150, -50)
+    plan = _plan([(0, 3, 0)], ["0F0 0I0 0F1 0I1 0W0 0W1"], cluster=Cluster(gpus=1), microbatches=2)
+    # F0 600; I0 peaks at 750 and leaves 550; F1 1150; I1 peaks at 1300, leaves 1100; Ws free it all
+    assert simulate(plan, profile).peak_memory_bytes == (1300,)
+    # the same layers without the w_saved figure keep everything until W: 600 + 430, twice
+    old = Profile(model=ModelRef("t"), layers=tuple(replace(layer, w_saved_bytes=None) for layer in layers))
+    assert simulate(plan, old).peak_memory_bytes == (2 * (600 + 430),)
 
 
 def test_inter_node_links_are_slower():
@@ -144,7 +165,7 @@ def test_data_parallel_allreduce_after_the_last_backward_counts_in_the_iteration
     # after its last op, rank 0 waits 10 ms for its all-reduce; rank 1 is done at 17
     assert [result.idle_parts(r) for r in range(2)] == [(0, 14, 10), (5, 2, 15)]
     # static memory: weights + grads + Adam (fp32 profile: 16 bytes per parameter).
-    assert result.peak_memory_bytes[0] == static_bytes(4_000_000, dtype_bytes=4) + 2 * (100 + 2_000_000) == 20_000_200
+    assert result.peak_memory_bytes[0] == static_bytes(4_000_000, dtype_bytes=4) + 2 * 100 == 16_000_200
     assert result.static_memory_bytes[0] == 16_000_000
 
 

@@ -91,6 +91,7 @@ def _layer(name: str, kind: str, cost: LayerCost, out_bytes: int) -> Layer:
         output_bytes=out_bytes,
         flops=cost.flops,
         pending_w_bytes=cost.pending_w_bytes,
+        w_saved_bytes=cost.w_saved_bytes,
     )
 
 

@@ -115,6 +115,7 @@ class LayerCost:
     remote_expert_params: int
     activation_bytes: int
     pending_w_bytes: int  # what a split backward's I keeps for its W (the matmuls' output gradients)
+    w_saved_bytes: int  # of activation_bytes, what W reads (the matmuls' and norms' inputs), held from I to W
     flops: float  # forward, one GPU
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)  # F/I/W -> category -> ms
 
@@ -135,6 +136,7 @@ class LayerAccount:
         self.flops = 0.0
         self.saved = 0.0
         self.pending_w = 0.0  # output gradients of the matmuls, kept from I for W
+        self.w_saved = 0.0  # saved inputs of the matmuls and norms, which W reads
 
     def linear(
         self,
@@ -146,10 +148,13 @@ class LayerAccount:
         bias: bool = False,
         count: int = 1,
         input_grad: bool = True,
+        shared_input: bool = False,
     ) -> None:
         """``count`` matmuls (tokens x n_in) @ (n_in x n_out): F, dX in I, dW in W.
 
         input_grad=False skips dX, for a first layer whose input (pixels) needs no gradient.
+        shared_input=True: the input is an earlier call's, saved once (two projections of one
+        normalized input).
 
         split: "col" divides n_out by tp, "row" divides n_in, "seq" divides the tokens (weights
         replicated, input sequence-sharded), None runs replicated on every GPU.
@@ -175,6 +180,10 @@ class LayerAccount:
         # W computes dW = X^T dY from this output gradient, which a split backward keeps from
         # I to W; a row-parallel matmul's is the whole output's (gathered in the backward)
         self.pending_w += BYTES * m * (n if split == "col" else n_out) * count
+        # ... and the input X, saved by F (sequence-sharded under tp for col/row splits: what
+        # Megatron-LM saves, gathering it again for W)
+        if not shared_input:
+            self.w_saved += BYTES * count * (m * n_in / self.tp if split in ("col", "row") else m * n_in)
 
     def weights(self, count: int, *, split: bool = False) -> None:
         """Parameters outside matmuls (norm scales, conv filters, biases): no time of their own."""
@@ -230,6 +239,11 @@ class LayerAccount:
         """Bytes F keeps for the backward (whole layer)."""
         self.saved += num_bytes / self.tp if sharded else num_bytes
 
+    def w_reads(self, num_bytes: float, *, sharded: bool = True) -> None:
+        """Saved bytes (whole layer) W reads besides the matmul inputs: a norm's input for its
+        scale's gradient, the token ids for the embedding's."""
+        self.w_saved += num_bytes / self.tp if sharded else num_bytes
+
     def keep_for_w(self, num_bytes: float) -> None:
         """Gradient bytes (whole layer) a split backward's I keeps for W outside a matmul."""
         self.pending_w += num_bytes / self.tp
@@ -245,6 +259,8 @@ class LayerAccount:
             remote_expert_params=int(self.remote_expert_params),
             activation_bytes=int(round(self.saved)),
             pending_w_bytes=int(round(self.pending_w)),
+            # at most what F saved: where a call's accounting lumps tensors W reads with others
+            w_saved_bytes=int(round(min(self.w_saved, self.saved))),
             flops=self.flops,
             breakdown=breakdown,
         )

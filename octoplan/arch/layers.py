@@ -76,6 +76,7 @@ def _attention(acct: LayerAccount, a: Attention, hidden: int, *, seqs: int, seq:
     # saved: norm input(s), qkv input, q/k/v, attention output (= o_proj input), fp32 logsumexp
     saved = BYTES * (norms * hidden + hidden + (q + 2 * kv) + q + (q + kv if a.qk_norm else 0)) + 4 * a.heads
     acct.save(saved * tokens)
+    acct.w_reads(BYTES * tokens * norms * hidden)  # the norms' inputs, for their scales
     acct.tp_collective(BYTES * tokens * hidden)
 
 
@@ -85,7 +86,7 @@ def _mla(acct: LayerAccount, m: MLA, hidden: int, *, seqs: int, seq: int) -> Non
     acct.weights(hidden + m.q_lora_rank + m.kv_lora_rank)  # pre-norm, q_a and kv_a norms
     # The down-projections are small and replicated across tp (Megatron-LM's MLA).
     acct.linear(tokens, hidden, m.q_lora_rank, split=None)
-    acct.linear(tokens, hidden, m.kv_lora_rank + m.qk_rope_dim, split=None)
+    acct.linear(tokens, hidden, m.kv_lora_rank + m.qk_rope_dim, split=None, shared_input=True)
     acct.linear(tokens, m.q_lora_rank, m.heads * d_qk, split="col")
     acct.linear(tokens, m.kv_lora_rank, m.heads * (m.qk_nope_dim + m.v_dim), split="col")
     acct.linear(tokens, m.heads * m.v_dim, hidden, split="row")
@@ -101,6 +102,8 @@ def _mla(acct: LayerAccount, m: MLA, hidden: int, *, seqs: int, seq: int) -> Non
     # saved: norm input, down-projection input, q/k/v, output, fp32 logsumexp; replicated latents
     acct.save(tokens * (BYTES * (hidden + hidden + m.heads * (2 * d_qk + m.v_dim) + m.heads * m.v_dim) + 4 * m.heads))
     acct.save(BYTES * tokens * (2 * m.q_lora_rank + 2 * m.kv_lora_rank + m.qk_rope_dim), sharded=False)
+    acct.w_reads(BYTES * tokens * hidden)  # the pre-norm's input
+    acct.w_reads(BYTES * tokens * (m.q_lora_rank + m.kv_lora_rank), sharded=False)  # the latent norms'
     acct.tp_collective(BYTES * tokens * hidden)
 
 
@@ -122,6 +125,7 @@ def _mamba2(acct: LayerAccount, mb: Mamba2, hidden: int, *, tokens: int) -> None
     # pre-norm, residual, conv1d+SiLU, gated RMSNorm (reads y and z, writes)
     acct.elementwise(BYTES * tokens * (2 * hidden + 3 * hidden + 2 * conv_dim + 3 * inner))
     acct.save(BYTES * tokens * (hidden + hidden + proj + conv_dim + inner + inner))
+    acct.w_reads(BYTES * tokens * (hidden + inner))  # the pre-norm's and the gated norm's inputs
     acct.tp_collective(BYTES * tokens * hidden)
 
 
@@ -143,6 +147,9 @@ def _mamba1(acct: LayerAccount, mb: Mamba1, hidden: int, *, tokens: int) -> None
     if mb.inner_norms:
         acct.elementwise(BYTES * tokens * 2 * (r + 2 * n), sharded=False)
     acct.save(BYTES * tokens * (hidden + hidden + 2 * d + d + (r + 2 * n) + d + d))
+    acct.w_reads(BYTES * tokens * hidden)  # the pre-norm's input
+    if mb.inner_norms:
+        acct.w_reads(BYTES * tokens * (r + 2 * n), sharded=False)
     acct.tp_collective(BYTES * tokens * (r + 2 * n))  # x_proj is row-parallel
     acct.tp_collective(BYTES * tokens * hidden)
 
@@ -163,6 +170,7 @@ def _mlp(acct: LayerAccount, f: Mlp, hidden: int, *, tokens: int) -> None:
     acct.elementwise(BYTES * tokens * per_token)
     # saved: norm input(s), up input, gate/up outputs (or fc1 output), down input
     acct.save(BYTES * tokens * (norms * hidden + hidden + up + f.ffn))
+    acct.w_reads(BYTES * tokens * norms * hidden)  # the norms' inputs
     acct.tp_collective(BYTES * tokens * hidden)
 
 
@@ -171,7 +179,7 @@ def _moe(acct: LayerAccount, m: Moe, hidden: int, *, tokens: int) -> None:
     acct.weights(hidden + (e if m.router_bias else 0))
     acct.linear(tokens, hidden, e, split="seq")  # router
     if m.shared_experts:
-        acct.linear(tokens, hidden, 2 * m.shared_experts * f, split="col")
+        acct.linear(tokens, hidden, 2 * m.shared_experts * f, split="col", shared_input=True)  # the router's input
         acct.linear(tokens, m.shared_experts * f, hidden, split="row")
     # Expert parallelism: each GPU of the ep group holds experts/ep experts and, with balanced
     # routing, each expert sees tokens * top_k * ep / experts tokens of this microbatch's size.
@@ -193,6 +201,7 @@ def _moe(acct: LayerAccount, m: Moe, hidden: int, *, tokens: int) -> None:
     acct.elementwise(BYTES * tokens * per_token)
     saved = hidden + hidden + 2 * e + k * hidden + 3 * k * f + k * hidden + 3 * m.shared_experts * f
     acct.save(BYTES * tokens * saved)
+    acct.w_reads(BYTES * tokens * hidden)  # the pre-norm's input
     acct.tp_collective(BYTES * tokens * hidden)
     if m.ep > 1:
         local_tokens = tokens / acct.tp
@@ -214,6 +223,7 @@ def _projector(acct: LayerAccount, p: Projector, hidden: int, *, shape: Shape) -
     acct.elementwise(BYTES * images * (2 * p.in_dim + 2 * p.in_dim + 2 * p.hidden))
     acct.elementwise(BYTES * shape.tokens * 2 * hidden)
     acct.save(BYTES * images * (p.in_dim + p.in_dim + p.hidden + p.hidden))
+    acct.w_reads(BYTES * images * p.in_dim)  # the LayerNorm's input
     acct.tp_collective(BYTES * images * hidden)
 
 
@@ -223,6 +233,7 @@ def _mtp_extra(acct: LayerAccount, hidden: int, *, tokens: int) -> None:
     acct.linear(tokens, 2 * hidden, hidden, split="col")
     acct.elementwise(BYTES * tokens * (2 * hidden + 2 * 2 * hidden))  # embedding gather, two norms
     acct.save(BYTES * tokens * (2 * hidden + 2 * hidden))
+    acct.w_reads(BYTES * tokens * 2 * hidden)  # the two norms' inputs
     acct.tp_collective(BYTES * tokens * hidden)
 
 
@@ -238,6 +249,7 @@ def embedding_cost(arch: Arch, model: CostModel, *, shape: Shape) -> LayerCost:
     acct.weight_grad_memory(BYTES * text * 3 * h)  # scatter-add: read grad, read+write rows
     acct.keep_for_w(BYTES * text * h)  # which needs the output's gradient: no I, so it waits for W
     acct.save(8 * text, sharded=False)  # int64 token ids
+    acct.w_reads(8 * text, sharded=False)  # which the scatter-add reads
     acct.tp_collective(BYTES * text * h, backward=False)
     if arch.vision is not None:
         v = arch.vision
@@ -299,6 +311,7 @@ def head_cost(arch: Arch, model: CostModel, *, shape: Shape) -> LayerCost:
     acct.elementwise(BYTES * tokens * (v + (2 * v if arch.logit_softcap else 0)))
     # saved: norm input, projection input, logits (softmax kept for the CE backward), softcap input
     acct.save(BYTES * tokens * (h + h + v + (v if arch.logit_softcap else 0)))
+    acct.w_reads(BYTES * tokens * h)  # the final norm's input; the logits only I reads
     acct.tp_collective(BYTES * tokens * h)
     acct.tp_collective(3 * 4 * tokens, backward=False)  # vocab-parallel CE: max, sum, target logit
     return acct.result()

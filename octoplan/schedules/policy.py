@@ -148,15 +148,19 @@ def policy_schedule(
     admitted = [0] * num_ranks
     warming = [True] * num_ranks  # the rank has run only first-stage forwards so far
     warm_count = [0] * num_ranks
-    # what a microbatch holds on a stage from its F to its B or W; a recomputed stage's rebuilt
-    # activations, and the gradients an I keeps for its W, are held from its I to its W (a
-    # rebuild only during a B), and the budget keeps room for one such I
+    # what a microbatch holds on a stage from its F to its B or W (octoplan.costs.StageCost): an
+    # I changes it by after_i (it frees all but what its W reads, and keeps the gradients W
+    # starts from) and W frees the rest; the budget keeps room for the most an op holds above
+    # that while it runs (an I's peak, a recomputing op's rebuilt activations)
     act = [c.activation_bytes for c in costs]
-    rebuilt = [c.recompute_bytes + (c.pending_w_bytes if split[s] else 0) for s, c in enumerate(costs)]
+    after_i = [c.i_delta_bytes for c in costs]
+    until_w = [c.w_held_bytes + c.pending_w_bytes for c in costs]
+    transient = [c.recompute_bytes + (c.i_peak_bytes if split[s] else 0) for s, c in enumerate(costs)]
     footprint = [sum(act[s] for s in held) for held in stages_of]  # one microbatch on the whole rank
     budget = list(activation_budget_bytes) if activation_budget_bytes is not None else [_INF] * num_ranks
-    largest_rebuild = [max(rebuilt[s] for s in held) for held in stages_of]
-    budget = [b - extra for b, extra in zip(budget, largest_rebuild)]
+    budget = [b - max(transient[s] for s in held) for b, held in zip(budget, stages_of)]
+    # ranks where an I can leave more held than F did: only their Ws bring them back under budget
+    i_grows = [any(split[s] and after_i[s] > 0 for s in held) for held in stages_of]
     reserved = [0.0] * num_ranks  # activations admitted microbatches hold or will hold
     free = [0.0] * num_ranks
     link_free: dict[tuple[int, int], float] = {}
@@ -222,9 +226,9 @@ def policy_schedule(
         when, r, ver = heapq.heappop(heap)
         if ver != version[r]:
             continue
-        # a deferred W first when too many wait, or when rebuilt activations that only their
-        # Ws free have pushed a recomputing rank past its budget (I is never held back for memory)
-        if pending_w[r] and (len(pending_w[r]) > w_cap[r] or (largest_rebuild[r] and reserved[r] > budget[r])):
+        # a deferred W first when too many wait, or when Is that leave more than they found have
+        # pushed the rank past its budget (I is never held back for memory)
+        if pending_w[r] and (len(pending_w[r]) > w_cap[r] or (i_grows[r] and reserved[r] > budget[r])):
             choice = (2, -1, -1)
         else:
             # one pass over the ready candidates: the backward of the oldest microbatch (later
@@ -266,7 +270,7 @@ def policy_schedule(
             s, m = pending_w[r].pop(0)
             out[r].append(Op(s, Kind.W, m))
             end = start + w_ms[s]
-            reserved[r] -= act[s] + rebuilt[s]
+            reserved[r] -= until_w[s]
         elif kind == 0:
             out[r].append(Op(s, Kind.F, m))
             end = start + f_ms[s]
@@ -285,7 +289,7 @@ def policy_schedule(
                 out[r].append(Op(s, Kind.I, m))
                 end = start + i_ms[s]
                 pending_w[r].append((s, m))
-                reserved[r] += rebuilt[s]
+                reserved[r] += after_i[s]
             else:
                 out[r].append(Op(s, Kind.B, m))
                 end = start + b_ms[s]
