@@ -339,20 +339,20 @@ def simulate_costs(
         prev_rank = rank_of_stage[stage - 1] if stage > 0 else -1
         fwd_wire = wire_ms(rank, next_rank, cost.output_bytes) if next_rank >= 0 else 0.0
         bwd_wire = wire_ms(rank, prev_rank, costs[stage - 1].output_bytes) if prev_rank >= 0 else 0.0
+        b_ms = cost.b_ms + overhead
+        # I frees all but what its W reads and adds the gradients W starts from, peaking while
+        # it runs; with recomputation I and B first rebuild the activations (octoplan.costs.StageCost)
+        f_act, i_act, w_act, b_act = (cost.activation_bytes, cost.i_delta_bytes,
+                                      -(cost.w_held_bytes + cost.pending_w_bytes), -cost.activation_bytes)
+        i_burst, b_burst = cost.recompute_bytes + cost.i_peak_bytes, cost.recompute_bytes
         for mb in range(num_mb):
             kf = base + mb
             ki = base + num_mb + mb
             kw = base + 2 * num_mb + mb
             kb = base + 3 * num_mb + mb
-            dur[kf], dur[ki], dur[kw], dur[kb] = f_ms, i_ms, w_ms, cost.b_ms + overhead
-            # I frees all but what its W reads and adds the gradients W starts from, peaking while
-            # it runs; with recomputation I and B first rebuild the activations (octoplan.costs.StageCost)
-            act[kf] = cost.activation_bytes
-            act[ki] = cost.i_delta_bytes
-            burst[ki] = cost.recompute_bytes + cost.i_peak_bytes
-            act[kw] = -(cost.w_held_bytes + cost.pending_w_bytes)  # W exists only where I does
-            act[kb] = -cost.activation_bytes
-            burst[kb] = cost.recompute_bytes
+            dur[kf], dur[ki], dur[kw], dur[kb] = f_ms, i_ms, w_ms, b_ms
+            act[kf], act[ki], act[kw], act[kb] = f_act, i_act, w_act, b_act  # W exists only where I does
+            burst[ki], burst[kb] = i_burst, b_burst
             if stage > 0:
                 cross[kf] = ((stage - 1) * 4) * num_mb + mb
             if stage + 1 < num_stages:
@@ -433,8 +433,10 @@ def simulate_costs(
             w = waiter[k]
             if w >= 0 and w != r:
                 work.append(w)
-            if bursts and mem + burst[k] > peak:
-                peak = mem + burst[k]
+            if bursts:
+                up = burst[k]
+                if up and mem + up > peak:
+                    peak = mem + up
             delta = act[k]
             if delta:
                 mem += delta
