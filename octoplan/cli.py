@@ -148,7 +148,9 @@ def profile(
 
 def _print_profile(result: Profile, out: Path) -> None:
     table = Table(title=f"{result.model.name} on {result.device.get('name', '?')} -> {out}")
-    for column in ("#", "layer", "kind", "F ms", "I ms", "W ms", "B ms", "params MB", "act MB", "out MB"):
+    # "I -> W MB": what a split backward holds from its I to its W (saved tensors W reads, and
+    # the gradients it starts from)
+    for column in ("#", "layer", "kind", "F ms", "I ms", "W ms", "B ms", "params MB", "act MB", "I -> W MB", "out MB"):
         # fold, not "…": in a narrow terminal a number breaks across lines but is never cut
         table.add_column(column, justify="right" if column not in ("layer", "kind") else "left", overflow="fold")
     rows = list(enumerate(result.layers))
@@ -156,11 +158,12 @@ def _print_profile(result: Profile, out: Path) -> None:
         rows = rows[:10] + [(-1, None)] + rows[-10:]
     for i, layer in rows:
         if layer is None:
-            table.add_row("…", "…", "", "", "", "", "", "", "", "")
+            table.add_row("…", "…", "", "", "", "", "", "", "", "", "")
             continue
         table.add_row(str(i), layer.name, layer.kind, f"{layer.forward_ms:.3f}", f"{layer.backward_input_ms:.3f}",
                       f"{layer.backward_weight_ms:.3f}", f"{layer.b_ms:.3f}", f"{layer.param_bytes / 1e6:.2f}",
-                      f"{layer.activation_bytes / 1e6:.2f}", f"{layer.output_bytes / 1e6:.2f}")
+                      f"{layer.activation_bytes / 1e6:.2f}", f"{(layer.held_for_w_bytes + layer.pending_w_bytes) / 1e6:.2f}",
+                      f"{layer.output_bytes / 1e6:.2f}")
     console.print(table)
     total = sum(layer.total_ms for layer in result.layers)
     fused = result.fused_backward_ratio
