@@ -92,7 +92,19 @@ class Tape:
 
 
 def _zeros_for_none(grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, like))
+    """The input gradients a layer's backward hands on, each in a storage of its own size."""
+    return tuple(torch.zeros_like(t) if g is None else compact(g) for g, t in zip(grads, like))
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied where it is a view into a larger storage (the input gradients of a
+    layer that concatenates its inputs are slices of one gradient; a layer may return a slice
+    of a wider output). What a tape keeps of it (an I's captured gradient, a recomputing
+    stage's stash) then holds the tensor's bytes, as the profile measures them, and not the
+    whole storage for as long as the tape lives."""
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
 
 
 class StageExecutor:
@@ -266,11 +278,12 @@ def _device_index(tensor: torch.Tensor) -> int:
 
 
 def _detached(value: Any) -> Any:
-    """``value`` with its tensors detached: the stash keeps no graph of an earlier stage alive."""
+    """``value`` with its tensors detached, and compact: the stash keeps no graph of an earlier
+    stage alive, nor more of a wider tensor than the stage's input."""
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        return compact(value.detach())
     if isinstance(value, (tuple, list)):
-        return tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in value)  # as_args spreads it alike
+        return tuple(compact(v.detach()) if isinstance(v, torch.Tensor) else v for v in value)  # as_args spreads it alike
     return value
 
 
