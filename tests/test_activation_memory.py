@@ -49,16 +49,12 @@ TWO_RANKS = [
     ("gpt-interleaved", "tiny_gpt", "interleaved-1f1b", 4, {}),
     ("gpt-zbv-recompute", "tiny_gpt", "zbv", 4, {"recompute": True}),
     ("hybrid-zbv", "hybrid", "zbv", 4, {}),
-]
-# The VLM example carries its token ids along the hidden state (counted per layer: a little
-# too much), and its projector concatenates image and text tokens (its W keeps a slice of that
-# gradient, whose whole storage the profile counts): the model must never predict less than
-# octorun holds, nor much more.
-NEVER_LESS = [
+    # the VLM's projector concatenates image and text tokens; its token ids ride along
     ("vlm-zbv", "vlm", "zbv", 4, {}),
     ("vlm-dualpipev", "vlm", "dualpipev", 4, {}),
     ("vlm-zb-h1", "vlm", "zb-h1", 4, {}),
 ]
+
 
 
 @pytest.fixture(scope="module")
@@ -131,15 +127,10 @@ def test_the_runtime_holds_what_the_memory_model_predicts_where_stages_share_a_r
                  profile_path=measured["tiny_gpt"]).plan
     save_plan(tuned, tmp_path / "tuned.yaml")
     plans["gpt-tuned"] = (tmp_path / "tuned.yaml", list(simulate(tuned, profile).peak_activation_bytes))
-    never_less = _plans(NEVER_LESS, 2, measured, tmp_path)
-    metrics = _measure(2, {**plans, **never_less}, tmp_path)
+    metrics = _measure(2, plans, tmp_path)
     for name, (_, predicted) in plans.items():
         for step in metrics[name]:
             assert list(step.peak_activation_bytes) == predicted, name
-    for name, (_, predicted) in never_less.items():
-        for step in metrics[name]:
-            held = list(step.peak_activation_bytes)
-            assert all(h <= p <= 1.05 * h for h, p in zip(held, predicted)), (name, held, predicted)
 
 
 # ----------------------------------------------------------------------------- one stage, in process
