@@ -141,7 +141,8 @@ class LayerTable:
         # stage's output, once sent on, no tape holds (octorun keeps only its gradient edge)
         # unless its last layer holds it itself.
         tail = self._layers[end - 1].output_saved_bytes
-        cut = end if not recompute else end if recompute_layers is None else min(start + recompute_layers, end)
+        # the recomputed layers are [start, cut)
+        cut = min(start + recompute_layers, end) if recompute and recompute_layers is not None else end
         w_held, i_peak = self._split_backward(start, end, seam=cut - 1 if cut < end else None)
         cost = StageCost(
             forward_ms=forward_ms,

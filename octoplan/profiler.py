@@ -393,7 +393,8 @@ class _LayerRun:
         saves (the targets too, on the last layer) and its floating inputs, which octorun's tape
         keeps as the leaves the backward ends at. Its own floating outputs are not in it, even
         where it holds them: they are the next layer's input and count there. Parameters and
-        buffers are never activations. Of these, ``w_saved_bytes`` stay from I to W: the saved
+        buffers are never activations. ``pending_w_bytes``: the gradients I captured for W. Of
+        the activations, ``w_saved_bytes`` stay from I to W: the saved
         tensors W reads, and the inputs where the graph W runs holds them;
         ``input_freed_bytes`` are the inputs the layer lets go at its I. Its own outputs it
         holds itself (saved by its autograd, or its input passed through) are
@@ -412,6 +413,7 @@ class _LayerRun:
 
         return {
             "activation_bytes": _storage_bytes(held, excluded=[*static, *own]),
+            "pending_w_bytes": _storage_bytes(pending.gradients(), excluded=static),
             "w_saved_bytes": _storage_bytes(kept, excluded=[*static, *own]),
             "input_freed_bytes": _storage_bytes(
                 [t for t in self.grad_inputs if t.untyped_storage().data_ptr() not in kept_keys], excluded=[*static, *own]),
@@ -462,7 +464,6 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
         with _QuietGC():
             forward_ms = clock.median_ms(run.forward, repeat=repeat, warmup=warmup)
             _, pending = run.backward_input(step)
-            pending_w_bytes = _storage_bytes(pending.gradients(), excluded=run.layer.parameters())
             memory = run.memory(step, pending)
             if run.grad_inputs and step.roots:
                 input_ms = clock.median_ms(lambda: run.backward_input(step), repeat=repeat, warmup=warmup)
@@ -491,7 +492,6 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
         activation_bytes=memory.pop("activation_bytes"),
         output_bytes=_tensor_bytes(_tensors(step.output) or []),
         flops=flops,
-        pending_w_bytes=pending_w_bytes,
         **memory,
     )
     return layer, step.output

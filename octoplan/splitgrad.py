@@ -286,8 +286,8 @@ def backward_input(
     also marks the saved tensors only the input path read, for :meth:`SavedTensors.release`.
     """
     params = [p for p in params if p.requires_grad]
-    roots = [(out if isinstance(out, GradientEdge) else get_gradient_edge(out), grad)
-             for out, grad in zip(outputs, grad_outputs) if isinstance(out, GradientEdge) or out.requires_grad]
+    edges = [out if isinstance(out, GradientEdge) else root_edge(out) for out in outputs]
+    roots = [(edge, grad) for edge, grad in zip(edges, grad_outputs) if edge is not None]
     groups = _plan_weight_groups(roots, inputs, params)
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     # W reruns each boundary node (the tensors it reads stay) and the weight branches below it,

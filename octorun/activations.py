@@ -1,9 +1,9 @@
 """Counting the activation memory a rank's tapes hold (``octorun --activation-memory``).
 
 The planner prices a plan's memory with the model of :mod:`octoplan.memory`: each stage holds
-its ``activation_bytes`` per microbatch from the start of its F to the end of its backward.
-This meter measures what the runtime really holds over the same span, so the two can be set side
-by side (``peak_activation_bytes`` in ``--metrics``): every storage that autograd saves for a
+its ``activation_bytes`` per microbatch from the start of its F, a split backward's I frees
+all but what its W reads, and the backward's end frees the rest. This meter measures what the
+runtime really holds, so the two can be set side by side (``peak_activation_bytes`` in ``--metrics``): every storage that autograd saves for a
 backward (through :class:`octoplan.splitgrad.SavedTensors`, until autograd lets go of it or an I
 releases it), the tensors the stage's tapes keep (each layer's input, a recomputing stage's
 stash) and the gradients an I op leaves for its W, each storage counted once while anything

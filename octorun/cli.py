@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="auto: nccl with CUDA, else gloo")
     parser.add_argument("--activation-memory", action="store_true",
                         help="count the activation bytes each rank's tapes hold (autograd's saved tensors, the tapes' "
-                             "inputs and outputs, what I keeps for W) and report every rank's peak beside the plan's "
+                             "inputs, what I keeps for W) and report every rank's peak beside the plan's "
                              "prediction (in --metrics too); costs a little time per saved tensor")
     return parser
 

@@ -12,8 +12,9 @@ What a tape holds: each layer's floating inputs, the tensors autograd saved in i
 (in :class:`octoplan.splitgrad.SavedTensors` boxes) and, for its outputs, only their gradient
 edges, so a stage's output is not held once it is sent on. After a layer's I the tape keeps
 only what its W reads: the boxes of the weight branches, the gradients I captured, and the
-inputs (the graph W runs holds them anyway); the rest is released there and then. Values are a Tensor or a tuple of Tensors; integer tensors pass
-through without gradients. The gradient travelling between stages is a tuple with one tensor
+inputs (the graph W runs holds them anyway); the rest is released there and then.
+
+Values are a Tensor or a tuple of Tensors; integer tensors pass through without gradients. The gradient travelling between stages is a tuple with one tensor
 per floating tensor of the stage input, in order (zeros where the input was unused).
 
 Activation recomputation (``recompute=True``, a plan stage's ``recompute: true``): F runs the
@@ -45,10 +46,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-
-from octoplan.modelfile import as_args
 from torch.autograd.graph import GradientEdge
 
+from octoplan.modelfile import as_args
 from octoplan.splitgrad import PendingWeightGrads, SavedTensors, backward_input, backward_weight, root_edge
 from octorun.activations import ActivationMeter, Hold
 
@@ -171,24 +171,20 @@ class StageExecutor:
                     for a in args
                 )
             inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-            if not torch.is_grad_enabled():  # a recomputing F: no tape, which would only keep outputs alive
+            grad = torch.is_grad_enabled()  # off in a recomputing F, which keeps no tape
+            saved = SavedTensors(None if self.meter is None else self.meter.hold_one) if grad else None
+            ends_model = self.last and index == len(self.layers) - 1
+            with saved.recording() if grad else nullcontext():
                 value = layer(*args)
-                if self.last and index == len(self.layers) - 1:
-                    tape.loss = self.loss_fn(value, targets).detach()
-                    return None, tape
-                continue
-            saved = SavedTensors(None if self.meter is None else self.meter.hold_one)
-            with saved.recording():
-                value = layer(*args)
-                if self.last and index == len(self.layers) - 1:
-                    loss = self.loss_fn(value, targets)
-            if self.last and index == len(self.layers) - 1:
+                loss = self.loss_fn(value, targets) if ends_model else None
+            if ends_model:
                 tape.loss = loss.detach()
-                # the scaled loss, a backward root of 4 bytes, is not an activation
-                tape.layers.append(_LayerTape(inputs, [root_edge(loss * self.loss_scale)], saved, held=self._hold(inputs)))
+                if grad:  # the scaled loss, a backward root of 4 bytes, is not an activation
+                    tape.layers.append(_LayerTape(inputs, [root_edge(loss * self.loss_scale)], saved, held=self._hold(inputs)))
                 return None, tape
-            roots = [root_edge(t) for t in floating(as_args(value))]
-            tape.layers.append(_LayerTape(inputs, roots, saved, held=self._hold(inputs)))
+            if grad:  # without grad a tape would only keep outputs alive
+                roots = [root_edge(t) for t in floating(as_args(value))]
+                tape.layers.append(_LayerTape(inputs, roots, saved, held=self._hold(inputs)))
         return value, tape
 
     def _hold(self, tensors: Sequence[Any]) -> list[Hold]:
