@@ -35,7 +35,7 @@ from octoplan.errors import InputError
 from octoplan.ops import Kind, Op
 from octoplan.plan import CLUSTER_RANGES, Plan
 from octoplan.profile import Profile
-from octoplan.timeline.trace import measured_ops
+from octoplan.timeline.trace import check_order, measured_ops
 
 __all__ = ["OpSplit", "TraceSplit", "Calibration", "split_trace", "calibrate", "calibration_of"]
 
@@ -171,6 +171,7 @@ def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSp
     last = max(step for step, _ in stepped)
     events = [e for step, e in stepped if step == last]
     _check_matches(plan, events, str(trace_path))
+    check_order(plan, stepped, str(trace_path))
 
     costs = plan_stage_costs(plan, LayerTable(profile))
     # the producer runs in the same pipeline replica: the trace's process id (octorun: dp rank)

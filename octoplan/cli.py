@@ -4,6 +4,8 @@ write the file, render with rich."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -14,13 +16,14 @@ from rich.table import Table
 
 from octoplan.cliutil import (
     GPUS_PER_NODE, INTER_NODE_GBPS, INTRA_NODE_GBPS, LATENCY_US, MEMORY_GB, OP_OVERHEAD_US,
-    ClusterOptions, cluster_from, dump_json, guarded, log_setup, newest_profile, terminal,
+    ClusterOptions, cluster_from, dump_json, fail, guarded, log_setup, newest_profile, terminal,
 )
 from octoplan.errors import InputError
 from octoplan.outputs import check_distinct, check_writable
-from octoplan.plan import Plan, load_plan, load_plan_profile, resolve_profile_path, save_plan
+from octoplan.plan import Plan, load_plan, load_plan_profile, plan_microbatch_size, resolve_profile_path, save_plan
 from octoplan.profile import Profile, load_profile, save_profile
 from octoplan.tuner.cli import register as register_tuner_commands
+from octoplan.tuner.search import MAX_WORKERS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="OctoPipe planner: profile, tune, simulate and show pipeline plans.")
 console = terminal()
@@ -271,6 +274,7 @@ def validate(plan_path: Path = typer.Argument(..., metavar="PLAN")) -> None:
     plan = load_plan(plan_path)
     if plan.profile:
         load_plan_profile(plan, plan_path)
+    plan_microbatch_size(plan, plan_path)  # what octorun reads where the plan names no profile
     check_runnable(plan, file=str(plan_path))
     num_ops = sum(len(ops) for ops in plan.schedule)
     # without a profile nothing says how many layers the model has, so the last stage's end is unchecked
@@ -406,8 +410,8 @@ def bound(
 
     if not 0 < time_limit < math.inf:
         raise InputError(None, "--time-limit", f"is {time_limit:g}", "give CP-SAT a positive, finite number of seconds")
-    if workers < 1:
-        raise InputError(None, "--workers", f"is {workers}", "use at least 1")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise InputError(None, "--workers", f"is {workers}", f"use 1 to {MAX_WORKERS}")
     plan, prof = _load_plan_with_profile(plan_path)
     if output is not None:
         check_writable(output, "-o", inputs=_plan_files(plan, plan_path))
@@ -501,6 +505,8 @@ def export(
     from octoplan.export import export_plan
 
     plan = load_plan(plan_path)
+    if plan.profile:  # a plan whose profile changed or went missing is refused here as everywhere
+        load_plan_profile(plan, plan_path)
     check_writable(output, "-o", inputs=_plan_files(plan, plan_path))
     export_plan(plan, output, format=format, file=str(plan_path))
     console.print(f"{format} -> {escape(str(output))}", soft_wrap=True)
@@ -518,8 +524,25 @@ def export(
 register_tuner_commands(app)
 
 
+# the options that name a file to write; the command line's text of each is checked before
+# typer makes it a Path, which drops a trailing slash (and would write a file named like the folder)
+_OUTPUT_FLAGS = ("-o", "--output", "--svg", "--trace")
+
+
+def _refuse_folder_outputs(argv: list[str]) -> None:
+    for index, token in enumerate(argv):
+        flag, _, value = token.partition("=")
+        if flag not in _OUTPUT_FLAGS:
+            continue
+        if not value and token == flag and index + 1 < len(argv):
+            value = argv[index + 1]
+        if value.endswith(("/", os.sep)):
+            fail(InputError(value, None, f"{flag} names a folder (it ends in /)", "give a file path"))
+
+
 def main() -> None:
     """Run the command line; usage errors are bad input too: one line, exit 2 (SPEC section 5)."""
+    _refuse_folder_outputs(sys.argv[1:])
     try:
         from click import ClickException as UsageProblem  # typer before 0.2x builds on click
     except ImportError:

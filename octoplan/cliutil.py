@@ -117,9 +117,14 @@ def newest_profile(given: Optional[Path]) -> Path:
     if given is not None:
         return given
     folder = Path("profiles")
-    candidates = sorted(folder.glob("*.yaml"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    candidates = sorted((p for p in folder.glob("*.yaml") if p.is_file()), key=lambda p: p.stat().st_mtime) \
+        if folder.is_dir() else []
     if not candidates:
         raise InputError("profiles/", None, "no profile given and none in profiles/", "run octoplan profile first or name a PROFILE")
+    from octoplan.profile import load_profile
+
+    # read before saying so: a file that is no profile gets the one line of its error alone
+    load_profile(candidates[-1])
     typer.echo(f"using the newest profile, {candidates[-1]}", err=True)  # on stderr: stdout may be JSON
     return candidates[-1]
 

@@ -32,9 +32,13 @@ def _target(path: str | Path) -> Path:
 
 
 def check_writable(path: str | Path, flag: str | None = None, *, inputs: tuple[str | Path | None, ...] = ()) -> None:
-    """Fail now, not after the work, when ``path`` cannot be written. Creates missing folders
-    and a throw-away file beside ``path`` (never ``path`` itself, so several processes may check
-    one path at once). ``inputs``: files the command reads, which ``path`` must not overwrite."""
+    """Fail now, not after the work, when ``path`` cannot be written. Creates nothing that
+    stays: a throw-away file beside ``path`` where its folder exists (never ``path`` itself, so
+    several processes may check one path at once), else a look at the nearest folder that
+    does; the write makes the missing folders, so a command that fails leaves none behind.
+    ``inputs``: files the command reads, which ``path`` must not overwrite."""
+    if str(path).endswith(("/", os.sep)):  # Path() drops the slash, and would write a file there
+        raise InputError(str(path), None, f"{flag or 'the output'} names a folder (it ends in /)", "give a file path")
     target = _target(path)
     for source in inputs:
         if source is not None and target.exists() and Path(source).exists() and target.samefile(source):
@@ -48,14 +52,28 @@ def check_writable(path: str | Path, flag: str | None = None, *, inputs: tuple[s
         raise InputError(str(path), None, f"{flag or 'the output'} names a device, FIFO or socket, not a file",
                          "give a file path")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".check", dir=target.parent)
-        os.close(handle)
-        os.unlink(probe)
+        if target.parent.is_dir():
+            handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".check", dir=target.parent)
+            os.close(handle)
+            os.unlink(probe)
+        else:
+            _check_can_make(target.parent)
         if target.exists() and not os.access(target, os.W_OK):
             raise PermissionError(13, "Permission denied", str(target))
     except OSError as exc:
         raise _cannot(target, flag, exc) from None
+
+
+def _check_can_make(folder: Path) -> None:
+    """``folder`` is missing: its nearest existing ancestor must be a folder this process may
+    create entries in."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(20, "Not a directory", str(existing))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(13, "Permission denied", str(existing))
 
 
 def check_distinct(outputs: dict[str, str | Path | None]) -> None:
@@ -121,6 +139,7 @@ class StreamedOutput:
         self.partial = partial_path(path)
         self.flag = flag
         try:
+            self.partial.parent.mkdir(parents=True, exist_ok=True)
             self._out = open(self.partial, "w", encoding="utf-8")
         except OSError as exc:
             raise _cannot(self.partial, flag, exc) from None

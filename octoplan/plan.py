@@ -8,6 +8,8 @@ must stay free of OR-Tools and of the simulator.
 
 from __future__ import annotations
 
+import re
+
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any, Iterable, Sequence
 
 from octoplan.errors import InputError
 from octoplan.ops import Kind, Op, format_ops, parse_op
-from octoplan.profile import MEMORY_GB_RANGE, ModelRef, Profile, load_profile
+from octoplan.profile import MAX_MICROBATCH_SIZE, MEMORY_GB_RANGE, ModelRef, Profile, load_profile
 from octoplan.yamlio import Fields, file_sha256, read_yaml, write_yaml
 
 __all__ = [
@@ -207,6 +209,14 @@ def _parse_schedule(raw: Any, *, file: str, pp: int) -> tuple[tuple[Op, ...], ..
     return tuple(schedule)
 
 
+def _sha256_field(top: Fields) -> str | None:
+    digest = top.str("profile_sha256", None)
+    if digest is not None and not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise InputError(top.file, "profile_sha256", f"is {digest[:80]!r}, not a SHA-256 digest (64 hex digits)",
+                         "re-plan, or drop the field")
+    return digest
+
+
 def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
     top = Fields(data, file=file, prefix="")
     fmt = top.str("format")
@@ -217,6 +227,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
     if not isinstance(config, dict):
         raise InputError(file, "model.config", "must be a mapping", "write key: value pairs")
     c = top.mapping("cluster")
+    c.only(("gpus", "gpus_per_node", *CLUSTER_RANGES))
     defaults = Cluster(gpus=1)
     cluster = Cluster(
         gpus=c.int("gpus", minimum=1, maximum=MAX_GPUS),
@@ -225,6 +236,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
            for name, (least, most) in CLUSTER_RANGES.items()},
     )
     p = top.mapping("parallel")
+    p.only(("pp", "dp", "microbatches", "rank_order"))
     parallel = Parallel(
         pp=p.int("pp", minimum=1),
         dp=p.int("dp", 1, minimum=1),
@@ -241,6 +253,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
     stages = []
     for i, entry in enumerate(top.list("stages")):
         s = Fields(entry, file=file, prefix=f"stages[{i}]")
+        s.only(("layers", "rank", "recompute", "recompute_layers"))
         layers = s.raw("layers")
         if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
             raise InputError(file, f"stages[{i}].layers", f"is {layers!r}", "write [start, end) as two integers")
@@ -260,7 +273,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
         stages=tuple(stages),
         schedule=schedule,
         profile=top.str("profile", None),
-        profile_sha256=top.str("profile_sha256", None),
+        profile_sha256=_sha256_field(top),
         predicted=predicted if isinstance(predicted, dict) else None,
         extra={k: v for k, v in data.items() if k not in known},
     )
@@ -386,6 +399,17 @@ def load_plan_profile(plan: Plan, plan_path: str | Path) -> Profile:
     profile = load_profile(path)
     check_structure(plan, file=str(plan_path), num_layers=profile.num_layers)
     return profile
+
+
+def plan_microbatch_size(plan: Plan, plan_path: str | Path) -> int:
+    """Samples per microbatch: the plan's profile's, or (a plan without one) its top-level
+    ``microbatch_size`` (1 when absent)."""
+    if resolve_profile_path(plan, plan_path) is not None:
+        return load_plan_profile(plan, plan_path).microbatch_size
+    size = plan.extra.get("microbatch_size", 1)
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_MICROBATCH_SIZE:
+        raise InputError(str(plan_path), "microbatch_size", f"is {size!r}", f"write a whole number from 1 to {MAX_MICROBATCH_SIZE}")
+    return size
 
 
 def stage_ranks(stages: Iterable[Stage]) -> list[int]:

@@ -3,11 +3,12 @@ the file and the field instead of a traceback."""
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
@@ -110,6 +111,16 @@ class Fields:
 
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None
+
+    def only(self, known: Iterable[str]) -> None:
+        """Refuse a key outside ``known``: a misspelt field would otherwise be dropped and its
+        default used, changing what the file says without a word."""
+        known = list(known)
+        for key in self.data:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                fix = f"did you mean {close[0]}?" if close else f"use only {', '.join(known)}"
+                raise self._error(str(key), "is not a field here", fix)
 
     def raw(self, key: str, default: Any = ..., ) -> Any:
         if key not in self.data or self.data[key] is None:

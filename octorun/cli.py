@@ -19,7 +19,9 @@ __all__ = ["main", "build_parser"]
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2, as every bad input
-        sys.stderr.write(f"octorun: {message} (see octorun --help)\n")
+        from octoplan.errors import InputError  # its line cuts an echoed value that runs for pages
+
+        sys.stderr.write(f"octorun: {InputError(None, None, message, 'see octorun --help').line()}\n")
         sys.exit(2)
 
 
@@ -64,6 +66,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         # each has its own launch variables, and the bad one may not be rank 0's
         if os.environ.get("RANK", "0") == "0" or exc.field in LAUNCH_VARIABLES:
             sys.stderr.write(f"octorun: {exc.line()}\n")
+        sys.exit(2)
+    except OSError as exc:
+        if exc.filename is None:  # not a path's: a failure of the run itself
+            raise
+        # a path the job reads or writes that the file system refuses (too long a name, no
+        # permission): bad input, as octoplan treats it
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"octorun: {InputError(str(exc.filename), None, exc.strerror or str(exc), 'check the path').line()}\n")
         sys.exit(2)
     except LaunchError as exc:
         sys.stderr.write(f"octorun: rank {os.environ.get('RANK', '?')}: {exc}\n")

@@ -34,8 +34,7 @@ from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.ops import Kind, Op
 from octoplan.outputs import StreamedOutput, check_distinct, check_writable, partial_path, write_text
-from octoplan.plan import MAX_GPUS, Plan, load_plan, load_plan_profile, resolve_profile_path
-from octoplan.profile import MAX_MICROBATCH_SIZE
+from octoplan.plan import MAX_GPUS, Plan, load_plan, load_plan_profile, plan_microbatch_size, resolve_profile_path
 from octoplan.validate import check_runnable
 from octorun.comm import RECEIVE_LAST_RESORT, Channel, SendFailed, Transport, wait_work
 from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
@@ -148,7 +147,7 @@ def prepare(config: RunConfig) -> Prepared:
     if config.replay_time_scale is not None and not (math.isfinite(config.replay_time_scale) and config.replay_time_scale >= 0):
         raise InputError(None, "--replay", f"is {config.replay_time_scale}", "give a finite time scale >= 0")
     plan = load_plan(config.plan_path)
-    microbatch_size = _microbatch_size(plan, config.plan_path)
+    microbatch_size = plan_microbatch_size(plan, config.plan_path)
     check_runnable(plan, file=config.plan_path)
     if config.replay_time_scale is not None:
         model = _replay_model(plan, config)
@@ -174,15 +173,6 @@ def prepare(config: RunConfig) -> Prepared:
                     microbatch_size=microbatch_size, lowered=lower(plan))
 
 
-
-
-def _microbatch_size(plan: Plan, plan_path: str) -> int:
-    if resolve_profile_path(plan, plan_path) is not None:
-        return load_plan_profile(plan, plan_path).microbatch_size
-    size = plan.extra.get("microbatch_size", 1)
-    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_MICROBATCH_SIZE:
-        raise InputError(plan_path, "microbatch_size", f"is {size!r}", f"write a whole number from 1 to {MAX_MICROBATCH_SIZE}")
-    return size
 
 
 def _replay_model(plan: Plan, config: RunConfig) -> ModelFile:

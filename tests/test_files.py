@@ -58,6 +58,13 @@ PROFILE_BREAKS = [
     (lambda d: d["layers"][0].update(backward_ms="fast"), "layers[0].backward_ms", "must be a number"),
     (lambda d: d["layers"][1].update(backward_ms=-0.5), "layers[1].backward_ms", "must be >= 0"),
     (lambda d: d["layers"][0].update(param_bytes=10**400), "layers[0].param_bytes", "got a 401-digit number"),
+    # parts of another field that do not fit in it (the profiler measures them as subsets)
+    (lambda d: d["layers"][1].update(w_saved_bytes=d["layers"][1]["activation_bytes"] + 1), "layers[1].w_saved_bytes",
+     "more than activation_bytes"),
+    (lambda d: d["layers"][1].update(w_saved_bytes=0, input_freed_bytes=d["layers"][1]["activation_bytes"] + 1),
+     "layers[1].input_freed_bytes", "more than activation_bytes"),
+    (lambda d: d["layers"][2].update(output_saved_bytes=4, output_w_bytes=8), "layers[2].output_w_bytes",
+     "more than output_saved_bytes 4"),
 ]
 
 
@@ -84,6 +91,11 @@ PLAN_BREAKS = [
      "schedule.0", "0W0 comes before 0I0"),
     (lambda d: d["schedule"].pop(1), "schedule.1", "is missing"),
     (lambda d: d["parallel"].update(pp=3), "cluster.gpus", "pp*dp"),
+    # a misspelt field would otherwise be dropped, its default used in silence
+    (lambda d: d["cluster"].update(gpu_per_node=4), "cluster.gpu_per_node", "did you mean gpus_per_node?"),
+    (lambda d: d["stages"][1].update(recompte=True), "stages[1].recompte", "did you mean recompute?"),
+    (lambda d: d["parallel"].update(micro_batches=8), "parallel.micro_batches", "did you mean microbatches?"),
+    (lambda d: d.update(profile_sha256="xyz"), "profile_sha256", "not a SHA-256 digest"),
 ]
 
 
@@ -493,3 +505,73 @@ def test_the_implicit_profile_is_named_once(tmp_path):
         run = _octoplan(*command, "--gpus", 2, "-o", "plan.yaml", cwd=tmp_path)
         assert run.returncode == 0, run.stderr
         assert run.stderr.count("using the newest profile, profiles/only.yaml") == 1, run.stderr
+
+
+def test_an_output_named_as_a_folder_is_refused_and_a_failure_leaves_no_folder(profile_file, tmp_path):
+    ppath = profile_file(make_profile([(1, 1, 1)] * 4))
+    existing = tmp_path / "existing"
+    existing.write_text("data")
+    for output in (tmp_path / "outdir", existing):
+        for spelling in (["-o", f"{output}/"], [f"--output={output}/"]):
+            run = _octoplan("baseline", ppath, "--gpus", 2, "--schedule", "1f1b", *spelling)
+            assert run.returncode == 2 and "names a folder (it ends in /)" in run.stderr, run.stderr
+    assert not (tmp_path / "outdir").exists() and existing.read_text() == "data"
+    run = _octoplan("baseline", ppath, "--gpus", 2, "--schedule", "zzz", "-o", tmp_path / "new" / "deeper" / "x.yaml")
+    assert run.returncode == 2 and not (tmp_path / "new").exists()
+    # a good run makes the folders it needs
+    run = _octoplan("baseline", ppath, "--gpus", 2, "--schedule", "1f1b", "-o", tmp_path / "new" / "deeper" / "x.yaml")
+    assert run.returncode == 0 and (tmp_path / "new" / "deeper" / "x.yaml").is_file(), run.stderr
+
+
+def test_export_refuses_a_plan_whose_profile_changed(baseline_files, tmp_path):
+    ppath, path = baseline_files
+    assert _octoplan("export", path, "-o", tmp_path / "ok.csv").returncode == 0
+    data = yaml.safe_load(Path(ppath).read_text())
+    data["layers"][1]["forward_ms"] = 5.0
+    Path(ppath).write_text(yaml.safe_dump(data))
+    run = _octoplan("export", path, "-o", tmp_path / "x.csv")
+    assert run.returncode == 2 and "profile_sha256: does not match" in run.stderr and not (tmp_path / "x.csv").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--seed", 2**31], "--seed: is 2147483648"),
+    (["--seed", -1], "--seed: is -1"),
+    (["--workers", 2**31], "--workers: is 2147483648"),
+])
+def test_tune_refuses_a_seed_or_workers_out_of_range(profile_file, tmp_path, args, needle):
+    ppath = profile_file(make_profile([(1, 1, 1)] * 4))
+    run = _octoplan("tune", ppath, "--gpus", 2, "--time-limit", 1, *args, "-o", tmp_path / "x.yaml")
+    assert run.returncode == 2 and needle in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_validate_refuses_the_microbatch_size_octorun_would(baseline_files):
+    _, path = baseline_files
+    data = yaml.safe_load(path.read_text())
+    data.pop("profile"), data.pop("profile_sha256")
+    data["microbatch_size"] = 0
+    path.write_text(yaml.safe_dump(data))
+    run = _octoplan("validate", path)
+    assert run.returncode == 2 and "microbatch_size: is 0" in run.stderr, run.stderr
+
+
+def test_a_newest_profile_that_is_no_profile_gets_one_line(tmp_path):
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    from octoplan.profile import save_profile
+
+    save_profile(make_profile([(1, 1, 1)] * 4), folder / "good.yaml")
+    (folder / "zz.yaml").mkdir()  # a folder is never the newest profile
+    (folder / "bad.yaml").write_text("format: other/1\n")
+    os.utime(folder / "good.yaml", (1, 1))
+    run = _octoplan("baseline", "--gpus", 2, "--schedule", "1f1b", "-o", "plan.yaml", cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "error: profiles/bad.yaml: format: is 'other/1', expected 'octoplan-profile/1' (regenerate it with octoplan profile)"]
+
+
+def test_octorun_says_in_one_line_what_the_file_system_refuses(tmp_path):
+    octorun = lambda *args: subprocess.run([sys.executable, "-m", "octorun", *map(str, args)], capture_output=True,
+                                           text=True, cwd=tmp_path)
+    run = octorun("a" * 300 + ".yaml")  # longer than a file name may be
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "File name too long" in run.stderr, run.stderr
+    run = octorun("plan.yaml", "--steps", "9" * 5000)  # argparse echoes the value: cut short
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and len(run.stderr) < 4200, run.stderr[:300]

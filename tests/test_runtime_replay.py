@@ -12,6 +12,7 @@ import runtime_helpers as h
 from octoplan.baseline import make_baseline
 from octoplan.calibrate import calibrate
 from octoplan.errors import InputError
+from octoplan.outputs import StreamedOutput
 from octoplan.plan import Cluster, save_plan
 from octorun.runtime import RunConfig, prepare
 
@@ -109,13 +110,18 @@ def test_output_paths_that_cannot_be_written_are_refused_before_training(tmp_pat
     for flag, field in (("--metrics", "metrics_path"), ("--trace", "trace_path")):
         with pytest.raises(InputError, match=f"{flag} cannot be written"):
             prepare(RunConfig(plan_path=str(path), replay_time_scale=0.0, **{field: str(blocker / "m.jsonl")}))
-    # bad input elsewhere leaves no file behind; a good run makes a missing folder, as octoplan's -o does
+    # bad input elsewhere leaves no file or folder behind, and neither does the check of a good
+    # run: the metrics file makes its missing folders when it is written, as octoplan's -o does
     out = tmp_path / "new" / "deeper" / "m.jsonl"
     with pytest.raises(InputError, match="no such plan file"):
         prepare(RunConfig(plan_path=str(tmp_path / "missing.yaml"), metrics_path=str(out)))
     assert not out.parent.exists()
     prepare(RunConfig(plan_path=str(path), replay_time_scale=0.0, metrics_path=str(out)))
-    assert out.parent.is_dir() and list(out.parent.iterdir()) == []  # the check leaves no file behind
+    assert not (tmp_path / "new").exists()
+    metrics = StreamedOutput(out, flag="--metrics")
+    metrics.write_line("{}")
+    metrics.commit()
+    assert out.read_text() == "{}\n" and list(out.parent.iterdir()) == [out]
 
 
 @pytest.mark.parametrize("env,variable", [

@@ -263,15 +263,36 @@ def test_compare_several_steps_and_other_pids(zb_trace, tmp_path):
 def test_compare_takes_steps_from_args(zb_trace, tmp_path):
     plan, result, path = zb_trace
     ops = [e for e in _load_events(path) if e["ph"] == "X" and e["pid"] == 0]
-    # Two data-parallel replicas on one thread per rank, 1 ms apart, both in step 0: without
-    # args.step the second copy of each op would count as step 1.
-    events = [{**e, "ts": e["ts"] + replica * 1000, "args": {"step": 0}} for replica in (0, 1) for e in ops]
+    # Two data-parallel replicas (a process each, as octorun writes them), 1 ms apart, both
+    # in step 0, and the trace's step 3 alone: the steps are the events' own
+    events = [{**e, "pid": replica, "ts": e["ts"] + replica * 1000, "args": {"step": 0}} for replica in (0, 1) for e in ops]
+    events += [{**e, "ts": e["ts"] + 10_000_000, "args": {"step": 3}} for e in ops]
     measured = tmp_path / "replicas.json"
     measured.write_text(json.dumps({"traceEvents": events}))
     rows = compare_measured(plan, result, measured)
-    assert rows[-1]["kind"] == "iteration" and rows[-1]["count"] == 1
-    assert rows[-1]["measured_ms"] == pytest.approx(result.iteration_ms + 1.0)
-    assert rows[0]["count"] == 64 and rows[0]["abs_error_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert rows[-1]["kind"] == "iteration" and rows[-1]["count"] == 2
+    assert rows[-1]["measured_ms"] == pytest.approx(result.iteration_ms + 0.5)  # the mean of (it + 1) and it
+    assert rows[0]["count"] == 96 and rows[0]["abs_error_ms"] == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("change, needle", [
+    ("repeat", "op 0F0 appears twice in step 0 on 0/0"),
+    ("swap", "but the plan's rank 0 runs"),
+])
+def test_compare_refuses_a_trace_in_another_order(zb_trace, tmp_path, change, needle):
+    """The trace of another plan with the same ops (or one op twice) is refused, not compared:
+    each rank runs its ops in the plan's order, once a step."""
+    plan, result, path = zb_trace
+    ops = sorted((e for e in _load_events(path) if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 0), key=lambda e: e["ts"])
+    if change == "repeat":  # rank 0's first op again, before its second, all in step 0
+        events = [{**e, "args": {"step": 0}} for e in [ops[0], {**ops[0], "ts": ops[0]["ts"] + 1}, *ops[1:]]]
+    else:  # the first two ops of rank 0 swap places in time
+        first, second = ops[0], ops[1]
+        events = [{**second, "ts": first["ts"]}, {**first, "ts": first["ts"] + second["dur"]}] + ops[2:]
+    measured = tmp_path / "other.json"
+    measured.write_text(json.dumps({"traceEvents": events}))
+    with pytest.raises(InputError, match=needle):
+        compare_measured(plan, result, measured)
 
 
 @pytest.mark.parametrize(

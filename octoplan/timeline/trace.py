@@ -35,7 +35,7 @@ from octoplan.plan import Plan, Stage
 from octoplan.simulator import SimResult
 from octoplan.timeline._layout import KIND_ORDER, describe_plan, spans_by_rank, time_origin
 
-__all__ = ["trace_events", "write_trace", "compare_measured", "render_comparison", "measured_ops", "MeasuredOp"]
+__all__ = ["trace_events", "write_trace", "compare_measured", "render_comparison", "measured_ops", "MeasuredOp", "check_order"]
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,26 @@ def measured_ops(path: Path, plan: Plan) -> list[MeasuredOp]:
     return out
 
 
+def check_order(plan: Plan, stepped: list[tuple[int, MeasuredOp]], file: str) -> None:
+    """Each step's ops on each thread, in the order they started, must come in the order the
+    plan's schedule gives their rank (a trace may miss ops, never reorder or repeat them): the
+    trace of another plan with the same ops in another order is refused, not compared."""
+    position = {op: (rank, index) for rank, ops in enumerate(plan.schedule) for index, op in enumerate(ops)}
+    last: dict[tuple[str, int], tuple[MeasuredOp, int]] = {}
+    fix = "compare the trace with the plan it was measured with"
+    for step, event in sorted(stepped, key=lambda item: item[1].start_ms):
+        if event.op not in position:
+            raise InputError(file, "traceEvents", f"op {event.op} is not in the plan's schedule", fix)
+        rank, index = position[event.op]
+        before = last.get((event.thread, step))
+        if before is not None and index <= before[1]:
+            problem = (f"op {event.op} appears twice in step {step} on {event.thread}" if index == before[1] else
+                       f"op {event.op} ran after op {before[0].op} on {event.thread} in step {step}, "
+                       f"but the plan's rank {rank} runs {event.op} before {before[0].op}")
+            raise InputError(file, "traceEvents", problem, fix)
+        last[(event.thread, step)] = (event, index)
+
+
 def _row(kind: str, predicted: list[float], measured: list[float]) -> dict[str, Any]:
     n = len(predicted)
     mean_p = sum(predicted) / n
@@ -262,17 +282,16 @@ def compare_measured(plan: Plan, result: SimResult, trace_path: str | Path) -> l
     per_kind: dict[Kind, tuple[list[float], list[float]]] = {kind: ([], []) for kind in KIND_ORDER}
     step_bounds: dict[int, list[float]] = {}
     seen_ops: set[Op] = set()
+    stepped = []
     for event in sorted(measured_ops(path, plan), key=lambda e: e.start_ms):
-        op = event.op
-        if op not in predicted:
-            raise InputError(
-                str(path), "traceEvents", f"op {op} is not in the plan's schedule",
-                "compare the trace with the plan it was measured with",
-            )
         step = event.step
         if step is None:
-            step = occurrences[(event.thread, op)]
-            occurrences[(event.thread, op)] += 1
+            step = occurrences[(event.thread, event.op)]
+            occurrences[(event.thread, event.op)] += 1
+        stepped.append((step, event))
+    check_order(plan, stepped, str(path))
+    for step, event in stepped:
+        op = event.op
         seen_ops.add(op)
         p_list, m_list = per_kind[op.kind]
         p_list.append(predicted[op])

@@ -385,6 +385,10 @@ class _Search:
 REORDER_S_PER_UNIT = 2.5e-6
 
 
+MAX_WORKERS = 1024
+MAX_SEED = 2**31 - 1
+
+
 def _better_enough(new: tuple[int, float], old: tuple[int, float]) -> bool:
     if new[0] != old[0]:
         return new[0] < old[0]
@@ -409,6 +413,10 @@ def tune(
         raise InputError(None, "--chunks-max", f"is {opts.chunks_max}", "allow at least 1 stage per rank")
     if opts.workers < 1:
         raise InputError(None, "--workers", f"is {opts.workers}", "use at least 1 process")
+    if opts.workers > MAX_WORKERS:
+        raise InputError(None, "--workers", f"is {opts.workers}", f"use at most {MAX_WORKERS} processes (one per core to spare)")
+    if not 0 <= opts.seed <= MAX_SEED:  # CP-SAT's random_seed is a 32-bit signed int
+        raise InputError(None, "--seed", f"is {opts.seed}", f"use a seed from 0 to {MAX_SEED}")
     # no rank can hold more stages than there are layers: a larger --chunks-max changes nothing
     opts = replace(opts, chunks_max=min(opts.chunks_max, profile.num_layers))
     configs = configs_for(profile, opts)
