@@ -72,6 +72,10 @@ def profile(
     if list_known:
         from octoplan.arch import list_architectures, list_gpus
 
+        others = [flag for flag, value in (("MODEL", model), ("--arch", arch), ("-o", output)) if value is not None]
+        if others:  # they would be ignored without a word
+            raise InputError(None, "--list", f"given with {', '.join(others)}", "run --list alone, then profile")
+
         table = Table(title="architectures")
         table.add_column("name")
         table.add_column("description")

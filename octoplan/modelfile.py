@@ -52,7 +52,10 @@ class ModelFile:
 
     @property
     def name(self) -> str:
-        return getattr(self.module, "NAME", Path(self.path).stem)
+        name = getattr(self.module, "NAME", Path(self.path).stem)
+        if not isinstance(name, str) or not name.strip():
+            raise InputError(self.path, "NAME", f"is {name!r}", "make NAME a non-empty string, or leave it out (the file name is used)")
+        return name
 
     def num_layers(self) -> int:
         count = self._call("num_layers", **self.config)

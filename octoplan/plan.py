@@ -289,11 +289,12 @@ def check_structure(plan: Plan, *, file: str = "<plan>", num_layers: int | None 
     expected_start = 0
     for i, stage in enumerate(plan.stages):
         field_name = f"stages[{i}].layers"
-        if stage.start != expected_start:
-            problem = "overlaps the stage before" if stage.start < expected_start else "leaves a gap after the stage before"
-            raise InputError(file, field_name, f"[{stage.start}, {stage.end}) {problem}", f"start it at layer {expected_start}")
-        if stage.end <= stage.start:
+        if stage.end <= stage.start:  # first: a reversed range neither overlaps nor leaves a gap
             raise InputError(file, field_name, f"[{stage.start}, {stage.end}) is empty", "every stage needs at least one layer")
+        if stage.start != expected_start:
+            problem = ("does not start at layer 0" if i == 0 else
+                       "overlaps the stage before" if stage.start < expected_start else "leaves a gap after the stage before")
+            raise InputError(file, field_name, f"[{stage.start}, {stage.end}) {problem}", f"start it at layer {expected_start}")
         if not 0 <= stage.rank < pp:
             raise InputError(file, f"stages[{i}].rank", f"is {stage.rank}, outside 0..{pp - 1}", "use a pipeline rank")
         expected_start = stage.end

@@ -88,6 +88,8 @@ def parse_config_overrides(items: list[str]) -> dict[str, Any]:
             raise InputError(None, "--config", f"{key!r} has no value", f"write {key}=VALUE")
         if not isinstance(value, (bool, int, float, str)):
             raise InputError(None, "--config", f"value of {key!r} is a {type(value).__name__}, not a scalar", "give a number, bool or string")
+        if key in out:  # which one was meant is not ours to guess, as for a key a file writes twice
+            raise InputError(None, "--config", f"{key!r} is given twice ({out[key]!r} and {value!r})", "give each key once")
         out[key] = value
     return out
 

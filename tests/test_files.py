@@ -91,6 +91,8 @@ PLAN_BREAKS = [
      "schedule.0", "0W0 comes before 0I0"),
     (lambda d: d["schedule"].pop(1), "schedule.1", "is missing"),
     (lambda d: d["parallel"].update(pp=3), "cluster.gpus", "pp*dp"),
+    (lambda d: d["stages"][0].update(layers=[-1, 3]), "stages[0].layers", "[-1, 3) does not start at layer 0"),
+    (lambda d: d["stages"][0].update(layers=[3, 0]), "stages[0].layers", "[3, 0) is empty"),
     # a misspelt field would otherwise be dropped, its default used in silence
     (lambda d: d["cluster"].update(gpu_per_node=4), "cluster.gpu_per_node", "did you mean gpus_per_node?"),
     (lambda d: d["stages"][1].update(recompte=True), "stages[1].recompte", "did you mean recompute?"),
@@ -575,3 +577,18 @@ def test_octorun_says_in_one_line_what_the_file_system_refuses(tmp_path):
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "File name too long" in run.stderr, run.stderr
     run = octorun("plan.yaml", "--steps", "9" * 5000)  # argparse echoes the value: cut short
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and len(run.stderr) < 4200, run.stderr[:300]
+
+
+def test_arguments_that_would_be_ignored_or_overridden_are_refused(tmp_path):
+    from octoplan.modelfile import load_model_file
+    from octoplan.profiler import parse_config_overrides
+
+    run = _octoplan("profile", "--list", "--arch", "llama3-8b", "-o", tmp_path / "x.yaml")
+    assert run.returncode == 2 and "--list: given with --arch, -o" in run.stderr and not (tmp_path / "x.yaml").exists()
+    with pytest.raises(InputError, match="'hidden' is given twice \\(4 and 16\\)"):
+        parse_config_overrides(["hidden=4", "hidden=16"])
+    source = (Path(__file__).parent.parent / "examples" / "models" / "tiny_gpt.py").read_text()
+    model = tmp_path / "named.py"
+    model.write_text(source.replace('NAME = "tiny-gpt"', "NAME = 5") if 'NAME = "tiny-gpt"' in source else source + "\nNAME = 5\n")
+    with pytest.raises(InputError, match="NAME: is 5"):
+        load_model_file(str(model)).name
