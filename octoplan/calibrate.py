@@ -35,7 +35,7 @@ from octoplan.errors import InputError
 from octoplan.ops import Kind, Op
 from octoplan.plan import CLUSTER_RANGES, Plan
 from octoplan.profile import Profile
-from octoplan.timeline.trace import check_order, measured_ops
+from octoplan.timeline.trace import check_order, measured_steps
 
 __all__ = ["OpSplit", "TraceSplit", "Calibration", "split_trace", "calibrate", "calibration_of"]
 
@@ -158,16 +158,8 @@ def split_trace(plan: Plan, profile: Profile, trace_path: str | Path) -> TraceSp
     been on its way. A trace that does not match the plan (an op on another rank than the plan
     puts its stage, an op the schedule does not have, an op twice in one step, one rank's ops
     only) is an :class:`InputError`."""
-    events = measured_ops(Path(trace_path), plan)
-    # one step: the events' args.step when given, else the n-th occurrence of an op on a thread
-    occurrences: dict[tuple[str, Op], int] = defaultdict(int)
-    stepped = []
-    for event in sorted(events, key=lambda e: e.start_ms):
-        step = event.step
-        if step is None:
-            step = occurrences[(event.thread, event.op)]
-            occurrences[(event.thread, event.op)] += 1
-        stepped.append((step, event))
+    stepped = measured_steps(Path(trace_path), plan)
+    # one step: the last
     last = max(step for step, _ in stepped)
     events = [e for step, e in stepped if step == last]
     _check_matches(plan, events, str(trace_path))

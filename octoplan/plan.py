@@ -9,7 +9,6 @@ must stay free of OR-Tools and of the simulator.
 from __future__ import annotations
 
 import re
-
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path

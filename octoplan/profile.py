@@ -173,21 +173,21 @@ def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
         output_saved_bytes=f.int("output_saved_bytes", 0, maximum=MAX_LAYER_BYTES),
         output_w_bytes=f.int("output_w_bytes", 0, maximum=MAX_LAYER_BYTES),
     )
-    _check_parts(layer, f)
+    _check_parts(layer, file=file, index=index)
     return layer
 
 
-def _check_parts(layer: Layer, f: Fields) -> None:
+def _check_parts(layer: Layer, *, file: str, index: int) -> None:
     """The memory fields that are parts of another must fit in it (the profiler measures them
     so): what an I keeps for W and what it lets go of are disjoint parts of the activations,
     and what the layer holds of its output until W is part of what it holds of it at all."""
     kept = layer.held_for_w_bytes
     if kept + layer.input_freed_bytes > layer.activation_bytes:
         name = "w_saved_bytes" if layer.input_freed_bytes == 0 else "input_freed_bytes"
-        raise f._error(name, f"makes w_saved_bytes + input_freed_bytes = {kept + layer.input_freed_bytes}, more than "
+        raise InputError(file, f"layers[{index}].{name}", f"makes w_saved_bytes + input_freed_bytes = {kept + layer.input_freed_bytes}, more than "
                              f"activation_bytes {layer.activation_bytes}", "both are parts of activation_bytes: re-profile")
     if layer.output_w_bytes > layer.output_saved_bytes:
-        raise f._error("output_w_bytes", f"is {layer.output_w_bytes}, more than output_saved_bytes {layer.output_saved_bytes}",
+        raise InputError(file, f"layers[{index}].output_w_bytes", f"is {layer.output_w_bytes}, more than output_saved_bytes {layer.output_saved_bytes}",
                        "it is a part of output_saved_bytes: re-profile")
 
 

@@ -35,7 +35,7 @@ from octoplan.plan import Plan, Stage
 from octoplan.simulator import SimResult
 from octoplan.timeline._layout import KIND_ORDER, describe_plan, spans_by_rank, time_origin
 
-__all__ = ["trace_events", "write_trace", "compare_measured", "render_comparison", "measured_ops", "MeasuredOp", "check_order"]
+__all__ = ["trace_events", "write_trace", "compare_measured", "render_comparison", "measured_ops", "measured_steps", "MeasuredOp", "check_order"]
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,21 @@ def measured_ops(path: Path, plan: Plan) -> list[MeasuredOp]:
     return out
 
 
+def measured_steps(path: Path, plan: Plan) -> list[tuple[int, MeasuredOp]]:
+    """Every op event of a measured trace with its step, in the order the ops started: the
+    event's ``args.step`` when it has one, else the n-th event of an op on one thread is that
+    op in step n."""
+    occurrences: dict[tuple[str, Op], int] = defaultdict(int)
+    stepped = []
+    for event in sorted(measured_ops(path, plan), key=lambda e: e.start_ms):
+        step = event.step
+        if step is None:
+            step = occurrences[(event.thread, event.op)]
+            occurrences[(event.thread, event.op)] += 1
+        stepped.append((step, event))
+    return stepped
+
+
 def check_order(plan: Plan, stepped: list[tuple[int, MeasuredOp]], file: str) -> None:
     """Each step's ops on each thread, in the order they started, must come in the order the
     plan's schedule gives their rank (a trace may miss ops, never reorder or repeat them): the
@@ -278,17 +293,10 @@ def compare_measured(plan: Plan, result: SimResult, trace_path: str | Path) -> l
     """
     path = Path(trace_path)
     predicted = {span.op: span.end_ms - span.start_ms for span in result.spans()}
-    occurrences: dict[tuple[str, Op], int] = defaultdict(int)
     per_kind: dict[Kind, tuple[list[float], list[float]]] = {kind: ([], []) for kind in KIND_ORDER}
     step_bounds: dict[int, list[float]] = {}
     seen_ops: set[Op] = set()
-    stepped = []
-    for event in sorted(measured_ops(path, plan), key=lambda e: e.start_ms):
-        step = event.step
-        if step is None:
-            step = occurrences[(event.thread, event.op)]
-            occurrences[(event.thread, event.op)] += 1
-        stepped.append((step, event))
+    stepped = measured_steps(path, plan)
     check_order(plan, stepped, str(path))
     for step, event in stepped:
         op = event.op

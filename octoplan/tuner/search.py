@@ -59,6 +59,8 @@ log = logging.getLogger("octoplan.tuner")
 
 DEFAULT_MICROBATCHES_PER_PP = 2  # without --global-batch or --microbatches: 2 per pipeline rank, as `baseline`
 COMPOUND_SHIFTS = 6  # at a climb's local optimum, the boundary shifts tried with a justification each
+MAX_WORKERS = 1024  # --workers: far above any machine's cores, below where process counts overflow
+MAX_SEED = 2**31 - 1  # --seed: CP-SAT's random_seed is a 32-bit signed int
 
 
 @dataclass(frozen=True)
@@ -385,10 +387,6 @@ class _Search:
 REORDER_S_PER_UNIT = 2.5e-6
 
 
-MAX_WORKERS = 1024
-MAX_SEED = 2**31 - 1
-
-
 def _better_enough(new: tuple[int, float], old: tuple[int, float]) -> bool:
     if new[0] != old[0]:
         return new[0] < old[0]
@@ -415,7 +413,7 @@ def tune(
         raise InputError(None, "--workers", f"is {opts.workers}", "use at least 1 process")
     if opts.workers > MAX_WORKERS:
         raise InputError(None, "--workers", f"is {opts.workers}", f"use at most {MAX_WORKERS} processes (one per core to spare)")
-    if not 0 <= opts.seed <= MAX_SEED:  # CP-SAT's random_seed is a 32-bit signed int
+    if not 0 <= opts.seed <= MAX_SEED:
         raise InputError(None, "--seed", f"is {opts.seed}", f"use a seed from 0 to {MAX_SEED}")
     # no rank can hold more stages than there are layers: a larger --chunks-max changes nothing
     opts = replace(opts, chunks_max=min(opts.chunks_max, profile.num_layers))
