@@ -63,6 +63,38 @@ def test_a_tight_order_is_returned_unchanged():
     assert [list(ops) for ops in new] == [list(ops) for ops in base.schedule]
 
 
+def test_releases_out_of_microbatch_order_keep_memory_without_a_cycle():
+    # One stage that splits microbatch 0's backward and fuses microbatch 1's: 0B1 frees
+    # microbatch 1 before 0W0 frees microbatch 0, and 0F2 runs between them with 2 in flight.
+    # F(2) may wait for the order's first release (0B1), not for microbatch 0's (0W0, which
+    # comes after it: a cycle, which used to make justification refuse the order).
+    profile = make_profile([(1, 1, 1)])
+    cluster = free_cluster(1)
+    parallel = Parallel(pp=1, microbatches=3)
+    stages = (Stage(0, 1, 0),)
+    schedule = [parse_ops("0F0 0F1 0I0 0B1 0F2 0W0 0B2")]
+    assert most_in_flight(schedule) == {0: 2}
+    new, span = justify(schedule, (0,), stage_costs(stages, LayerTable(profile)), cluster=cluster, parallel=parallel)
+    assert span == 9.0  # one rank: all of its work, 3 F + I + W + 2 B
+    assert most_in_flight(new) == {0: 2}
+    assert simulate(_plan(profile, cluster, parallel, stages, new), profile).iteration_ms == 9.0
+
+
+def test_releases_out_of_order_that_no_forward_waits_for_may_be_reordered():
+    # Stage 0 (rank 1) releases microbatch 1 with 0B1 before microbatch 0 with 0W0, but with
+    # 2 in flight and 2 microbatches no forward waits for a release: justification is free to
+    # run 0W0 first, which lets rank 0's 1B1 start sooner (43 -> 40 ms), within the same memory.
+    profile = make_profile([(5, 4, 3), (4, 5, 5)])
+    cluster = free_cluster(2)
+    parallel = Parallel(pp=2, microbatches=2)
+    stages = (Stage(0, 1, 1), Stage(1, 2, 0))
+    schedule = [parse_ops("1F0 1B0 1F1 1B1"), parse_ops("0F0 0F1 0I0 0B1 0W0")]
+    assert simulate(_plan(profile, cluster, parallel, stages, schedule), profile).iteration_ms == 43.0
+    new, span = justify(schedule, (1, 0), stage_costs(stages, LayerTable(profile)), cluster=cluster, parallel=parallel)
+    assert span == 40.0 and [str(op) for op in new[1]] == ["0F0", "0F1", "0I0", "0W0", "0B1"]
+    assert most_in_flight(new) == most_in_flight(schedule) == {1: 1, 0: 2}
+
+
 def heavy_head_profile():
     """Like deepseek-v3: a light embedding, six middle layers, a heavy head and short Ws."""
     return make_profile([(1, 1, 0)] + [(2, 2, 1)] * 6 + [(3, 3, 2)], act=10**6)

@@ -73,13 +73,30 @@ class OpGraph:
                 edge(op, Op(s, op.kind, m + 1), 0.0)
         # memory (with keep_memory): a stage never holds more microbatches' activations than it
         # did in the given order (from F until the W or B that frees them), so pulling forwards
-        # early cannot take a plan past its memory: F(s, m) waits for the release of
-        # F(s, m - most[s])
-        most = most_in_flight(schedule) if keep_memory else {}
-        for op in self.ops:
-            if op.kind is Kind.F and op.stage in most and op.mb >= most[op.stage]:
-                for kind in (Kind.W, Kind.B):
-                    edge(Op(op.stage, kind, op.mb - most[op.stage]), op, 0.0)
+        # early cannot take a plan past its memory. F(s, m) waits for the release of
+        # microbatch m - most[s]; with the edges F(s, m - 1) -> F(s, m), all releases up to
+        # that microbatch's have then happened. A stage that fuses some backwards and splits
+        # others may release out of microbatch order (microbatch 1 with its B before
+        # microbatch 0's W), and that edge can then point backwards in the given order (a
+        # cycle). Such a stage keeps its releases in their given order instead, and F(s, m)
+        # waits for its (m - most[s])-th release (from 0): m + 1 - most[s] have happened.
+        if keep_memory:
+            most = most_in_flight(schedule)
+            releases: dict[int, list[Op]] = {}
+            for op in self.ops:  # one rank's ops in its order, then the next rank's
+                if op.kind in (Kind.W, Kind.B):
+                    releases.setdefault(op.stage, []).append(op)
+            position = {op: i for i, op in enumerate(self.ops)}
+            for stage, ops in releases.items():
+                k = most.get(stage, 0)
+                freed = {op.mb: op for op in ops}
+                waits = [(freed[m - k], Op(stage, Kind.F, m)) for m in range(k, len(ops))]
+                if any(position[release] > position[forward] for release, forward in waits):
+                    for a, b in zip(ops, ops[1:]):
+                        edge(a, b, 0.0)
+                    waits = [(ops[m - k], forward) for m, (_, forward) in enumerate(waits, start=k)]
+                for release, forward in waits:
+                    edge(release, forward, 0.0)
         self.succs: list[list[tuple[int, float]]] = [[] for _ in self.ops]
         for b, preds in enumerate(self.preds):
             for a, lag in preds:

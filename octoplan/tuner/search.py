@@ -16,7 +16,10 @@ Steps:
    simulate, read who waits on whom, try the most promising moves first, keep the first one
    that is faster (or, while nothing fits, leaner); at a local optimum, justify its order,
    rebuild it by the shifting-bottleneck procedure (:mod:`octoplan.schedules.bottleneck`)
-   where the time left allows, and go on from there if that is faster; until no move helps or
+   where the time left allows, then try compound moves, each justified: a layer shifted off a
+   hot rank, and a layer peeled off a rank that finishes last into a new stage on one that
+   finishes first, the order carried over (:mod:`octoplan.tuner.carry`); go on from there if
+   that is faster; until no move helps or
    time runs out. Time the climbs leave unused goes to climbs from the next-best seeds. With
    ``workers`` > 1 the climbs run side by side in that many processes
    (:mod:`octoplan.tuner.pool`).
@@ -49,6 +52,7 @@ from octoplan.schedules import SCHEDULES, get_schedule, loop_placement, v_placem
 from octoplan.schedules.policy import default_policies
 from octoplan.simulator import DeadlockError, SimResult
 from octoplan.tuner.arrange import start_aware
+from octoplan.tuner.carry import Carrier, peel_moves
 from octoplan.tuner.moves import DIMENSIONS, neighbours, shifts_off_hot_ranks, with_recomputation
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored, bounds_of
 from octoplan.yamlio import file_sha256
@@ -59,6 +63,7 @@ log = logging.getLogger("octoplan.tuner")
 
 DEFAULT_MICROBATCHES_PER_PP = 2  # without --global-batch or --microbatches: 2 per pipeline rank, as `baseline`
 COMPOUND_SHIFTS = 6  # at a climb's local optimum, the boundary shifts tried with a justification each
+PEELS = 6  # then the layers peeled onto another rank (:mod:`octoplan.tuner.carry`), justified each
 MAX_WORKERS = 1024  # --workers: far above any machine's cores, below where process counts overflow
 MAX_SEED = 2**31 - 1  # --seed: CP-SAT's random_seed is a 32-bit signed int
 
@@ -316,6 +321,10 @@ class _Search:
                     # then a layer moved off a hot rank, and the order justified around it: a
                     # compound move that a shift alone, judged in its old order, misses
                     moves = itertools.chain(moves, self._shifted_and_justified_later(current, result))
+                    if "placement" in self.opts.dimensions:
+                        # and a layer peeled off a rank that finishes last into a new stage on
+                        # one that finishes first, the order carried over and justified
+                        moves = itertools.chain(moves, self._peeled_and_justified_later(current, result))
             for moved in moves:
                 if self.clock.elapsed() >= deadline:
                     break
@@ -330,6 +339,8 @@ class _Search:
                     improved = True
                     break
             if not improved:
+                log.debug("climb %s: %.4f ms", "out of time" if self.clock.elapsed() >= deadline else "at a local optimum",
+                          current_score[1])
                 break
         return current
 
@@ -372,6 +383,17 @@ class _Search:
     def _shifted_and_justified_later(self, cand: Candidate, result: SimResult) -> Iterator[Candidate]:
         for shifted in shifts_off_hot_ranks(cand, result, limit=COMPOUND_SHIFTS):
             yield from self._justified(shifted)
+
+    def _peeled_and_justified_later(self, cand: Candidate, result: SimResult) -> Iterator[Candidate]:
+        if cand.recompute:  # no order to carry (octoplan.tuner.carry.Carrier)
+            return
+        peels = peel_moves(cand, result, max_per_rank=max(1, self.opts.chunks_max))
+        carry = Carrier(cand, result, self.ev.profile)
+        for _, bounds, ranks, origin in peels[:PEELS]:
+            moved = carry(bounds, ranks, origin)
+            if moved is not None:
+                yield moved
+                yield from self._justified(moved)
 
     def _justified(self, cand: Candidate) -> list[Candidate]:
         try:
