@@ -205,10 +205,15 @@ class SimResult:
         return self._idle_parts[rank]
 
     @cached_property
+    def first_start_ms(self) -> list[float]:
+        """Per rank, when its first op starts (0 for a rank without ops)."""
+        return [self._start[keys[0]] if keys else 0.0 for keys in self._keys]
+
+    @cached_property
     def _idle_parts(self) -> list[tuple[float, float, float]]:
         parts = [[0.0, 0.0, 0.0] for _ in range(self.num_ranks)]  # one pass over the bubbles
         # the wait before a rank's first op, even when an op of no time at 0 came first
-        first_start = [self._start[keys[0]] if keys else 0.0 for keys in self._keys]
+        first_start = self.first_start_ms
         for bubble in self.bubbles:
             if bubble.reason == "drain":
                 part = 2

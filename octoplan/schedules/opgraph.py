@@ -86,12 +86,11 @@ class OpGraph:
             for op in self.ops:  # one rank's ops in its order, then the next rank's
                 if op.kind in (Kind.W, Kind.B):
                     releases.setdefault(op.stage, []).append(op)
-            position = {op: i for i, op in enumerate(self.ops)}
             for stage, ops in releases.items():
                 k = most.get(stage, 0)
                 freed = {op.mb: op for op in ops}
                 waits = [(freed[m - k], Op(stage, Kind.F, m)) for m in range(k, len(ops))]
-                if any(position[release] > position[forward] for release, forward in waits):
+                if any(index[release] > index[forward] for release, forward in waits):  # one rank's ops, in its order
                     for a, b in zip(ops, ops[1:]):
                         edge(a, b, 0.0)
                     waits = [(ops[m - k], forward) for m, (_, forward) in enumerate(waits, start=k)]

@@ -37,6 +37,10 @@ def _old_stage_of(bounds: Sequence[int]) -> list[int]:
     return out
 
 
+def _forward_ms(layer) -> float:
+    return layer.forward_ms
+
+
 def _input_ms(layer) -> float:
     return layer.backward_input_ms
 
@@ -49,34 +53,23 @@ def _backward_ms(layer) -> float:
     return layer.backward_input_ms + layer.backward_weight_ms
 
 
-def _split_by_mb(times: dict[tuple[int, Kind], tuple[list[float], list[float]]], stage: int, num_mb: int) -> list[bool]:
-    """Per microbatch, whether ``stage`` ran its backward as I and W (else as one B)."""
-    spans = times.get((stage, Kind.I))
-    return [False] * num_mb if spans is None else [t == t for t in spans[0]]  # NaN: no I
-
-
 class Carrier:
-    """Carries the order of ``cand``'s simulated timeline ``result`` onto new layouts. The
-    timeline is indexed once, at the first call (most climb steps never need it)."""
+    """Carries the order of ``cand``'s simulated timeline ``result`` onto new layouts."""
 
     def __init__(self, cand: Candidate, result: SimResult, profile: Profile):
         self.cand = cand
-        self.result = result
         self.layers = profile.layers
-        self._times: dict[tuple[int, Kind], tuple[list[float], list[float]]] | None = None
-
-    def _index(self) -> dict[tuple[int, Kind], tuple[list[float], list[float]]]:
-        """Per old stage and kind, the starts and ends of its ops by microbatch (NaN where a
-        microbatch has no such op: a stage may fuse some backwards and split others)."""
-        if self._times is None:
-            num_mb = self.cand.config.microbatches
-            times: dict[tuple[int, Kind], tuple[list[float], list[float]]] = {}
-            for span in self.result.spans():
-                op = span.op
-                starts, ends = times.setdefault((op.stage, op.kind), ([math.nan] * num_mb, [math.nan] * num_mb))
-                starts[op.mb], ends[op.mb] = span.start_ms, span.end_ms
-            self._times = times
-        return self._times
+        num_mb = cand.config.microbatches
+        # per old stage and kind, the starts and ends of its ops by microbatch (NaN where a
+        # microbatch has no such op: a stage may fuse some backwards and split others)
+        self.times: dict[tuple[int, Kind], tuple[list[float], list[float]]] = {}
+        for span in result.spans():
+            op = span.op
+            starts, ends = self.times.setdefault((op.stage, op.kind), ([math.nan] * num_mb, [math.nan] * num_mb))
+            starts[op.mb], ends[op.mb] = span.start_ms, span.end_ms
+        # per old stage and microbatch, whether its backward ran as I and W (else as one B)
+        self.split = [[t == t for t in self.times[(stage, Kind.I)][0]] if (stage, Kind.I) in self.times else [False] * num_mb
+                      for stage in range(cand.num_stages)]
 
     def _share(self, old: int, done: range, per_layer: Callable) -> float:
         """How much of old stage ``old``'s op is done when the layers of interest start."""
@@ -91,20 +84,19 @@ class Carrier:
         cand = self.cand
         if cand.recompute:
             return None
-        times = self._index()
+        times, split_of = self.times, self.split
         old_bounds = cand.bounds
         stage_of = _old_stage_of(old_bounds)
-        num_mb = cand.config.microbatches
-        mbs = range(num_mb)
+        mbs = range(cand.config.microbatches)
         timed: list[list[tuple[float, int, int, Op]]] = [[] for _ in range(cand.config.pp)]
         for s, rank in enumerate(ranks):
             a, b = bounds[s], bounds[s + 1]
             f_old, back_old = stage_of[a], stage_of[b - 1]
             # the backward's kinds, per microbatch: as the old stage that ran the new one's last layer
-            split = _split_by_mb(times, back_old, num_mb)
-            if any(_split_by_mb(times, o, num_mb) != split for o in range(f_old, back_old)):
+            split = split_of[back_old]
+            if any(split_of[o] != split for o in range(f_old, back_old)):
                 return None
-            f_share = self._share(f_old, range(old_bounds[f_old], a), lambda layer: layer.forward_ms)
+            f_share = self._share(f_old, range(old_bounds[f_old], a), _forward_ms)
             # ties (zero-time layers) keep forwards in stage order, backwards in reverse
             parts = [(Kind.F, f_old, f_share, s)]
             if any(split):
@@ -131,10 +123,7 @@ def peel_moves(cand: Candidate, result: SimResult, *, max_per_rank: int, hot: in
     one of the ``cold`` ranks that finish first and hold fewer than ``max_per_rank`` stages.
     Each is (gain, bounds, ranks, origin); gain is how much later the giver finishes (always > 0)."""
     pp = cand.config.pp
-    first = [float("inf")] * pp
-    for span in result.spans():
-        first[span.rank] = min(first[span.rank], span.start_ms)
-    finish = [(first[r] if first[r] != float("inf") else 0.0) + result.busy_ms[r] for r in range(pp)]
+    finish = [start + busy for start, busy in zip(result.first_start_ms, result.busy_ms)]
     order = sorted(range(pp), key=lambda r: (-finish[r], r))
     counts = [cand.ranks.count(r) for r in range(pp)]
     takers = [r for r in reversed(order) if counts[r] < max_per_rank][:cold]
