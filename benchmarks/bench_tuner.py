@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 from dataclasses import dataclass, replace
 
@@ -149,13 +148,6 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
     }
 
 
-def _perturbed(profile, rel: float, seed: int):
-    rng = random.Random(seed)
-    scale = lambda ms: ms * (1 + rel * rng.gauss(0, 1))
-    layers = tuple(layer.map_times(lambda _, ms: scale(ms)) for layer in profile.layers)
-    return replace(profile, layers=layers)
-
-
 def spread(args) -> None:
     print("| workload | workers | tuned on the true profile (ms) | " +
           " | ".join(f"perturbed, seed {s} (ms)" for s in args.seeds) + " | median | worst / best |")
@@ -166,7 +158,7 @@ def spread(args) -> None:
         profile, cluster = _profile_and_cluster(w, split_blocks=True)
         times = []
         for seed in [None, *args.seeds]:
-            tuned_on = profile if seed is None else _perturbed(profile, args.perturb, seed)
+            tuned_on = profile if seed is None else profile.shaken(args.perturb, seed)
             opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=args.time_limit,
                                workers=args.workers)
             plan = tune(tuned_on, cluster, opts).plan

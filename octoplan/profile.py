@@ -7,6 +7,7 @@ tuner never check again.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -145,6 +146,14 @@ class Profile:
 
     def with_layers(self, layers: list[Layer] | tuple[Layer, ...]) -> "Profile":
         return replace(self, layers=tuple(layers))
+
+    def shaken(self, rel: float, seed: int) -> "Profile":
+        """This profile with every time scaled by 1 + ``rel`` x N(0, 1), drawn in layer order by
+        ``random.Random(seed)`` (never below 0): the same model measured again, for searches
+        whose path turns on near-ties."""
+        rng = random.Random(seed)
+        return self.with_layers([layer.map_times(lambda _, ms: max(0.0, ms * (1 + rel * rng.gauss(0, 1))))
+                                 for layer in self.layers])
 
 
 # Ceilings far above any real layer (a day per microbatch, a petabyte), below where sums over

@@ -20,9 +20,12 @@ Steps:
    hot rank, and a layer peeled off a rank that finishes last into a new stage on one that
    finishes first, the order carried over (:mod:`octoplan.tuner.carry`); go on from there if
    that is faster; until no move helps or
-   time runs out. Time the climbs leave unused goes to climbs from the next-best seeds. With
-   ``workers`` > 1 the climbs run side by side in that many processes
-   (:mod:`octoplan.tuner.pool`).
+   time runs out. Time the climbs leave unused goes to climbs from the next-best seeds, each
+   followed by a restart: a climb from the first seeds again, on layer times shaken by 0.1%,
+   whose end is judged on the true times (a climb's path turns on near-ties, and one seed's
+   local optima differ by percents); restarts stop after 3 rounds over those seeds find
+   nothing. With ``workers`` > 1 the climbs run side by side in that many processes
+   (:mod:`octoplan.tuner.pool`), and the restarts follow in this one.
 5. Rebuild the best plan's order the same way, if that fits in the time left, and climb from
    it if it is faster (:meth:`_Search.polish`).
 
@@ -63,6 +66,10 @@ log = logging.getLogger("octoplan.tuner")
 
 DEFAULT_MICROBATCHES_PER_PP = 2  # without --global-batch or --microbatches: 2 per pipeline rank, as `baseline`
 COMPOUND_SHIFTS = 6  # at a climb's local optimum, the boundary shifts tried with a justification each
+# restarts: climbs again from the first seeds on layer times scaled by 1 + RESTART_NOISE x
+# N(0, 1) (_Search.restart), until RESTART_PATIENCE rounds over those seeds in a row find nothing
+RESTART_NOISE = 1e-3
+RESTART_PATIENCE = 3
 PEELS = 6  # then the layers peeled onto another rank (:mod:`octoplan.tuner.carry`), justified each
 MAX_WORKERS = 1024  # --workers: far above any machine's cores, below where process counts overflow
 MAX_SEED = 2**31 - 1  # --seed: CP-SAT's random_seed is a 32-bit signed int
@@ -274,13 +281,16 @@ class _Clock:
 
 class _Search:
     def __init__(self, evaluator: Evaluator, opts: TuneOptions, progress: ProgressFn | None, *,
-                 clock: _Clock | None = None):
+                 clock: _Clock | None = None, quiet: bool = False):
         self.ev = evaluator
         self.opts = opts
         self.progress = progress
+        self.quiet = quiet  # a restart's climb on shaken times: its bests are not the search's (DEBUG log only)
         self.extra_plans = 0  # plans simulated by worker processes (:mod:`octoplan.tuner.pool`)
-        self.clock = clock or _Clock(opts.time_limit_s, max_plans=opts.max_plans,
-                                     plans=lambda: evaluator.evaluations + self.extra_plans)
+        self.restarts = 0
+        self.restart_plans = 0  # plans the restarts simulated on shaken times
+        self.shaken: Evaluator | None = None  # the evaluator of the restart climbing now
+        self.clock = clock or _Clock(opts.time_limit_s, max_plans=opts.max_plans, plans=self.plans_simulated)
         self.rng = random.Random(opts.seed)
         self.best: Candidate | None = None
         self.best_scored: Scored | None = None
@@ -288,12 +298,42 @@ class _Search:
         self._reordered: set[Candidate] = set()  # candidates whose order was rebuilt already
         self._reorder_s_per_unit = REORDER_S_PER_UNIT  # the last rebuild's seconds per op x rank^2
 
+    def plans_simulated(self) -> int:
+        return (self.ev.evaluations + self.extra_plans + self.restart_plans
+                + (self.shaken.evaluations if self.shaken else 0))
+
+    def restart(self, start: Candidate, *, deadline: float) -> bool:
+        """One more climb from ``start``, on the layer times shaken anew by :data:`RESTART_NOISE`
+        (the draw: the seed and the restart's number); its end is judged on the true times and,
+        if it is the best plan so far, climbed from on them. Whether it found a better plan.
+
+        A first-improvement climb's path turns on near-ties: which of two moves 0.01% apart
+        comes out faster decides where it ends, and the local optima one seed leads to differ
+        by percents (llama3-8b: 1497.0 against 1514.9 ms, from times shaken by 0.1%)."""
+        self.restarts += 1
+        draw = self.opts.seed * 1_000_003 + self.restarts
+        self.shaken = Evaluator(self.ev.profile.shaken(RESTART_NOISE, draw), self.ev.cluster)
+        try:
+            climber = _Search(self.shaken, replace(self.opts, seed=draw), None, clock=self.clock, quiet=True)
+            final = climber.climb(start, deadline=deadline)
+        finally:
+            self.restart_plans += self.shaken.evaluations
+            self.shaken = None
+        before = self.best_scored.score
+        scored = self.offer(final)
+        log.debug("restart %d from %s: %.4f ms on the true times", self.restarts, start.origin, scored.iteration_ms)
+        if scored.score >= before:
+            return False
+        self.climb(final, deadline=deadline)
+        return True
+
     def offer(self, cand: Candidate) -> Scored:
         scored = self.ev.score(cand)
         if self.best_scored is None or scored.score < self.best_scored.score:
             self.best, self.best_scored = cand, scored
-            log.info("best %.4f ms (fits=%s, bubble %.3f) from %s [%s]", scored.iteration_ms, scored.fits,
-                     scored.bubble_ratio, cand.origin, cand.config.label())
+            (log.debug if self.quiet else log.info)("best %.4f ms (fits=%s, bubble %.3f) from %s [%s]",
+                                                    scored.iteration_ms, scored.fits, scored.bubble_ratio,
+                                                    cand.origin, cand.config.label())
             if self.progress:
                 self.progress(scored, self.clock.plans(), self.clock.elapsed())
         return scored
@@ -403,6 +443,28 @@ class _Search:
             return []
 
 
+class _Restarts:
+    """Restarts (:meth:`_Search.restart`) from the first seeds, one after another in turn, until
+    :data:`RESTART_PATIENCE` rounds over them in a row find no better plan."""
+
+    def __init__(self, search: _Search, starts: Sequence[Candidate]):
+        self.search = search
+        self.starts = list(starts)
+        self.fruitless = 0  # restarts in a row that found no better plan
+        self.turn = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.starts or self.fruitless >= RESTART_PATIENCE * len(self.starts)
+
+    def next(self, end_s: float) -> None:
+        if self.done or self.search.clock.elapsed() >= end_s:
+            return
+        start = self.starts[self.turn % len(self.starts)]
+        self.turn += 1
+        self.fruitless = 0 if self.search.restart(start, deadline=end_s) else self.fruitless + 1
+
+
 # The shifting-bottleneck reordering's cost per op x rank^2 before one is measured, its two
 # variants and their justifications together: 2-3.3e-6 s on this project's 2-core machine
 # (5 s for gemma3-27b's 6,144 ops on 16 ranks, 27 s for deepseek-v3's 12,288 on 32)
@@ -498,6 +560,7 @@ def tune(
     later = list(dict.fromkeys(cand for _, _, cand in ranked
                                if cand not in first and configs_seen.index(cand.config) < opts.max_configs))
     end_s = opts.time_limit_s - min(2.0, 0.05 * opts.time_limit_s)
+    restarts = _Restarts(search, starts)
     if opts.workers > 1:
         from octoplan.tuner.pool import Climb, climb_in_parallel
 
@@ -513,11 +576,17 @@ def tune(
             share = (opts.time_limit_s - search.clock.elapsed()) / (len(starts) - index)
             search.climb(start, deadline=search.clock.elapsed() + share)
             climbed += 1
+        # then climbs from the next-best seeds, each followed by a restart (a climb from the
+        # first seeds again, on shaken times) until the restarts stop paying
         for cand in later:
             if search.clock.elapsed() >= end_s:
                 break
             search.climb(cand, deadline=end_s)
             climbed += 1
+            restarts.next(end_s)
+    # and in the time left, only restarts
+    while not restarts.done and search.clock.elapsed() < end_s:
+        restarts.next(end_s)
     if "schedule" in opts.dimensions:
         search.polish()
 
@@ -549,10 +618,12 @@ def tune(
         # real seconds, also under --max-plans (whose clock counts plans as seconds)
         "wall_s": round(time.perf_counter() - search.clock.start, 3),
         # with workers, a plan simulated in two processes (each has its own cache) counts twice
-        "evaluations": evaluator.evaluations + search.extra_plans,
+        "evaluations": search.plans_simulated(),
         "workers": opts.workers,
         "plans_in_workers": search.extra_plans,
         "climbs": climbed,
+        "restarts": search.restarts,
+        "plans_in_restarts": search.restart_plans,
         "configs": len(configs),
         "seeds": len(seeds),
         "seeding_s": round(seeded_s, 3),
