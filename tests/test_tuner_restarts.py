@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from octoplan.plan import plan_to_dict
 from octoplan.profile import Layer, ModelRef, Profile
 from octoplan.simulator import simulate
 from tests.conftest import free_cluster, make_profile
@@ -89,3 +90,10 @@ def test_restarts_find_a_faster_plan_judged_on_the_true_times(monkeypatch):
     assert with_restarts.stats["restarts"] > 0
     assert with_restarts.scored.iteration_ms == 64.0
     assert simulate(with_restarts.plan, profile).iteration_ms == pytest.approx(64.0)
+    # the restarts' draws come from the seed: the same run again gives the same plan, to the
+    # plan simulated
+    again = tune(profile, free_cluster(4), opts)
+    strip = lambda result: {k: v for k, v in plan_to_dict(result.plan).items() if k != "tuner"}
+    assert strip(again) == strip(with_restarts)
+    assert again.stats["evaluations"] == with_restarts.stats["evaluations"]
+    assert again.stats["plans_in_restarts"] == with_restarts.stats["plans_in_restarts"] > 0
