@@ -97,3 +97,29 @@ def test_restarts_find_a_faster_plan_judged_on_the_true_times(monkeypatch):
     assert strip(again) == strip(with_restarts)
     assert again.stats["evaluations"] == with_restarts.stats["evaluations"]
     assert again.stats["plans_in_restarts"] == with_restarts.stats["plans_in_restarts"] > 0
+
+
+def test_a_restart_that_ends_a_rounding_error_faster_is_no_win(monkeypatch):
+    # Float layer times: a restart may end on a plan of the same true time whose sum came out
+    # in another order (7.900000000000001 -> 7.9 ms). Counted as a win, it would reset the
+    # stopping rule every time; only a gain the climbs would accept (a relative 1e-9) counts.
+    import octoplan.tuner.search as search
+    from octoplan.tuner import TuneOptions, tune
+
+    outcomes = []
+    restart = search._Search.restart
+
+    def recorded(self, start, *, deadline):
+        before = self.best_scored.score[1]
+        won = restart(self, start, deadline=deadline)
+        outcomes.append((won, before, self.best_scored.score[1]))
+        return won
+
+    monkeypatch.setattr(search._Search, "restart", recorded)
+    a, b, c = (0.7, 0.1, 0.2), (0.3, 0.3, 0.3), (0.1, 0.2, 0.3)
+    tune(make_profile([a, b, a, a, b, c]), free_cluster(4),
+         TuneOptions(gpus=4, pp=4, microbatches=4, max_plans=1500, time_limit_s=600, seed=14, use_cpsat=False))
+    slivers = [(won, old, new) for won, old, new in outcomes if 0 < old - new < 1e-9 * old]
+    gains = [(won, old, new) for won, old, new in outcomes if old - new >= 1e-9 * old]
+    assert slivers and not any(won for won, _, _ in slivers)
+    assert gains and all(won for won, _, _ in gains)  # 7.9 -> 7.7 ms

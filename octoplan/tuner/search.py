@@ -313,17 +313,23 @@ class _Search:
         self.restarts += 1
         draw = self.opts.seed * 1_000_003 + self.restarts
         self.shaken = Evaluator(self.ev.profile.shaken(RESTART_NOISE, draw), self.ev.cluster)
+        climber = _Search(self.shaken, replace(self.opts, seed=draw), None, clock=self.clock, quiet=True)
+        # the pace of the order rebuilds measured so far, so the restart's do not overrun the deadline
+        climber._reorder_s_per_unit = self._reorder_s_per_unit
         try:
-            climber = _Search(self.shaken, replace(self.opts, seed=draw), None, clock=self.clock, quiet=True)
             final = climber.climb(start, deadline=deadline)
         finally:
             self.restart_plans += self.shaken.evaluations
             self.shaken = None
+            self._reorder_s_per_unit = climber._reorder_s_per_unit
         before = self.best_scored.score
         scored = self.offer(final)
         log.debug("restart %d from %s: %.4f ms on the true times", self.restarts, start.origin, scored.iteration_ms)
-        if scored.score >= before:
+        # a win by a rounding error (the same times summed in another order) is no win: it
+        # would keep the restarts from ever stopping
+        if not _better_enough(scored.score, before):
             return False
+        self.accepted_moves.extend(climber.accepted_moves)
         self.climb(final, deadline=deadline)
         return True
 
