@@ -30,17 +30,23 @@ def _plan(profile, cluster, parallel, stages, schedule):
                 schedule=tuple(tuple(ops) for ops in schedule))
 
 
+def _layer_per_stage(times, ranks, microbatches, orders):
+    """Layers of ``times`` (F, I, W ms), layer i the stage on rank ``ranks[i]``, free
+    communication, and each rank's order parsed: (profile, cluster, parallel, stages,
+    schedule, stage costs)."""
+    profile, pp = make_profile(times), max(ranks) + 1
+    stages = tuple(Stage(i, i + 1, rank) for i, rank in enumerate(ranks))
+    return (profile, free_cluster(pp), Parallel(pp=pp, microbatches=microbatches), stages,
+            [parse_ops(order) for order in orders], stage_costs(stages, LayerTable(profile)))
+
+
 def test_a_w_that_blocks_a_forward_moves_out_of_its_way():
     # 2 ranks, 1 stage each, 2 microbatches, F = I = W = 1 ms. Rank 1 runs 1W0 before 1F1,
     # although 1F1's input is there at t=2: 1F1 waits until 4, 1I1 ends at 6, and rank 0's
     # 0I1, 0W1 end at 8. Rank 1 has 6 ms of work from t=1, so 7 is optimal: justification
     # defers 1W0 behind 1F1 and 1I1.
-    profile = make_profile([(1, 1, 1), (1, 1, 1)])
-    cluster = free_cluster(2)
-    parallel = Parallel(pp=2, microbatches=2)
-    stages = (Stage(0, 1, 0), Stage(1, 2, 1))
-    schedule = [parse_ops("0F0 0F1 0I0 0W0 0I1 0W1"), parse_ops("1F0 1I0 1W0 1F1 1I1 1W1")]
-    costs = stage_costs(stages, LayerTable(profile))
+    profile, cluster, parallel, stages, schedule, costs = _layer_per_stage(
+        [(1, 1, 1), (1, 1, 1)], (0, 1), 2, ["0F0 0F1 0I0 0W0 0I1 0W1", "1F0 1I0 1W0 1F1 1I1 1W1"])
     assert simulate(_plan(profile, cluster, parallel, stages, schedule), profile).iteration_ms == 8.0
     # deferring 1W0 keeps two microbatches in flight on stage 1, where the order held one
     kept, kept_span = justify(schedule, (0, 1), costs, cluster=cluster, parallel=parallel)
@@ -68,13 +74,9 @@ def test_releases_out_of_microbatch_order_keep_memory_without_a_cycle():
     # microbatch 1 before 0W0 frees microbatch 0, and 0F2 runs between them with 2 in flight.
     # F(2) may wait for the order's first release (0B1), not for microbatch 0's (0W0, which
     # comes after it: a cycle, which used to make justification refuse the order).
-    profile = make_profile([(1, 1, 1)])
-    cluster = free_cluster(1)
-    parallel = Parallel(pp=1, microbatches=3)
-    stages = (Stage(0, 1, 0),)
-    schedule = [parse_ops("0F0 0F1 0I0 0B1 0F2 0W0 0B2")]
+    profile, cluster, parallel, stages, schedule, costs = _layer_per_stage([(1, 1, 1)], (0,), 3, ["0F0 0F1 0I0 0B1 0F2 0W0 0B2"])
     assert most_in_flight(schedule) == {0: 2}
-    new, span = justify(schedule, (0,), stage_costs(stages, LayerTable(profile)), cluster=cluster, parallel=parallel)
+    new, span = justify(schedule, (0,), costs, cluster=cluster, parallel=parallel)
     assert span == 9.0  # one rank: all of its work, 3 F + I + W + 2 B
     assert most_in_flight(new) == {0: 2}
     assert simulate(_plan(profile, cluster, parallel, stages, new), profile).iteration_ms == 9.0
@@ -84,13 +86,10 @@ def test_releases_out_of_order_that_no_forward_waits_for_may_be_reordered():
     # Stage 0 (rank 1) releases microbatch 1 with 0B1 before microbatch 0 with 0W0, but with
     # 2 in flight and 2 microbatches no forward waits for a release: justification is free to
     # run 0W0 first, which lets rank 0's 1B1 start sooner (43 -> 40 ms), within the same memory.
-    profile = make_profile([(5, 4, 3), (4, 5, 5)])
-    cluster = free_cluster(2)
-    parallel = Parallel(pp=2, microbatches=2)
-    stages = (Stage(0, 1, 1), Stage(1, 2, 0))
-    schedule = [parse_ops("1F0 1B0 1F1 1B1"), parse_ops("0F0 0F1 0I0 0B1 0W0")]
+    profile, cluster, parallel, stages, schedule, costs = _layer_per_stage(
+        [(5, 4, 3), (4, 5, 5)], (1, 0), 2, ["1F0 1B0 1F1 1B1", "0F0 0F1 0I0 0B1 0W0"])
     assert simulate(_plan(profile, cluster, parallel, stages, schedule), profile).iteration_ms == 43.0
-    new, span = justify(schedule, (1, 0), stage_costs(stages, LayerTable(profile)), cluster=cluster, parallel=parallel)
+    new, span = justify(schedule, (1, 0), costs, cluster=cluster, parallel=parallel)
     assert span == 40.0 and [str(op) for op in new[1]] == ["0F0", "0F1", "0I0", "0W0", "0B1"]
     assert most_in_flight(new) == most_in_flight(schedule) == {1: 1, 0: 2}
 

@@ -22,7 +22,7 @@ def _two_ranks() -> tuple[Evaluator, Candidate]:
 
 def test_the_same_layout_carries_the_same_order():
     evaluator, cand = _two_ranks()
-    carry = Carrier(cand, evaluator.timeline(cand), evaluator.profile)
+    carry = Carrier(cand, evaluator.timeline(cand), evaluator)
     assert carry(cand.bounds, cand.ranks, "same").fixed == cand.fixed
 
 
@@ -34,7 +34,7 @@ def test_a_peeled_layer_runs_where_it_ran_inside_its_old_stage():
     # a backward (2F1 and 1W0 both at 8). Layer 0's I and W
     # start after layer 1's half of them (7, 9; 13, 15): rank 0's order is unchanged.
     evaluator, cand = _two_ranks()
-    carry = Carrier(cand, evaluator.timeline(cand), evaluator.profile)
+    carry = Carrier(cand, evaluator.timeline(cand), evaluator)
     moved = carry((0, 1, 2, 4), (0, 1, 1), "peel")
     assert moved.fixed == (tuple(parse_ops("0F0 0F1 0I0 0W0 0I1 0W1")),
                            tuple(parse_ops("1F0 2F0 1F1 2I0 2W0 1I0 2F1 1W0 2I1 2W1 1I1 1W1")))
@@ -55,7 +55,7 @@ def test_a_forward_of_0_ms_stays_ahead_of_its_own_backward():
     order = (tuple(parse_ops("0F0 0F1 0B0 0B1")), tuple(parse_ops("1F0 1B0 1F1 1B1")))
     cand = Candidate(Config(2, 1, 2), (0, 2, 3), (0, 1), None, order, "1f1b", "1f1b")
     assert evaluator.score(cand).iteration_ms == 12.0
-    same = Carrier(cand, evaluator.timeline(cand), evaluator.profile)(cand.bounds, cand.ranks, "same")
+    same = Carrier(cand, evaluator.timeline(cand), evaluator)(cand.bounds, cand.ranks, "same")
     assert same.fixed == order
 
 
@@ -63,7 +63,7 @@ def test_a_merge_of_fused_and_split_backwards_is_not_carried():
     evaluator = Evaluator(make_profile([(1, 1, 1)] * 4), free_cluster(2))
     order = (tuple(parse_ops("0F0 0B0")), tuple(parse_ops("1F0 1I0 1W0")))
     cand = Candidate(Config(2, 1, 1), (0, 2, 4), (0, 1), None, order, "mixed", "mixed")
-    carry = Carrier(cand, evaluator.timeline(cand), evaluator.profile)
+    carry = Carrier(cand, evaluator.timeline(cand), evaluator)
     assert carry((0, 4), (0,), "merge") is None
     # each part on its own carries: stage 0 keeps its B, stage 1 its I and W, swapped ranks
     assert carry((0, 2, 4), (1, 0), "swap").fixed == (tuple(parse_ops("1F0 1I0 1W0")), tuple(parse_ops("0F0 0B0")))
@@ -124,7 +124,7 @@ def test_a_stage_that_fuses_some_backwards_and_splits_others_keeps_each_microbat
     evaluator = Evaluator(make_profile([(1, 1, 1)] * 4), free_cluster(2))
     order = (tuple(parse_ops("0F0 0F1 0I0 0W0 0B1")), tuple(parse_ops("1F0 1B0 1F1 1I1 1W1")))
     cand = Candidate(Config(2, 1, 2), (0, 2, 4), (0, 1), None, order, "mixed", "mixed")
-    carry = Carrier(cand, evaluator.timeline(cand), evaluator.profile)
+    carry = Carrier(cand, evaluator.timeline(cand), evaluator)
     assert carry(cand.bounds, (1, 0), "swap").fixed == (order[1], order[0])
     # stage 0 split microbatch 0 where stage 1 fused it: one stage of both cannot be carried
     assert carry((0, 4), (0,), "merge") is None

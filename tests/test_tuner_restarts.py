@@ -35,14 +35,16 @@ def test_shaken_times_draw_one_gaussian_per_time_in_layer_order():
 
 
 class _StubSearch:
-    """What _Restarts asks of a search: a clock and restart(); restart() answers from ``wins``."""
+    """What _Restarts asks of a search: a clock, restart() (answering from ``wins``) and its count."""
 
     def __init__(self, wins):
         self.wins = iter(wins)
         self.calls = []
+        self.restarts = 0
         self.clock = type("Clock", (), {"elapsed": lambda _: 0.0})()
 
     def restart(self, start, *, deadline):
+        self.restarts += 1
         self.calls.append(start)
         return next(self.wins)
 

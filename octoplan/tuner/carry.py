@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Sequence
 
+from octoplan.costs import op_ms
 from octoplan.ops import Kind, Op
-from octoplan.profile import Profile
 from octoplan.simulator import SimResult
-from octoplan.tuner.space import Candidate
+from octoplan.tuner.space import Candidate, Evaluator
 
 __all__ = ["Carrier", "peel_moves"]
 
@@ -37,28 +37,13 @@ def _old_stage_of(bounds: Sequence[int]) -> list[int]:
     return out
 
 
-def _forward_ms(layer) -> float:
-    return layer.forward_ms
-
-
-def _input_ms(layer) -> float:
-    return layer.backward_input_ms
-
-
-def _weight_ms(layer) -> float:
-    return layer.backward_weight_ms
-
-
-def _backward_ms(layer) -> float:
-    return layer.backward_input_ms + layer.backward_weight_ms
-
-
 class Carrier:
-    """Carries the order of ``cand``'s simulated timeline ``result`` onto new layouts."""
+    """Carries the order of ``cand``'s simulated timeline ``result`` onto new layouts; op times
+    come from ``evaluator``'s stage costs."""
 
-    def __init__(self, cand: Candidate, result: SimResult, profile: Profile):
+    def __init__(self, cand: Candidate, result: SimResult, evaluator: Evaluator):
         self.cand = cand
-        self.layers = profile.layers
+        self.ev = evaluator
         num_mb = cand.config.microbatches
         # per old stage and kind, the starts and ends of its ops by microbatch (NaN where a
         # microbatch has no such op: a stage may fuse some backwards and split others)
@@ -71,11 +56,12 @@ class Carrier:
         self.split = [[t == t for t in self.times[(stage, Kind.I)][0]] if (stage, Kind.I) in self.times else [False] * num_mb
                       for stage in range(cand.num_stages)]
 
-    def _share(self, old: int, done: range, per_layer: Callable) -> float:
-        """How much of old stage ``old``'s op is done when the layers of interest start."""
+    def _share(self, old: int, start: int, end: int, kind: Kind) -> float:
+        """How much of old stage ``old``'s op of ``kind`` is done once its layers [start, end)
+        have run: those before the new op's first (a forward), or after its last (a backward)."""
         bounds = self.cand.bounds
-        total = sum(per_layer(self.layers[k]) for k in range(bounds[old], bounds[old + 1]))
-        return sum(per_layer(self.layers[k]) for k in done) / total if total > 0 else 0.0
+        total = op_ms(self.ev.stage_cost(bounds[old], bounds[old + 1]), kind)
+        return op_ms(self.ev.stage_cost(start, end), kind) / total if end > start and total > 0 else 0.0
 
     def __call__(self, bounds: tuple[int, ...], ranks: tuple[int, ...], origin: str) -> Candidate | None:
         """The order carried onto the layout ``bounds``/``ranks`` as a fixed order; None where
@@ -96,14 +82,10 @@ class Carrier:
             split = split_of[back_old]
             if any(split_of[o] != split for o in range(f_old, back_old)):
                 return None
-            f_share = self._share(f_old, range(old_bounds[f_old], a), _forward_ms)
             # ties (zero-time layers) keep forwards in stage order, backwards in reverse
-            parts = [(Kind.F, f_old, f_share, s)]
-            if any(split):
-                parts += [(Kind.I, back_old, self._share(back_old, range(b, old_bounds[back_old + 1]), _input_ms), -s),
-                          (Kind.W, back_old, self._share(back_old, range(b, old_bounds[back_old + 1]), _weight_ms), -s)]
-            if not all(split):
-                parts.append((Kind.B, back_old, self._share(back_old, range(b, old_bounds[back_old + 1]), _backward_ms), -s))
+            parts = [(Kind.F, f_old, self._share(f_old, old_bounds[f_old], a, Kind.F), s)]
+            backwards = ((Kind.I, Kind.W) if any(split) else ()) + (() if all(split) else (Kind.B,))
+            parts += [(kind, back_old, self._share(back_old, b, old_bounds[back_old + 1], kind), -s) for kind in backwards]
             for kind, old, fraction, tie in parts:
                 starts, ends = times[(old, kind)]
                 timed[rank].extend((t0 + fraction * (t1 - t0), tie, mb, Op(s, kind, mb))

@@ -434,7 +434,7 @@ class _Search:
         if cand.recompute:  # no order to carry (octoplan.tuner.carry.Carrier)
             return
         peels = peel_moves(cand, result, max_per_rank=max(1, self.opts.chunks_max))
-        carry = Carrier(cand, result, self.ev.profile)
+        carry = Carrier(cand, result, self.ev)
         for _, bounds, ranks, origin in peels[:PEELS]:
             moved = carry(bounds, ranks, origin)
             if moved is not None:
@@ -457,7 +457,6 @@ class _Restarts:
         self.search = search
         self.starts = list(starts)
         self.fruitless = 0  # restarts in a row that found no better plan
-        self.turn = 0
 
     @property
     def done(self) -> bool:
@@ -466,8 +465,7 @@ class _Restarts:
     def next(self, end_s: float) -> None:
         if self.done or self.search.clock.elapsed() >= end_s:
             return
-        start = self.starts[self.turn % len(self.starts)]
-        self.turn += 1
+        start = self.starts[self.search.restarts % len(self.starts)]
         self.fruitless = 0 if self.search.restart(start, deadline=end_s) else self.fruitless + 1
 
 
