@@ -103,3 +103,18 @@ def test_inter_node_edges_are_charged():
         problem = problem_for(Evaluator(profile, cluster), config, 2)
         assert problem.rank_class == ((0, 1) if gpus_per_node == 1 else (0, 0))
         assert solve_partition(problem).bounds == (0, cut, 4)
+
+
+def test_one_stage_per_rank_gets_a_third_of_the_limit():
+    # the one-stage problem is solved under a third of the several-stage problem's limit (its
+    # hint is at or near its optimum); alone, it gets the whole limit
+    from octoplan.tuner.cpsat import SINGLE_STAGE_SHARE, cpsat_seeds
+
+    profile = make_profile([(1, 1, 1), (2, 2, 2), (3, 3, 3), (1, 2, 1), (2, 1, 2), (1, 1, 3)], params=0, act=0, out=0)
+    evaluator = Evaluator(profile, Cluster(gpus=2, gpus_per_node=2))
+    config = Config(pp=2, dp=1, microbatches=4)
+    _, both = cpsat_seeds(evaluator, config, chunks_max=3, time_limit_s=1.5)
+    assert SINGLE_STAGE_SHARE == 3
+    assert [(row["max_per_rank"], row["limit_s"]) for row in both] == [(1, 0.5), (3, 1.5)]
+    _, alone = cpsat_seeds(evaluator, config, chunks_max=1, time_limit_s=1.5)
+    assert [(row["max_per_rank"], row["limit_s"]) for row in alone] == [(1, 1.5)]

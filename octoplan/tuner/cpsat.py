@@ -45,6 +45,7 @@ __all__ = ["PartitionProblem", "PartitionSolution", "solve_partition", "problem_
 log = logging.getLogger("octoplan.tuner.cpsat")
 
 _MB = 1_000_000
+SINGLE_STAGE_SHARE = 3  # the one-stage-per-rank solve's limit: the several-stage solve's over this
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,12 @@ class PartitionSolution:
     bound: float
     wall_s: float
     max_load: int  # ticks: the busiest rank's F + I + W
+    limit_s: float = 0.0  # the deterministic-time limit it was solved under
 
     def stats(self) -> dict:
         return {"stages": len(self.ranks), "status": self.status, "objective": self.objective,
-                "bound": self.bound, "wall_s": round(self.wall_s, 3), "max_load_ticks": self.max_load}
+                "bound": self.bound, "limit_s": round(self.limit_s, 3), "wall_s": round(self.wall_s, 3),
+                "max_load_ticks": self.max_load}
 
 
 def inflight_estimate(position: float, num_ranks: int, microbatches: int) -> int:
@@ -268,11 +271,11 @@ def solve_partition(
     if found and (greedy is None or solver.objective_value <= greedy[0]):
         bounds, ranks = read(solver)
         return PartitionSolution(bounds, ranks, name, float(solver.objective_value),
-                                 float(solver.best_objective_bound), wall, int(solver.value(z)))
+                                 float(solver.best_objective_bound), wall, int(solver.value(z)), time_limit_s)
     if greedy is not None:
         objective, (bounds, ranks), max_load = greedy
         return PartitionSolution(bounds, ranks, f"{name} (hint kept)", float(objective),
-                                 float(solver.best_objective_bound), wall, max_load)
+                                 float(solver.best_objective_bound), wall, max_load, time_limit_s)
     return None
 
 
@@ -328,17 +331,24 @@ def cpsat_seeds(evaluator: Evaluator, config: Config, *, chunks_max: int, time_l
     """Candidates from CP-SAT with at most 1 and at most ``chunks_max`` stages per rank, each
     with policy-scheduler knobs (I/W split at two warm-up depths, and plain B). With
     ``recompute``, a stage count whose problem has no solution within memory is solved again
-    with every stage recomputing, and its seeds recompute."""
+    with every stage recomputing, and its seeds recompute. ``time_limit_s`` is CP-SAT's
+    deterministic limit for the several-stage problem; the one-stage problem gets
+    1/:data:`SINGLE_STAGE_SHARE` of it."""
     profile = evaluator.profile
     seeds, stats, solutions = [], [], []
     caps = sorted({1, max(1, chunks_max)}) if config.pp > 1 else [1]
     for cap in caps:
         num_stages = min(cap * config.pp, profile.num_layers)
+        # one stage per rank is the smaller problem, and its hint (the balanced partition) is
+        # at or near its optimum: on the suite's 9 workloads 5 s improved on the hint by 0.03%
+        # at most, where the several-stage problem still improved from 3 s to 5 s (gemma3-27b:
+        # 2723943 -> 2718287 ticks, and its tuned plan 1.9% faster; docs/BENCHMARKS.md)
+        limit = time_limit_s / SINGLE_STAGE_SHARE if cap == 1 and len(caps) > 1 else time_limit_s
         hint_stages = config.pp
         hint = (bounds_of(balanced_partition(profile, hint_stages)), loop_placement(config.pp, hint_stages))
         for recomputing in (False, True) if recompute else (False,):
             problem = problem_for(evaluator, config, num_stages, max_per_rank=cap, recompute=recomputing)
-            solution = solve_partition(problem, hint=hint, time_limit_s=time_limit_s, seed=seed)
+            solution = solve_partition(problem, hint=hint, time_limit_s=limit, seed=seed)
             if solution is not None:
                 break
         if solution is None:

@@ -524,7 +524,7 @@ def tune(
 
             # CP-SAT's limit is deterministic time (work), so the seeds do not depend on the clock
             found, stats = cpsat_seeds(evaluator, config, chunks_max=opts.chunks_max,
-                                       time_limit_s=max(0.5, min(5.0, opts.time_limit_s / (20 * len(configs)))),
+                                       time_limit_s=max(0.5, min(5.0, opts.time_limit_s / (12 * len(configs)))),
                                        seed=opts.seed, recompute=opts.recompute)
             seeds.extend(found)
             cpsat_stats.extend(stats)
