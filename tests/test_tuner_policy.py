@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,6 +75,68 @@ def test_any_placement_gets_a_valid_deadlock_free_order(case):
 
     cand = Candidate(Config(pp, 1, microbatches), tuple(range(len(ranks) + 1)), ranks, policies)
     assert cand.num_ops == sum(len(rank_ops) for rank_ops in ops)
+
+
+@settings(max_examples=150, deadline=None)
+@given(placements(), st.data())
+def test_knobs_that_cannot_bind_are_moot(case, data):
+    # RankPolicy.acts_like: in-flight limits of at least the microbatches, warm-up depths of at
+    # least the in-flight limit, W caps of at least the Ws a rank can hold back, W knobs of a
+    # rank that does not split and the forward order of a rank of one stage give one order (the
+    # tuner skips such moves); a warm-up or a cap below those is a real change
+    pp, ranks, microbatches, policies, _, budget = case
+    _, cluster, parallel, _, costs = layout_of(case, latency_us=5.0, inter_node_gbps=1e-3)
+    held = [ranks.count(r) for r in range(pp)]
+    rank = data.draw(st.integers(0, pp - 1))
+
+    def unbinding(q, r):
+        deep_first = data.draw(st.booleans()) if held[r] == 1 else q.deep_first
+        split_knobs = {} if q.split else {"w_fits_gap": data.draw(st.booleans())}
+        # a limit the microbatches make moot varies; one that binds stays
+        inflight = data.draw(st.integers(microbatches, microbatches + 3)) if q.inflight >= microbatches else q.inflight
+        return replace(q, inflight=inflight, warmup=data.draw(st.integers(min(inflight, microbatches), inflight + 4)),
+                       w_cap=data.draw(st.integers(held[r] * microbatches, held[r] * microbatches + 4)),
+                       deep_first=deep_first, **split_knobs)
+
+    loose = [unbinding(q, r) for r, q in enumerate(policies)]
+    looser = list(loose)
+    looser[rank] = unbinding(policies[rank], rank)
+    assert looser[rank].acts_like(loose[rank], stages=held[rank], microbatches=microbatches)
+    orders = [policy_schedule(ranks, costs, microbatches=microbatches, policies=tuple(knobs), cluster=cluster,
+                              parallel=parallel, activation_budget_bytes=budget) for knobs in (loose, looser)]
+    assert orders[0] == orders[1]
+    p, known = loose[rank], {"stages": held[rank], "microbatches": microbatches}
+    bound = min(p.inflight, microbatches)
+    if bound > 1:
+        assert not replace(p, warmup=bound - 1).acts_like(p, **known)
+    if p.inflight < microbatches:
+        assert not replace(p, inflight=p.inflight + 1).acts_like(p, **known)
+    assert replace(p, w_cap=held[rank] * microbatches - 1).acts_like(p, **known) == (not p.split)
+    if p.split:  # without the stage count, no cap is known to be moot
+        assert not replace(p, w_cap=p.w_cap + 1).acts_like(p, microbatches=microbatches)
+
+
+def test_warm_up_moves_that_change_nothing_are_not_offered():
+    # gemma3-27b's case in small: warm-ups of every microbatch under smaller in-flight limits,
+    # and a W cap above the 16 Ws a rank of 2 stages and 8 microbatches can hold back. "warm-up
+    # -1" would still be above the limit, so only a rank whose limit is its warm-up depth (rank
+    # 1 here) gets the warm-up moves; rank 1's cap of 20 gets only the caps that bind (0, 10),
+    # not 40 or 24, where rank 0's cap of 8 gets all four
+    from octoplan.tuner.moves import neighbours
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+    import random
+
+    profile = uniform_profile(4, act=10, out=10, params=10)
+    cluster = free_cluster(2)
+    policies = (RankPolicy(inflight=2, warmup=8, split=True, w_cap=8), RankPolicy(inflight=8, warmup=8, split=True, w_cap=20))
+    cand = Candidate(Config(2, 1, 8), (0, 1, 2, 3, 4), (0, 1, 0, 1), policies)
+    result = Evaluator(profile, cluster).simulate(cand)
+    origins = [moved.origin for moved in neighbours(cand, result, dimensions=("schedule",), rng=random.Random(0))]
+    assert "rank 1: warm-up 7" in origins and "every rank warm-up -1" in origins
+    assert not any(o.startswith("rank 0: warm-up") for o in origins)
+    assert [o for o in origins if "w_cap" in o] == ["rank 0: w_cap 0", "rank 0: w_cap 4", "rank 0: w_cap 16",
+                                                   "rank 0: w_cap 24", "rank 1: w_cap 0", "rank 1: w_cap 10"]
+    assert "rank 0: in-flight 1" in origins  # (its "in-flight 3" is "every rank in-flight +1", rank 1 being at 8)
 
 
 def test_default_knobs_on_a_loop_reproduce_1f1b():

@@ -56,6 +56,29 @@ class RankPolicy:
     deep_first: bool = True  # among ready forwards, the rank's later stage first
     w_fits_gap: bool = False  # a gap-filling W waits if a known arrival would come before it ends
 
+    def acts_like(self, other: RankPolicy, *, stages: int | None = None, microbatches: int | None = None) -> bool:
+        """Whether the two give the rank the same order: the same knobs but for those that
+        cannot bind. Given the rank's number of ``stages`` and the ``microbatches`` (None:
+        not known), that is also the in-flight limits and W caps that never stop an op."""
+        return self.effect(stages=stages, microbatches=microbatches) == other.effect(stages=stages, microbatches=microbatches)
+
+    def effect(self, *, stages: int | None = None, microbatches: int | None = None) -> tuple:
+        """The knobs as :func:`policy_schedule` reads them, each moot value replaced by one that
+        acts the same way:
+        - an in-flight limit of at least ``microbatches``: no more can be admitted;
+        - a warm-up depth of at least the in-flight limit: while a rank warms up it has run no
+          backward, so the microbatches it admitted are its warm-up forwards, and such a depth
+          never stops one that the in-flight limit lets through;
+        - a W cap of at least the Ws the rank can hold back (microbatches x stages), and the W
+          knobs of a rank that does not split its backward: they never force or hold a W;
+        - the forward order of a rank with one stage: it has one forward to choose."""
+        inflight = self.inflight if microbatches is None else min(self.inflight, microbatches)
+        w_cap = self.w_cap
+        if stages is not None and microbatches is not None:
+            w_cap = min(w_cap, stages * microbatches)
+        return (inflight, min(self.warmup, inflight), self.split, w_cap if self.split else 0,
+                self.w_fits_gap and self.split, self.deep_first or stages == 1)
+
     def to_dict(self) -> dict:
         return {"inflight": self.inflight, "warmup": self.warmup, "split": self.split, "w_cap": self.w_cap,
                 "deep_first": self.deep_first, "w_fits_gap": self.w_fits_gap}
