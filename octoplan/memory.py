@@ -15,6 +15,9 @@ Per rank, per stage it holds:
   activations from its I on (or during its B) as above (:class:`octoplan.costs.StageCost`;
   the simulator applies all of it, with the peak an I reaches while it runs, and ``octorun
   --activation-memory`` measures the same quantity: ``tests/test_activation_memory.py``).
+- *messages*: what the transport keeps beside the tapes — received tensors not yet used, the
+  receive posted ahead on each incoming channel, sends not yet let go. The simulator counts
+  them in the peak from the timeline (``octoplan.simulator._message_peaks``); the meter does not.
 """
 
 from __future__ import annotations

@@ -14,9 +14,13 @@ Pure: no I/O, no printing. The hot loop works on flat integer keys
 
 from __future__ import annotations
 
+import itertools
+from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Sequence
+
+import numpy as np
 
 from octoplan.costs import LayerTable, StageCost, allreduce_ms, lower_bound_ms, stage_costs, transfer_ms
 from octoplan.memory import static_bytes
@@ -108,6 +112,11 @@ class SimResult:
     memory_limit_bytes: int
     # the part of each rank's peak that its weights, gradients and optimizer state take
     static_memory_bytes: tuple[int, ...]
+    # per rank, the most bytes its tapes hold at once (what ``octorun --activation-memory``
+    # measures), and the most its transport holds: messages received and not yet used, the
+    # receive buffers posted ahead, sends not yet let go (:func:`_message_peaks`)
+    tape_peak_bytes: tuple[int, ...]
+    peak_message_bytes: tuple[int, ...]
     busy_ms: tuple[float, ...]
     allreduces: tuple[AllReduce, ...]
     _schedule: tuple[tuple[Op, ...], ...] = field(repr=False)
@@ -126,9 +135,10 @@ class SimResult:
 
     @property
     def peak_activation_bytes(self) -> tuple[int, ...]:
-        """The most activation bytes each rank holds at once: what ``octorun --activation-memory``
-        measures."""
-        return tuple(peak - static for peak, static in zip(self.peak_memory_bytes, self.static_memory_bytes))
+        """The most activation bytes each rank's tapes hold at once: what ``octorun
+        --activation-memory`` measures. ``peak_memory_bytes`` also counts the messages that
+        wait beside them."""
+        return self.tape_peak_bytes
 
     @property
     def fits_memory(self) -> bool:
@@ -268,6 +278,7 @@ class SimResult:
             "efficiency": round(self.efficiency, 6),
             "peak_memory_bytes": list(self.peak_memory_bytes),
             "peak_activation_bytes": list(self.peak_activation_bytes),
+            "peak_message_bytes": list(self.peak_message_bytes),
             "fits_memory": self.fits_memory,
             "memory_limit_bytes": self.memory_limit_bytes,
             "busy_ms": [round(b, 6) for b in self.busy_ms],
@@ -377,9 +388,10 @@ def simulate_costs(
     for stage in range(num_stages):
         static[rank_of_stage[stage]] += static_bytes(costs[stage].param_bytes, dtype_bytes=dtype_bytes, optimizer=optimizer)
 
-    start = [0.0] * size
-    end = [0.0] * size
-    arrive = [0.0] * size
+    # typed arrays: numpy reads them without a copy (_message_peaks)
+    start = array("d", bytes(8 * size))
+    end = array("d", bytes(8 * size))
+    arrive = array("d", bytes(8 * size))
     xstart = [0.0] * size
     done = bytearray(size)
     ptr = [0] * num_ranks
@@ -481,6 +493,18 @@ def simulate_costs(
 
     first_start = min((start[k[0]] for k in keys if k), default=0.0)
     iteration = last_end - first_start
+    tape_peak = [peak - base for peak, base in zip(peak_mem, static)]
+    # per (stage, kind): what an op's output message weighs (an F's activation, an I's or B's
+    # gradient), and what it does to its rank's tape
+    msg_bytes = [0] * (4 * num_stages)
+    for stage in range(num_stages):
+        msg_bytes[4 * stage] = costs[stage].output_bytes
+        msg_bytes[4 * stage + 1] = msg_bytes[4 * stage + 3] = costs[stage - 1].output_bytes if stage > 0 else 0
+    by_code = [code * num_mb for code in range(4 * num_stages)]
+    with_messages, message_peak = _message_peaks(
+        keys, start, end, arrive, present, num_mb=num_mb, act=[act[k] for k in by_code], burst=[burst[k] for k in by_code],
+        dest=[dest[k] for k in by_code], msg_bytes=msg_bytes, first_start=first_start, last_end=last_end)
+    peak_mem = [base + max(tape, both) for base, tape, both in zip(static, tape_peak, with_messages)]
     idle = sum(iteration - b for b in busy)
     bubble_ratio = idle / (num_ranks * iteration) if iteration > 0 else 0.0
     return SimResult(
@@ -490,6 +514,8 @@ def simulate_costs(
         peak_memory_bytes=tuple(int(m) for m in peak_mem),
         memory_limit_bytes=int(cluster.memory_gb * 1e9),
         static_memory_bytes=tuple(int(m) for m in static),
+        tape_peak_bytes=tuple(int(m) for m in tape_peak),
+        peak_message_bytes=tuple(int(m) for m in message_peak),
         busy_ms=tuple(busy),
         allreduces=tuple(allreduces),
         _schedule=plan.schedule,
@@ -502,6 +528,113 @@ def simulate_costs(
         _cross=cross,
         _num_mb=num_mb,
     )
+
+
+def _message_peaks(keys, start, end, arrive, present, *, num_mb: int, act, burst, dest, msg_bytes,
+                   first_start: float, last_end: float) -> tuple[list[int], list[int]]:
+    """Per rank, the most bytes its tapes and its transport hold together, and the most its
+    transport holds alone, as octorun's transport keeps messages (octorun/comm.py):
+    - a receiver thread per incoming channel posts the buffer of the channel's next message
+      as soon as the one before it has landed (the first of a step's: while the step before
+      ends, so from the iteration's start; and after the last has landed, the next step's
+      first), and the buffer stays until the op that uses it starts — an F's input then
+      belongs to its tape, an I's or B's gradient is that op's own while it runs;
+    - a sender lets go of a message's tensors once the send is done, when it turns to its
+      second op after the one that produced them (so at the end of the op between), or at the
+      step's end.
+    Tapes change as in the main loop: during an op by the larger of its burst and its growth,
+    after it by its delta. Events at one instant apply together (a freed input and a new F's
+    activations are one storage handed over).
+
+    Vectorized (numpy): a plan has a few events per op, and this pass must not cost the tuner
+    more than a fraction of the simulation itself."""
+    num_ranks = len(keys)
+    flat = list(itertools.chain.from_iterable(keys))
+    total = len(flat)
+    if total == 0:
+        return [0] * num_ranks, [0] * num_ranks
+    lengths = np.fromiter((len(seq) for seq in keys), dtype=np.int64, count=num_ranks)
+    key = np.array(flat, dtype=np.int64)
+    code = key // num_mb  # stage * 4 + kind (act, burst, dest and msg_bytes are per code)
+    rank = np.repeat(np.arange(num_ranks, dtype=np.int64), lengths)
+    start_all = np.frombuffer(start, dtype=np.float64)
+    st = start_all[key]
+    en = np.frombuffer(end, dtype=np.float64)[key]
+    grow = np.array(act, dtype=np.int64)[code]
+    up = np.maximum(np.maximum(np.array(burst, dtype=np.int64)[code], grow), 0)
+    dst_of = np.array(dest, dtype=np.int64)[code]
+    times = [st, en]
+    ranks = [rank, rank]
+    tape = [up, grow - up]
+    msgs = [np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64)]
+
+    def add(t, r, delta) -> None:
+        times.append(t)
+        ranks.append(r)
+        tape.append(np.zeros(len(delta), dtype=np.int64))
+        msgs.append(delta)
+
+    # sends: held from the producer's end to the end of the rank's next op (or its own end, the
+    # step's last), and at least until the transfer lands
+    sent = np.nonzero(dst_of >= 0)[0]
+    if len(sent):
+        produced = key[sent]
+        size = np.array(msg_bytes, dtype=np.int64)[code[sent]]
+        landed = np.frombuffer(arrive, dtype=np.float64)[produced]
+        is_last = np.zeros(total, dtype=bool)
+        is_last[(np.cumsum(lengths) - 1)[lengths > 0]] = True
+        following = np.where(is_last[sent], sent, sent + 1)
+        add(en[sent], rank[sent], size)
+        add(np.maximum(en[following], landed), rank[sent], -size)
+        # receives: each message's buffer until the op that reads it starts: an F's output is
+        # the next stage's F's input; a gradient, the previous stage's I, or its B
+        kind = code[sent] % 4
+        forward = kind == 0
+        below = produced - 4 * num_mb + num_mb * (1 - kind)  # the I of the stage before
+        as_i = np.frombuffer(present, dtype=np.uint8)[np.where(forward, 0, below)] == 1
+        reader = np.where(forward, produced + 4 * num_mb, np.where(as_i, below, below + 2 * num_mb))
+        used = start_all[reader]
+        # channels (src, dst) carry their messages in the order the sender runs them
+        dst = dst_of[sent]
+        channel = rank[sent] * num_ranks + dst
+        order = np.argsort(channel, kind="stable")
+        channel, size, dst, landed, used = channel[order], size[order], dst[order], landed[order], used[order]
+        first_of_channel = np.ones(len(channel), dtype=bool)
+        first_of_channel[1:] = channel[1:] != channel[:-1]
+        posted = np.empty(len(channel))
+        posted[1:] = landed[:-1]
+        posted[first_of_channel] = first_start
+        add(posted, dst, size)
+        add(used, dst, -size)
+        # after a channel's last message lands, the buffer of the next step's first
+        last_of_channel = np.ones(len(channel), dtype=bool)
+        last_of_channel[:-1] = first_of_channel[1:]
+        add(landed[last_of_channel], dst[last_of_channel], size[first_of_channel])
+        add(np.full(int(last_of_channel.sum()), last_end), dst[last_of_channel], -size[first_of_channel])
+
+    t = np.concatenate(times)
+    r = np.concatenate(ranks)
+    # by rank, then time: a sort by time, then a stable one by rank (a radix sort on narrow ints)
+    order = np.argsort(t)
+    narrow = np.int16 if num_ranks < 1 << 15 else np.int32
+    order = order[np.argsort(r[order].astype(narrow), kind="stable")]
+    t, r = t[order], r[order]
+    # the level after every event of one (rank, instant): each group's last entry
+    group_end = np.ones(len(t), dtype=bool)
+    group_end[:-1] = (r[1:] != r[:-1]) | (t[1:] != t[:-1])
+    bounds = np.searchsorted(r, np.arange(num_ranks + 1))
+    has = bounds[1:] > bounds[:-1]
+    peaks = []
+    message_deltas = np.concatenate(msgs)[order]
+    for deltas in (np.concatenate(tape)[order] + message_deltas, message_deltas):
+        level = np.cumsum(deltas)
+        # each rank's levels from zero: less what the ranks before it left
+        level -= np.repeat(np.concatenate(([0], level))[bounds[:-1]], np.diff(bounds))
+        masked = np.where(group_end, level, 0)
+        best = np.zeros(num_ranks, dtype=np.int64)
+        best[has] = np.maximum.reduceat(masked, bounds[:-1][has])
+        peaks.append(np.maximum(best, 0).tolist())
+    return peaks[0], peaks[1]
 
 
 def _waits(plan, keys, ptr, cross, local, done, num_mb, rank_of_stage) -> list[tuple[int, Op, Op, int]]:

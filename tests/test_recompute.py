@@ -196,8 +196,8 @@ def test_baseline_cli_recompute_flag(tmp_path, profile_file):
     assert not a.fits_memory and b.fits_memory
     # 1F1B on 2 ranks, 4 microbatches: rank 0 holds 2 x 40 GB without; with, one 40 GB rebuild
     # (its inputs are the microbatches, which no profile sizes)
-    assert a.peak_memory_bytes[0] == 2 * 40 * GB
-    assert b.peak_memory_bytes[0] == pytest.approx(40 * GB, rel=1e-3)
+    assert a.peak_activation_bytes[0] == 2 * 40 * GB
+    assert b.peak_activation_bytes[0] == pytest.approx(40 * GB, rel=1e-3)
 
 
 def test_export_notes_the_recomputing_stages(tmp_path):
@@ -319,7 +319,7 @@ def test_the_climb_turns_recomputation_off_one_stage_at_a_time_where_a_whole_ran
                       recompute=frozenset(range(4)))
     evaluator = Evaluator(profile, free_cluster(2, memory_gb=61))
     result = evaluator.simulate(start)
-    assert result.fits_memory and list(result.peak_memory_bytes) == [20 * GB, 3 * 20 * GB]
+    assert result.fits_memory and list(result.peak_activation_bytes) == [20 * GB, 3 * 20 * GB]
     moves = {m.origin: m for m in neighbours(start, result, rng=random.Random(0)) if "recompute" in m.origin}
     assert moves["rank 0: no recompute"].recompute == {1, 2} and moves["rank 1: no recompute"].recompute == {0, 3}
     assert moves["stage 3 (rank 0): no recompute"].recompute == {0, 1, 2}
@@ -379,9 +379,9 @@ def test_the_climb_recomputes_fewer_of_a_stages_layers_where_keeping_all_would_n
                       recompute=frozenset(range(4)))
     evaluator = Evaluator(_sixteen_layers(), free_cluster(2, memory_gb=125))
     result = evaluator.simulate(start)
-    assert result.fits_memory and result.peak_memory_bytes[0] == 40 * GB  # one rebuild
+    assert result.fits_memory and result.peak_activation_bytes[0] == 40 * GB  # one rebuild
     moves = {m.origin: m for m in neighbours(start, result, rng=random.Random(0)) if "recompute" in m.origin}
-    peak = {name: evaluator.simulate(moves[name]).peak_memory_bytes[0] for name in
+    peak = {name: evaluator.simulate(moves[name]).peak_activation_bytes[0] for name in
             ("stage 0 (rank 0): no recompute", "stage 0 (rank 0): recompute 2 of 4 layers",
              "stage 0 (rank 0): recompute 3 of 4 layers")}
     assert peak == {"stage 0 (rank 0): no recompute": 160 * GB,
@@ -446,9 +446,9 @@ def test_a_baseline_that_does_not_fit_recomputes_the_fewest_layers_per_stage_tha
     assert row.candidate.recompute_layers == ((0, 4), (1, 4))
     assert row.candidate.origin == "1f1b/uniform+recompute (first 4 layers per stage)"
     evaluator = Evaluator(profile, cluster)
-    assert evaluator.simulate(row.candidate).peak_memory_bytes[0] == 120 * GB
+    assert evaluator.simulate(row.candidate).peak_activation_bytes[0] == 120 * GB
     three = replace(row.candidate, recompute_layers=((0, 3), (1, 3)))
-    assert evaluator.simulate(three).peak_memory_bytes[0] == 130 * GB  # one layer fewer does not fit
+    assert evaluator.simulate(three).peak_activation_bytes[0] == 130 * GB  # one layer fewer does not fit
 
 
 def test_a_layer_count_that_a_boundary_shift_made_whole_is_written_as_the_whole_stage(tmp_path):

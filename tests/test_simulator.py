@@ -70,10 +70,117 @@ def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
     assert [result.idle_parts(r) for r in range(2)] == [(0, 14, 0), (5, 2, 5)]
     assert result.summary()["idle_ms"] == [[0, 14, 0], [5, 2, 5]]
     assert [str(op) for op in result.critical_path] == ["0F0", "0F1", "1F1", "1B0", "1B1", "0B1"]
-    # Activations: rank 0 holds two microbatches of layer a (its 2 MB output, once sent, no tape
+    # Tapes: rank 0 holds two microbatches of layer a (its 2 MB output, once sent, no tape
     # holds: octorun keeps only its backward's gradient edge); rank 1 two of layer b.
-    assert result.peak_memory_bytes == (2 * 100, 2 * 1000)
-    assert result.peak_activation_bytes == result.peak_memory_bytes  # no parameters
+    assert result.peak_activation_bytes == (2 * 100, 2 * 1000)
+    # Messages, 2 MB each. Rank 0: the buffer for 1B0's gradient is posted from the start; 0F0
+    # is held from 2 until its send is done at 5 (past 0F1's end at 4), 0F1 from 4 until 0B0
+    # ends at 18: at [4, 5) it holds three (6 MB) beside two microbatches' 200 bytes. Rank 1:
+    # one posted buffer throughout, and the gradient of 1B0 from 13 until 1B1 ends at 17 (its
+    # send was done at 16): 4 MB beside one microbatch at [13, 17), two buffers and 1B1's
+    # gradient (held until 20) with none at [17, 20).
+    assert result.peak_message_bytes == (3 * 2_000_000, 2 * 2_000_000)
+    assert result.peak_memory_bytes == (3 * 2_000_000 + 2 * 100, 2 * 2_000_000 + 1000)
+
+
+def test_a_message_that_waits_in_the_mailbox_counts_beside_the_next_posted_buffer():
+    # Rank 1 runs 1F1B's order: 1B0 [6, 10] comes before 1F1, whose input 0F1 lands at 8.
+    profile = _two_layer_profile()
+    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"],
+                 cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
+    result = simulate(plan, profile)
+    assert result.op_times()[Op(1, Kind.F, 1)] == (10, 11) and result.op_times()[Op(0, Kind.B, 1)] == (18, 20)
+    # Rank 1's channel from rank 0: 0F1's buffer is posted when 0F0 lands (5) and waits until
+    # 1F1 starts (10); once 0F1 has landed (8) the next step's first buffer is posted. At
+    # [8, 10) it holds both (4 MB) while 1B0 still holds microbatch 0's 1000 bytes; at 10 the
+    # input is handed to 1F1's tape and 1B0's gradient (held until it lands at 13) takes its place.
+    assert result.peak_message_bytes[1] == 2 * 2_000_000
+    assert result.peak_memory_bytes[1] == 2 * 2_000_000 + 1000
+    assert result.peak_activation_bytes == (2 * 100, 1000)
+
+
+def _memory_by_sweep(result, costs, rank_of_stage, num_mb) -> tuple[list[int], list[int]]:
+    """The memory rules of docs/SPEC_ADDITIONS.md section 7, stated plainly over ops and the
+    timeline's transfers: per rank, the peak of tapes plus messages, and of messages alone."""
+    times = result.op_times()
+    landed = {t.op: t.end_ms for t in result.transfers}
+    first = min(start for start, _ in times.values())
+    last = result.iteration_ms + first
+    events = [[] for _ in range(result.num_ranks)]  # (time, tape delta, message delta)
+
+    def grows(op):
+        c = costs[op.stage]
+        return {Kind.F: c.activation_bytes, Kind.I: c.i_delta_bytes, Kind.W: -(c.w_held_bytes + c.pending_w_bytes),
+                Kind.B: -c.activation_bytes}[op.kind]
+
+    def bursts(op):
+        c = costs[op.stage]
+        return {Kind.I: c.recompute_bytes + c.i_peak_bytes, Kind.B: c.recompute_bytes}.get(op.kind, 0)
+
+    def weight(op):
+        return costs[op.stage].output_bytes if op.kind is Kind.F else costs[op.stage - 1].output_bytes
+
+    def reader(op):
+        if op.kind is Kind.F:
+            return Op(op.stage + 1, Kind.F, op.mb)
+        below = Op(op.stage - 1, Kind.I, op.mb)
+        return below if below in times else Op(op.stage - 1, Kind.B, op.mb)
+
+    channels: dict[tuple[int, int], list[Op]] = {}
+    for r in range(result.num_ranks):
+        ops = [span.op for span in result.spans(r)]
+        for i, op in enumerate(ops):
+            start, end = times[op]
+            during = max(bursts(op), grows(op), 0)
+            events[r] += [(start, during, 0), (end, grows(op) - during, 0)]
+            if op in landed:
+                held_to = max(times[ops[i + 1]][1] if i + 1 < len(ops) else end, landed[op])
+                events[r] += [(end, 0, weight(op)), (held_to, 0, -weight(op))]
+                channels.setdefault((r, rank_of_stage[reader(op).stage]), []).append(op)
+    for (_, dst), sent in channels.items():
+        posted = first
+        for op in sent:
+            events[dst] += [(posted, 0, weight(op)), (times[reader(op)][0], 0, -weight(op))]
+            posted = landed[op]
+        events[dst] += [(posted, 0, weight(sent[0])), (last, 0, -weight(sent[0]))]
+    both, alone = [], []
+    for ev in events:
+        tape = msgs = top = top_msgs = 0
+        for t in sorted({e[0] for e in ev}):
+            tape += sum(e[1] for e in ev if e[0] == t)
+            msgs += sum(e[2] for e in ev if e[0] == t)
+            top, top_msgs = max(top, tape + msgs), max(top_msgs, msgs)
+        both.append(top)
+        alone.append(top_msgs)
+    return both, alone
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 1_000_000), num_ranks=st.integers(1, 4), extra_stages=st.integers(0, 4),
+       num_mb=st.integers(1, 5), split_p=st.floats(0, 1), latency=st.sampled_from([0.0, 50.0, 2000.0]))
+def test_random_plans_hold_the_tapes_and_messages_the_rules_give(seed, num_ranks, extra_stages, num_mb, split_p, latency):
+    from octoplan.costs import stage_costs
+
+    rng = random.Random(seed)
+    num_stages = num_ranks + extra_stages
+    placement, orders = _random_valid_plan(rng, num_ranks=num_ranks, num_stages=num_stages, num_mb=num_mb, split_p=split_p)
+    layers = tuple(Layer(f"l{i}", "layer", rng.uniform(0.1, 5), rng.uniform(0.1, 5), rng.uniform(0.1, 5), 1000,
+                         rng.choice([0, 3_000, 4_000_000]), rng.choice([0, 10_000, 5_000_000]),
+                         w_saved_bytes=rng.choice([None, 0, 1_000]), pending_w_bytes=rng.choice([0, 2_000]))
+                   for i in range(num_stages))
+    profile = Profile(model=ModelRef("t"), layers=layers)
+    plan = Plan(
+        model=ModelRef("t"),
+        cluster=Cluster(gpus=num_ranks, gpus_per_node=2, latency_us=latency),
+        parallel=Parallel(pp=num_ranks, dp=1, microbatches=num_mb),
+        stages=tuple(Stage(s, s + 1, placement[s], recompute=rng.random() < 0.2) for s in range(num_stages)),
+        schedule=tuple(tuple(ops) for ops in orders),
+    )
+    result = simulate(plan, profile)
+    both, alone = _memory_by_sweep(result, stage_costs(plan.stages, LayerTable(profile)), placement, num_mb)
+    assert list(result.peak_message_bytes) == alone
+    assert [peak - static for peak, static in zip(result.peak_memory_bytes, result.static_memory_bytes)] == both
+    assert all(tape <= total for tape, total in zip(result.peak_activation_bytes, both))
 
 
 def test_a_wait_after_a_first_op_of_no_time_is_between_ops_not_before_the_first():
@@ -165,7 +272,8 @@ def test_data_parallel_allreduce_after_the_last_backward_counts_in_the_iteration
     # after its last op, rank 0 waits 10 ms for its all-reduce; rank 1 is done at 17
     assert [result.idle_parts(r) for r in range(2)] == [(0, 14, 10), (5, 2, 15)]
     # static memory: weights + grads + Adam (fp32 profile: 16 bytes per parameter).
-    assert result.peak_memory_bytes[0] == static_bytes(4_000_000, dtype_bytes=4) + 2 * 100 == 16_000_200
+    # On top, the same tapes and messages as with dp 1 (the timeline is the same).
+    assert result.peak_memory_bytes[0] == static_bytes(4_000_000, dtype_bytes=4) + 6_000_000 + 2 * 100 == 22_000_200
     assert result.static_memory_bytes[0] == 16_000_000
 
 
