@@ -186,3 +186,63 @@ def test_default_warm_up_matches_1f1b_and_zb_v():
     v = default_policies(v_placement(4, 8), 4, 16)
     assert [p.warmup for p in v] == [7, 5, 3, 1]  # ZB-V: 2(pp - r) - 1 forwards of chunk 0
     assert [p.warmup for p in default_policies(v_placement(4, 8), 4, 16, warmup_gap=False)] == [16] * 4
+
+
+def test_placement_moves_leave_no_rank_with_more_stages_than_allowed():
+    # rank 0 (two heavy stages) is hot; rank 1 also holds two, rank 2 one: with at most two
+    # per rank, a stage may move to rank 2 but never onto rank 1
+    import random
+
+    from octoplan.tuner.moves import neighbours
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+
+    profile = make_profile([(3, 3, 3), (1, 1, 1), (1, 1, 1), (3, 3, 3), (1, 1, 1)])
+    evaluator = Evaluator(profile, free_cluster(3))
+    ranks = (0, 1, 2, 0, 1)
+    cand = Candidate(Config(3, 1, 6), (0, 1, 2, 3, 4, 5), ranks, default_policies(ranks, 3, 6))
+    moved = list(neighbours(cand, evaluator.simulate(cand), dimensions=("placement",), rng=random.Random(0),
+                            max_stages_per_rank=2))
+    origins = {m.origin for m in moved}
+    assert {"move stage 0 to rank 2", "move stage 3 to rank 2"} <= origins
+    assert all(max(m.ranks.count(r) for r in range(3)) <= 2 for m in moved)
+    roomier = list(neighbours(cand, evaluator.simulate(cand), dimensions=("placement",), rng=random.Random(0),
+                              max_stages_per_rank=3))
+    assert any(max(m.ranks.count(r) for r in range(3)) == 3 for m in roomier)
+
+
+@settings(max_examples=100, deadline=None)
+@given(placements(), st.sampled_from([250.0, 1000.0, 4000.0]))
+def test_the_op_overhead_is_scheduled_as_the_simulator_charges_it(case, overhead_us):
+    # each op lasts its stage's time plus the overhead, once (a B too): the same as costs that
+    # include it on a cluster without one
+    pp, ranks, microbatches, policies, _, budget = case
+    _, cluster, parallel, _, costs = layout_of(case, latency_us=5.0, inter_node_gbps=1e-3)
+    o = overhead_us / 1000.0
+    with_it = [replace(c, forward_ms=c.forward_ms + o, backward_input_ms=c.backward_input_ms + o,
+                       backward_weight_ms=c.backward_weight_ms + o, backward_ms=c.b_ms + o) for c in costs]
+    charged = replace(cluster, op_overhead_us=overhead_us)
+    assert policy_schedule(ranks, costs, microbatches=microbatches, policies=policies, cluster=charged,
+                           parallel=parallel, activation_budget_bytes=budget) == \
+        policy_schedule(ranks, with_it, microbatches=microbatches, policies=policies, cluster=cluster,
+                        parallel=parallel, activation_budget_bytes=budget)
+
+
+def test_the_memory_budget_keeps_room_for_the_messages_beside_the_tapes():
+    # 4 ranks of one 1 GB layer each, 0.5 GB messages, 3.5 GB per GPU. The tapes alone would
+    # let rank 1 admit 3 microbatches; with its two incoming channels (a receive posted ahead
+    # and one waiting on each: 2 GB) and its two outgoing ones (1 GB) it keeps room for 3 GB of
+    # messages, so it admits one at a time and the plan fits with its messages counted.
+    from octoplan.plan import Cluster
+    from octoplan.profile import Layer, ModelRef, Profile
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+
+    gb = 10**9
+    profile = Profile(model=ModelRef("x"), layers=tuple(Layer(f"l{i}", "layer", 1.0, 1.0, 1.0, 0, gb, gb // 2)
+                                                        for i in range(4)))
+    cluster = Cluster(gpus=4, memory_gb=3.5, latency_us=0, intra_node_gbps=1e12, inter_node_gbps=1e12)
+    ranks = (0, 1, 2, 3)
+    cand = Candidate(Config(4, 1, 8), (0, 1, 2, 3, 4), ranks, default_policies(ranks, 4, 8))
+    result = Evaluator(profile, cluster).simulate(cand)
+    assert result.fits_memory
+    assert max(result.peak_message_bytes) >= gb  # the messages are what the budget made room for
+    assert list(result.peak_activation_bytes) == [2 * gb, gb, gb, gb]

@@ -17,7 +17,8 @@ free it runs the ready op its :class:`RankPolicy` prefers:
    stage's forwards — once it has run ``warmup`` of them (the warm-up depth: how far ahead the
    rank fills before it turns to its other stages, ZB-V's 2(pp-r)-1), or while admitting it could push
    the rank's activations past its ``activation_budget_bytes`` (each admission reserves the
-   microbatch's activations on all the rank's stages; B or W releases them);
+   microbatch's activations on all the rank's stages; B or W releases them; the budget keeps
+   room for the messages the rank's transport holds beside them);
 4. a deferred W, to fill a gap where nothing else is ready — with ``w_fits_gap``, only if no
    op whose input is already on its way would arrive before the W ends.
 
@@ -147,10 +148,11 @@ def policy_schedule(
     desc = [sorted(held, reverse=True) for held in stages_of]
     fwd_order = [desc[r] if policies[r].deep_first else stages_of[r] for r in range(num_ranks)]
     split = [policies[r].split for r in rank_of_stage]
-    f_ms = [c.forward_ms for c in costs]
-    i_ms = [c.backward_input_ms for c in costs]
-    w_ms = [c.backward_weight_ms for c in costs]
-    b_ms = [c.b_ms for c in costs]
+    overhead = cluster.op_overhead_us / 1000.0  # every op pays it, as in the simulator
+    f_ms = [c.forward_ms + overhead for c in costs]
+    i_ms = [c.backward_input_ms + overhead for c in costs]
+    w_ms = [c.backward_weight_ms + overhead for c in costs]
+    b_ms = [c.b_ms + overhead for c in costs]
     # wire time of each stage's forward output and backward gradient (0: same rank / none)
     fwd_to = [rank_of_stage[s + 1] if s + 1 < num_stages else -1 for s in range(num_stages)]
     bwd_to = [rank_of_stage[s - 1] if s > 0 else -1 for s in range(num_stages)]
@@ -182,6 +184,18 @@ def policy_schedule(
     footprint = [sum(act[s] for s in held) for held in stages_of]  # one microbatch on the whole rank
     budget = list(activation_budget_bytes) if activation_budget_bytes is not None else [_INF] * num_ranks
     budget = [b - max(transient[s] for s in held) for b, held in zip(budget, stages_of)]
+    # and for the transport's messages beside the tapes (octoplan.simulator._message_peaks): per
+    # incoming channel the receive posted ahead and one message waiting, per outgoing channel
+    # a send not yet let go, each at the channel's largest message
+    largest: dict[tuple[int, int], int] = {}
+    for s in range(num_stages):
+        r = rank_of_stage[s]
+        for dst, size in ((fwd_to[s], costs[s].output_bytes), (bwd_to[s], costs[s - 1].output_bytes if s else 0)):
+            if dst >= 0 and dst != r:
+                largest[r, dst] = max(largest.get((r, dst), 0), size)
+    for (src, dst), size in largest.items():
+        budget[src] -= size
+        budget[dst] -= 2 * size
     # ranks where an I can leave more held than F did: only their Ws bring them back under budget
     i_grows = [any(split[s] and after_i[s] > 0 for s in held) for held in stages_of]
     reserved = [0.0] * num_ranks  # activations admitted microbatches hold or will hold

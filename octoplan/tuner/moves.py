@@ -185,7 +185,8 @@ def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[t
     return out
 
 
-def _placement_moves(cand: Candidate, heat: Heat, rng: random.Random, breadth: int) -> list[tuple[float, Candidate]]:
+def _placement_moves(cand: Candidate, heat: Heat, rng: random.Random, breadth: int,
+                     max_per_rank: int) -> list[tuple[float, Candidate]]:
     out = []
     pp = cand.config.pp
     counts = [0] * pp
@@ -201,8 +202,8 @@ def _placement_moves(cand: Candidate, heat: Heat, rng: random.Random, breadth: i
                 continue
             gap = heat.heat(h) - heat.heat(c)
             for a in cand.stages_of(h):
-                # move a stage off a rank that holds several
-                if counts[h] > 1:
+                # move a stage off a rank that holds several, onto one with room for it
+                if counts[h] > 1 and counts[c] < max_per_rank:
                     moved = ranks[:a] + (c,) + ranks[a + 1:]
                     out.append((gap, _with_layout(cand, cand.bounds, moved, f"move stage {a} to rank {c}")))
                 for s in cand.stages_of(c):
@@ -473,7 +474,7 @@ def neighbours(
         groups.append(_boundary_moves(cand, heat, memory_first))
         groups.append(_stage_count_moves(cand, heat, max_stages_per_rank))
     if "placement" in dimensions:
-        groups.append(_placement_moves(cand, heat, rng, breadth))
+        groups.append(_placement_moves(cand, heat, rng, breadth, max_stages_per_rank))
         if work is not None and cand.num_stages > cand.config.pp:
             groups.append(_start_aware_moves(cand, work, max_stages_per_rank))
     if "schedule" in dimensions:
