@@ -21,7 +21,7 @@ from octoplan.cliutil import (
 from octoplan.errors import InputError
 from octoplan.outputs import check_distinct, check_writable
 from octoplan.plan import Plan, load_plan, load_plan_profile, plan_microbatch_size, resolve_profile_path, save_plan
-from octoplan.profile import Profile, load_profile, save_profile
+from octoplan.profile import MAX_MICROBATCH_SIZE, Profile, load_profile, save_profile
 from octoplan.tuner.cli import register as register_tuner_commands
 from octoplan.tuner.search import MAX_WORKERS
 
@@ -69,11 +69,16 @@ def profile(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile file to write"),
 ) -> None:
     """Measure every layer of a model file, or write an analytic profile of a known architecture."""
+    # an option of the other kind of profile, or any with --list, would be ignored without a word: refuse it
+    given = {"--gpu": gpu, "--tp": tp, "--seq-len": seq_len, "--split-blocks": split_blocks or None,
+             "--repeat": repeat, "--device": device, "--clock": clock, "--config": config or None,
+             "--check-whole": check_whole or None}
     if list_known:
         from octoplan.arch import list_architectures, list_gpus
 
-        others = [flag for flag, value in (("MODEL", model), ("--arch", arch), ("-o", output)) if value is not None]
-        if others:  # they would be ignored without a word
+        others = [flag for flag, value in (("MODEL", model), ("--arch", arch), *given.items(),
+                                           ("--microbatch-size", microbatch_size), ("-o", output)) if value is not None]
+        if others:
             raise InputError(None, "--list", f"given with {', '.join(others)}", "run --list alone, then profile")
 
         table = Table(title="architectures")
@@ -91,10 +96,6 @@ def profile(
         return
     if arch is not None and model is not None:
         raise InputError(None, "--arch", f"given with the model file {model}", "profile either a model file or --arch NAME")
-    # an option of the other kind of profile would be ignored without a word: refuse it
-    given = {"--gpu": gpu, "--tp": tp, "--seq-len": seq_len, "--split-blocks": split_blocks or None,
-             "--repeat": repeat, "--device": device, "--clock": clock, "--config": config or None,
-             "--check-whole": check_whole or None}
     if arch is not None:
         for flag in ("--repeat", "--device", "--clock", "--config", "--check-whole"):
             if given[flag] is not None:
@@ -105,8 +106,10 @@ def profile(
             if given[flag] is not None:
                 raise InputError(None, flag, "applies to analytic profiles (--arch), not to a model file",
                                  f"drop {flag} (a model file is measured on this machine; see --config for its settings)")
-    if microbatch_size is not None and microbatch_size < 1:
-        raise InputError(None, "--microbatch-size", f"is {microbatch_size}", "use 1 or more samples per microbatch")
+    # every reader of the profile holds it to this range: refused before anything is measured or written
+    if microbatch_size is not None and not 1 <= microbatch_size <= MAX_MICROBATCH_SIZE:
+        raise InputError(None, "--microbatch-size", f"is {microbatch_size}",
+                         f"use 1 to {MAX_MICROBATCH_SIZE} samples per microbatch")
     if output is not None:
         check_writable(output, "-o", inputs=(model,))
     if arch is not None:
@@ -276,13 +279,12 @@ def validate(plan_path: Path = typer.Argument(..., metavar="PLAN")) -> None:
     from octoplan.validate import check_runnable
 
     plan = load_plan(plan_path)
-    if plan.profile:
-        load_plan_profile(plan, plan_path)
-    plan_microbatch_size(plan, plan_path)  # what octorun reads where the plan names no profile
+    # the profile it names (hash, layer count, model), or without one what octorun reads instead
+    plan_microbatch_size(plan, plan_path)
     check_runnable(plan, file=str(plan_path))
     num_ops = sum(len(ops) for ops in plan.schedule)
     # without a profile nothing says how many layers the model has, so the last stage's end is unchecked
-    unchecked = "" if plan.profile else "; no profile field, so whether the stages cover every layer is not checked"
+    unchecked = "" if plan.profile is not None else "; no profile field, so whether the stages cover every layer is not checked"
     recomputing = plan.num_recomputing
     console.print(f"{plan_path}: valid ({plan.num_stages} stages on {plan.pp} ranks"
                   f"{f', {recomputing} recomputing' if recomputing else ''}, {plan.microbatches} microbatches, "
@@ -509,7 +511,7 @@ def export(
     from octoplan.export import export_plan
 
     plan = load_plan(plan_path)
-    if plan.profile:  # a plan whose profile changed or went missing is refused here as everywhere
+    if plan.profile is not None:  # a plan whose profile changed or went missing is refused here as everywhere
         load_plan_profile(plan, plan_path)
     check_writable(output, "-o", inputs=_plan_files(plan, plan_path))
     export_plan(plan, output, format=format, file=str(plan_path))
@@ -533,15 +535,28 @@ register_tuner_commands(app)
 _OUTPUT_FLAGS = ("-o", "--output", "--svg", "--trace")
 
 
+def _output_value(argv: list[str], index: int) -> tuple[str, str] | None:
+    """(flag, value) where ``argv[index]`` is an output option, in each spelling click takes:
+    ``--output VALUE``, ``--output=VALUE``, ``-o VALUE`` and ``-oVALUE`` (-o is the only short
+    option of the commands, so it is never in a group like ``-xo``)."""
+    token = argv[index]
+    following = argv[index + 1] if index + 1 < len(argv) else ""
+    if token.startswith("--"):
+        flag, equals, value = token.partition("=")
+        return (flag, value if equals else following) if flag in _OUTPUT_FLAGS else None
+    flag = token[:2]
+    if flag in _OUTPUT_FLAGS:
+        return flag, token[2:] or following  # click reads "-o=x" as "=x": so does this
+    return None
+
+
 def _refuse_folder_outputs(argv: list[str]) -> None:
     for index, token in enumerate(argv):
-        flag, _, value = token.partition("=")
-        if flag not in _OUTPUT_FLAGS:
-            continue
-        if not value and token == flag and index + 1 < len(argv):
-            value = argv[index + 1]
-        if value.endswith(("/", os.sep)):
-            fail(InputError(value, None, f"{flag} names a folder (it ends in /)", "give a file path"))
+        if token == "--":  # the rest are arguments, not options
+            return
+        found = _output_value(argv, index)
+        if found is not None and found[1].endswith(("/", os.sep)):
+            fail(InputError(found[1], None, f"{found[0]} names a folder (it ends in /)", "give a file path"))
 
 
 def main() -> None:

@@ -7,7 +7,10 @@ CLI prints it.
 
 from __future__ import annotations
 
-__all__ = ["InputError"]
+import reprlib
+from typing import Any
+
+__all__ = ["InputError", "shown"]
 
 
 # A part of the line longer than this is cut in its middle: a bad value echoed back may be a
@@ -21,6 +24,30 @@ def _clipped(part):
         return part
     half = _PART_CHARS // 2
     return f"{part[:half]}...[{len(part) - 2 * half} characters]...{part[-half:]}"
+
+
+# What a bad value echoed back may show of a structure: reprlib's cuts, so that the text is
+# bounded before it is built. repr() of a list a few YAML aliases expand to 10**9 items would
+# run for minutes (and take the memory) before _clipped could trim it.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel = 2
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxset = _SHOWN.maxfrozenset = _SHOWN.maxdict = 6
+_SHOWN.maxstring = 200  # inside a structure; a string alone is cut by _clipped, which counts what it drops
+_SHOWN.maxlong = 60
+_SHOWN.maxother = 200
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error line, bounded whatever the value's size: a long string is
+    cut in its middle, saying how much was left out, a structure after its first items."""
+    if isinstance(value, str):
+        if len(value) <= _PART_CHARS:
+            return repr(value)
+        half = _PART_CHARS // 2
+        return f"{value[:half]!r}...[{len(value) - 2 * half} characters]...{value[-half:]!r}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**60:
+        return f"a {len(str(abs(value)))}-digit number"  # str() of over 4300 digits would raise
+    return _SHOWN.repr(value)
 
 
 class InputError(ValueError):

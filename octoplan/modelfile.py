@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from octoplan.errors import InputError
+from octoplan.errors import InputError, shown
 from octoplan.inputs import check_input_file
 
 __all__ = [
@@ -91,7 +91,7 @@ class ModelFile:
             return fn(*args, **kwargs)
         except TypeError as exc:
             # most often a config key the model does not take, or a value of the wrong type
-            given = ", ".join(f"{key}={value!r}" for key, value in self.config.items()) or "no config"
+            given = ", ".join(f"{key}={shown(value)}" for key, value in self.config.items()) or "no config"
             if len(given) > 120:
                 given = given[:117] + "..."
             raise InputError(self.path, name, f"call failed with {given}: {exc}",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from octoplan.errors import InputError
+from octoplan.errors import InputError, shown
 from octoplan.ops import Kind, Op, format_ops, parse_op
 from octoplan.profile import MAX_MICROBATCH_SIZE, MEMORY_GB_RANGE, ModelRef, Profile, load_profile
 from octoplan.yamlio import Fields, file_sha256, read_yaml, write_yaml
@@ -34,6 +34,7 @@ __all__ = [
     "plan_from_dict",
     "check_structure",
     "resolve_profile_path",
+    "resolve_written_path",
     "load_plan_profile",
 ]
 
@@ -176,12 +177,19 @@ class Plan:
         return replace(self, schedule=tuple(tuple(ops) for ops in schedule))
 
 
+# A plan's top-level fields (the SPEC's and SPEC_ADDITIONS'): any other is kept as an extension,
+# unless it is a near miss of one of these (a misspelt profile would leave the plan without one)
+_TOP_FIELDS = ("format", "profile", "profile_sha256", "model", "cluster", "parallel", "stages", "schedule", "predicted",
+               "microbatch_size", "generator", "tuner")
+
+
 def _parse_schedule(raw: Any, *, file: str, pp: int) -> tuple[tuple[Op, ...], ...]:
     if not isinstance(raw, dict):
         raise InputError(file, "schedule", "must map each pipeline rank to its ops", "see SPEC section 3")
     keyed: dict[int, Any] = {}
     for key, value in raw.items():
-        if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())):
+        # ASCII digits only: str.isdigit() also passes "²" (which int() refuses) and "٢" (read as 2)
+        if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and re.fullmatch(r"[0-9]+", key))):
             raise InputError(file, f"schedule.{key}", "is not a pipeline rank", f"use ranks 0..{pp - 1}")
         rank = int(key)
         if rank in keyed:
@@ -221,7 +229,9 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
     fmt = top.str("format")
     if fmt != PLAN_FORMAT:
         raise InputError(file, "format", f"is {fmt!r}, expected {PLAN_FORMAT!r}", "regenerate it with octoplan tune")
+    top.no_misspelling(_TOP_FIELDS)
     model = top.mapping("model")
+    model.no_misspelling(("name", "source", "config"))
     config = model.raw("config", {})
     if not isinstance(config, dict):
         raise InputError(file, "model.config", "must be a mapping", "write key: value pairs")
@@ -239,7 +249,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
     parallel = Parallel(
         pp=p.int("pp", minimum=1),
         dp=p.int("dp", 1, minimum=1),
-        microbatches=p.int("microbatches", minimum=1),
+        microbatches=p.int("microbatches", minimum=1, maximum=MAX_MICROBATCHES),
         rank_order=p.str("rank_order", "pp-inner"),
     )
     if parallel.rank_order not in RANK_ORDERS:
@@ -255,7 +265,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
         s.only(("layers", "rank", "recompute", "recompute_layers"))
         layers = s.raw("layers")
         if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
-            raise InputError(file, f"stages[{i}].layers", f"is {layers!r}", "write [start, end) as two integers")
+            raise InputError(file, f"stages[{i}].layers", f"is {shown(layers)}", "write [start, end) as two integers")
         recompute = s.bool("recompute", False)
         some = s.int("recompute_layers", None, minimum=1, maximum=max(1, layers[1] - layers[0]))
         if some is not None and not recompute:
@@ -265,13 +275,16 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
     schedule = _parse_schedule(top.raw("schedule"), file=file, pp=parallel.pp)
     predicted = data.get("predicted")
     known = {"format", "profile", "profile_sha256", "model", "cluster", "parallel", "stages", "schedule", "predicted"}
+    profile = top.str("profile", None)
+    if profile is not None and not profile.strip():  # neither absent nor a path: say so, not "missing" or "not found"
+        raise InputError(file, "profile", "is empty", "write the path of the profile the plan was made from, or drop the field")
     plan = Plan(
         model=ModelRef(name=model.str("name"), source=model.str("source", None), config=dict(config)),
         cluster=cluster,
         parallel=parallel,
         stages=tuple(stages),
         schedule=schedule,
-        profile=top.str("profile", None),
+        profile=profile,
         profile_sha256=_sha256_field(top),
         predicted=predicted if isinstance(predicted, dict) else None,
         extra={k: v for k, v in data.items() if k not in known},
@@ -370,27 +383,32 @@ def load_plan(path: str | Path) -> Plan:
     return plan_from_dict(read_yaml(path, what="plan"), file=str(path))
 
 
-def resolve_profile_path(plan: Plan, plan_path: str | Path) -> Path | None:
-    """The plan's profile as written, else relative to the plan file or its parent folder."""
-    if not plan.profile:
+def resolve_written_path(written: str | None, file: str | Path) -> Path | None:
+    """A path a file holds (a plan's profile, a model's source) as written, else relative to
+    that file's folder or the folder above it (plans/ and profiles/ beside the model files);
+    None if none exists."""
+    if not written:
         return None
-    written = Path(plan.profile)
-    candidates = [written, Path(plan_path).parent / written, Path(plan_path).parent.parent / written]
-    for candidate in candidates:
+    for candidate in (Path(written), Path(file).parent / written, Path(file).parent.parent / written):
         if candidate.exists():
             return candidate
     return None
 
 
+def resolve_profile_path(plan: Plan, plan_path: str | Path) -> Path | None:
+    """The plan's profile as written, else relative to the plan file or its parent folder."""
+    return resolve_written_path(plan.profile, plan_path)
+
+
 def load_plan_profile(plan: Plan, plan_path: str | Path) -> Profile:
     """The profile a plan was made from, checked against the plan's hash and layer count."""
-    if not plan.profile:
+    if plan.profile is None:
         raise InputError(str(plan_path), "profile", "is missing", "add the path of the profile the plan was made from")
     path = resolve_profile_path(plan, plan_path)
     if path is None:
-        raise InputError(str(plan_path), "profile", f"profile {plan.profile!r} not found", "restore it or re-plan")
+        raise InputError(str(plan_path), "profile", f"profile {shown(plan.profile)} not found", "restore it or re-plan")
     if path.is_dir():
-        raise InputError(str(plan_path), "profile", f"{plan.profile!r} is a folder", "give the profile file's path")
+        raise InputError(str(plan_path), "profile", f"{shown(plan.profile)} is a folder", "give the profile file's path")
     if plan.profile_sha256 and file_sha256(path) != plan.profile_sha256:
         raise InputError(
             str(plan_path), "profile_sha256", f"does not match {path} (the profile changed since planning)",
@@ -398,17 +416,58 @@ def load_plan_profile(plan: Plan, plan_path: str | Path) -> Profile:
         )
     profile = load_profile(path)
     check_structure(plan, file=str(plan_path), num_layers=profile.num_layers)
+    _check_same_model(plan, str(plan_path), profile, path)
     return profile
 
 
+def _check_same_model(plan: Plan, plan_path: str, profile: Profile, profile_path: Path) -> None:
+    """The plan's model is its profile's: a plan edited to another config would pass every
+    check, and octorun would train a model the plan's costs say nothing about."""
+    fix = "re-plan from the profile with octoplan tune or baseline, or profile the model you mean"
+    mine, theirs = plan.model, profile.model
+    if mine.name != theirs.name:
+        raise InputError(plan_path, "model.name", f"is {shown(mine.name)} but the profile {profile_path} has "
+                         f"{shown(theirs.name)}", fix)
+    # the same file, however each spells its path (as written, or from its own folder)
+    if mine.source != theirs.source and not _same_file(resolve_written_path(mine.source, plan_path),
+                                                       resolve_written_path(theirs.source, profile_path)):
+        ours = "missing" if mine.source is None else shown(mine.source)
+        has = "has none" if theirs.source is None else f"has {shown(theirs.source)}"
+        raise InputError(plan_path, "model.source", f"is {ours} but the profile {profile_path} {has}", fix)
+    for key in [*mine.config, *(k for k in theirs.config if k not in mine.config)]:
+        if key not in theirs.config or key not in mine.config or not _same_value(mine.config[key], theirs.config[key]):
+            ours = shown(mine.config[key]) if key in mine.config else "missing"
+            has = f"has {shown(theirs.config[key])}" if key in theirs.config else "does not set it"
+            raise InputError(plan_path, f"model.config.{key}", f"is {ours} but the profile {profile_path} {has}", fix)
+
+
+def _same_file(a: Path | None, b: Path | None) -> bool:
+    try:
+        return a is not None and b is not None and a.samefile(b)
+    except OSError:
+        return False
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal and of one type (128 is not 128.0 nor True to a model file), NaN equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(_same_value, a, b))
+    return a == b or (a != a and b != b)
+
+
 def plan_microbatch_size(plan: Plan, plan_path: str | Path) -> int:
-    """Samples per microbatch: the plan's profile's, or (a plan without one) its top-level
-    ``microbatch_size`` (1 when absent)."""
-    if resolve_profile_path(plan, plan_path) is not None:
+    """Samples per microbatch: the plan's profile's, or (a plan with no ``profile`` field) its
+    top-level ``microbatch_size`` (1 when absent). A profile named but unreadable is bad input,
+    never a fall back to 1: octorun would train other microbatches than the plan's."""
+    if plan.profile is not None:
         return load_plan_profile(plan, plan_path).microbatch_size
     size = plan.extra.get("microbatch_size", 1)
     if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_MICROBATCH_SIZE:
-        raise InputError(str(plan_path), "microbatch_size", f"is {size!r}", f"write a whole number from 1 to {MAX_MICROBATCH_SIZE}")
+        raise InputError(str(plan_path), "microbatch_size", f"is {shown(size)}", f"write a whole number from 1 to {MAX_MICROBATCH_SIZE}")
     return size
 
 

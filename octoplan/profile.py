@@ -162,8 +162,18 @@ MAX_LAYER_MS = 86_400_000.0
 MAX_LAYER_BYTES = 10**15
 
 
+# The fields of a profile layer (SPEC and SPEC_ADDITIONS). Others are extensions SPEC allows
+# another tool to write, and are passed over; a near miss of one of these is refused instead.
+_LAYER_FIELDS = ("name", "kind", "forward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
+                 "activation_bytes", "output_bytes", "flops", "backward_ms", "pending_w_bytes", "w_saved_bytes",
+                 "input_freed_bytes", "output_saved_bytes", "output_w_bytes")
+# The top-level ones: others are kept verbatim (Profile.extra), near misses refused
+_TOP_FIELDS = ("format", "model", "device", "microbatch_size", "dtype", "layers")
+
+
 def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
     f = Fields(entry, file=file, prefix=f"layers[{index}]")
+    f.no_misspelling(_LAYER_FIELDS)
     flops = f.number("flops", None)
     layer = Layer(
         name=f.str("name"),
@@ -219,7 +229,9 @@ def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profi
     fmt = top.str("format")
     if fmt != PROFILE_FORMAT:
         raise InputError(file, "format", f"is {fmt!r}, expected {PROFILE_FORMAT!r}", "regenerate it with octoplan profile")
+    top.no_misspelling(_TOP_FIELDS)
     model = top.mapping("model")
+    model.no_misspelling(("name", "source", "config"))
     config = model.raw("config", {})
     if not isinstance(config, dict):
         raise InputError(file, "model.config", "must be a mapping", "write key: value pairs")
@@ -238,14 +250,13 @@ def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profi
     dtype = top.str("dtype", "float32")
     if dtype not in DTYPE_BYTES:
         raise InputError(file, "dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPE_BYTES)}")
-    known = {"format", "model", "device", "microbatch_size", "dtype", "layers"}
     return Profile(
         model=ModelRef(name=model.str("name"), source=model.str("source", None), config=dict(config)),
         layers=layers,
         device=dict(device.data),
         microbatch_size=top.int("microbatch_size", 1, minimum=1, maximum=MAX_MICROBATCH_SIZE),
         dtype=dtype,
-        extra={k: v for k, v in data.items() if k not in known},
+        extra={k: v for k, v in data.items() if k not in _TOP_FIELDS},
     )
 
 

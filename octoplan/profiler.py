@@ -47,8 +47,9 @@ import yaml
 
 from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
-from octoplan.profile import Layer, ModelRef, Profile
+from octoplan.profile import MAX_MICROBATCH_SIZE, Layer, ModelRef, Profile
 from octoplan.splitgrad import PendingWeightGrads, SavedTensors, backward_input, backward_weight
+from octoplan.yamlio import read_yaml_value
 
 __all__ = [
     "DEFAULT_CPU_THREADS",
@@ -73,7 +74,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 
 
 def parse_config_overrides(items: list[str]) -> dict[str, Any]:
-    """``["hidden=256", "name=x"]`` -> ``{"hidden": 256, "name": "x"}``; values are YAML scalars."""
+    """``["hidden=256", "name=x"]`` -> ``{"hidden": 256, "name": "x"}``; values are YAML scalars,
+    read as the files are (``noise=5e-1`` is a number, as ``noise: 5e-1`` in a plan's config)."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -81,7 +83,7 @@ def parse_config_overrides(items: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise InputError(None, "--config", f"{item!r} is not key=value", "write e.g. --config hidden=256")
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = read_yaml_value(text) if text.strip() else None
         except yaml.YAMLError:
             raise InputError(None, "--config", f"value of {key!r} is not valid YAML: {text!r}", "quote or fix the value") from None
         if value is None:
@@ -202,9 +204,11 @@ def _device_info(device: torch.device) -> dict[str, Any]:
     return {"name": "cpu", "memory_gb": round(total / 1e9, 1)}
 
 
-def _check_positive(value: int, field_name: str, minimum: int) -> None:
+def _check_positive(value: int, field_name: str, minimum: int, maximum: int | None = None) -> None:
     if not isinstance(value, int) or value < minimum:
         raise InputError(None, field_name, f"is {value!r}", f"give an integer >= {minimum}")
+    if maximum is not None and value > maximum:  # before a batch of that many samples is built
+        raise InputError(None, field_name, f"is {value}", f"use {minimum} to {maximum}")
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -534,7 +538,7 @@ def profile_model_file(
     """
     if clock not in ("auto", "wall", "cpu"):
         raise InputError(None, "--clock", f"is {clock!r}", "use auto, wall or cpu")
-    _check_positive(microbatch_size, "--microbatch-size", 1)
+    _check_positive(microbatch_size, "--microbatch-size", 1, MAX_MICROBATCH_SIZE)
     _check_positive(repeat, "--repeat", 1)
     _check_positive(warmup, "--warmup", 0)
     dev = _resolve_device(device)
@@ -602,7 +606,7 @@ def measure_whole_model_ms(
     with the same ``clock`` as :func:`profile_model_file`."""
     if clock not in ("auto", "wall", "cpu"):
         raise InputError(None, "--clock", f"is {clock!r}", "use auto, wall or cpu")
-    _check_positive(microbatch_size, "--microbatch-size", 1)
+    _check_positive(microbatch_size, "--microbatch-size", 1, MAX_MICROBATCH_SIZE)
     _check_positive(repeat, "--repeat", 1)
     dev = _resolve_device(device)
     mf = load_model_file(path, config, seed=seed)

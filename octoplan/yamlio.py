@@ -7,16 +7,17 @@ import difflib
 import hashlib
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
 
-from octoplan.errors import InputError
+from octoplan.errors import InputError, shown
 from octoplan.inputs import read_input_bytes, read_input_text
 from octoplan.outputs import write_text
 
-__all__ = ["read_yaml", "write_yaml", "file_sha256", "Fields"]
+__all__ = ["read_yaml", "read_yaml_value", "write_yaml", "file_sha256", "Fields", "MAX_ALIASED_NODES"]
 
 
 class _Loader(yaml.SafeLoader):
@@ -35,22 +36,82 @@ _Loader.add_implicit_resolver(
 )
 
 
-class _DuplicateKey(yaml.constructor.ConstructorError):
-    """A mapping that names one key twice: YAML forbids it, PyYAML keeps the last silently."""
+class _Refused(yaml.constructor.ConstructorError):
+    """Valid YAML that no octoplan file may hold; :func:`read_yaml` names its line and ``fix``."""
+
+    def __init__(self, problem: str, fix: str, mark: Any):
+        super().__init__(None, None, problem, mark)
+        self.fix = fix
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: set = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *base": its keys may be overridden here
+            continue
         key = loader.construct_object(key_node, deep=True)
         if isinstance(key, (str, int, float, bool)) or key is None:
-            if key in seen:
-                raise _DuplicateKey(None, None, f"key {key!r} appears twice", key_node.start_mark)
+            if key in seen:  # YAML forbids it, PyYAML keeps the last silently
+                raise _Refused(f"key {shown(key)} appears twice", "keep one of them", key_node.start_mark)
             seen.add(key)
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
 
 _Loader.construct_mapping = _construct_mapping  # type: ignore[method-assign]
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    try:
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError:  # Python reads no decimal of more digits (int_max_str_digits)
+        raise _Refused(f"a number of {len(node.value)} characters is more than Python reads "
+                       f"({sys.get_int_max_str_digits()} digits)", "write a smaller number", node.start_mark) from None
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+# The values aliases may add to a document beyond those written out: far above any use of
+# anchors in a plan or profile (one shared layer entry repeated over 10,000 layers adds
+# 200,000), low enough that walking the result (a check, an error's text) takes well under a
+# second. Without it ten lines of nested aliases read as 10**9 values, and anything that walks
+# them runs for minutes.
+MAX_ALIASED_NODES = 1_000_000
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a document whose aliases expand it by more than :data:`MAX_ALIASED_NODES` values,
+    or that holds itself; counted on the node graph, shared nodes once, so never walked whole."""
+    size: dict[int, int] = {}  # id(node) -> values in it, aliases expanded
+    open_nodes: set[int] = set()  # the nodes being counted: the path from the root
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:  # depth first, without recursion: a deep document is PyYAML's to refuse
+        node, done = stack.pop()
+        children = [] if isinstance(node, yaml.ScalarNode) else (
+            [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) else node.value)
+        key = id(node)
+        if done:
+            open_nodes.discard(key)
+            size[key] = 1 + sum(size[id(child)] for child in children)
+            if size[key] > len(size) + MAX_ALIASED_NODES:
+                raise _Refused(f"its aliases expand to more than {MAX_ALIASED_NODES} values", "write the values out",
+                               node.start_mark)
+            continue
+        if key in size:
+            continue
+        if key in open_nodes:
+            raise _Refused("an alias refers to a value that holds it", "write the value out", node.start_mark)
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in children)
+
+
+def _compose_document(loader: _Loader) -> yaml.Node:
+    node = yaml.SafeLoader.compose_document(loader)
+    _check_expansion(node)
+    return node
+
+
+_Loader.compose_document = _compose_document  # type: ignore[method-assign]
 
 
 def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
@@ -65,12 +126,18 @@ def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else None
-        if isinstance(exc, _DuplicateKey):
-            raise InputError(str(path), where, exc.problem, "keep one of them") from None
+        if isinstance(exc, _Refused):
+            raise InputError(str(path), where, exc.problem, exc.fix) from None
         raise InputError(str(path), where, "not valid YAML", "fix the YAML syntax") from None
     if not isinstance(data, dict):
         raise InputError(str(path), None, f"a {what} file must be a YAML mapping", "see SPEC")
     return data
+
+
+def read_yaml_value(text: str) -> Any:
+    """One YAML value (a command-line ``key=value``'s), read as the files are: YAML 1.2's
+    floats (``5e-1`` is a number), no key twice, aliases bounded. Raises ``yaml.YAMLError``."""
+    return yaml.load(text, Loader=_Loader)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -122,6 +189,20 @@ class Fields:
                 fix = f"did you mean {close[0]}?" if close else f"use only {', '.join(known)}"
                 raise self._error(str(key), "is not a field here", fix)
 
+    def no_misspelling(self, known: Iterable[str]) -> None:
+        """Refuse a key that is not in ``known`` but nearly is (``backwrd_ms``, ``w_saved_byte``,
+        ``microbatch-size``), where other keys are extensions SPEC lets a file carry: only a
+        near miss is surely a misspelt field, which would be dropped for its default."""
+        known = list(known)
+        for key in self.data:
+            if key in known:
+                continue
+            spelt = str(key).lower().replace("-", "_").replace(" ", "_")
+            # 0.85: one or two letters off a name; an extension like cost_model (0.67 to model) passes
+            close = difflib.get_close_matches(spelt, known, n=1, cutoff=0.85)
+            if close:
+                raise self._error(str(key), "is not a field here", f"did you mean {close[0]}?")
+
     def raw(self, key: str, default: Any = ..., ) -> Any:
         if key not in self.data or self.data[key] is None:
             if default is ...:
@@ -132,7 +213,7 @@ class Fields:
     def str(self, key: str, default: Any = ...) -> str:
         value = self.raw(key, default)
         if value is not None and not isinstance(value, str):
-            raise self._error(key, f"must be text, got {value!r}", "quote it")
+            raise self._error(key, f"must be text, got {shown(value)}", "quote it")
         return value
 
     def number(self, key: str, default: Any = ..., *, minimum: float = 0.0, maximum: float = math.inf) -> float:
@@ -140,13 +221,17 @@ class Fields:
         if value is None:
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self._error(key, f"must be a number, got {value!r}", "write a number")
-        if not math.isfinite(value):
-            raise self._error(key, f"must be a finite number, got {value!r}", "write a number")
+            raise self._error(key, f"must be a number, got {shown(value)}", "write a number")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise self._error(key, f"must be a finite number, got {shown(value)}", "write a number")
+        # compared as written: an int of 400 digits has no float, and math.isfinite() of it
+        # raises OverflowError
         if value < minimum:
-            raise self._error(key, f"must be >= {minimum:g}, got {value!r}", f"use a value >= {minimum:g}")
+            raise self._error(key, f"must be >= {minimum:g}, got {shown(value)}", f"use a value >= {minimum:g}")
         if value > maximum:
-            raise self._error(key, f"must be <= {maximum:g}, got {value!r}", f"use a value <= {maximum:g}")
+            raise self._error(key, f"must be <= {maximum:g}, got {shown(value)}", f"use a value <= {maximum:g}")
+        if abs(value) > sys.float_info.max:  # only where no maximum holds it
+            raise self._error(key, f"must be a finite number, got {shown(value)}", f"use a value <= {sys.float_info.max:.3g}")
         return float(value)
 
     def int(self, key: str, default: Any = ..., *, minimum: int = 0, maximum: int | None = None) -> int:
@@ -157,19 +242,20 @@ class Fields:
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             else:
-                raise self._error(key, f"must be a whole number, got {value!r}", "write an integer")
+                raise self._error(key, f"must be a whole number, got {shown(value)}", "write an integer")
         if value < minimum:
             raise self._error(key, f"must be >= {minimum}, got {value}", f"use a value >= {minimum}")
         if maximum is not None and value > maximum:
-            got = f"{value:.3g}" if value < 10**300 else f"a {len(str(value))}-digit number"
-            limit = str(maximum) if maximum < 10**15 else f"{maximum:.3g}"  # whole numbers as they are
+            # whole numbers as they are, where they are short enough to read
+            got = str(value) if value < 10**15 else f"{value:.3g}" if value < 10**300 else shown(value)
+            limit = str(maximum) if maximum < 10**15 else f"{maximum:.3g}"
             raise self._error(key, f"must be <= {limit}, got {got}", f"use a value <= {limit}")
         return value
 
     def bool(self, key: str, default: Any = ...) -> bool:
         value = self.raw(key, default)
         if not isinstance(value, bool):
-            raise self._error(key, f"must be true or false, got {value!r}", "write true or false")
+            raise self._error(key, f"must be true or false, got {shown(value)}", "write true or false")
         return value
 
     def mapping(self, key: str, default: Any = ...) -> "Fields":

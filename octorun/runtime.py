@@ -31,10 +31,11 @@ import torch.distributed as dist
 
 from octoplan.costs import LayerTable, op_ms, plan_stage_costs
 from octoplan.errors import InputError
-from octoplan.modelfile import ModelFile, as_args, load_model_file
+from octoplan.modelfile import ModelFile, as_args, load_model_file, microbatch_seed
 from octoplan.ops import Kind, Op
 from octoplan.outputs import StreamedOutput, check_distinct, check_writable, partial_path, write_text
-from octoplan.plan import MAX_GPUS, Plan, load_plan, load_plan_profile, plan_microbatch_size, resolve_profile_path
+from octoplan.plan import (MAX_GPUS, MAX_MICROBATCHES, Plan, load_plan, load_plan_profile, plan_microbatch_size,
+                           resolve_profile_path, resolve_written_path)
 from octoplan.validate import check_runnable
 from octorun.comm import RECEIVE_LAST_RESORT, Channel, SendFailed, Transport, wait_work
 from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
@@ -51,6 +52,10 @@ OPTIMIZERS = ("sgd", "adamw")
 # Far beyond any run of one octorun job, small enough that a typo is caught (a job of 10**20
 # steps would only ever end by being killed)
 MAX_STEPS = 10**7
+# The largest --seed whose every microbatch seed (SPEC section 4) stays a signed 64-bit integer,
+# at the last step, replica and microbatch these limits allow
+MAX_SEED = ((2**63 - 1 - microbatch_seed(seed=0, step=MAX_STEPS - 1, replica=MAX_GPUS - 1, mb=MAX_MICROBATCHES - 1))
+            // microbatch_seed(seed=1, step=0, replica=0, mb=0))
 
 
 @dataclass(frozen=True)
@@ -139,18 +144,20 @@ def prepare(config: RunConfig) -> Prepared:
         raise InputError(None, "--timeout", f"is {config.timeout_s}", "give a positive number of seconds")
     if not (math.isfinite(config.lr) and config.lr >= 0):
         raise InputError(None, "--lr", f"is {config.lr}", "give a learning rate >= 0")
-    if not 0 <= config.seed < 2**63 // 1_000_003 // 1_009 // 10_007:
-        raise InputError(None, "--seed", f"is {config.seed}", "give a seed from 0 to 10**9")
+    if not 0 <= config.seed <= MAX_SEED:
+        raise InputError(None, "--seed", f"is {config.seed}", f"give a seed from 0 to {MAX_SEED}")
     for flag, path in (("--metrics", config.metrics_path), ("--trace", config.trace_path)):
         if path and Path(path).is_dir():
             raise InputError(path, None, f"{flag} names a folder", "give a file path")
     if config.replay_time_scale is not None and not (math.isfinite(config.replay_time_scale) and config.replay_time_scale >= 0):
         raise InputError(None, "--replay", f"is {config.replay_time_scale}", "give a finite time scale >= 0")
     plan = load_plan(config.plan_path)
+    # a replay first: where the plan's profile is gone, it says that --replay needs it
+    replayed = _replay_model(plan, config) if config.replay_time_scale is not None else None
     microbatch_size = plan_microbatch_size(plan, config.plan_path)
     check_runnable(plan, file=config.plan_path)
-    if config.replay_time_scale is not None:
-        model = _replay_model(plan, config)
+    if replayed is not None:
+        model = replayed
     else:
         model = load_model_file(_model_path(plan, config.plan_path), plan.model.config, seed=config.seed)
     num_layers = model.num_layers()
@@ -200,10 +207,9 @@ def _model_path(plan: Plan, plan_path: str) -> str:
     if not source:
         raise InputError(plan_path, "model.source", "is missing: an analytic plan has no model to train",
                          "plan from a profile made by octoplan profile MODEL.py")
-    written = Path(source)
-    for candidate in (written, Path(plan_path).parent / written, Path(plan_path).parent.parent / written):
-        if candidate.exists():
-            return str(candidate)
+    found = resolve_written_path(source, plan_path)
+    if found is not None:
+        return str(found)
     raise InputError(plan_path, "model.source", f"model file {source!r} not found", "run from the project folder or fix the path")
 
 

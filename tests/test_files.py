@@ -65,6 +65,12 @@ PROFILE_BREAKS = [
      "layers[1].input_freed_bytes", "more than activation_bytes"),
     (lambda d: d["layers"][2].update(output_saved_bytes=4, output_w_bytes=8), "layers[2].output_w_bytes",
      "more than output_saved_bytes 4"),
+    # an int of 400 digits has no float: math.isfinite() of it raised OverflowError (exit 1)
+    (lambda d: d["layers"][0].update(flops=10**400), "layers[0].flops", "must be a finite number, got a 401-digit number"),
+    # a misspelt field was dropped and its default used; other unknown fields are extensions SPEC allows
+    (lambda d: d["layers"][1].update(backwrd_ms=0.5), "layers[1].backwrd_ms", "did you mean backward_ms?"),
+    (lambda d: d["layers"][0].update(w_saved_byte=0), "layers[0].w_saved_byte", "did you mean w_saved_bytes?"),
+    (lambda d: d.update({"microbatch-size": 8}), "microbatch-size", "did you mean microbatch_size?"),
 ]
 
 
@@ -76,7 +82,7 @@ def test_bad_profiles_name_the_field(tmp_path, mutate, field, problem):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(InputError) as info:
         load_profile(path)
-    assert info.value.file == str(path) and info.value.field == field and problem in info.value.problem
+    assert info.value.file == str(path) and info.value.field == field and problem in str(info.value)
 
 
 PLAN_BREAKS = [
@@ -98,6 +104,13 @@ PLAN_BREAKS = [
     (lambda d: d["stages"][1].update(recompte=True), "stages[1].recompte", "did you mean recompute?"),
     (lambda d: d["parallel"].update(micro_batches=8), "parallel.micro_batches", "did you mean microbatches?"),
     (lambda d: d.update(profile_sha256="xyz"), "profile_sha256", "not a SHA-256 digest"),
+    (lambda d: d["cluster"].update(latency_us=10**400), "cluster.latency_us", "must be <= 1e+09, got a 401-digit number"),
+    # "²" passes str.isdigit() but not int(); "٢" passed both, as rank 2
+    (lambda d: d["schedule"].update({"²": d["schedule"].pop(1)}), "schedule.²", "is not a pipeline rank"),
+    (lambda d: d["schedule"].update({"٢": d["schedule"].pop(1)}), "schedule.٢", "is not a pipeline rank"),
+    (lambda d: d["parallel"].update(microbatches=5000), "parallel.microbatches", "must be <= 4096, got 5000"),
+    (lambda d: d.update(profile=""), "profile", "is empty"),
+    (lambda d: d.update(profil=d.pop("profile")), "profil", "did you mean profile?"),
 ]
 
 
@@ -227,6 +240,9 @@ def test_an_unknown_dtype_is_refused_not_guessed(tmp_path):
     (["profile", "examples/models/tiny_gpt.py", "--gpu", "a100"], "--gpu"),
     (["profile", "--arch", "llama3-8b", "--repeat", "3"], "--repeat"),
     (["profile", "--arch", "llama3-8b", "--check-whole"], "--check-whole"),
+    # small layers at seq-len 1, but a microbatch size no reader of the profile accepts
+    (["profile", "--arch", "gemma2-27b", "--seq-len", "1", "--microbatch-size", "2000000"], "--microbatch-size"),
+    (["profile", "examples/models/tiny_gpt.py", "--microbatch-size", "2000000"], "--microbatch-size"),
 ])
 def test_profile_options_that_conflict_or_overflow_exit_2(tmp_path, args, field):
     # each used to be ignored (exit 0, another profile written) or crash a later command
@@ -514,7 +530,7 @@ def test_an_output_named_as_a_folder_is_refused_and_a_failure_leaves_no_folder(p
     existing = tmp_path / "existing"
     existing.write_text("data")
     for output in (tmp_path / "outdir", existing):
-        for spelling in (["-o", f"{output}/"], [f"--output={output}/"]):
+        for spelling in (["-o", f"{output}/"], [f"--output={output}/"], [f"-o{output}/"]):
             run = _octoplan("baseline", ppath, "--gpus", 2, "--schedule", "1f1b", *spelling)
             assert run.returncode == 2 and "names a folder (it ends in /)" in run.stderr, run.stderr
     assert not (tmp_path / "outdir").exists() and existing.read_text() == "data"
@@ -585,6 +601,8 @@ def test_arguments_that_would_be_ignored_or_overridden_are_refused(tmp_path):
 
     run = _octoplan("profile", "--list", "--arch", "llama3-8b", "-o", tmp_path / "x.yaml")
     assert run.returncode == 2 and "--list: given with --arch, -o" in run.stderr and not (tmp_path / "x.yaml").exists()
+    run = _octoplan("profile", "--list", "--gpu", "h100", "--tp", "2", "--microbatch-size", "4")
+    assert run.returncode == 2 and "--list: given with --gpu, --tp, --microbatch-size" in run.stderr, run.stderr
     with pytest.raises(InputError, match="'hidden' is given twice \\(4 and 16\\)"):
         parse_config_overrides(["hidden=4", "hidden=16"])
     source = (Path(__file__).parent.parent / "examples" / "models" / "tiny_gpt.py").read_text()
@@ -592,3 +610,118 @@ def test_arguments_that_would_be_ignored_or_overridden_are_refused(tmp_path):
     model.write_text(source.replace('NAME = "tiny-gpt"', "NAME = 5") if 'NAME = "tiny-gpt"' in source else source + "\nNAME = 5\n")
     with pytest.raises(InputError, match="NAME: is 5"):
         load_model_file(str(model)).name
+
+
+def _laughs(value_at: str) -> str:
+    """Ten lines of YAML whose nested aliases read as 10**9 values (a "billion laughs")."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    return "\n".join(lines) + f"\n{value_at}: *a8\n"
+
+
+def test_aliases_that_expand_beyond_any_file_are_refused_at_once(tmp_path, baseline_files):
+    # every command that read one hung: an error's text took repr() of all 10**9 values
+    _, plan = baseline_files
+    laughs = tmp_path / "laughs.yaml"
+    laughs.write_text(_laughs("format"))
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("format: &f [*f]\n")
+    for args in (("validate", laughs), ("simulate", laughs), ("baseline", laughs, "--gpus", 2, "--schedule", "1f1b",
+                                                              "-o", tmp_path / "b.yaml"), ("validate", loop)):
+        run = subprocess.run([sys.executable, "-m", "octoplan.cli", *map(str, args)], capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+        assert ("line 6: its aliases expand to more than 1000000 values" in run.stderr if args[1] == laughs else
+                "an alias refers to a value that holds it" in run.stderr), run.stderr
+    # anchors as people write them still read: a merge key, overridden, and a shared value
+    data = yaml.safe_load(plan.read_text())
+    text = plan.read_text().replace("model:", "defaults: &d {latency_us: 5.0, memory_gb: 40.0}\nmodel:", 1)
+    text = text.replace("cluster:\n", "cluster:\n  <<: *d\n", 1).replace("  latency_us: 0.0\n", "")
+    plan.write_text(text)
+    cluster = load_plan(plan).cluster
+    assert (cluster.latency_us, cluster.memory_gb) == (5.0, data["cluster"]["memory_gb"])
+
+
+def test_a_bad_value_is_shown_without_walking_all_of_it():
+    from octoplan.errors import shown
+
+    huge = ["x"] * 10
+    for _ in range(8):
+        huge = [huge] * 10  # 10**9 values, built in no time: each level shares the one below
+    assert len(shown(huge)) < 400 and shown(10**400) == "a 401-digit number"
+    assert "[10000 characters]" in shown("y" * 14000)
+
+
+def test_a_number_python_cannot_read_names_its_line(baseline_files):
+    _, plan = baseline_files
+    plan.write_text(plan.read_text().replace("latency_us: 0.0", "latency_us: 1" + "0" * 5000))
+    run = _octoplan("validate", plan)  # int() refuses over 4300 digits: it was a ValueError, exit 1
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "line 13: a number of 5001 characters is more than Python reads" in run.stderr
+
+
+def test_a_plan_whose_named_profile_is_gone_is_refused_by_octorun_too(baseline_files):
+    from octoplan.plan import plan_microbatch_size
+
+    ppath, path = baseline_files
+    ppath.unlink()
+    # octorun read the plan's profile only where the path resolved, else trained microbatches of 1
+    with pytest.raises(InputError) as info:
+        plan_microbatch_size(load_plan(path), path)
+    assert info.value.field == "profile" and "not found" in info.value.problem
+    run = subprocess.run([sys.executable, "-m", "octorun", str(path)], capture_output=True, text=True)
+    assert run.returncode == 2 and f"{path}: profile: profile '{ppath}' not found" in run.stderr, run.stderr
+
+
+def test_a_plan_whose_model_is_not_its_profiles_is_refused(tmp_path, profile_file):
+    from dataclasses import replace as copy
+
+    from octoplan.profile import ModelRef
+
+    model = tmp_path / "models" / "m.py"
+    model.parent.mkdir()
+    model.write_text("")
+    (tmp_path / "other.py").write_text("")
+    config = {"hidden": 128, "act": "gelu", "sizes": [1, 2], "rate": float("nan")}
+    profile = copy(make_profile([(1, 1, 1)] * 4), model=ModelRef("m", source=str(model), config=config))
+    ppath = profile_file(profile)
+    path = tmp_path / "plan.yaml"
+    save_plan(make_baseline(profile, schedule="1f1b", gpus=2, microbatches=2, profile_path=ppath), path)
+    fresh = yaml.safe_load(path.read_text())
+    # as written by baseline it agrees, and so it does with the config's keys in another order
+    # and the model file's path spelt from the plan's folder
+    fresh["model"]["config"] = dict(reversed(list(fresh["model"]["config"].items())))
+    fresh["model"]["source"] = "models/m.py"
+    path.write_text(yaml.safe_dump(fresh, sort_keys=False))
+    assert _octoplan("validate", path).returncode == 0
+    for field, value, problem in (
+            ("hidden", 512, "model.config.hidden: is 512 but the profile"),
+            ("hidden", 128.0, "model.config.hidden: is 128.0 but the profile"),  # a float to the model file
+            ("depth", 3, "model.config.depth: is 3 but the profile"),
+            ("source", str(tmp_path / "other.py"), "model.source: is"),
+            ("name", "n", "model.name: is 'n' but the profile")):
+        data = yaml.safe_load(path.read_text())
+        (data["model"] if field in ("source", "name") else data["model"]["config"])[field] = value
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump(data, sort_keys=False))
+        for command in ("validate", "simulate"):
+            run = _octoplan(command, bad)
+            assert run.returncode == 2 and run.stderr.count("\n") == 1 and problem in run.stderr, run.stderr
+            assert "re-plan from the profile" in run.stderr
+
+
+def test_an_empty_profile_field_is_empty_to_every_command(baseline_files, tmp_path):
+    _, path = baseline_files
+    path.write_text(path.read_text().replace(f"profile: {yaml.safe_load(path.read_text())['profile']}", "profile: ''"))
+    for args in (["validate"], ["simulate"], ["export", "-o", tmp_path / "x.csv"]):
+        run = _octoplan(args[0], path, *args[1:])
+        assert run.returncode == 2 and f"{path}: profile: is empty" in run.stderr, (args, run.stderr)
+
+
+def test_profile_extension_fields_are_kept_or_passed_over(tmp_path):
+    data = profile_to_dict(make_profile([(1, 1, 1)] * 2))
+    data["layers"][0]["comment"] = "a field of another tool"
+    data["cost_model"] = {"gpu": "h100"}  # as --arch writes: close to "model" but not a misspelling of it
+    path = tmp_path / "ext.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_profile(path).extra == {"cost_model": {"gpu": "h100"}}

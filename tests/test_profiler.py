@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from octoplan.errors import InputError
-from octoplan.profile import load_profile, profile_to_dict, save_profile
+from octoplan.profile import MAX_MICROBATCH_SIZE, load_profile, profile_to_dict, save_profile
 from octoplan.profiler import (
     backward_input,
     backward_weight,
@@ -283,14 +283,17 @@ def test_unknown_config_key_is_an_input_error(tmp_path):
 
 
 def test_parse_config_overrides_values_are_yaml_scalars():
-    assert parse_config_overrides(["a=3", "b=0.5", "c=true", "d=gelu", "e='7'", "f=1e-3", "g = x=y"]) == {
+    assert parse_config_overrides(["a=3", "b=0.5", "c=true", "d=gelu", "e='7'", "f=1e-3", "g = x=y", "noise=5e-1"]) == {
         "a": 3,
         "b": 0.5,
         "c": True,
         "d": "gelu",
         "e": "7",
-        "f": "1e-3",  # YAML 1.1 reads this as a string, as yaml.safe_load does everywhere
+        # YAML 1.2's floats, as the plan's and profile's model.config read them (yaml.safe_load,
+        # YAML 1.1, read both as strings)
+        "f": 0.001,
         "g": "x=y",
+        "noise": 0.5,
     }
     assert parse_config_overrides([]) == {}
 
@@ -304,9 +307,10 @@ def test_parse_config_overrides_rejects_bad_items(item):
 
 def test_bad_options_are_input_errors(tmp_path):
     path = write_model(tmp_path, TWO_LINEAR)
-    with pytest.raises(InputError) as err:
-        fast_profile(path, microbatch_size=0)
-    assert err.value.field == "--microbatch-size"
+    for size in (0, MAX_MICROBATCH_SIZE + 1):  # too large: refused before a batch is built (or a profile written
+        with pytest.raises(InputError) as err:  # that every reader refuses)
+            fast_profile(path, microbatch_size=size)
+        assert err.value.field == "--microbatch-size"
     with pytest.raises(InputError) as err:
         fast_profile(path, repeat=0)
     assert err.value.field == "--repeat"

@@ -96,6 +96,22 @@ def test_bad_flags_are_refused_before_anything_runs(tmp_path, override, flag):
     assert info.value.field == flag
 
 
+def test_the_seed_limit_said_is_the_one_enforced(tmp_path):
+    # it said "from 0 to 10**9" and refused 1000000
+    from octoplan.modelfile import microbatch_seed
+    from octoplan.plan import MAX_GPUS, MAX_MICROBATCHES
+    from octorun.runtime import MAX_SEED, MAX_STEPS
+
+    last = dict(step=MAX_STEPS - 1, replica=MAX_GPUS - 1, mb=MAX_MICROBATCHES - 1)
+    assert microbatch_seed(seed=MAX_SEED, **last) < 2**63 <= microbatch_seed(seed=MAX_SEED + 1, **last)
+    with pytest.raises(InputError) as info:
+        prepare(RunConfig(plan_path=str(tmp_path / "missing.yaml"), seed=MAX_SEED + 1))
+    assert info.value.field == "--seed" and info.value.fix == f"give a seed from 0 to {MAX_SEED}"
+    with pytest.raises(InputError) as info:  # the largest passes, to the next check
+        prepare(RunConfig(plan_path=str(tmp_path / "missing.yaml"), seed=MAX_SEED))
+    assert info.value.field != "--seed"
+
+
 def test_a_metrics_path_that_is_a_folder_is_refused(tmp_path):
     with pytest.raises(InputError, match="--metrics names a folder"):
         prepare(RunConfig(plan_path=str(tmp_path / "missing.yaml"), metrics_path=str(tmp_path)))

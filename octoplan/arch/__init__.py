@@ -22,7 +22,7 @@ from octoplan.arch.costmodel import ASSUMPTIONS, CostModel, LayerCost
 from octoplan.arch.gpus import GPUS, GpuSpec
 from octoplan.arch.layers import Shape, block_cost, embedding_cost, head_cost, output_bytes
 from octoplan.errors import InputError
-from octoplan.profile import Layer, ModelRef, Profile, check_layer_limits
+from octoplan.profile import MAX_MICROBATCH_SIZE, Layer, ModelRef, Profile, check_layer_limits
 
 __all__ = ["list_architectures", "list_gpus", "analytic_profile", "MAX_TP"]
 
@@ -41,9 +41,11 @@ def list_gpus() -> list[tuple[str, str]]:
     return [(gpu.name, gpu.description) for gpu in GPUS.values()]
 
 
-def _whole(value: Any, field: str, *, minimum: int) -> int:
+def _whole(value: Any, field: str, *, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InputError(None, field, f"must be a whole number >= {minimum}, got {value!r}", f"pass {field} {minimum} or more")
+    if maximum is not None and value > maximum:
+        raise InputError(None, field, f"is {value}, more than {maximum}", f"pass {field} {minimum} to {maximum}")
     return value
 
 
@@ -127,7 +129,8 @@ def analytic_profile(
     spec: Arch = ARCHITECTURES[arch]
     device: GpuSpec = GPUS[gpu]
     seq = _whole(spec.default_seq_len if seq_len is None else seq_len, "--seq-len", minimum=1)
-    mbs = _whole(1 if microbatch_size is None else microbatch_size, "--microbatch-size", minimum=1)
+    # what every reader of the profile allows: a larger one would be written, then refused
+    mbs = _whole(1 if microbatch_size is None else microbatch_size, "--microbatch-size", minimum=1, maximum=MAX_MICROBATCH_SIZE)
     _check_tp(spec, tp)
     shape = _shape(spec, seq, mbs)
     model = CostModel(gpu=device, tp=tp)
