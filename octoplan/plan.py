@@ -179,8 +179,9 @@ class Plan:
 
 # A plan's top-level fields (the SPEC's and SPEC_ADDITIONS'): any other is kept as an extension,
 # unless it is a near miss of one of these (a misspelt profile would leave the plan without one)
-_TOP_FIELDS = ("format", "profile", "profile_sha256", "model", "cluster", "parallel", "stages", "schedule", "predicted",
-               "microbatch_size", "generator", "tuner")
+# (the fields Plan reads; the last three, and any other, stay in Plan.extra as they are)
+_READ_FIELDS = ("format", "profile", "profile_sha256", "model", "cluster", "parallel", "stages", "schedule", "predicted")
+_TOP_FIELDS = (*_READ_FIELDS, "microbatch_size", "generator", "tuner")
 
 
 def _parse_schedule(raw: Any, *, file: str, pp: int) -> tuple[tuple[Op, ...], ...]:
@@ -274,7 +275,6 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
         stages.append(Stage(start=layers[0], end=layers[1], rank=s.int("rank"), recompute=recompute, recompute_layers=some))
     schedule = _parse_schedule(top.raw("schedule"), file=file, pp=parallel.pp)
     predicted = data.get("predicted")
-    known = {"format", "profile", "profile_sha256", "model", "cluster", "parallel", "stages", "schedule", "predicted"}
     profile = top.str("profile", None)
     if profile is not None and not profile.strip():  # neither absent nor a path: say so, not "missing" or "not found"
         raise InputError(file, "profile", "is empty", "write the path of the profile the plan was made from, or drop the field")
@@ -287,7 +287,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
         profile=profile,
         profile_sha256=_sha256_field(top),
         predicted=predicted if isinstance(predicted, dict) else None,
-        extra={k: v for k, v in data.items() if k not in known},
+        extra={k: v for k, v in data.items() if k not in _READ_FIELDS},
     )
     check_structure(plan, file=file)
     return plan

@@ -113,9 +113,10 @@ class SimResult:
     # the part of each rank's peak that its weights, gradients and optimizer state take
     static_memory_bytes: tuple[int, ...]
     # per rank, the most bytes its tapes hold at once (what ``octorun --activation-memory``
-    # measures), and the most its transport holds: messages received and not yet used, the
-    # receive buffers posted ahead, sends not yet let go (:func:`_message_peaks`)
-    tape_peak_bytes: tuple[int, ...]
+    # measures; ``peak_memory_bytes`` adds the messages beside them), and the most its
+    # transport holds: messages received and not yet used, the receive buffers posted ahead,
+    # sends not yet let go (:func:`_message_peaks`)
+    peak_activation_bytes: tuple[int, ...]
     peak_message_bytes: tuple[int, ...]
     busy_ms: tuple[float, ...]
     allreduces: tuple[AllReduce, ...]
@@ -132,13 +133,6 @@ class SimResult:
     @property
     def efficiency(self) -> float:
         return self.lower_bound_ms / self.iteration_ms if self.iteration_ms > 0 else 1.0
-
-    @property
-    def peak_activation_bytes(self) -> tuple[int, ...]:
-        """The most activation bytes each rank's tapes hold at once: what ``octorun
-        --activation-memory`` measures. ``peak_memory_bytes`` also counts the messages that
-        wait beside them."""
-        return self.tape_peak_bytes
 
     @property
     def fits_memory(self) -> bool:
@@ -504,6 +498,8 @@ def simulate_costs(
     with_messages, message_peak = _message_peaks(
         keys, start, end, arrive, present, num_mb=num_mb, act=[act[k] for k in by_code], burst=[burst[k] for k in by_code],
         dest=[dest[k] for k in by_code], msg_bytes=msg_bytes, first_start=first_start, last_end=last_end)
+    # the main loop's tape peak also holds the bursts of ops that take no time, which the
+    # sweep's instants merge away
     peak_mem = [base + max(tape, both) for base, tape, both in zip(static, tape_peak, with_messages)]
     idle = sum(iteration - b for b in busy)
     bubble_ratio = idle / (num_ranks * iteration) if iteration > 0 else 0.0
@@ -514,7 +510,7 @@ def simulate_costs(
         peak_memory_bytes=tuple(int(m) for m in peak_mem),
         memory_limit_bytes=int(cluster.memory_gb * 1e9),
         static_memory_bytes=tuple(int(m) for m in static),
-        tape_peak_bytes=tuple(int(m) for m in tape_peak),
+        peak_activation_bytes=tuple(int(m) for m in tape_peak),
         peak_message_bytes=tuple(int(m) for m in message_peak),
         busy_ms=tuple(busy),
         allreduces=tuple(allreduces),
