@@ -177,6 +177,53 @@ def test_activation_budget_caps_the_warm_up():
     assert simulate(base.with_schedule(capped), profile).peak_memory_bytes[0] == 2000
 
 
+def test_a_v_rank_admits_a_microbatch_whose_second_stage_memory_older_ones_leave_free():
+    # a V on 2 ranks (stages 0 and 3 on rank 0), 1000 activation bytes per stage, F 1 ms and
+    # B 2 ms. With 3000 bytes rank 0 can hold microbatch 0's two stages and microbatch 1's
+    # first: 0F1 runs before 3F0 (1000 held + 1000 for it + 1000 that 3F0 will add), and the
+    # iteration takes 34 ms. One byte less and microbatch 1 waits for 0B0, as a rule that
+    # reserves both stages at admission would always make it (39 ms)
+    profile = uniform_profile(4, act=1000, out=0, params=0)
+    base = make_baseline(profile, schedule="zbv", gpus=2, microbatches=4, cluster=free_cluster(2))
+    ranks = [s.rank for s in base.stages]
+    assert ranks == [0, 1, 1, 0]
+    costs = stage_costs(base.stages, LayerTable(profile))
+
+    def run(budget):
+        ops = policy_schedule(ranks, costs, microbatches=4, policies=default_policies(ranks, 2, 4),
+                              cluster=base.cluster, parallel=base.parallel, activation_budget_bytes=[budget, 10**9])
+        return [" ".join(map(str, rank_ops)) for rank_ops in ops], simulate(base.with_schedule(ops), profile)
+
+    order, result = run(3000)
+    assert order[0].startswith("0F0 0F1 3F0 3B0 3F1 3B1 0B0")
+    assert (result.iteration_ms, result.peak_activation_bytes[0]) == (34.0, 3000)
+    order, result = run(2999)
+    assert order[0].startswith("0F0 3F0 3B0 0F1 0B0")
+    assert (result.iteration_ms, result.peak_activation_bytes[0]) == (39.0, 2000)
+
+
+@settings(max_examples=150, deadline=None)
+@given(placements(), st.data())
+def test_the_tapes_stay_within_the_budget_wherever_one_microbatch_fits(case, data):
+    # the budget less the transport's room (per channel: a send out; a receive posted and one
+    # waiting in) is what the tapes may use; every order keeps them there when one
+    # microbatch's activations on all the rank's stages fit in it (drawn: up to 4 more stages'
+    # worth beside them)
+    pp, ranks, microbatches, policies, _, _ = case
+    profile, cluster, parallel, stages, costs = layout_of(case, latency_us=5.0, inter_node_gbps=1e-3)
+    channels = {(ranks[s], ranks[t]) for s in range(len(ranks)) for t in (s - 1, s + 1)
+                if 0 <= t < len(ranks) and ranks[s] != ranks[t]}
+    room = [sum(costs[s].activation_bytes for s, r in enumerate(ranks) if r == rank) + data.draw(st.integers(0, 4000))
+            for rank in range(pp)]
+    budget = [room[rank] + 1000 * sum(1 if src == rank else 2 for src, dst in channels if rank in (src, dst))
+              for rank in range(pp)]
+    ops = policy_schedule(ranks, costs, microbatches=microbatches, policies=policies, cluster=cluster,
+                          parallel=parallel, activation_budget_bytes=budget)
+    plan = Plan(model=profile.model, cluster=cluster, parallel=parallel, stages=stages, schedule=tuple(map(tuple, ops)))
+    tapes = simulate_costs(plan, costs).peak_activation_bytes
+    assert all(tape <= limit for tape, limit in zip(tapes, room))
+
+
 def test_default_warm_up_matches_1f1b_and_zb_v():
     from octoplan.schedules import loop_placement, v_placement
 
