@@ -156,9 +156,10 @@ def test_metrics_and_trace_overwrite_no_input_and_not_each_other(tmp_path):
     assert model.read_text() == source
 
 
-def _launch_fault(tmp_path: Path, fault: dict, *, timeout_s: float = 5.0) -> h.Launch:
+def _launch_fault(tmp_path: Path, fault: dict, *, timeout_s: float = 5.0, rank_timeouts: dict[int, float] | None = None) -> h.Launch:
     plan = _two_rank_plan(tmp_path)
-    job = h.Job("faulty", RunConfig(plan_path=str(plan), steps=2, timeout_s=timeout_s), fault=fault)
+    job = h.Job("faulty", RunConfig(plan_path=str(plan), steps=2, timeout_s=timeout_s), fault=fault,
+                rank_overrides={rank: {"timeout_s": seconds} for rank, seconds in (rank_timeouts or {}).items()})
     return h.launch(2, [job], tmp_path / "out", timeout_s=60)
 
 
@@ -188,9 +189,12 @@ def test_op_that_raises_stops_every_rank(tmp_path):
 
 
 def test_missing_message_times_out_naming_the_op_and_the_peer(tmp_path):
-    # rank 0 never sends the last activation: rank 1 waits past the deadline at 1F2
+    # rank 0 never sends the last activation: rank 1 waits past the deadline at 1F2. Rank 0 then
+    # waits at 0B2 for 1B2's gradient, starting a moment later; on a loaded machine its own
+    # deadline could still pass first, so it gets a longer one: rank 1's must be the one that ends the run
     began = time.monotonic()
-    launched = _launch_fault(tmp_path, {"rank": 0, "kind": "drop-send", "message": ("act", 1, 2)}, timeout_s=3)
+    launched = _launch_fault(tmp_path, {"rank": 0, "kind": "drop-send", "message": ("act", 1, 2)}, timeout_s=3,
+                             rank_timeouts={0: 20})
     assert launched.exitcodes == [1, 1], launched.logs
     assert (
         "octorun: rank 1: op 1F2 of step 0 waited 3 s for the activation into stage 1 mb 2 from rank 0 to rank 1 (global rank 0)"
