@@ -231,11 +231,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
     if fmt != PLAN_FORMAT:
         raise InputError(file, "format", f"is {fmt!r}, expected {PLAN_FORMAT!r}", "regenerate it with octoplan tune")
     top.no_misspelling(_TOP_FIELDS)
-    model = top.mapping("model")
-    model.no_misspelling(("name", "source", "config"))
-    config = model.raw("config", {})
-    if not isinstance(config, dict):
-        raise InputError(file, "model.config", "must be a mapping", "write key: value pairs")
+    model = ModelRef.read(top)
     c = top.mapping("cluster")
     c.only(("gpus", "gpus_per_node", *CLUSTER_RANGES))
     defaults = Cluster(gpus=1)
@@ -279,7 +275,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
     if profile is not None and not profile.strip():  # neither absent nor a path: say so, not "missing" or "not found"
         raise InputError(file, "profile", "is empty", "write the path of the profile the plan was made from, or drop the field")
     plan = Plan(
-        model=ModelRef(name=model.str("name"), source=model.str("source", None), config=dict(config)),
+        model=model,
         cluster=cluster,
         parallel=parallel,
         stages=tuple(stages),

@@ -112,6 +112,16 @@ class ModelRef:
         out["config"] = dict(self.config)
         return out
 
+    @classmethod
+    def read(cls, top: Fields) -> "ModelRef":
+        """The ``model`` section of a profile or a plan file (the same fields in both)."""
+        model = top.mapping("model")
+        model.no_misspelling(("name", "source", "config"))
+        config = model.raw("config", {})
+        if not isinstance(config, dict):
+            raise InputError(top.file, "model.config", "must be a mapping", "write key: value pairs")
+        return cls(name=model.str("name"), source=model.str("source", None), config=dict(config))
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -230,11 +240,7 @@ def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profi
     if fmt != PROFILE_FORMAT:
         raise InputError(file, "format", f"is {fmt!r}, expected {PROFILE_FORMAT!r}", "regenerate it with octoplan profile")
     top.no_misspelling(_TOP_FIELDS)
-    model = top.mapping("model")
-    model.no_misspelling(("name", "source", "config"))
-    config = model.raw("config", {})
-    if not isinstance(config, dict):
-        raise InputError(file, "model.config", "must be a mapping", "write key: value pairs")
+    model = ModelRef.read(top)
     device = top.mapping("device", {})
     if device.has("memory_gb"):  # the default of --memory-gb: the same range
         device.number("memory_gb", minimum=MEMORY_GB_RANGE[0], maximum=MEMORY_GB_RANGE[1])
@@ -251,7 +257,7 @@ def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profi
     if dtype not in DTYPE_BYTES:
         raise InputError(file, "dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPE_BYTES)}")
     return Profile(
-        model=ModelRef(name=model.str("name"), source=model.str("source", None), config=dict(config)),
+        model=model,
         layers=layers,
         device=dict(device.data),
         microbatch_size=top.int("microbatch_size", 1, minimum=1, maximum=MAX_MICROBATCH_SIZE),
