@@ -226,11 +226,7 @@ def _sha256_field(top: Fields) -> str | None:
 
 
 def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
-    top = Fields(data, file=file, prefix="")
-    fmt = top.str("format")
-    if fmt != PLAN_FORMAT:
-        raise InputError(file, "format", f"is {fmt!r}, expected {PLAN_FORMAT!r}", "regenerate it with octoplan tune")
-    top.no_misspelling(_TOP_FIELDS)
+    top = Fields.document(data, file=file, format=PLAN_FORMAT, fields=_TOP_FIELDS, fix="regenerate it with octoplan tune")
     model = ModelRef.read(top)
     c = top.mapping("cluster")
     c.only(("gpus", "gpus_per_node", *CLUSTER_RANGES))

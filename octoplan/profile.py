@@ -235,11 +235,7 @@ def check_layer_limits(layers: tuple[Layer, ...] | list[Layer], *, file: str | N
 
 
 def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profile:
-    top = Fields(data, file=file, prefix="")
-    fmt = top.str("format")
-    if fmt != PROFILE_FORMAT:
-        raise InputError(file, "format", f"is {fmt!r}, expected {PROFILE_FORMAT!r}", "regenerate it with octoplan profile")
-    top.no_misspelling(_TOP_FIELDS)
+    top = Fields.document(data, file=file, format=PROFILE_FORMAT, fields=_TOP_FIELDS, fix="regenerate it with octoplan profile")
     model = ModelRef.read(top)
     device = top.mapping("device", {})
     if device.has("memory_gb"):  # the default of --memory-gb: the same range

@@ -170,6 +170,17 @@ class Fields:
         self.file = file
         self.prefix = prefix
 
+    @classmethod
+    def document(cls, data: Any, *, file: str, format: str, fields: Iterable[str], fix: str) -> "Fields":
+        """A whole file of one of SPEC's formats: its ``format`` must be ``format`` (else the
+        error says ``fix``), and no top-level key may be a near miss of one of ``fields``."""
+        top = cls(data, file=file, prefix="")
+        found = top.str("format")
+        if found != format:
+            raise InputError(file, "format", f"is {found!r}, expected {format!r}", fix)
+        top.no_misspelling(fields)
+        return top
+
     def _name(self, key: str) -> str:
         return f"{self.prefix}.{key}" if self.prefix else key
 
