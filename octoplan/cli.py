@@ -16,12 +16,12 @@ from rich.table import Table
 
 from octoplan.cliutil import (
     GPUS_PER_NODE, INTER_NODE_GBPS, INTRA_NODE_GBPS, LATENCY_US, MEMORY_GB, OP_OVERHEAD_US,
-    ClusterOptions, cluster_from, dump_json, fail, guarded, log_setup, newest_profile, terminal,
+    ClusterOptions, cluster_from, dump_json, fail, guarded, log_setup, read_profile, terminal,
 )
 from octoplan.errors import InputError
 from octoplan.outputs import check_distinct, check_writable
 from octoplan.plan import Plan, load_plan, load_plan_profile, plan_microbatch_size, resolve_profile_path, save_plan
-from octoplan.profile import MAX_MICROBATCH_SIZE, Profile, load_profile, save_profile
+from octoplan.profile import MAX_MICROBATCH_SIZE, Profile, save_profile
 from octoplan.tuner.cli import register as register_tuner_commands
 from octoplan.tuner.search import MAX_WORKERS
 
@@ -200,9 +200,8 @@ def baseline(
     """Write a plan of a known schedule, for comparison (SPEC section 6)."""
     from octoplan.baseline import simulated_baseline, split_gpus
 
-    path = newest_profile(profile_path)
+    path, prof = read_profile(profile_path)
     check_writable(output, "-o", inputs=(path,))
-    prof = load_profile(path)
     cluster = cluster_from(gpus, ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us,
                                                 op_overhead_us), prof)
     pp_value, _ = split_gpus(gpus, pp)

@@ -20,7 +20,7 @@ from octoplan.errors import InputError
 from octoplan.plan import CLUSTER_RANGES, MAX_GPUS, Cluster
 from octoplan.profile import Profile
 
-__all__ = ["terminal", "guarded", "fail", "ClusterOptions", "cluster_from", "memory_of", "newest_profile", "log_setup",
+__all__ = ["terminal", "guarded", "fail", "ClusterOptions", "cluster_from", "memory_of", "read_profile", "log_setup",
            "GPUS_PER_NODE", "MEMORY_GB", "INTRA_NODE_GBPS", "INTER_NODE_GBPS", "LATENCY_US", "OP_OVERHEAD_US"]
 
 # The cluster options of SPEC section 5, shared by every command that takes them.
@@ -112,21 +112,21 @@ def cluster_from(gpus: int, opts: ClusterOptions, profile: Profile | None = None
                    latency_us=opts.latency_us, op_overhead_us=opts.op_overhead_us)
 
 
-def newest_profile(given: Optional[Path]) -> Path:
-    """PROFILE as given, else the newest file in profiles/ (SPEC section 5)."""
+def read_profile(given: Optional[Path]) -> tuple[Path, Any]:
+    """PROFILE as given, else the newest file in profiles/ (SPEC section 5), and the profile it holds."""
+    from octoplan.profile import load_profile
+
     if given is not None:
-        return given
+        return given, load_profile(given)
     folder = Path("profiles")
     candidates = sorted((p for p in folder.glob("*.yaml") if p.is_file()), key=lambda p: p.stat().st_mtime) \
         if folder.is_dir() else []
     if not candidates:
         raise InputError("profiles/", None, "no profile given and none in profiles/", "run octoplan profile first or name a PROFILE")
-    from octoplan.profile import load_profile
-
     # read before saying so: a file that is no profile gets the one line of its error alone
-    load_profile(candidates[-1])
+    profile = load_profile(candidates[-1])
     typer.echo(f"using the newest profile, {candidates[-1]}", err=True)  # on stderr: stdout may be JSON
-    return candidates[-1]
+    return candidates[-1], profile
 
 
 def dump_json(data: Any) -> str:

@@ -586,6 +586,29 @@ def test_a_newest_profile_that_is_no_profile_gets_one_line(tmp_path):
         "error: profiles/bad.yaml: format: is 'other/1', expected 'octoplan-profile/1' (regenerate it with octoplan profile)"]
 
 
+@pytest.mark.parametrize("command", ["tune", "baseline"])
+def test_the_newest_profile_is_read_once(tmp_path, monkeypatch, command):
+    # read to check it before "using the newest profile" is said, and planned from that same
+    # reading: a large profile is not parsed twice
+    from typer.testing import CliRunner
+
+    import octoplan.profile
+    from octoplan.cli import app
+    from octoplan.profile import save_profile
+
+    (tmp_path / "profiles").mkdir()
+    save_profile(make_profile([(1, 1, 1)] * 4), tmp_path / "profiles" / "only.yaml")
+    monkeypatch.chdir(tmp_path)
+    reads = []
+    real = octoplan.profile.profile_from_dict  # what every load_profile, however imported, calls
+    monkeypatch.setattr(octoplan.profile, "profile_from_dict", lambda data, *, file: reads.append(file) or real(data, file=file))
+    extra = ["--max-plans", "20"] if command == "tune" else ["--schedule", "1f1b"]
+    done = CliRunner().invoke(app, [command, "--gpus", "2", "-o", "plan.yaml", *extra])
+    assert done.exit_code == 0, done.output
+    assert reads == ["profiles/only.yaml"]
+    assert load_plan(tmp_path / "plan.yaml").cluster.gpus == 2
+
+
 def test_octorun_says_in_one_line_what_the_file_system_refuses(tmp_path):
     octorun = lambda *args: subprocess.run([sys.executable, "-m", "octorun", *map(str, args)], capture_output=True,
                                            text=True, cwd=tmp_path)

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from octoplan.cliutil import (
     GPUS_PER_NODE, INTER_NODE_GBPS, INTRA_NODE_GBPS, LATENCY_US, MEMORY_GB, OP_OVERHEAD_US,
-    ClusterOptions, cluster_from, guarded, newest_profile, terminal,
+    ClusterOptions, cluster_from, guarded, read_profile, terminal,
 )
 from octoplan.outputs import check_writable
 
@@ -89,15 +89,13 @@ def _verdict(result, memory_gb: float) -> str:
             f"the tuned plan is {ratio:.3f}x faster{tie}")
 
 
-def _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,
+def _run(source, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,
          max_plans=None, workers=1, no_recompute=False):
     from rich.live import Live
 
-    from octoplan.profile import load_profile
     from octoplan.tuner.search import TuneOptions, tune
 
-    path = newest_profile(profile_path)
-    profile = load_profile(path)
+    path, profile = source  # read_profile's: read once, before anything is written
     cluster = cluster_from(gpus, cluster_opts, profile)
     opts = TuneOptions(gpus=gpus, pp=pp, microbatches=microbatches, global_batch=global_batch,
                        time_limit_s=time_limit, seed=seed, chunks_max=chunks_max, use_cpsat=not no_cpsat,
@@ -161,9 +159,9 @@ def register(app: typer.Typer) -> None:
         """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
         from octoplan.plan import save_plan
 
-        profile_path = newest_profile(profile_path)
-        check_writable(output, "-o", inputs=(profile_path,))
-        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
+        source = read_profile(profile_path)
+        check_writable(output, "-o", inputs=(source[0],))
+        result = _run(source, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
                       max_plans, workers, no_recompute)
         save_plan(result.plan, output)
@@ -198,7 +196,7 @@ def register(app: typer.Typer) -> None:
         max_plans: Optional[int] = _MAXP, workers: int = _WORKERS, no_recompute: bool = _NORC,
     ) -> None:
         """Tune, and print the tuned plan against every baseline without writing a plan."""
-        result = _run(profile_path, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
+        result = _run(read_profile(profile_path), gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
                       max_plans, workers, no_recompute)
         console.print(_table(result))
