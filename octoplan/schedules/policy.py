@@ -211,6 +211,14 @@ def policy_schedule(
     # finish (see the module's docstring)
     tape = [0.0] * num_ranks
     limited = [b < _INF for b in budget]
+    # what the admitted microbatches' forwards still to run on the rank will add, kept as it
+    # changes: sum over the rank's stages s of act[s] x (admitted - next_f[s]). A first-stage F
+    # admits one more (every later stage owes its act again); any other F pays its own off.
+    owed = [0] * num_ranks
+    owed_per_admit = [sum(act[s] for s in held[1:]) for held in stages_of]
+    # a rank's stages after s: a microbatch older than m can still owe a forward only there,
+    # since next_f never grows along the pipeline (F(s, m) needs F(s - 1, m))
+    later_here = [[s2 for s2 in stages_of[rank_of_stage[s]] if s2 > s] for s in range(num_stages)]
     ops_per_mb = [sum(3 if split[s] else 2 for s in stages) for stages in stages_of]
     ops_left = [[ops_per_mb[r]] * num_mb for r in range(num_ranks)]
     oldest = [0] * num_ranks  # the oldest microbatch with ops left on the rank
@@ -241,8 +249,6 @@ def policy_schedule(
                 if a >= 0.0:
                     found.append((a if a > t else t, 1, s, m))
         first_r = first[r]
-        stages_r = stages_of[r]
-        admitted_r = next_f[first_r]  # microbatches admitted to the rank so far
         for s in fwd_order[r]:
             m = next_f[s]
             if m >= num_mb:
@@ -254,12 +260,15 @@ def policy_schedule(
                 continue
             if limited[r]:
                 # an older microbatch m' still has F(s', m') to run here for m' in
-                # [next_f[s'], admitted): what those will add must stay free
+                # [next_f[s'], m): what those will add must stay free. A first-stage F's m is
+                # the newest admitted, so every admitted microbatch is older: all that is owed.
                 room = budget[r] - tape[r] - act[s]
-                upto = m if m < admitted_r else admitted_r
-                for s2 in stages_r:
-                    if next_f[s2] < upto:
-                        room -= act[s2] * (upto - next_f[s2])
+                if s == first_r:
+                    room -= owed[r]
+                else:
+                    for s2 in later_here[s]:
+                        if next_f[s2] < m:
+                            room -= act[s2] * (m - next_f[s2])
                 if room < 0.0 and m != oldest_with_ops(r):
                     continue
             found.append((a if a > t else t, 0, s, m))
@@ -347,6 +356,9 @@ def policy_schedule(
             next_f[s] += 1
             if s == first[r]:
                 admitted[r] += 1
+                owed[r] += owed_per_admit[r]
+            else:
+                owed[r] -= act[s]
             tape[r] += act[s]
             dst = fwd_to[s]  # -1: the output goes nowhere (last forward, first backward)
             if dst == r:
