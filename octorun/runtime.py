@@ -39,6 +39,7 @@ from octoplan.plan import (MAX_GPUS, MAX_MICROBATCHES, Plan, load_plan, load_pla
 from octoplan.validate import check_runnable
 from octorun.comm import RECEIVE_LAST_RESORT, Channel, SendFailed, Transport, wait_work
 from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
+from octorun.native_stderr import native_stderr_held
 from octorun.activations import ActivationMeter
 from octorun.stage import StageExecutor, Tape
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
@@ -727,7 +728,8 @@ def run(config: RunConfig) -> RunResult:
     owns_group = not dist.is_initialized()
     if owns_group:
         try:
-            dist.init_process_group(backend, timeout=timeout)
+            with native_stderr_held():
+                dist.init_process_group(backend, timeout=timeout)
         except Exception as exc:  # peers that never came, an address in use: one line, not a trace
             raise LaunchError(f"the {world} processes did not form a group within --timeout {config.timeout_s:g} s: "
                               f"{gist(exc)}") from None

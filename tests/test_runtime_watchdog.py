@@ -46,6 +46,40 @@ def test_world_size_mismatch_exits_2_with_one_line(tmp_path):
     ]
 
 
+def test_peers_that_never_come_end_in_one_line_without_c10d_stacks(tmp_path):
+    # rank 1 alone: c10d's C++ side logs two lines and a stack per attempt to reach rank 0's
+    # store; octorun's own line says the same, so only it is left
+    plan = _two_rank_plan(tmp_path)
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(h.free_port())}
+    done = _octorun(str(plan), "--timeout", "1", env=env)
+    assert done.returncode == 1
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr[:2000]
+    assert re.fullmatch(r"octorun: rank 1: the 2 processes did not form a group within --timeout 1 s: DistNetworkError: "
+                        r".*127\.0\.0\.1, \d+\)\.", done.stderr.strip()), done.stderr
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_native_stderr_is_dropped_only_when_the_step_fails(fails):
+    # what code writes to fd 2 under the guard: written out as it was after a step that ends
+    # well (after what was written before), dropped with a step that raises
+    script = (
+        "import os, sys\n"
+        "from octorun.native_stderr import native_stderr_held\n"
+        "os.write(2, b'before\\n')\n"
+        "try:\n"
+        "    with native_stderr_held():\n"
+        "        os.write(2, b'native\\n' * 20000)\n"
+        f"        if {fails}: raise RuntimeError('x')\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "os.write(2, b'after\\n')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr[-500:]
+    middle = [] if fails else ["native"] * 20000
+    assert done.stderr.decode().splitlines() == ["before", *middle, "after"]
+
+
 def test_bad_plan_file_exits_2_with_one_line(tmp_path):
     missing = _octorun(str(tmp_path / "missing.yaml"))
     assert missing.returncode == 2
