@@ -112,7 +112,7 @@ def cluster_from(gpus: int, opts: ClusterOptions, profile: Profile | None = None
                    latency_us=opts.latency_us, op_overhead_us=opts.op_overhead_us)
 
 
-def read_profile(given: Optional[Path]) -> tuple[Path, Any]:
+def read_profile(given: Optional[Path]) -> tuple[Path, Profile]:
     """PROFILE as given, else the newest file in profiles/ (SPEC section 5), and the profile it holds."""
     from octoplan.profile import load_profile
 
