@@ -9,7 +9,9 @@ Per layer the profiler measures, as medians over ``repeat`` runs after ``warmup`
 - ``backward_input_ms``: :func:`backward_input`, the gradient w.r.t. the layer's floating inputs
   (0 when it has none, e.g. token ids);
 - ``backward_weight_ms``: :func:`backward_weight`, the gradient w.r.t. the layer's parameters;
-- ``backward_ms``: both in one ``torch.autograd.grad`` pass, which is what a B op runs.
+- ``backward_ms``: both in one ``torch.autograd.grad`` pass, which is what a B op runs. A layer
+  with no floating inputs (the first) has no I, so its W and B are one pass and carry one figure,
+  the median of both measurements' samples.
 
 Why a split backward instead of two plain ``torch.autograd.grad`` calls: ``grad(out, params)``
 after ``grad(out, input)`` walks the layer's graph again down to its first parameter, so inside a
@@ -134,12 +136,14 @@ class _Clock:
         fn()
         return (self.now_ns() - begin) / 1e6
 
-    def median_ms(self, fn: Callable[[], Any], *, repeat: int, warmup: int) -> float:
+    def samples_ms(self, fn: Callable[[], Any], *, repeat: int, warmup: int) -> list[float]:
         for _ in range(warmup):
             fn()
         self.sync()
-        samples = [self.once_ms(fn) for _ in range(repeat)]
-        return statistics.median(samples)
+        return [self.once_ms(fn) for _ in range(repeat)]
+
+    def median_ms(self, fn: Callable[[], Any], *, repeat: int, warmup: int) -> float:
+        return statistics.median(self.samples_ms(fn, repeat=repeat, warmup=warmup))
 
 
 class _QuietGC:
@@ -475,14 +479,19 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
                 input_ms = clock.median_ms(lambda: run.backward_input(step), repeat=repeat, warmup=warmup)
             else:  # token ids (or an output with no gradient): there is no I work
                 input_ms = 0.0
+            weight_samples = fused_samples = [0.0]
             if run.params and step.roots:
-                weight_ms = clock.median_ms(lambda: backward_weight(pending), repeat=repeat, warmup=warmup)
-            else:
-                weight_ms = 0.0
+                weight_samples = clock.samples_ms(lambda: backward_weight(pending), repeat=repeat, warmup=warmup)
             if (run.grad_inputs or run.params) and step.roots:
-                fused_ms = clock.median_ms(lambda: run.backward_fused(step), repeat=repeat, warmup=warmup)
+                fused_samples = clock.samples_ms(lambda: run.backward_fused(step), repeat=repeat, warmup=warmup)
+            if run.grad_inputs:
+                weight_ms, fused_ms = statistics.median(weight_samples), statistics.median(fused_samples)
             else:
-                fused_ms = 0.0
+                # No floating inputs (token ids, the model's data): W and B run the same autograd
+                # pass, so they get one figure, the median of both passes' samples. Two medians
+                # of one pass differ by noise alone, and a B priced below the W the runtime runs
+                # mispriced the plan: B ops on stage 0 that cost several times their plan.
+                weight_ms = fused_ms = statistics.median(weight_samples + fused_samples)
     except InputError:
         raise
     except Exception as exc:
