@@ -18,7 +18,7 @@ from rich.console import Console
 
 from octoplan.errors import InputError
 from octoplan.plan import CLUSTER_RANGES, MAX_GPUS, Cluster
-from octoplan.profile import Profile
+from octoplan.profile import Profile, load_profile
 
 __all__ = ["terminal", "guarded", "fail", "ClusterOptions", "cluster_from", "memory_of", "read_profile", "log_setup",
            "GPUS_PER_NODE", "MEMORY_GB", "INTRA_NODE_GBPS", "INTER_NODE_GBPS", "LATENCY_US", "OP_OVERHEAD_US"]
@@ -114,8 +114,6 @@ def cluster_from(gpus: int, opts: ClusterOptions, profile: Profile | None = None
 
 def read_profile(given: Optional[Path]) -> tuple[Path, Profile]:
     """PROFILE as given, else the newest file in profiles/ (SPEC section 5), and the profile it holds."""
-    from octoplan.profile import load_profile
-
     if given is not None:
         return given, load_profile(given)
     folder = Path("profiles")
