@@ -23,6 +23,8 @@ from octoplan.profiler import (
 )
 from octoplan.splitgrad import SavedTensors, root_edge
 
+from conftest import remeasured
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
 
 # Layer 0: Linear(8, h) -> tanh -> Linear(h, h); layer 1: Linear(h, 4) with an MSE loss.
@@ -695,17 +697,32 @@ def _close(measured: float, built: float) -> bool:
 
 def test_profiler_recovers_known_forward_input_and_weight_times(tmp_path):
     path = write_model(tmp_path, SPIN)
-    profile = profile_model_file(path, microbatch_size=4, repeat=5, warmup=1, device="cpu")
-    measured = [(layer.forward_ms, layer.backward_input_ms, layer.backward_weight_ms) for layer in profile.layers]
-    for index, (got, want) in enumerate(zip(measured, SPIN_COSTS)):
-        assert all(_close(g, w) for g, w in zip(got, want)), f"layer {index}: measured F, I, W {got}, built {want}"
-    for index, (layer, (_, i_ms, w_ms)) in enumerate(zip(profile.layers, SPIN_COSTS)):
-        # the fused backward runs both spinning branches in one pass: at least both built times,
-        # and each branch's call may add its own autograd overhead
-        built = i_ms + w_ms
-        assert built <= layer.backward_ms <= built + 0.6 + 0.05 * built, f"layer {index}: fused B {layer.backward_ms}, built {built}"
-    # layer 0's input is data with no gradient: its B is its W pass, one measured figure
-    assert profile.layers[0].backward_ms == profile.layers[0].backward_weight_ms
+
+    def measure():
+        profile = profile_model_file(path, microbatch_size=4, repeat=5, warmup=1, device="cpu")
+        # no stall makes a spin shorter: these bounds hold in every attempt
+        for index, (layer, (f_ms, i_ms, w_ms)) in enumerate(zip(profile.layers, SPIN_COSTS)):
+            got = (layer.forward_ms, layer.backward_input_ms, layer.backward_weight_ms, layer.backward_ms)
+            assert all(g >= w for g, w in zip(got, (f_ms, i_ms, w_ms, i_ms + w_ms))), f"layer {index}: {got} under what was built"
+        # layer 0's input is data with no gradient: its B is its W pass, one measured figure
+        assert profile.layers[0].backward_ms == profile.layers[0].backward_weight_ms
+        return profile
+
+    def misses(profile):
+        found = []
+        for index, (layer, (f_ms, i_ms, w_ms)) in enumerate(zip(profile.layers, SPIN_COSTS)):
+            got = (layer.forward_ms, layer.backward_input_ms, layer.backward_weight_ms)
+            if not all(_close(g, w) for g, w in zip(got, (f_ms, i_ms, w_ms))):
+                found.append(f"layer {index}: measured F, I, W {got}, built {(f_ms, i_ms, w_ms)}")
+            # the fused backward runs both spinning branches in one pass: at least both built
+            # times, and each branch's call may add its own autograd overhead
+            built = i_ms + w_ms
+            if not layer.backward_ms <= built + 0.6 + 0.05 * built:
+                found.append(f"layer {index}: fused B {layer.backward_ms}, built {built}")
+        return found
+
+    missed = remeasured(measure, misses)
+    assert not missed, missed
 
 
 def test_layer_sum_equals_the_whole_model_time(tmp_path):
