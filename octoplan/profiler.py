@@ -2,7 +2,8 @@
 
 Each layer is built with the SPEC seeding and fed the real output of the layer before it (the
 first layer gets microbatch 0 of step 0 on replica 0), so shapes and data are those of training.
-Per layer the profiler measures, as medians over ``repeat`` runs after ``warmup`` runs:
+Per layer the profiler measures, as medians over ``repeat`` runs after ``warmup`` runs (and after
+any leading runs still far slower than the rest, see :meth:`_Clock.samples_ms`):
 
 - ``forward_ms``: the layer's forward with autograd recording (the last layer's includes
   ``loss_fn``);
@@ -101,6 +102,10 @@ def parse_config_overrides(items: list[str]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- timing
 
 
+SETTLED_RATIO = 1.5
+"""A first timed call over this many times the fastest later one is still warming up."""
+
+
 class _Clock:
     """Median time of a callable on one device.
 
@@ -137,10 +142,24 @@ class _Clock:
         return (self.now_ns() - begin) / 1e6
 
     def samples_ms(self, fn: Callable[[], Any], *, repeat: int, warmup: int) -> list[float]:
+        """``repeat`` timed calls after ``warmup`` untimed ones, the leading slow ones replaced.
+
+        A fixed warm-up is not always enough: on the CPU a layer's first timed calls can still
+        run several times slower than the rest (measured: an embedding's weight gradient at
+        about 1.7 ms for its first 2-3 timed calls, then 0.25 ms, the allocator settling on a
+        new buffer size), and when they make up half the samples they move the median. So while
+        the first sample is over :data:`SETTLED_RATIO` times the fastest of the others, it
+        counts as warm-up: it is dropped and one more call is timed, at most ``repeat`` more
+        in all. A slow call in the middle (a stall) is left to the median."""
         for _ in range(warmup):
             fn()
         self.sync()
-        return [self.once_ms(fn) for _ in range(repeat)]
+        samples = [self.once_ms(fn) for _ in range(repeat)]
+        for _ in range(repeat):
+            if len(samples) < 2 or samples[0] <= SETTLED_RATIO * min(samples[1:]):
+                break
+            samples = [*samples[1:], self.once_ms(fn)]
+        return samples
 
     def median_ms(self, fn: Callable[[], Any], *, repeat: int, warmup: int) -> float:
         return statistics.median(self.samples_ms(fn, repeat=repeat, warmup=warmup))

@@ -725,6 +725,62 @@ def test_profiler_recovers_known_forward_input_and_weight_times(tmp_path):
     assert not missed, missed
 
 
+SLOW_START = """
+import time
+import torch
+from torch import nn
+
+CONFIG = {"slow_calls": 6}
+
+def _spin(ms):
+    end = time.thread_time_ns() + int(ms * 1e6)
+    while time.thread_time_ns() < end:
+        pass
+
+class SlowToSettle(nn.Module):
+    # 4 ms a forward for its first slow_calls calls, then 1 ms: a layer still warming up after
+    # the profiler's fixed warm-up
+    def __init__(self, slow_calls):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(8))
+        self.calls, self.slow_calls = 0, slow_calls
+
+    def forward(self, x):
+        self.calls += 1
+        _spin(4.0 if self.calls <= self.slow_calls else 1.0)
+        return x * self.weight
+
+def num_layers(**config):
+    return 1
+
+def build_layer(index, slow_calls):
+    return SlowToSettle(slow_calls)
+
+def sample_batch(microbatch_size, generator, **config):
+    return torch.randn(microbatch_size, 8, generator=generator), torch.randn(microbatch_size, 8, generator=generator)
+
+def loss_fn(outputs, targets):
+    return torch.nn.functional.mse_loss(outputs, targets)
+"""
+
+
+def test_leading_slow_calls_count_as_warm_up(tmp_path):
+    # Before the forward is timed it runs once to get the layer's output, once to count its
+    # FLOPs and once to warm up; so of its 5 timed calls the first 3 take 4 ms. A fixed warm-up
+    # reports their median, 4 ms; the leading slow calls are dropped and timed again instead.
+    path = write_model(tmp_path, SLOW_START)
+    # a layer that never settles within ``repeat`` more calls keeps the median of what was timed
+    for slow_calls, settled_ms in ((6, 1.0), (40, 4.0)):
+        def forward_ms():
+            (layer,) = profile_model_file(path, config={"slow_calls": slow_calls}, microbatch_size=4, repeat=5,
+                                          warmup=1, device="cpu").layers
+            assert layer.forward_ms >= settled_ms
+            return layer.forward_ms
+
+        missed = remeasured(forward_ms, lambda ms: [] if _close(ms, settled_ms) else [f"{slow_calls} slow calls: {ms} ms"])
+        assert not missed, missed
+
+
 def test_layer_sum_equals_the_whole_model_time(tmp_path):
     path = write_model(tmp_path, SPIN)
     kwargs = dict(microbatch_size=4, repeat=5, device="cpu")
