@@ -86,11 +86,7 @@ def simulated_baseline(
     )
     check_structure(plan, num_layers=profile.num_layers)
     result = simulate(plan, profile)
-    return replace(plan, predicted={
-        "iteration_ms": round(result.iteration_ms, 4),
-        "bubble_ratio": round(result.bubble_ratio, 4),
-        "peak_activation_bytes": list(result.peak_activation_bytes),  # what octorun --activation-memory measures
-    }), result
+    return replace(plan, predicted=result.prediction()), result
 
 
 def make_baseline(profile: Profile, **options) -> Plan:

@@ -336,10 +336,7 @@ def _save_with_prediction(plan: Plan, result, output: Path) -> None:
     """Write ``plan`` with its ``predicted`` figures set to the simulated ``result``."""
     from dataclasses import replace
 
-    predicted = {**(plan.predicted or {}), "iteration_ms": round(result.iteration_ms, 4),
-                 "bubble_ratio": round(result.bubble_ratio, 4), "efficiency": round(result.efficiency, 4),
-                 "peak_activation_bytes": list(result.peak_activation_bytes)}
-    save_plan(replace(plan, predicted=predicted), output)
+    save_plan(replace(plan, predicted={**(plan.predicted or {}), **result.prediction()}), output)
 
 
 @app.command()

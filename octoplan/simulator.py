@@ -139,6 +139,23 @@ class SimResult:
         return max(self.peak_memory_bytes) <= self.memory_limit_bytes
 
     @property
+    def peak_with_message_bytes(self) -> tuple[int, ...]:
+        """Per rank, the most its tapes and its messages hold together (``peak_memory_bytes``
+        less the static bytes): what ``octorun --activation-memory`` measures as its second figure."""
+        return tuple(peak - static for peak, static in zip(self.peak_memory_bytes, self.static_memory_bytes))
+
+    def prediction(self) -> dict:
+        """A plan's ``predicted`` section (docs/SPEC_ADDITIONS.md): the figures octorun sets its
+        measurements beside."""
+        return {
+            "iteration_ms": round(self.iteration_ms, 4),
+            "bubble_ratio": round(self.bubble_ratio, 4),
+            "efficiency": round(self.efficiency, 4),
+            "peak_activation_bytes": list(self.peak_activation_bytes),
+            "peak_with_message_bytes": list(self.peak_with_message_bytes),
+        }
+
+    @property
     def num_ranks(self) -> int:
         return len(self._schedule)
 
@@ -533,8 +550,9 @@ def _message_peaks(keys, start, end, arrive, present, *, num_mb: int, act, burst
     - a receiver thread per incoming channel posts the buffer of the channel's next message
       as soon as the one before it has landed (the first of a step's: while the step before
       ends, so from the iteration's start; and after the last has landed, the next step's
-      first), and the buffer stays until the op that uses it starts — an F's input then
-      belongs to its tape, an I's or B's gradient is that op's own while it runs;
+      first), and the buffer stays until the op that uses it starts (an F's input then becomes
+      its tape's, an I's gradient is among what it keeps for its W), or for a B's gradient
+      until the B ends;
     - a sender lets go of a message's tensors once the send is done, when it turns to its
       second op after the one that produced them (so at the end of the op between), or at the
       step's end.
@@ -582,14 +600,18 @@ def _message_peaks(keys, start, end, arrive, present, *, num_mb: int, act, burst
         following = np.where(is_last[sent], sent, sent + 1)
         add(en[sent], rank[sent], size)
         add(np.maximum(en[following], landed), rank[sent], -size)
-        # receives: each message's buffer until the op that reads it starts: an F's output is
-        # the next stage's F's input; a gradient, the previous stage's I, or its B
+        # receives: each message's buffer until the op that reads it takes it over. An F's
+        # output is the next stage's F's input, its tape's from the F's start. A gradient is
+        # the previous stage's I's or B's: an I keeps what its W needs of it (for a layer that
+        # ends in a matrix product, the gradient itself) among the bytes it holds for W, from
+        # its start; a B reads it until it ends and keeps nothing
         kind = code[sent] % 4
         forward = kind == 0
         below = produced - 4 * num_mb + num_mb * (1 - kind)  # the I of the stage before
         as_i = np.frombuffer(present, dtype=np.uint8)[np.where(forward, 0, below)] == 1
         reader = np.where(forward, produced + 4 * num_mb, np.where(as_i, below, below + 2 * num_mb))
-        used = start_all[reader]
+        by_b = ~forward & ~as_i
+        used = np.where(by_b, np.frombuffer(end, dtype=np.float64)[reader], start_all[reader])
         # channels (src, dst) carry their messages in the order the sender runs them
         dst = dst_of[sent]
         channel = rank[sent] * num_ranks + dst

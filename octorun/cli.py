@@ -89,16 +89,30 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"step {m.step}: loss {m.loss:.6f}  iteration {m.iteration_ms:.2f} ms{predicted}  bubble {m.bubble_ratio:.3f}")
         if result.metrics and result.metrics[-1].peak_activation_bytes is not None:
             print(_activation_line(result.metrics[-1]))
+            print(_with_messages_line(result.metrics))
     sys.exit(0)
+
+
+def _mib(values) -> str:
+    return " ".join(f"{n / 2**20:.2f}" for n in values)
 
 
 def _activation_line(m) -> str:
     """The last step's peak activation memory per pipeline rank, beside the plan's prediction."""
-    mib = lambda n: f"{n / 2**20:.2f}"
-    measured = " ".join(mib(b) for b in m.peak_activation_bytes)
-    line = f"peak activation MiB per pipeline rank (step {m.step}): {measured}"
+    line = f"peak activation MiB per pipeline rank (step {m.step}): {_mib(m.peak_activation_bytes)}"
     if m.predicted_peak_activation_bytes is not None:
-        line += f"  (predicted {' '.join(mib(b) for b in m.predicted_peak_activation_bytes)})"
+        line += f"  (predicted {_mib(m.predicted_peak_activation_bytes)})"
+    return line
+
+
+def _with_messages_line(metrics) -> str:
+    """Tapes and messages together, the most of any step per pipeline rank: step 0 posts its
+    receive buffers only as the headers come, and the last step posts none for a next one,
+    while the prediction is of a step between two others."""
+    most = [max(values) for values in zip(*(m.peak_with_message_bytes for m in metrics))]
+    line = f"peak activation + message MiB per pipeline rank (most of any step): {_mib(most)}"
+    if metrics[-1].predicted_peak_with_message_bytes is not None:
+        line += f"  (predicted {_mib(metrics[-1].predicted_peak_with_message_bytes)})"
     return line
 
 

@@ -44,6 +44,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from octorun.activations import ActivationMeter
 from octorun.lowering import ACT, GRAD, Message
 from octorun.watchdog import gist
 
@@ -135,12 +136,13 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._items: dict[tuple[int, tuple[str, int, int]], tuple[torch.Tensor, ...]] = {}
+        # (step, message key) -> (its tensors, their holds in the meter: dropped when taken)
+        self._items: dict[tuple[int, tuple[str, int, int]], tuple[tuple[torch.Tensor, ...], list]] = {}
         self._errors: dict[int, str] = {}  # source global rank -> what went wrong
 
-    def put(self, step: int, message: Message, value: tuple[torch.Tensor, ...]) -> None:
+    def put(self, step: int, message: Message, value: tuple[torch.Tensor, ...], holds: list = ()) -> None:
         with self._cond:
-            self._items[(step, message.key)] = value
+            self._items[(step, message.key)] = (value, list(holds))
             self._cond.notify_all()
 
     def fail(self, src: int, problem: str) -> None:
@@ -148,9 +150,10 @@ class Mailbox:
             self._errors[src] = problem
             self._cond.notify_all()
 
-    def take(self, step: int, message: Message, *, src: int, deadline: float) -> tuple[torch.Tensor, ...]:
-        """The message's tensors; raises ``TimeoutError`` past ``deadline`` or ``ConnectionError``
-        when the receiver thread of that channel failed."""
+    def take(self, step: int, message: Message, *, src: int, deadline: float) -> tuple[tuple[torch.Tensor, ...], list]:
+        """The message's tensors and their holds in the meter (empty without one: the taker drops
+        them when the op that reads the message ends); raises ``TimeoutError`` past ``deadline``
+        or ``ConnectionError`` when the receiver thread of that channel failed."""
         key = (step, message.key)
         with self._cond:
             while key not in self._items:
@@ -175,6 +178,7 @@ class Transport:
         steps: int,
         timeout_s: float,
         static_shapes: bool = True,
+        meter: ActivationMeter | None = None,
     ):
         self.outgoing = outgoing  # dst global rank -> channel
         self.incoming = incoming  # src global rank -> channel
@@ -183,6 +187,7 @@ class Transport:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.static_shapes = static_shapes
         self.mailbox = Mailbox()
+        self.meter = meter  # counts receive buffers and send payloads as messages (octorun.activations)
         # (work, message, tensors kept alive, completion polled rather than waited: NCCL
         # payloads, the op count when it started), oldest first
         self._pending: list[tuple[Any, Message, tuple[torch.Tensor, ...], bool, int]] = []
@@ -215,7 +220,8 @@ class Transport:
         polled = self.device.type == "cuda"
         for tensor in payload:
             work = dist.isend(tensor, dst, group=channel.data_group, tag=channel.next_tag())
-            self._pending.append((work, message, (tensor,), polled, self._ops))
+            kept = (tensor,) if self.meter is None else (tensor, self.meter.hold_message(tensor))
+            self._pending.append((work, message, kept, polled, self._ops))
 
     def begin_op(self, *, deadline: float) -> Message | None:
         """Called before each op: lets go of the sends started before the previous op, so a
@@ -295,15 +301,18 @@ class Transport:
                         channel.layouts[message.key] = layout
                     else:
                         layout = channel.layouts[message.key]
-                    tensors = []
+                    tensors, holds = [], []
                     for dtype, shape in layout:
                         tensor = self._empty(shape, dtype)
+                        if self.meter is not None:  # a posted buffer is memory from now on
+                            holds.append(self.meter.hold_message(tensor))
                         _receive(tensor, channel.src, group=channel.data_group, tag=channel.next_tag())
                         tensors.append(tensor)
                     if self.device.type == "cuda":
                         # the compute thread uses the tensors on its own stream: make them land first
                         torch.cuda.current_stream(self.device).synchronize()
-                    self.mailbox.put(step, message, tuple(tensors))
+                    self.mailbox.put(step, message, tuple(tensors), holds)
+                    del tensors, holds  # the mailbox holds them now, until the op takes them
         except Exception as exc:  # a dead peer closes the connection: tell whoever waits on it
             self.mailbox.fail(channel.src, gist(exc))
 

@@ -92,6 +92,10 @@ class StepMetrics:
     # once (the same on every replica), and the plan's prediction of it where the plan has one
     peak_activation_bytes: tuple[int, ...] | None = None
     predicted_peak_activation_bytes: tuple[int, ...] | None = None
+    # and the most that tapes and the transport's messages held together (octorun.activations),
+    # which the simulator's peak_memory_bytes less the static bytes predicts
+    peak_with_message_bytes: tuple[int, ...] | None = None
+    predicted_peak_with_message_bytes: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -105,8 +109,9 @@ class StepMetrics:
             out["predicted_iteration_ms"] = self.predicted_iteration_ms
         if self.peak_activation_bytes is not None:
             out["peak_activation_bytes"] = list(self.peak_activation_bytes)
-        if self.predicted_peak_activation_bytes is not None:
-            out["predicted_peak_activation_bytes"] = list(self.predicted_peak_activation_bytes)
+        for name in ("predicted_peak_activation_bytes", "peak_with_message_bytes", "predicted_peak_with_message_bytes"):
+            if getattr(self, name) is not None:
+                out[name] = list(getattr(self, name))
         return out
 
 
@@ -424,7 +429,8 @@ class _Interpreter:
         elif params:
             self.optimizer = torch.optim.AdamW(params, lr=config.lr)
         self.transport = Transport(outgoing=groups.outgoing, incoming=groups.incoming, device=device,
-                                   steps=config.steps, timeout_s=config.timeout_s, static_shapes=not config.dynamic_shapes)
+                                   steps=config.steps, timeout_s=config.timeout_s, static_shapes=not config.dynamic_shapes,
+                                   meter=self.meter)
         self.timer = _Timer(device)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -470,8 +476,9 @@ class _Interpreter:
             op = instr.op
             self.watchdog.doing(f"letting go of the sends before op {op} of step {step}")
             self._check_sends(step, self.transport.begin_op, self.watchdog.deadline())
-            for message in instr.recvs:
-                self._receive(step, op, message, state)
+            # the received messages' holds in the meter: each stays until its op has run (an
+            # F's input is its tape's by then, a gradient the backward's to read until it ends)
+            reading = [hold for message in instr.recvs for hold in self._receive(step, op, message, state)]
             self.watchdog.doing(f"running op {op} of step {step}")
             begin = self.timer.mark()
             try:
@@ -481,6 +488,7 @@ class _Interpreter:
             except Exception as exc:
                 self.watchdog.fail(f"op {op} of step {step} raised {gist(exc)}")
             self.timer.add(op, begin, self.timer.mark())
+            del reading
             for message in instr.sends:
                 try:
                     self.transport.send(message, outgoing, dst=self._global(message.dst), step=step)
@@ -520,6 +528,7 @@ class _Interpreter:
             "reduced_s": None if reduced_at is None else self.timer.seconds(reduced_at),
             "origin_s": self.timer.origin_host, "host": socket.gethostname(),
             "peak_activation_bytes": None if self.meter is None else self.meter.peak,
+            "peak_with_message_bytes": None if self.meter is None else self.meter.peak_with_messages,
         }
 
     def _check_sends(self, step: int, wait, deadline: float) -> None:
@@ -533,11 +542,12 @@ class _Interpreter:
             self.watchdog.fail(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) "
                                f"did not complete within {self.config.timeout_s:g} s")
 
-    def _receive(self, step: int, op: Op, message: Message, state: _StepState) -> None:
+    def _receive(self, step: int, op: Op, message: Message, state: _StepState) -> list:
+        """Take ``message`` for ``op`` into the step's state; returns its holds in the meter."""
         src = self._global(message.src)
         self.watchdog.doing(f"op {op} of step {step} waiting for the {message} (global rank {src})")
         try:
-            value = self.transport.mailbox.take(step, message, src=src, deadline=self.watchdog.deadline())
+            value, holds = self.transport.mailbox.take(step, message, src=src, deadline=self.watchdog.deadline())
         except TimeoutError:
             self.watchdog.fail(
                 f"op {op} of step {step} waited {self.config.timeout_s:g} s for the {message} (global rank {src}) {self._where()}"
@@ -548,6 +558,7 @@ class _Interpreter:
             state.inputs[(message.stage, message.mb)] = value[0] if len(value) == 1 else value
         else:
             state.grads[(message.stage, message.mb)] = value
+        return holds
 
     def _run_op(self, op: Op, state: _StepState) -> tuple[torch.Tensor, ...]:
         """Run one compute op; returns the tensors its sends carry (if any)."""
@@ -631,15 +642,16 @@ class _Interpreter:
         metrics = summarize_step(step, records, predicted if isinstance(predicted, (int, float)) else None)
         if self.meter is None:
             return metrics
-        peaks = [0] * self.plan.pp
-        for record in records:
-            peaks[record["pp_rank"]] = max(peaks[record["pp_rank"]], record["peak_activation_bytes"])
-        predicted_peaks = (self.plan.predicted or {}).get("peak_activation_bytes")
-        if not (isinstance(predicted_peaks, list) and len(predicted_peaks) == self.plan.pp
-                and all(isinstance(b, int) for b in predicted_peaks)):
-            predicted_peaks = None
-        return replace(metrics, peak_activation_bytes=tuple(peaks),
-                       predicted_peak_activation_bytes=None if predicted_peaks is None else tuple(predicted_peaks))
+        measured, predicted_peaks = {}, {}
+        for name in ("peak_activation_bytes", "peak_with_message_bytes"):
+            peaks = [0] * self.plan.pp  # per pipeline rank: the most on any replica
+            for record in records:
+                peaks[record["pp_rank"]] = max(peaks[record["pp_rank"]], record[name])
+            measured[name] = tuple(peaks)
+            given = (self.plan.predicted or {}).get(name)
+            valid = isinstance(given, list) and len(given) == self.plan.pp and all(isinstance(b, int) for b in given)
+            predicted_peaks[name] = tuple(given) if valid else None
+        return replace(metrics, **measured, **{f"predicted_{name}": value for name, value in predicted_peaks.items()})
 
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
         return {i: {k: v.detach().cpu().clone() for k, v in layer.state_dict().items()} for i, layer in self.layers.items()}

@@ -83,7 +83,7 @@ def _late_exchange(rank: int, port: int, folder: str) -> None:
         else:
             transport = Transport(outgoing={}, incoming={0: channel}, device=torch.device("cpu"), steps=1, timeout_s=30)
             transport.start()  # its thread posts the receive now, LATE_S before the send
-            (value,) = transport.mailbox.take(0, message, src=0, deadline=time.monotonic() + 30)
+            (value,), _ = transport.mailbox.take(0, message, src=0, deadline=time.monotonic() + 30)
             outcome = str(value.tolist())
     except Exception as exc:
         outcome = f"failed: {exc}"

@@ -78,9 +78,25 @@ def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
     # ends at 18: at [4, 5) it holds three (6 MB) beside two microbatches' 200 bytes. Rank 1:
     # one posted buffer throughout, and the gradient of 1B0 from 13 until 1B1 ends at 17 (its
     # send was done at 16): 4 MB beside one microbatch at [13, 17), two buffers and 1B1's
-    # gradient (held until 20) with none at [17, 20).
+    # gradient (held until 20) with none at [17, 20). Rank 0 holds three again at [16, 18):
+    # 1B0's gradient, which 0B0 reads until it ends, 1B1's posted buffer and 0F1.
     assert result.peak_message_bytes == (3 * 2_000_000, 2 * 2_000_000)
     assert result.peak_memory_bytes == (3 * 2_000_000 + 2 * 100, 2 * 2_000_000 + 1000)
+
+
+def test_a_backward_holds_the_gradient_it_reads_until_it_ends():
+    # GPipe on a free link: 0F0 [0,2] 0F1 [2,4]; 1F0 [2,3] 1F1 [4,5] 1B0 [5,9] 1B1 [9,13];
+    # 0B0 [9,11] 0B1 [13,15]. When 1B0's gradient lands at 9, rank 0's receiver posts the buffer
+    # of 1B1's, while 0B0 reads the one that landed until 11, and 0F1's output is held until
+    # 0B0 ends (the end of rank 0's next op): three 2 MB messages at [9, 11) beside both
+    # microbatches' tapes. Were the gradient let go when 0B0 starts, two would be the most.
+    profile = _two_layer_profile()
+    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
+                 cluster=Cluster(gpus=2, latency_us=0.0, intra_node_gbps=1e12, inter_node_gbps=1e12), microbatches=2)
+    result = simulate(plan, profile)
+    assert result.op_times()[Op(0, Kind.B, 0)] == pytest.approx((9, 11))
+    assert result.peak_message_bytes[0] == 3 * 2_000_000
+    assert result.peak_with_message_bytes[0] == 3 * 2_000_000 + 2 * 100
 
 
 def test_a_message_that_waits_in_the_mailbox_counts_beside_the_next_posted_buffer():
@@ -140,7 +156,9 @@ def _memory_by_sweep(result, costs, rank_of_stage, num_mb) -> tuple[list[int], l
     for (_, dst), sent in channels.items():
         posted = first
         for op in sent:
-            events[dst] += [(posted, 0, weight(op)), (times[reader(op)][0], 0, -weight(op))]
+            # until the reader starts; a B's gradient until the B ends
+            used = times[reader(op)][1 if reader(op).kind is Kind.B else 0]
+            events[dst] += [(posted, 0, weight(op)), (used, 0, -weight(op))]
             posted = landed[op]
         events[dst] += [(posted, 0, weight(sent[0])), (last, 0, -weight(sent[0]))]
     both, alone = [], []

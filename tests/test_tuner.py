@@ -39,8 +39,12 @@ def test_tuned_plan_is_valid_and_its_prediction_reproduces(tuned):
     result = simulate(tuned.plan, profile)  # no DeadlockError
     assert result.iteration_ms == pytest.approx(tuned.plan.predicted["iteration_ms"], abs=1e-3)
     assert result.fits_memory
-    assert set(tuned.plan.predicted) == {"iteration_ms", "bubble_ratio", "efficiency", "peak_activation_bytes"}
+    assert set(tuned.plan.predicted) == {"iteration_ms", "bubble_ratio", "efficiency", "peak_activation_bytes",
+                                         "peak_with_message_bytes"}
     assert tuned.plan.predicted["peak_activation_bytes"] == list(result.peak_activation_bytes)
+    # tapes and messages together: the peak less what weights and optimizer state take
+    assert tuned.plan.predicted["peak_with_message_bytes"] == [
+        peak - static for peak, static in zip(result.peak_memory_bytes, result.static_memory_bytes)]
     assert tuned.plan.extra["tuner"]["seed"] == 0
 
 

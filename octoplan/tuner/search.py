@@ -604,7 +604,7 @@ def tune(
             "use more GPUs, a larger --memory-gb, or a profile of a smaller --microbatch-size"
             + ("" if opts.recompute else "; or let stages recompute their activations (drop --no-recompute)"),
         )
-    plan = _final_plan(evaluator, best, best_scored, profile_path=profile_path)
+    plan = _final_plan(evaluator, best, profile_path=profile_path)
     from octoplan.schedules.exact import relaxation_bound  # OR-Tools only when the tuner runs
 
     # what a better order of the same stages and placement could still save, at most
@@ -771,7 +771,7 @@ def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions) -> 
     return _collect_baselines(profile, cluster, configs, opts, search)
 
 
-def _final_plan(evaluator: Evaluator, cand: Candidate, scored: Scored, *, profile_path: str | Path | None) -> Plan:
+def _final_plan(evaluator: Evaluator, cand: Candidate, *, profile_path: str | Path | None) -> Plan:
     plan = evaluator.plan(cand)
     check_structure(plan, num_layers=evaluator.num_layers)
     path = str(profile_path) if profile_path else None
@@ -779,12 +779,6 @@ def _final_plan(evaluator: Evaluator, cand: Candidate, scored: Scored, *, profil
     return Plan(
         model=plan.model, cluster=plan.cluster, parallel=plan.parallel, stages=plan.stages, schedule=plan.schedule,
         profile=path, profile_sha256=sha,
-        predicted={
-            "iteration_ms": round(scored.iteration_ms, 4),
-            "bubble_ratio": round(scored.bubble_ratio, 4),
-            "efficiency": round(scored.efficiency, 4),
-            # what octorun --activation-memory measures, to set beside it
-            "peak_activation_bytes": list(evaluator.simulate(cand).peak_activation_bytes),
-        },
+        predicted=evaluator.simulate(cand).prediction(),  # the figures scored, and octorun's to set beside
     )
 
