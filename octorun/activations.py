@@ -15,11 +15,11 @@ the moment its last reference goes (when autograd releases a saved tensor, when 
 list), so the count moves with the runtime's own releases.
 
 The transport's messages (:mod:`octorun.comm`) count in a second figure: a receive buffer from
-the moment it is posted until its op takes it, a send's tensors until the transport lets go of
-them. ``peak_with_messages`` is the most that tapes and messages held together, each storage
-once: a received input that an F keeps on its tape moves from one to the other without being
-counted twice. The planner's ``peak_memory_bytes`` less the static bytes predicts it. Gradients
-an op has taken and is reading, and an op's temporaries, count in neither.
+the moment it is posted until the op that reads the message has run, a send's tensors until the
+transport lets go of them. ``peak_with_messages`` is the most that tapes and messages held
+together, each storage once: a received input that an F keeps on its tape, or a gradient whose
+storage an I keeps for its W, is not counted twice. The planner's ``peak_memory_bytes`` less the
+static bytes predicts it. An op's temporaries count in neither figure.
 """
 
 from __future__ import annotations

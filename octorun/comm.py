@@ -136,7 +136,8 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        # (step, message key) -> (its tensors, their holds in the meter: dropped when taken)
+        # (step, message key) -> (its tensors, their holds in the meter, which the taker keeps
+        # until its op has run)
         self._items: dict[tuple[int, tuple[str, int, int]], tuple[tuple[torch.Tensor, ...], list]] = {}
         self._errors: dict[int, str] = {}  # source global rank -> what went wrong
 
@@ -188,9 +189,9 @@ class Transport:
         self.static_shapes = static_shapes
         self.mailbox = Mailbox()
         self.meter = meter  # counts receive buffers and send payloads as messages (octorun.activations)
-        # (work, message, tensors kept alive, completion polled rather than waited: NCCL
-        # payloads, the op count when it started), oldest first
-        self._pending: list[tuple[Any, Message, tuple[torch.Tensor, ...], bool, int]] = []
+        # (work, message, tensors kept alive (and their holds in the meter), completion polled
+        # rather than waited: NCCL payloads, the op count when it started), oldest first
+        self._pending: list[tuple[Any, Message, tuple[object, ...], bool, int]] = []
         self._ops = 0  # ops begun so far (see begin_op)
         self._threads = [
             threading.Thread(target=self._receive_loop, args=(channel,), name=f"octorun-recv-{src}", daemon=True)
