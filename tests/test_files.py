@@ -466,13 +466,17 @@ def test_ctrl_c_exits_130_saying_so(profile_file, tmp_path):
     out = tmp_path / "plan.yaml"
     # uneven layers and many GPUs: a search that is still running when the signal comes
     layers = [(1 + i % 5, 1 + i % 3, 1 + i % 7) for i in range(64)]
+    # As from a terminal: a shell without job control starts background commands with Ctrl-C
+    # ignored, and a child inherits that (Python then leaves SIGINT ignored, rightly), so a
+    # test suite run in the background would see no interrupt at all
     proc = subprocess.Popen([sys.executable, "-m", "octoplan.cli", "tune", str(profile_file(make_profile(layers))),
                              "--gpus", "16", "--pp", "16", "--microbatches", "32", "--time-limit", "60", "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(4)  # imports done, searching (CP-SAT seeding: OR-Tools must not swallow the signal)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "interrupted" in err and not out.exists()
+    assert proc.returncode == 130 and "interrupted" in err and not out.exists(), (proc.returncode, err)
 
 
 def test_input_nested_too_deeply_is_bad_input(tmp_path, baseline_files):
