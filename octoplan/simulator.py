@@ -573,7 +573,8 @@ def _message_peaks(keys, start, end, arrive, present, *, num_mb: int, act, burst
     rank = np.repeat(np.arange(num_ranks, dtype=np.int64), lengths)
     start_all = np.frombuffer(start, dtype=np.float64)
     st = start_all[key]
-    en = np.frombuffer(end, dtype=np.float64)[key]
+    end_all = np.frombuffer(end, dtype=np.float64)
+    en = end_all[key]
     grow = np.array(act, dtype=np.int64)[code]
     up = np.maximum(np.maximum(np.array(burst, dtype=np.int64)[code], grow), 0)
     dst_of = np.array(dest, dtype=np.int64)[code]
@@ -611,7 +612,7 @@ def _message_peaks(keys, start, end, arrive, present, *, num_mb: int, act, burst
         as_i = np.frombuffer(present, dtype=np.uint8)[np.where(forward, 0, below)] == 1
         reader = np.where(forward, produced + 4 * num_mb, np.where(as_i, below, below + 2 * num_mb))
         by_b = ~forward & ~as_i
-        used = np.where(by_b, np.frombuffer(end, dtype=np.float64)[reader], start_all[reader])
+        used = np.where(by_b, end_all[reader], start_all[reader])
         # channels (src, dst) carry their messages in the order the sender runs them
         dst = dst_of[sent]
         channel = rank[sent] * num_ranks + dst

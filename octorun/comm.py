@@ -141,7 +141,7 @@ class Mailbox:
         self._items: dict[tuple[int, tuple[str, int, int]], tuple[tuple[torch.Tensor, ...], list]] = {}
         self._errors: dict[int, str] = {}  # source global rank -> what went wrong
 
-    def put(self, step: int, message: Message, value: tuple[torch.Tensor, ...], holds: list = ()) -> None:
+    def put(self, step: int, message: Message, value: tuple[torch.Tensor, ...], holds: Sequence[object] = ()) -> None:
         with self._cond:
             self._items[(step, message.key)] = (value, list(holds))
             self._cond.notify_all()
