@@ -5,6 +5,7 @@ follows the simulator's prediction."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from octoplan.outputs import StreamedOutput
 from octoplan.plan import Cluster, save_plan
 from octorun.runtime import RunConfig, prepare
 
-from conftest import make_profile
+from conftest import make_profile, remeasured
 
 
 @pytest.mark.slow
@@ -29,22 +30,36 @@ def test_replay_of_a_profile_without_model_file_matches_the_prediction(tmp_path,
     assert plan.model.source is None
     path = tmp_path / "plan.yaml"
     save_plan(plan, path)
-    metrics = tmp_path / "m.jsonl"
-    trace = tmp_path / "t.json"
-    job = h.Job("replay", RunConfig(plan_path=str(path), steps=3, replay_time_scale=1.0, metrics_path=str(metrics),
-                                    trace_path=str(trace)))
-    launched = h.launch(2, [job], tmp_path / "out", timeout_s=90)
-    assert launched.exitcodes == [0, 0], launched.logs
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert len(steps) == 3
     predicted = plan.predicted["iteration_ms"]
-    assert steps[-1]["predicted_iteration_ms"] == pytest.approx(predicted)
-    measured = sorted(s["iteration_ms"] for s in steps[1:])[0]
     assert predicted == pytest.approx(150 + 5 * 0.3 * 2, abs=2.0)
+    results: list[tuple[float, Path]] = []
+
+    def measure() -> tuple[float, Path]:
+        out = tmp_path / f"run{len(results)}"
+        out.mkdir()
+        metrics, trace = out / "m.jsonl", out / "t.json"
+        job = h.Job("replay", RunConfig(plan_path=str(path), steps=3, replay_time_scale=1.0,
+                                        metrics_path=str(metrics), trace_path=str(trace)))
+        launched = h.launch(2, [job], out / "logs", timeout_s=90)
+        assert launched.exitcodes == [0, 0], launched.logs
+        steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert len(steps) == 3
+        assert steps[-1]["predicted_iteration_ms"] == pytest.approx(predicted)
+        measured = min(s["iteration_ms"] for s in steps[1:])
+        # A stall only adds time, so skipping a sleep (a third less) fails on every attempt.
+        assert measured >= 0.75 * predicted
+        return measured, trace
+
     # Loose on purpose: this shared CPU adds sleep overshoot and gloo jitter per op; the
-    # fidelity benchmark (docs/BENCHMARKS.md) measures the real error. Skipping a sleep (a
-    # third less) or sleeping twice would still fail here.
-    assert measured == pytest.approx(predicted, rel=0.25)
+    # fidelity benchmark (docs/BENCHMARKS.md) measures the real error. A stall of the shared
+    # machine (one CI run took 203 ms) is measured again; sleeping twice misses every time.
+
+    def misses(result: tuple[float, Path]) -> list[str]:
+        results.append(result)
+        return [] if result[0] <= 1.25 * predicted else [f"{result[0]:.1f} ms against {predicted:.1f} predicted"]
+
+    assert remeasured(measure, misses) == []
+    trace = results[-1][1]
     # The ranks' op times share one clock: every op starts after the op on the other rank
     # whose output it consumes has ended.
     times = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in json.loads(trace.read_text())["traceEvents"]}
