@@ -1,11 +1,17 @@
 """The policy list scheduler against an earlier version of itself: same orders, and how fast.
 
 Run: .venv/bin/python benchmarks/bench_policy.py --against 2e91084 [--cases 400] [--seed 1]
+     .venv/bin/python benchmarks/bench_policy.py --against c853d4c --tight-budgets [--cases 300]
 
 Loads ``octoplan/schedules/policy.py`` as it was at git revision ``--against``, checks that both
 versions give identical op orders on random placements (loop, V and shuffled maps), knobs and
 memory budgets, then times both on a 16-rank V of 32 stages with 64 microbatches, alternating
 old and new, and prints the median of each.
+
+``--tight-budgets`` compares the two versions' orders instead, where memory binds: each case's
+budget per rank is what the order built without a budget holds at its peak, up to 10% more,
+plus room for the transients and messages the scheduler keeps free. Both versions' orders are
+simulated; it prints how many are faster, slower or the same now, and the extreme ratios.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from octoplan.costs import StageCost  # noqa: E402
-from octoplan.plan import Cluster, Parallel  # noqa: E402
+from octoplan.plan import Cluster, ModelRef, Parallel, Plan, Stage  # noqa: E402
 from octoplan.schedules import policy as current  # noqa: E402
+from octoplan.simulator import simulate_costs  # noqa: E402
 
 
 def load_revision(rev: str):
@@ -71,14 +78,53 @@ def run(module, case):
                                   cluster=cluster, parallel=parallel, activation_budget_bytes=budget)
 
 
+def tight_budget_case(rng: random.Random):
+    """A random case whose budget the order built without one just fits (see the docstring)."""
+    rank_of, costs, mb, knobs, cluster, parallel, _ = random_case(rng)
+    free = simulated(rank_of, costs, cluster, parallel, run(current, (rank_of, costs, mb, knobs, cluster, parallel, None)))
+    reserve = max(c.recompute_bytes + c.i_peak_bytes for c in costs) + 6 * max(c.output_bytes for c in costs)
+    budget = [peak * (1 + 0.1 * rng.random()) + reserve for peak in free.peak_activation_bytes]
+    return rank_of, costs, mb, knobs, cluster, parallel, budget
+
+
+def simulated(rank_of, costs, cluster, parallel, ops):
+    stages = tuple(Stage(start=s, end=s + 1, rank=r) for s, r in enumerate(rank_of))
+    plan = Plan(model=ModelRef("policy-bench"), cluster=cluster, parallel=parallel, stages=stages,
+                schedule=tuple(map(tuple, ops)))
+    return simulate_costs(plan, costs)
+
+
+def compare_tight_budgets(old, args) -> None:
+    rng = random.Random(args.seed)
+    counts = {"faster": 0, "slower": 0, "same": 0}
+    ratios = []
+    for _ in range(args.cases):
+        case = tight_budget_case(rng)
+        rank_of, costs, _, _, cluster, parallel, _ = case
+        before = simulated(rank_of, costs, cluster, parallel, run(old, case)).iteration_ms
+        now = simulated(rank_of, costs, cluster, parallel, run(current, case)).iteration_ms
+        key = "same" if abs(before - now) <= 1e-9 * before else ("faster" if now < before else "slower")
+        counts[key] += 1
+        if key != "same":
+            ratios.append(before / now)
+    print(f"{args.cases} tight-budget cases (seed {args.seed}), against {args.against}: "
+          f"{counts['faster']} faster, {counts['slower']} slower, {counts['same']} the same; "
+          f"{args.against} / now from {min(ratios, default=1):.3f} to {max(ratios, default=1):.3f}, "
+          f"median of the changed {statistics.median(ratios) if ratios else 1:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--against", required=True, help="git revision of the version to compare with")
     parser.add_argument("--cases", type=int, default=400)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--tight-budgets", action="store_true", help="compare the orders' iteration times where memory binds")
     args = parser.parse_args()
     old = load_revision(args.against)
+    if args.tight_budgets:
+        compare_tight_budgets(old, args)
+        return
     rng = random.Random(args.seed)
     for index in range(args.cases):
         case = random_case(rng)
