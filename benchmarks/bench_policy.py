@@ -1,14 +1,15 @@
 """The policy list scheduler against an earlier version of itself: same orders, and how fast.
 
 Run: .venv/bin/python benchmarks/bench_policy.py --against 2e91084 [--cases 400] [--seed 1]
-     .venv/bin/python benchmarks/bench_policy.py --against c853d4c --tight-budgets [--cases 300]
+     .venv/bin/python benchmarks/bench_policy.py --against REV --tight-budgets [--cases 300]
 
 Loads ``octoplan/schedules/policy.py`` as it was at git revision ``--against``, checks that both
 versions give identical op orders on random placements (loop, V and shuffled maps), knobs and
 memory budgets, then times both on a 16-rank V of 32 stages with 64 microbatches, alternating
 old and new, and prints the median of each.
 
-``--tight-budgets`` compares the two versions' orders instead, where memory binds: each case's
+``--tight-budgets`` compares the two versions' orders instead, where memory binds (for a change
+to the scheduler's memory rule; docs/BENCHMARKS.md, session 26, has one): each case's
 budget per rank is what the order built without a budget holds at its peak, up to 10% more,
 plus room for the transients and messages the scheduler keeps free. Both versions' orders are
 simulated; it prints how many are faster, slower or the same now, and the extreme ratios.
