@@ -79,9 +79,11 @@ def rank_balanced(args) -> None:
     print("|---|---|---|---|---|")
     for w, profile, cluster, ev, config in _workloads(args.only):
         work = [round(1000 * (l.forward_ms + l.backward_input_ms + l.backward_weight_ms)) for l in profile.layers]
-        for label, cand in _baseline_candidates(profile, cluster, config, 3):
+        for label, cand in _baseline_candidates(profile, cluster, config):
             if not label.endswith("/balanced") or cand.num_stages == config.pp:
                 continue  # one stage per rank: balancing stages is balancing ranks
+            if cand.num_stages > 3 * config.pp:
+                continue  # session 17's table: the baselines of up to 3 chunks
             cuts = rank_balanced_cuts(work, cand.ranks, config.pp)
             if cuts is None:
                 continue

@@ -314,3 +314,41 @@ def test_the_verdict_says_when_no_baseline_fits():
 
     result = SimpleNamespace(best_baseline=lambda: None)
     assert _verdict(result, 80.0) == "no baseline fits 80 GB per GPU; the tuned plan does"
+
+
+def test_the_baselines_have_every_interleaved_chunk_count_the_layers_allow():
+    # 8 layers of F = I = W = 1 ms on 2 ranks, 2 microbatches, free links. Interleaved 1F1B with
+    # v chunks per rank takes (m v + p - 1) chunk times of 12 / v ms (a chunk's F + B):
+    # 24 + 12 / v, so 30 ms with the default 2 chunks and 27 with 4 (a layer each); 5 chunks
+    # would need 10 layers.
+    profile, cluster = make_profile([(1, 1, 1)] * 8), free_cluster(2)
+    opts = TuneOptions(gpus=2, pp=2, microbatches=2, max_plans=200)
+    rows = {row.name: row.scored for row in compare_baselines(profile, cluster, opts)}
+    assert {name for name in rows if name.startswith("interleaved-1f1b")} == {
+        f"interleaved-1f1b{v}/{partition}" for v in ("", "(v=3)", "(v=4)") for partition in ("uniform", "balanced")}
+    assert rows["interleaved-1f1b/uniform"].iteration_ms == pytest.approx(30.0)
+    assert rows["interleaved-1f1b(v=4)/uniform"].iteration_ms == pytest.approx(27.0)
+    # 4 chunks is the fastest baseline here (ZB-H1 takes 28 ms), and more than the search's
+    # own layouts hold by default: the tuned plan is still never slower than it
+    assert min(s.iteration_ms for s in rows.values() if s.fits) == pytest.approx(27.0)
+    assert tune(profile, cluster, opts).scored.iteration_ms <= 27.0 + 1e-9
+    # a given --chunks-max bounds the baselines too
+    capped = {row.name for row in compare_baselines(profile, cluster, TuneOptions(gpus=2, pp=2, microbatches=2, chunks_max=3))}
+    assert "interleaved-1f1b(v=3)/uniform" in capped and not any("(v=4)" in name for name in capped)
+
+
+def test_the_table_shows_the_default_chunk_count_and_the_fastest_other():
+    from octoplan.tuner.cli import shown_rows
+
+    def row(plan, ms, fits=True):
+        return {"plan": plan, "iteration_ms": ms, "fits": fits}
+
+    rows = [row("tuned", 20), row("interleaved-1f1b/uniform", 30), row("interleaved-1f1b(v=3)/uniform", 28),
+            row("interleaved-1f1b(v=4)/uniform", 27), row("interleaved-1f1b(v=5)/uniform", 26, fits=False),
+            row("interleaved-1f1b(v=3)/balanced", 29, fits=False), row("interleaved-1f1b(v=4)/balanced", 31, fits=False),
+            row("interleaved-1f1b(v=3)/balanced+recompute (first 2 layers)", 39),
+            row("interleaved-1f1b(v=4)/balanced+recompute (first 1 layers)", 38), row("zbv/uniform", 25)]
+    # per partition, the fastest count above 2 that fits; where none fits, the fastest
+    assert [r["plan"] for r in shown_rows(rows)] == [
+        "tuned", "interleaved-1f1b/uniform", "interleaved-1f1b(v=4)/uniform", "interleaved-1f1b(v=3)/balanced",
+        "interleaved-1f1b(v=4)/balanced+recompute (first 1 layers)", "zbv/uniform"]

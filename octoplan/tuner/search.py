@@ -5,10 +5,10 @@ Steps:
    pins it) with the microbatch count a global batch implies, and both global rank orders
    when dp > 1.
 2. Seed with every baseline of SPEC section 6 that applies (schedule x partition, interleaved
-   1F1B with 2..``chunks_max`` chunks), so the answer is never worse than the best baseline
-   that fits; add policy-scheduled seeds (balanced partitions in loop and V placements) and
-   the CP-SAT partition + placement (:mod:`octoplan.tuner.cpsat`); and every seed layout
-   re-placed so that late-starting ranks carry less (:mod:`octoplan.tuner.arrange`).
+   1F1B with every chunk count the layers allow up to ``MAX_BASELINE_CHUNKS``, or up to
+   ``chunks_max`` where it is given), so the answer is never worse than the best baseline that
+   fits; add policy-scheduled seeds (balanced partitions in loop and V placements) and the
+   CP-SAT partition + placement (:mod:`octoplan.tuner.cpsat`); and every seed layout re-placed so that late-starting ranks carry less (:mod:`octoplan.tuner.arrange`).
 3. Justify the orders of the best seeds (:mod:`octoplan.schedules.justify`: every op pushed
    as late, then as early as its dataflow and its rank's gaps allow, which moves Ws into
    bubbles and forwards ahead of them); the justified plans join the seeds.
@@ -73,6 +73,14 @@ RESTART_PATIENCE = 3
 PEELS = 6  # then the layers peeled onto another rank (:mod:`octoplan.tuner.carry`), justified each
 MAX_WORKERS = 1024  # --workers: far above any machine's cores, below where process counts overflow
 MAX_SEED = 2**31 - 1  # --seed: CP-SAT's random_seed is a 32-bit signed int
+# Without --chunks-max: the layouts the search builds hold at most DEFAULT_CHUNKS stages per
+# rank (a search-space bound: each more allowed widens every climb's neighbourhood), while the
+# baselines have interleaved 1F1B with every chunk count the layers allow, up to
+# MAX_BASELINE_CHUNKS. Megatron-LM's users tune theirs (--num-layers-per-virtual-pipeline-stage),
+# and a count above 3 can be the fastest baseline (llama3-70b on 64 H100s: 11 chunks, 1974.0 ms,
+# against 2102.8 for the best of 2 or 3): the tuned plan must not be slower than that.
+DEFAULT_CHUNKS = 3
+MAX_BASELINE_CHUNKS = 32
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,10 @@ class TuneOptions:
     # plans, so the result no longer depends on the machine's speed or load.
     max_plans: int | None = None
     seed: int = 0
-    chunks_max: int = 3  # most stages per rank (and interleaved-1F1B chunks among the baselines)
+    # the most stages per rank, in the layouts the search builds and among the baselines; None:
+    # DEFAULT_CHUNKS in the search's layouts, every count up to MAX_BASELINE_CHUNKS among the
+    # baselines (so a tuned plan may hold more stages per rank when a baseline is its seed)
+    chunks_max: int | None = None
     dimensions: tuple[str, ...] = DIMENSIONS
     use_cpsat: bool = True
     baselines: bool = True  # seed with (and report) SPEC section 6's baselines
@@ -177,6 +188,11 @@ def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
     return out
 
 
+def _baseline_chunks(opts: TuneOptions) -> int:
+    """The most interleaved-1F1B chunks among the baselines."""
+    return MAX_BASELINE_CHUNKS if opts.chunks_max is None else opts.chunks_max
+
+
 def _baseline_names(chunks_max: int) -> list[tuple[str, str, int]]:
     names = []
     for schedule in SCHEDULES:
@@ -202,7 +218,7 @@ def _baseline_candidates(profile: Profile, cluster: Cluster, config: Config, chu
             continue  # the schedule does not apply here (too few microbatches)
         num_stages = spec.num_stages(config.pp, chunks)
         if num_stages > profile.num_layers:
-            continue  # before generating an order: --chunks-max may be large
+            continue  # before generating an order: a chunk needs a layer
         order = tuple(tuple(ops) for ops in spec.generate(config.pp, config.microbatches, chunks))
         try:
             pairs = partition(profile, num_stages, partition_method, fused_backward=not splits_backward(order))
@@ -283,7 +299,8 @@ class _Search:
     def __init__(self, evaluator: Evaluator, opts: TuneOptions, progress: ProgressFn | None, *,
                  clock: _Clock | None = None, quiet: bool = False):
         self.ev = evaluator
-        self.opts = opts
+        # the search's own bound on stages per rank (tune() has already capped it at the layers)
+        self.opts = opts if opts.chunks_max is not None else replace(opts, chunks_max=DEFAULT_CHUNKS)
         self.progress = progress
         self.quiet = quiet  # a restart's climb on shaken times: its bests are not the search's (DEBUG log only)
         self.extra_plans = 0  # plans simulated by worker processes (:mod:`octoplan.tuner.pool`)
@@ -495,7 +512,7 @@ def tune(
                          "give the search a positive, finite number of seconds (--max-plans bounds it by work instead)")
     if opts.max_plans is not None and opts.max_plans < 1:
         raise InputError(None, "--max-plans", f"is {opts.max_plans}", "give a positive number of plans, or leave it out")
-    if opts.chunks_max < 1:
+    if opts.chunks_max is not None and opts.chunks_max < 1:
         raise InputError(None, "--chunks-max", f"is {opts.chunks_max}", "allow at least 1 stage per rank")
     if opts.workers < 1:
         raise InputError(None, "--workers", f"is {opts.workers}", "use at least 1 process")
@@ -503,14 +520,17 @@ def tune(
         raise InputError(None, "--workers", f"is {opts.workers}", f"use at most {MAX_WORKERS} processes (one per core to spare)")
     if not 0 <= opts.seed <= MAX_SEED:
         raise InputError(None, "--seed", f"is {opts.seed}", f"use a seed from 0 to {MAX_SEED}")
-    # no rank can hold more stages than there are layers: a larger --chunks-max changes nothing
-    opts = replace(opts, chunks_max=min(opts.chunks_max, profile.num_layers))
     configs = configs_for(profile, opts)
     if cluster.gpus != opts.gpus:
         cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
     evaluator = Evaluator(profile, cluster)
+    baseline_chunks = _baseline_chunks(opts)
+    # from here on chunks_max is the search's own bound; no rank can hold more stages than
+    # there are layers, so a larger --chunks-max changes nothing
+    opts = replace(opts, chunks_max=min(DEFAULT_CHUNKS if opts.chunks_max is None else opts.chunks_max, profile.num_layers))
     search = _Search(evaluator, opts, progress)
-    baselines = _collect_baselines(profile, cluster, configs, opts, search) if opts.baselines else []
+    baselines = (_collect_baselines(profile, cluster, configs, replace(opts, chunks_max=baseline_chunks), search)
+                 if opts.baselines else [])
 
     seeds: list[Candidate] = [row.candidate for row in baselines]
     cpsat_stats: list[dict] = []
@@ -572,12 +592,12 @@ def tune(
         climbed = climb_in_parallel(search, evaluator.profile, cluster, opts, climbs, end_s=end_s)
     else:
         climbed = 0
-        # each of the first climbs gets an equal share of the time left; what a climb leaves
-        # unused passes on
+        # each of the first climbs gets an equal share of the time left before end_s (the rest
+        # is the polish's and the final plan's); what a climb leaves unused passes on
         for index, start in enumerate(starts):
-            if search.clock.out():
+            if search.clock.elapsed() >= end_s:
                 break
-            share = (opts.time_limit_s - search.clock.elapsed()) / (len(starts) - index)
+            share = (end_s - search.clock.elapsed()) / (len(starts) - index)
             search.climb(start, deadline=search.clock.elapsed() + share)
             climbed += 1
         # then climbs from the next-best seeds, each followed by a restart (a climb from the
@@ -724,7 +744,7 @@ def _collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Con
             best[label] = row
 
     candidates = [(config, label, cand) for config in configs
-                  for label, cand in _baseline_candidates(profile, cluster, config, opts.chunks_max)]
+                  for label, cand in _baseline_candidates(profile, cluster, config, _baseline_chunks(opts))]
     for config, label, cand in candidates:
         consider(label, config, cand)
     if opts.recompute:
@@ -767,6 +787,7 @@ def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions) -> 
     configs = configs_for(profile, opts)
     if cluster.gpus != opts.gpus:
         cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
+    opts = replace(opts, chunks_max=_baseline_chunks(opts))
     search = _Search(Evaluator(profile, cluster), opts, None)
     return _collect_baselines(profile, cluster, configs, opts, search)
 
