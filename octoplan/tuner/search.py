@@ -8,7 +8,8 @@ Steps:
    1F1B with every chunk count the layers allow up to ``MAX_BASELINE_CHUNKS``, or up to
    ``chunks_max`` where it is given), so the answer is never worse than the best baseline that
    fits; add policy-scheduled seeds (balanced partitions in loop and V placements) and the
-   CP-SAT partition + placement (:mod:`octoplan.tuner.cpsat`); and every seed layout re-placed so that late-starting ranks carry less (:mod:`octoplan.tuner.arrange`).
+   CP-SAT partition + placement (:mod:`octoplan.tuner.cpsat`); and every seed layout re-placed
+   so that late-starting ranks carry less (:mod:`octoplan.tuner.arrange`).
 3. Justify the orders of the best seeds (:mod:`octoplan.schedules.justify`: every op pushed
    as late, then as early as its dataflow and its rank's gaps allow, which moves Ws into
    bubbles and forwards ahead of them); the justified plans join the seeds.
