@@ -14,7 +14,7 @@ moves, and
 each stage of the up leg on any rank (a permutation), so a rank's two stages need not be
 mirror images; the same objective. ``--relaxation-climb S``: before scheduling, climb the
 layout for S seconds by the one-machine relaxation bound of its ops (any order, any memory;
-:func:`octoplan.schedules.exact.one_machine_bound`, one pass over the graph): shift a cut
+:func:`octoplan.schedules.exact.relaxation_bound`, one pass over the graph): shift a cut
 point, move a stage to another rank or swap two stages' ranks, at most 3 stages per rank.
 
 Run: .venv/bin/python benchmarks/probe_start_aware_v.py [--workload deepseek-v3] [--cpsat 90] [--climb 60] [--bound 40]
@@ -38,8 +38,7 @@ from octoplan.partition import balanced_partition
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
 from octoplan.schedules import v_placement
-from octoplan.schedules.exact import one_machine_bound, order_bound
-from octoplan.schedules.opgraph import OpGraph
+from octoplan.schedules.exact import order_bound, relaxation_bound
 from octoplan.schedules.policy import default_policies
 from octoplan.tuner.search import TuneOptions, _Search
 from octoplan.tuner.space import Candidate, Config, Evaluator
@@ -112,8 +111,8 @@ def relaxation(evaluator: Evaluator, cand: Candidate) -> float:
     schedule: list[list[Op]] = [[] for _ in range(pp)]
     for s, r in enumerate(cand.ranks):
         schedule[r] += [Op(s, kind, mb) for mb in range(microbatches) for kind in (Kind.F, Kind.I, Kind.W)]
-    graph = OpGraph(schedule, cand.ranks, evaluator.costs(cand), evaluator.cluster, cand.config.parallel(), False)
-    return one_machine_bound(graph, pp)
+    return relaxation_bound(schedule, cand.ranks, evaluator.costs(cand), cluster=evaluator.cluster,
+                            parallel=cand.config.parallel())
 
 
 def relaxation_climb(evaluator: Evaluator, cand: Candidate, seconds: float, *, chunks_max: int = 3) -> Candidate:

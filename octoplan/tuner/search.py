@@ -525,13 +525,12 @@ def tune(
     if cluster.gpus != opts.gpus:
         cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
     evaluator = Evaluator(profile, cluster)
-    baseline_chunks = _baseline_chunks(opts)
-    # from here on chunks_max is the search's own bound; no rank can hold more stages than
-    # there are layers, so a larger --chunks-max changes nothing
-    opts = replace(opts, chunks_max=min(DEFAULT_CHUNKS if opts.chunks_max is None else opts.chunks_max, profile.num_layers))
-    search = _Search(evaluator, opts, progress)
-    baselines = (_collect_baselines(profile, cluster, configs, replace(opts, chunks_max=baseline_chunks), search)
-                 if opts.baselines else [])
+    # the search's own bound on stages per rank: no rank can hold more stages than there are
+    # layers, so a larger --chunks-max changes nothing (the baselines read the bound as given)
+    search = _Search(evaluator, replace(opts, chunks_max=min(opts.chunks_max or DEFAULT_CHUNKS, profile.num_layers)),
+                     progress)
+    baselines = _collect_baselines(profile, cluster, configs, opts, search) if opts.baselines else []
+    opts = search.opts
 
     seeds: list[Candidate] = [row.candidate for row in baselines]
     cpsat_stats: list[dict] = []
@@ -788,7 +787,6 @@ def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions) -> 
     configs = configs_for(profile, opts)
     if cluster.gpus != opts.gpus:
         cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
-    opts = replace(opts, chunks_max=_baseline_chunks(opts))
     search = _Search(Evaluator(profile, cluster), opts, None)
     return _collect_baselines(profile, cluster, configs, opts, search)
 
