@@ -2,7 +2,8 @@
 
 ``torchrun --nproc-per-node N octorun PLAN [--steps K] [--seed S] [--optimizer sgd|adamw]
 [--lr LR] [--metrics FILE.jsonl] [--trace FILE.json] [--timeout S] [--replay [SCALE]]
-[--dynamic-shapes] [--backend auto|gloo|nccl] [--activation-memory]``. Without torchrun it runs
+[--dynamic-shapes] [--backend auto|gloo|nccl] [--activation-memory]``, and the training flags:
+precision, the optimizer step and its schedule, token data, checkpoints (``octorun --help``). Without torchrun it runs
 as one process. Exit status: 0 success, 2 bad input (one line on stderr), 1 any other failure.
 """
 
@@ -45,6 +46,35 @@ def build_parser() -> argparse.ArgumentParser:
                         help="count the activation bytes each rank's tapes hold (autograd's saved tensors, the tapes' "
                              "inputs, what I keeps for W) and report every rank's peak beside the plan's "
                              "prediction (in --metrics too); costs a little time per saved tensor")
+    training = parser.add_argument_group("training")
+    training.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                          help="bf16: each layer's forward under bf16 autocast, fp32 master weights, gradients and "
+                               "optimizer state (profile with the same --precision so predictions hold)")
+    training.add_argument("--weight-decay", type=float, default=0.0, metavar="WD",
+                          help="AdamW's decoupled weight decay, on matrices and embeddings only (default 0)")
+    training.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"), help="AdamW's betas")
+    training.add_argument("--grad-clip", type=float, metavar="MAX_NORM",
+                          help="clip the global gradient 2-norm over every stage of every rank to MAX_NORM")
+    training.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"), default="constant",
+                          help="after --warmup-steps, linear and cosine fall from --lr to --min-lr at the last step")
+    training.add_argument("--warmup-steps", type=int, default=0, metavar="N", help="linear warm-up steps (default 0)")
+    training.add_argument("--min-lr", type=float, default=0.0, metavar="LR", help="the schedule's last learning rate")
+    training.add_argument("--skip-nonfinite", action="store_true",
+                          help="skip the update of a step whose loss or gradient norm is not finite (counted in the "
+                               "metrics) instead of stopping the run")
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", metavar="TOKENS.bin",
+                      help="train on a flat binary token file (uint16/uint32, as nanoGPT and Megatron-LM write them; "
+                           "octoplan tokenize makes one from text) instead of the model's sample_batch")
+    data.add_argument("--data-dtype", choices=("uint16", "uint32"),
+                      help="the token file's dtype (default: from a Megatron .idx beside it, else uint16)")
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument("--save", metavar="DIR", help="write checkpoints into DIR (at the last step, and every --save-every steps)")
+    ckpt.add_argument("--save-every", type=int, metavar="N", help="also save after every N steps")
+    ckpt.add_argument("--keep", type=int, default=2, metavar="N", help="how many newest checkpoints to keep (default 2)")
+    ckpt.add_argument("--resume", metavar="DIR|auto",
+                      help="continue from a checkpoint (written under any plan of this model); auto: the newest in "
+                           "--save DIR, or a fresh start when there is none. --steps still counts from step 0")
     return parser
 
 
@@ -58,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         plan_path=args.plan, steps=args.steps, seed=args.seed, optimizer=args.optimizer, lr=args.lr,
         metrics_path=args.metrics, trace_path=args.trace, timeout_s=args.timeout, backend=args.backend,
         replay_time_scale=args.replay, dynamic_shapes=args.dynamic_shapes, activation_memory=args.activation_memory,
+        precision=args.precision, weight_decay=args.weight_decay, betas=tuple(args.betas), grad_clip=args.grad_clip,
+        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
+        skip_nonfinite=args.skip_nonfinite, data_path=args.data, data_dtype=args.data_dtype,
+        save_dir=args.save, save_every=args.save_every, keep=args.keep, resume=args.resume,
     )
     try:
         result = run(config)
@@ -86,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if result.global_rank == 0:
         for m in result.metrics:
             predicted = f" (predicted {m.predicted_iteration_ms:.2f} ms)" if m.predicted_iteration_ms is not None else ""
-            print(f"step {m.step}: loss {m.loss:.6f}  iteration {m.iteration_ms:.2f} ms{predicted}  bubble {m.bubble_ratio:.3f}")
+            skipped = f"  skipped {m.skipped_steps}" if m.skipped_steps else ""
+            print(f"step {m.step}: loss {m.loss:.6f}  lr {m.lr:.3g}  grad norm {m.grad_norm:.4g}{skipped}  "
+                  f"iteration {m.iteration_ms:.2f} ms{predicted}  bubble {m.bubble_ratio:.3f}")
         if result.metrics and result.metrics[-1].peak_activation_bytes is not None:
             print(_activation_line(result.metrics[-1]))
             print(_with_messages_line(result.metrics))

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,22 +35,24 @@ from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file, microbatch_seed
 from octoplan.ops import Kind, Op
 from octoplan.outputs import StreamedOutput, check_distinct, check_writable, partial_path, write_text
+from octoplan.precision import autocast, check_precision
 from octoplan.plan import (MAX_GPUS, MAX_MICROBATCHES, Plan, load_plan, load_plan_profile, plan_microbatch_size,
                            resolve_profile_path, resolve_written_path)
 from octoplan.validate import check_runnable
 from octorun.comm import RECEIVE_LAST_RESORT, Channel, SendFailed, Transport, wait_work
 from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
 from octorun.native_stderr import native_stderr_held
+from octorun.optim import OPTIMIZERS, OptimizerConfig, build_optimizer, check_optimizer_config, clip_factor, lr_at, squared_norms
+from octorun.tied import TiedGroup, parameter_key, tie_local, tied_groups
 from octorun.activations import ActivationMeter
-from octorun.stage import StageExecutor, Tape
+from octorun.stage import StageExecutor, Tape, floating
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
 
-__all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "summarize_step", "LaunchError",
+__all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "summarize_step", "LaunchError", "NonFiniteStep",
            "LAUNCH_VARIABLES", "OPTIMIZERS"]
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = ("sgd", "adamw")
 # Far beyond any run of one octorun job, small enough that a typo is caught (a job of 10**20
 # steps would only ever end by being killed)
 MAX_STEPS = 10**7
@@ -73,10 +76,38 @@ class RunConfig:
     replay_time_scale: float | None = None  # run the plan's profile through the replay model
     dynamic_shapes: bool = False  # send every message's layout every step, not only in step 0
     activation_memory: bool = False  # count the activation bytes the tapes hold (octorun.activations)
+    precision: str = "fp32"  # octoplan.precision: fp32, or bf16 autocast over fp32 master weights
+    # the optimizer step (octorun.optim): --optimizer and --lr above, and
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = None
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    skip_nonfinite: bool = False
+    # real data (octorun.data): a token file, read in windows; None: the model's sample_batch
+    data_path: str | None = None
+    data_dtype: str | None = None
+    # checkpoints (octorun.checkpoint)
+    save_dir: str | None = None
+    save_every: int | None = None  # also at the last step; None: only at the last step
+    keep: int = 2
+    resume: str | None = None  # a checkpoint folder, a folder of them, or "auto" (--save's latest)
+
+    @property
+    def optim(self) -> OptimizerConfig:
+        return OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay, betas=tuple(self.betas),
+                               grad_clip=self.grad_clip, schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
+                               min_lr=self.min_lr, skip_nonfinite=self.skip_nonfinite)
 
 
 class LaunchError(RuntimeError):
     """The processes could not start the job together (not bad input: exit 1)."""
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm is not finite (without --skip-nonfinite): every rank
+    learns it from the same all-reduce and stops at the same step (exit 1)."""
 
 
 @dataclass(frozen=True)
@@ -96,11 +127,17 @@ class StepMetrics:
     # which the simulator's peak_memory_bytes less the static bytes predicts
     peak_with_message_bytes: tuple[int, ...] | None = None
     predicted_peak_with_message_bytes: tuple[int, ...] | None = None
+    lr: float | None = None  # the learning rate this step's update used
+    grad_norm: float | None = None  # the global gradient 2-norm before clipping
+    skipped_steps: int = 0  # updates skipped so far for non-finite values (--skip-nonfinite)
 
     def to_dict(self) -> dict[str, Any]:
         out = {
             "step": self.step,
             "loss": self.loss,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "skipped_steps": self.skipped_steps,
             "iteration_ms": round(self.iteration_ms, 4),
             "step_ms": round(self.step_ms, 4),
             "bubble_ratio": round(self.bubble_ratio, 6),
@@ -135,6 +172,9 @@ class Prepared:
     model: ModelFile
     microbatch_size: int
     lowered: Lowered
+    tied: tuple[TiedGroup, ...] = ()  # the model file's tied parameters
+    data: Any = None  # --data's token file (octorun.data.TokenData)
+    resume_from: Path | None = None  # the checkpoint --resume names (None: a fresh start)
 
 
 def prepare(config: RunConfig) -> Prepared:
@@ -142,14 +182,13 @@ def prepare(config: RunConfig) -> Prepared:
 
     Raises :class:`InputError` for anything the user must fix.
     """
-    if config.optimizer not in OPTIMIZERS:
-        raise InputError(None, "--optimizer", f"is {config.optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
     if not 1 <= config.steps <= MAX_STEPS:
         raise InputError(None, "--steps", f"is {config.steps}", f"train 1 to {MAX_STEPS} steps")
+    check_optimizer_config(config.optim, steps=config.steps)
+    check_precision(config.precision)
     if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
         raise InputError(None, "--timeout", f"is {config.timeout_s}", "give a positive number of seconds")
-    if not (math.isfinite(config.lr) and config.lr >= 0):
-        raise InputError(None, "--lr", f"is {config.lr}", "give a learning rate >= 0")
+    _check_checkpoint_flags(config)
     if not 0 <= config.seed <= MAX_SEED:
         raise InputError(None, "--seed", f"is {config.seed}", f"give a seed from 0 to {MAX_SEED}")
     for flag, path in (("--metrics", config.metrics_path), ("--trace", config.trace_path)):
@@ -182,8 +221,43 @@ def prepare(config: RunConfig) -> Prepared:
                        ("--trace", config.trace_path)):
         if path:  # last: a file is created only once everything else is known to be good
             check_writable(path, flag, inputs=inputs)
+    data = None
+    if config.data_path is not None:
+        if config.replay_time_scale is not None:
+            raise InputError(None, "--data", "cannot feed a --replay run (its layers only sleep)", "drop --data or --replay")
+        from octorun.data import TokenData  # numpy's memmap: only for runs that read a token file
+
+        data = TokenData.open(config.data_path, model, seed=config.seed, dtype=config.data_dtype)
+    resume_from = None
+    if config.resume is not None:
+        from octorun import checkpoint  # torch.distributed.checkpoint: only for runs that use it
+
+        resume_from = checkpoint.resolve(config.resume, save_root=config.save_dir)
+        if resume_from is not None:
+            checkpoint.check_compatible(checkpoint.read_meta(resume_from), _model_identity(model, num_layers), resume_from)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
-                    microbatch_size=microbatch_size, lowered=lower(plan))
+                    microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model, num_layers),
+                    data=data, resume_from=resume_from)
+
+
+def _check_checkpoint_flags(config: RunConfig) -> None:
+    if config.save_every is not None and not 1 <= config.save_every <= MAX_STEPS:
+        raise InputError(None, "--save-every", f"is {config.save_every}", "give a number of steps >= 1")
+    if config.save_every is not None and config.save_dir is None:
+        raise InputError(None, "--save-every", "needs --save DIR", "add --save DIR")
+    if not 1 <= config.keep <= 10_000:
+        raise InputError(None, "--keep", f"is {config.keep}", "keep 1 or more checkpoints")
+    if config.resume == "auto" and config.save_dir is None:
+        raise InputError(None, "--resume", "auto needs --save DIR (it resumes from that folder's latest checkpoint)",
+                         "add --save DIR, or give --resume a checkpoint folder")
+    if config.save_dir is not None and Path(config.save_dir).exists() and not Path(config.save_dir).is_dir():
+        raise InputError(config.save_dir, "--save", "is a file, not a folder", "give a folder for the checkpoints")
+
+
+def _model_identity(model: ModelFile, num_layers: int) -> dict[str, Any]:
+    """What a checkpoint records of its model, and what a resume checks: the same model name
+    and layer count (parameter shapes are checked key by key as the state loads)."""
+    return {"model": model.name, "num_layers": num_layers}
 
 
 
@@ -283,6 +357,9 @@ class _Groups:
     incoming: dict[int, Channel]
     dp_group: Any
     control: Any  # gloo group over the world: barriers, gathers of metrics and traces
+    # per tied group held on more than one pipeline rank: the group of this replica's ranks that
+    # hold a member (None where this rank holds none, or one rank holds them all)
+    tied: list[Any]
     store: Any
 
 
@@ -312,6 +389,16 @@ def _make_groups(prepared: Prepared, *, backend: str, timeout: datetime.timedelt
             group = dist.new_group([parallel.global_rank(pp, d) for d in range(parallel.dp)], timeout=timeout, backend=backend)
             if pp == pp_rank:
                 dp_group = group
+    tied = []
+    for group in prepared.tied:
+        mine = None
+        for dp in range(parallel.dp):
+            ranks = sorted({parallel.global_rank(plan_rank, dp) for plan_rank in _member_ranks(prepared.plan, group)})
+            if len(ranks) > 1:
+                made = dist.new_group(ranks, timeout=timeout, backend=backend)
+                if me in ranks:
+                    mine = made
+        tied.append(mine)
     if backend == "nccl":
         for channel in incoming.values():
             _unbounded_receives(channel.data_group)
@@ -320,7 +407,16 @@ def _make_groups(prepared: Prepared, *, backend: str, timeout: datetime.timedelt
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # private API: without it the watchdog still has its deadlines
         store = None
-    return _Groups(outgoing=outgoing, incoming=incoming, dp_group=dp_group, control=control, store=store)
+    return _Groups(outgoing=outgoing, incoming=incoming, dp_group=dp_group, control=control, store=store, tied=tied)
+
+
+def _stage_of_layer(plan: Plan, layer: int) -> int:
+    return next(index for index, stage in enumerate(plan.stages) if layer in stage.layers)
+
+
+def _member_ranks(plan: Plan, group: TiedGroup) -> set[int]:
+    """The pipeline ranks holding a member of ``group``."""
+    return {plan.stages[_stage_of_layer(plan, layer)].rank for layer in group.layers}
 
 
 def _unbounded_receives(group: Any) -> None:
@@ -415,23 +511,66 @@ class _Interpreter:
                 self.watchdog.doing(f"building layer {index}")
                 built[s].append(model.build_layer(index).to(device))
                 self.layers[index] = built[s][-1]
+        self.tied = prepared.tied
+        self.watchdog.doing("tying the model file's tied parameters")
+        tied_keys = tie_local(model.path, self.layers, self.tied, lambda index: model.build_layer(index).to(device))
         self.meter = ActivationMeter(t for layer in self.layers.values() for t in (*layer.parameters(), *layer.buffers())) \
             if config.activation_memory else None
         for s, mods in built.items():
             stage = self.plan.stages[s]
             self.executors[s] = StageExecutor(mods, first=s == 0, last=s == self.last_stage,
                                               loss_fn=model.loss, loss_scale=scale, recompute=stage.recompute,
-                                              recompute_layers=stage.recompute_layers, meter=self.meter)
-        params = _unique_trainable(self.layers.values())
-        self.optimizer: torch.optim.Optimizer | None = None  # a rank of parameterless layers has none
-        if params and config.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(params, lr=config.lr, momentum=0, weight_decay=0)
-        elif params:
-            self.optimizer = torch.optim.AdamW(params, lr=config.lr)
-        self.transport = Transport(outgoing=groups.outgoing, incoming=groups.incoming, device=device,
-                                   steps=config.steps, timeout_s=config.timeout_s, static_shapes=not config.dynamic_shapes,
-                                   meter=self.meter)
+                                              recompute_layers=stage.recompute_layers, meter=self.meter,
+                                              precision=config.precision)
+        self.params = _unique_trainable(self.layers.values())
+        # every parameter's checkpoint key, by global layer index (a tied one by its canonical member's)
+        self.param_keys = {id(p): tied_keys.get(id(p), parameter_key(i, name))
+                           for i in sorted(self.layers) for name, p in self.layers[i].named_parameters()}
+        self.reduce_params, self.norm_params = self._assign_parameters(tied_keys)
+        self.optim_config = config.optim
+        self.optimizer = build_optimizer(self.params, self.optim_config)  # None on a rank without parameters
+        self.first_step = 0  # a resumed run starts later (restore)
+        self.consumed_samples = 0  # samples of the data read before first_step
+        self.skipped_steps = 0
+        self.data = prepared.data
+        self.global_batch = self.plan.microbatches * self.mbs * self.plan.parallel.dp
+        # per stage of this rank: whether a non-finite value came out of its forward this step
+        self.nonfinite_forward = {s: torch.zeros((), dtype=torch.bool, device=device) for s in self.program.stages}
+        self.transport: Transport | None = None  # made in train(), once the first step is known
         self.timer = _Timer(device)
+
+    def _assign_parameters(self, tied_keys: dict[int, str]) -> tuple[dict[int, list], dict[int, list]]:
+        """Which stage's gradient all-reduce carries each parameter, and which stage's norm counts it.
+
+        A parameter two stages of this rank share (a tied one) goes with the stage whose
+        all-reduce starts last in the program, after every backward that adds to it. The norm
+        counts each tensor once in the whole job: a tied tensor only on its canonical member's
+        stage, and a replicated one only on data-parallel replica 0.
+        """
+        reduce_order = {instr.allreduce_stage: n for n, instr in enumerate(self.program.instrs) if instr.allreduce_stage is not None}
+        holders: dict[int, list[int]] = {}
+        by_id: dict[int, torch.nn.Parameter] = {}
+        for s in self.program.stages:
+            for index in self.plan.stages[s].layers:
+                for p in self.layers[index].parameters():
+                    if p.requires_grad and s not in holders.setdefault(id(p), []):
+                        holders[id(p)].append(s)
+                        by_id[id(p)] = p
+        reduce_params: dict[int, list] = {s: [] for s in self.program.stages}
+        norm_params: dict[int, list] = {s: [] for s in self.program.stages}
+        for pid, stages in holders.items():
+            reduce_params[max(stages, key=lambda s: reduce_order.get(s, -1))].append(by_id[pid])
+            if self.dp_rank != 0:
+                continue
+            key = tied_keys.get(pid)
+            if key is None:
+                norm_params[stages[0]].append(by_id[pid])
+            else:  # the canonical member's stage, wherever it is
+                canonical_layer = int(key.split(".")[1])
+                stage = _stage_of_layer(self.plan, canonical_layer)
+                if stage in norm_params:
+                    norm_params[stage].append(by_id[pid])
+        return reduce_params, norm_params
 
     # -- helpers ------------------------------------------------------------------------------
     def _global(self, pp_rank: int) -> int:
@@ -455,17 +594,29 @@ class _Interpreter:
             self.watchdog.fail(f"{what}: {gist(exc)}")
 
     # -- one step -----------------------------------------------------------------------------
+    def _sample(self, step: int, mb: int) -> tuple[Any, Any]:
+        """Microbatch ``mb`` of this replica in ``step``: windows of the token file, or the model's
+        synthetic sample_batch."""
+        if self.data is None:
+            return self.model.sample_batch(self.mbs, step=step, replica=self.dp_rank, mb=mb)
+        consumed = self.consumed_samples + (step - self.first_step) * self.global_batch
+        return self.data.microbatch(consumed=consumed, replica=self.dp_rank, mb=mb,
+                                    microbatches=self.plan.microbatches, microbatch_size=self.mbs)
+
     def step(self, step: int) -> dict[str, Any]:
         state = _StepState()
         stages = set(self.program.stages)
+        local = step - self.first_step  # the transport counts the steps of this run
         self.watchdog.doing(f"sampling the batches of step {step}")
         for mb in range(self.plan.microbatches):
             if 0 in stages or self.last_stage in stages:
-                inputs, targets = self.model.sample_batch(self.mbs, step=step, replica=self.dp_rank, mb=mb)
+                inputs, targets = self._sample(step, mb)
                 if 0 in stages:
                     state.inputs[(0, mb)] = self._to_device(inputs)
                 if self.last_stage in stages:
                     state.targets[mb] = self._to_device(targets)
+        for flag in self.nonfinite_forward.values():
+            flag.zero_()
         self._control_barrier(f"waiting at the barrier before step {step}")
         started = time.perf_counter()
         if self.meter is not None:
@@ -478,7 +629,7 @@ class _Interpreter:
             self._check_sends(step, self.transport.begin_op, self.watchdog.deadline())
             # the received messages' holds in the meter: each stays until its op has run (an
             # F's input is its tape's by then, a gradient the backward's to read until it ends)
-            reading = [hold for message in instr.recvs for hold in self._receive(step, op, message, state)]
+            reading = [hold for message in instr.recvs for hold in self._receive(step, local, op, message, state)]
             self.watchdog.doing(f"running op {op} of step {step}")
             begin = self.timer.mark()
             try:
@@ -491,7 +642,7 @@ class _Interpreter:
             del reading
             for message in instr.sends:
                 try:
-                    self.transport.send(message, outgoing, dst=self._global(message.dst), step=step)
+                    self.transport.send(message, outgoing, dst=self._global(message.dst), step=local)
                 except (TypeError, ValueError) as exc:  # a dtype gloo cannot send, a shape that changed
                     self.watchdog.fail(f"op {op} of step {step}: {exc}")
             if instr.allreduce_stage is not None and self.groups.dp_group is not None:
@@ -502,34 +653,105 @@ class _Interpreter:
         self.watchdog.doing(f"waiting for the sends of step {step} to complete")
         self._check_sends(step, self.transport.wait_sends, deadline)
         for work, flat, grads, stage in reductions:
-            self.watchdog.doing(f"waiting for the gradient all-reduce of stage {stage}, step {step}")
-            try:
-                finished = wait_work(work, max(deadline - time.monotonic(), 0.001), polled=self.device.type == "cuda")
-            except RuntimeError as exc:
-                self.watchdog.fail(f"gradient all-reduce of stage {stage}, step {step}, failed: {gist(exc)}")
-            if not finished:
-                self.watchdog.fail(f"gradient all-reduce of stage {stage}, step {step}, "
-                                   f"did not finish within {self.config.timeout_s:g} s")
+            self._wait_reduction(work, f"gradient all-reduce of stage {stage}, step {step}", deadline)
             for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(reduced)
+        self._reduce_tied(step, deadline)
         # when the last all-reduce was seen done: the simulator's iteration ends there too
-        reduced_at = self.timer.mark() if reductions else None
+        reduced_at = self.timer.mark() if reductions or any(g is not None for g in self.groups.tied) else None
         self.watchdog.doing(f"running the optimizer of step {step}")
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        update = self._update(step, state)
         spans = self.timer.resolve()
         step_s = time.perf_counter() - started
         loss_sum = float(sum(loss.item() for loss in state.losses))
         return {
             "rank": self.me, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
-            "loss_sum": loss_sum, "loss_count": len(state.losses), "step_s": step_s,
+            "loss_sum": loss_sum, "loss_count": len(state.losses), "step_s": step_s, **update,
             "spans": [(op.stage, op.kind.value, op.mb, start, end) for op, start, end in spans],
             "reduced_s": None if reduced_at is None else self.timer.seconds(reduced_at),
             "origin_s": self.timer.origin_host, "host": socket.gethostname(),
             "peak_activation_bytes": None if self.meter is None else self.meter.peak,
             "peak_with_message_bytes": None if self.meter is None else self.meter.peak_with_messages,
         }
+
+    def _wait_reduction(self, work: Any, what: str, deadline: float) -> None:
+        self.watchdog.doing(f"waiting for the {what}")
+        try:
+            finished = wait_work(work, max(deadline - time.monotonic(), 0.001), polled=self.device.type == "cuda")
+        except RuntimeError as exc:
+            self.watchdog.fail(f"{what} failed: {gist(exc)}")
+        if not finished:
+            self.watchdog.fail(f"{what} did not finish within {self.config.timeout_s:g} s")
+
+    def _reduce_tied(self, step: int, deadline: float) -> None:
+        """Sum each tied tensor's gradient over the ranks of this replica that hold a copy."""
+        for index, (group, process_group) in enumerate(zip(self.tied, self.groups.tied)):
+            if process_group is None:
+                continue
+            canonical = parameter_key(*group.canonical)
+            param = next(p for p in self.params if self.param_keys[id(p)] == canonical)
+            if param.grad is None:  # a copy no microbatch used still takes part
+                param.grad = torch.zeros_like(param)
+            work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=process_group, async_op=True)
+            self._wait_reduction(work, f"all-reduce of tied group {index} ({canonical}), step {step}", deadline)
+
+    def _update(self, step: int, state: _StepState) -> dict[str, Any]:
+        """The optimizer step, after one all-reduce that tells every rank the global gradient
+        norm and where non-finite values appeared (octorun.optim)."""
+        stages = self.plan.num_stages
+        summary = torch.zeros(2 * stages + 1, dtype=torch.float64)
+        for s in self.program.stages:
+            grads = [p.grad for p in self.norm_params[s]]
+            summary[s] = squared_norms(grads).cpu() if grads else 0.0
+            summary[stages + s] = float(self.nonfinite_forward[s].item())
+        summary[2 * stages] = float(sum(loss.item() for loss in state.losses))
+        self.watchdog.doing(f"summing the gradient norm of step {step}")
+        try:
+            work = dist.all_reduce(summary, op=dist.ReduceOp.SUM, group=self.groups.control, async_op=True)
+        except Exception as exc:
+            self.watchdog.fail(f"summing the gradient norm of step {step}: {gist(exc)}")
+        self._wait_reduction(work, f"sum of the gradient norm of step {step}", self.watchdog.deadline())
+        norm = math.sqrt(summary[:stages].sum().item()) if torch.isfinite(summary[:stages]).all() else math.nan
+        loss_finite = math.isfinite(summary[2 * stages].item())
+        lr = lr_at(self.optim_config, step, self.config.steps)
+        if not (math.isfinite(norm) and loss_finite):
+            where = self._nonfinite_origin(summary)
+            if not self.optim_config.skip_nonfinite:
+                raise NonFiniteStep(f"step {step}: non-finite {'loss' if not loss_finite else 'gradient norm'}; "
+                                    f"it first appeared {where} (--skip-nonfinite skips such updates)")
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite values (first %s); update skipped", step, where)
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": norm, "lr": lr, "skipped_steps": self.skipped_steps}
+        if self.optim_config.grad_clip is not None:
+            factor = clip_factor(norm, self.optim_config.grad_clip)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": norm, "lr": lr, "skipped_steps": self.skipped_steps}
+
+    def _nonfinite_origin(self, summary: torch.Tensor) -> str:
+        """Where a non-finite value showed first: the first stage whose forward produced one,
+        else the last stage whose gradients hold one (the backward runs from the last stage)."""
+        stages = self.plan.num_stages
+
+        def described(s: int) -> str:
+            stage = self.plan.stages[s]
+            return f"stage {s} (layers {stage.start}-{stage.end - 1}, pp rank {stage.rank})"
+
+        forward = [s for s in range(stages) if summary[stages + s].item() > 0]
+        if forward:
+            return f"in the forward of {described(forward[0])}"
+        backward = [s for s in range(stages) if not math.isfinite(summary[s].item())]
+        if backward:
+            return f"in the gradients of {described(backward[-1])}"
+        return "in the loss"
 
     def _check_sends(self, step: int, wait, deadline: float) -> None:
         """``wait(deadline=deadline)``, a wait of the transport's for sends; a send it reports
@@ -542,12 +764,12 @@ class _Interpreter:
             self.watchdog.fail(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) "
                                f"did not complete within {self.config.timeout_s:g} s")
 
-    def _receive(self, step: int, op: Op, message: Message, state: _StepState) -> list:
+    def _receive(self, step: int, local: int, op: Op, message: Message, state: _StepState) -> list:
         """Take ``message`` for ``op`` into the step's state; returns its holds in the meter."""
         src = self._global(message.src)
         self.watchdog.doing(f"op {op} of step {step} waiting for the {message} (global rank {src})")
         try:
-            value, holds = self.transport.mailbox.take(step, message, src=src, deadline=self.watchdog.deadline())
+            value, holds = self.transport.mailbox.take(local, message, src=src, deadline=self.watchdog.deadline())
         except TimeoutError:
             self.watchdog.fail(
                 f"op {op} of step {step} waited {self.config.timeout_s:g} s for the {message} (global rank {src}) {self._where()}"
@@ -568,6 +790,10 @@ class _Interpreter:
             targets = state.targets.pop(op.mb) if op.stage == self.last_stage else None
             output, tape = executor.forward(state.inputs.pop(key), targets)
             state.tapes[key] = tape
+            # on the device, without a sync: read once, at the step's end (octorun.optim)
+            flag = self.nonfinite_forward[op.stage]
+            for value in (tape.loss,) if tape.loss is not None else floating(as_args(output)):
+                flag.logical_or_(~torch.isfinite(value).all())
             if tape.loss is not None:
                 state.losses.append(tape.loss)
                 return ()
@@ -591,13 +817,10 @@ class _Interpreter:
         which has nothing to reduce (every replica holds the same layers, so all skip it alike,
         and the simulator prices it at nothing)."""
         grads = []
-        for layer_index in self.plan.stages[stage].layers:
-            for param in self.layers[layer_index].parameters():
-                if not param.requires_grad:
-                    continue
-                if param.grad is None:  # keep the flat layout identical on every replica
-                    param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
+        for param in self.reduce_params[stage]:
+            if param.grad is None:  # keep the flat layout identical on every replica
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
         if not grads:
             return None
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -606,28 +829,38 @@ class _Interpreter:
 
     # -- the run ------------------------------------------------------------------------------
     def train(self) -> tuple[StepMetrics, ...]:
+        steps = range(self.first_step, self.config.steps)
+        self.transport = Transport(outgoing=self.groups.outgoing, incoming=self.groups.incoming, device=self.device,
+                                   steps=len(steps), timeout_s=self.config.timeout_s,
+                                   static_shapes=not self.config.dynamic_shapes, meter=self.meter)
         self.transport.start()
         metrics: list[StepMetrics] = []
         metrics_file = StreamedOutput(self.config.metrics_path, flag="--metrics") if self.config.metrics_path and self.me == 0 else None
         try:
-            for step in range(self.config.steps):
-                record = self.step(step)
+            for step in steps:
+                try:
+                    record = self.step(step)
+                except NonFiniteStep:
+                    if metrics_file:  # the steps before it are kept: what a user reads to see the run go wrong
+                        metrics_file.commit()
+                    raise
                 self.watchdog.doing(f"gathering the metrics of step {step}")
                 gathered = [None] * self.world if self.me == 0 else None
                 try:
                     dist.gather_object(record, gathered, dst=0, group=self.groups.control)
                 except Exception as exc:
                     self.watchdog.fail(f"gathering the metrics of step {step}: {gist(exc)}")
-                if self.me != 0:
-                    continue
-                _align_clocks(gathered)
-                step_metrics = self._summarize(step, gathered)
-                metrics.append(step_metrics)
-                log.info("step %d loss %.6f iteration %.2f ms", step, step_metrics.loss, step_metrics.iteration_ms)
-                if metrics_file:
-                    metrics_file.write_line(json.dumps(step_metrics.to_dict()))
-                if self.config.trace_path and step == self.config.steps - 1:
-                    _write_trace(self.config.trace_path, gathered)
+                if self.me == 0:
+                    _align_clocks(gathered)
+                    step_metrics = self._summarize(step, gathered)
+                    metrics.append(step_metrics)
+                    log.info("step %d loss %.6f iteration %.2f ms", step, step_metrics.loss, step_metrics.iteration_ms)
+                    if metrics_file:
+                        metrics_file.write_line(json.dumps(step_metrics.to_dict()))
+                    if self.config.trace_path and step == self.config.steps - 1:
+                        _write_trace(self.config.trace_path, gathered)
+                if self._save_due(step):
+                    self.save(step)
             if metrics_file:
                 metrics_file.commit()
         finally:
@@ -635,11 +868,89 @@ class _Interpreter:
                 metrics_file.close()
         return tuple(metrics)
 
+    # -- checkpoints (octorun.checkpoint) --------------------------------------------------------
+    def _save_due(self, step: int) -> bool:
+        if self.config.save_dir is None:
+            return False
+        every = self.config.save_every
+        return step == self.config.steps - 1 or (every is not None and (step + 1) % every == 0)
+
+    def _layout(self) -> dict[str, Any]:
+        """The plan's shape, as a checkpoint records it: a resume under the same layout also
+        restores every rank's RNG state (other layouts have other ranks)."""
+        return {"pp": self.plan.pp, "dp": self.plan.parallel.dp, "rank_order": self.plan.parallel.rank_order,
+                "stages": [[st.start, st.end, st.rank] for st in self.plan.stages]}
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """This rank's share of the checkpoint, keyed by global layer index: parameters (a tied
+        one by its canonical member), buffers, the optimizer's state, the RNG states."""
+        state: dict[str, Any] = {}
+        for index in sorted(self.layers):
+            for name, value in self.layers[index].state_dict(keep_vars=True).items():
+                key = self.param_keys.get(id(value), parameter_key(index, name))
+                state[f"model/{key}"] = value.detach()
+        if self.optimizer is not None and isinstance(self.optimizer, torch.optim.AdamW):
+            for p in self.params:
+                moments = self.optimizer.state[p]
+                if not moments:  # not stepped yet (or never given a gradient): the state AdamW starts from
+                    moments.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                   exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                for name, value in moments.items():
+                    state[f"optim/{self.param_keys[id(p)]}/{name}"] = value
+        state[f"rng/rank{self.me}/cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            state[f"rng/rank{self.me}/cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def save(self, step: int) -> None:
+        meta = {
+            **_model_identity(self.model, self.plan.stages[-1].end),
+            "step": step + 1,  # the next step to run
+            "consumed_samples": self.consumed_samples + (step + 1 - self.first_step) * self.global_batch,
+            "global_batch": self.global_batch,
+            "skipped_steps": self.skipped_steps,
+            "seed": self.config.seed,
+            "precision": self.config.precision,
+            "optimizer": self.optim_config.name,
+            "lr_schedule": {"schedule": self.optim_config.schedule, "lr": self.optim_config.lr,
+                            "warmup_steps": self.optim_config.warmup_steps, "min_lr": self.optim_config.min_lr,
+                            "steps": self.config.steps},
+            "data": self.config.data_path,
+            "plan": self.config.plan_path,
+            "layout": self._layout(),
+        }
+        from octorun import checkpoint
+
+        self.watchdog.doing(f"saving the checkpoint of step {step}")
+        started = time.perf_counter()
+        path = checkpoint.save(self.config.save_dir, step + 1, self._checkpoint_state(), meta=meta,
+                               group=self.groups.control, keep=self.config.keep)
+        if self.me == 0:
+            log.warning("saved %s (%.2f s)", path, time.perf_counter() - started)
+
+    def restore(self, path: Path) -> None:
+        """Load a checkpoint written under any plan of this model; continue at its step."""
+        from octorun import checkpoint
+
+        meta = checkpoint.read_meta(path)
+        self.watchdog.doing(f"loading the checkpoint {path}")
+        state = self._checkpoint_state()
+        missing = checkpoint.load(path, state, group=self.groups.control, optional_prefixes=("rng/",))
+        if meta.get("layout") == self._layout() and not any(key.startswith(f"rng/rank{self.me}/") for key in missing):
+            torch.set_rng_state(state[f"rng/rank{self.me}/cpu"])
+            if self.device.type == "cuda":
+                torch.cuda.set_rng_state(state[f"rng/rank{self.me}/cuda"], self.device)
+        self.first_step = int(meta["step"])
+        self.consumed_samples = int(meta["consumed_samples"])
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+
     def _summarize(self, step: int, records: list[dict[str, Any]]) -> StepMetrics:
         # A replay at another time scale is not the plan's predicted iteration any more.
         scaled = self.config.replay_time_scale not in (None, 1.0)
         predicted = None if scaled else (self.plan.predicted or {}).get("iteration_ms")
         metrics = summarize_step(step, records, predicted if isinstance(predicted, (int, float)) else None)
+        mine = records[0]  # every rank took the same update: the same norm, lr and count
+        metrics = replace(metrics, lr=mine["lr"], grad_norm=mine["grad_norm"], skipped_steps=mine["skipped_steps"])
         if self.meter is None:
             return metrics
         measured, predicted_peaks = {}, {}
@@ -758,8 +1069,28 @@ def run(config: RunConfig) -> RunResult:
         watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
     except Exception as exc:
         watchdog.fail(f"building the stages failed while {watchdog.activity}: {gist(exc)}")
+    if config.resume is not None:
+        from octorun import checkpoint
+
+        resumed = None if prepared.resume_from is None else int(checkpoint.read_meta(prepared.resume_from)["step"])
+        try:
+            checkpoint.agree(resumed, group=groups.control)
+            if prepared.resume_from is not None:
+                interpreter.restore(prepared.resume_from)
+        except InputError as exc:
+            watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
+        except Exception as exc:
+            watchdog.fail(f"loading the checkpoint {prepared.resume_from} failed: {gist(exc)}")
+        if me == 0 and interpreter.first_step >= config.steps:
+            log.warning("the checkpoint is at step %d, not below --steps %d: nothing to train", interpreter.first_step, config.steps)
     try:
         metrics = interpreter.train()
+    except NonFiniteStep as exc:
+        watchdog.stop()  # every rank stops here, at the same step: nobody is to be told
+        if me == 0:
+            sys.stderr.write(f"octorun: {exc}\n")
+        sys.stderr.flush()
+        os._exit(1)
     except InputError as exc:  # the model file's fault, found as it runs (sample_batch's return ...)
         watchdog.fail(f"while {watchdog.activity}: {exc.line()}", code=EXIT_BAD_INPUT)
     except Exception as exc:  # anything unexpected still ends the whole job, with its reason

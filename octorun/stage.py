@@ -49,6 +49,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from octoplan.modelfile import as_args
+from octoplan.precision import autocast
 from octoplan.splitgrad import PendingWeightGrads, SavedTensors, backward_input, backward_weight, root_edge
 from octorun.activations import ActivationMeter, Hold
 
@@ -121,8 +122,10 @@ class StageExecutor:
         recompute: bool = False,
         recompute_layers: int | None = None,
         meter: ActivationMeter | None = None,
+        precision: str = "fp32",
     ):
         self.layers = list(layers)
+        self.precision = precision  # each layer's forward runs in octoplan.precision.autocast
         self.meter = meter
         self.first = first
         self.last = last
@@ -174,7 +177,7 @@ class StageExecutor:
             grad = torch.is_grad_enabled()  # off in a recomputing F, which keeps no tape
             saved = SavedTensors(None if self.meter is None else self.meter.hold_one) if grad else None
             ends_model = self.last and index == len(self.layers) - 1
-            with saved.recording() if grad else nullcontext():
+            with saved.recording() if grad else nullcontext(), self._autocast(layer, args):
                 value = layer(*args)
                 loss = self.loss_fn(value, targets) if ends_model else None
             if ends_model:
@@ -186,6 +189,11 @@ class StageExecutor:
                 roots = [root_edge(t) for t in floating(as_args(value))]
                 tape.layers.append(_LayerTape(inputs, roots, saved, held=self._hold(inputs)))
         return value, tape
+
+    def _autocast(self, layer: torch.nn.Module, args: Sequence[Any]):
+        if self.precision == "fp32":
+            return nullcontext()
+        return autocast(_device_of(layer, args), self.precision)
 
     def _hold(self, tensors: Sequence[Any]) -> list[Hold]:
         return [] if self.meter is None else self.meter.hold(tensors)
@@ -267,6 +275,13 @@ class StageExecutor:
         """The (root, gradient) pairs autograd can use: outputs that depend on something learnable."""
         pairs = [(root, g) for root, g in zip(layer_tape.roots, grads) if root is not None]
         return [root for root, _ in pairs], [g for _, g in pairs]
+
+
+def _device_of(layer: torch.nn.Module, args: Sequence[Any]) -> torch.device:
+    """Where a layer computes: its weights' device, else its input's (a parameterless layer)."""
+    for tensor in (*layer.parameters(), *(a for a in args if isinstance(a, torch.Tensor))):
+        return tensor.device
+    return torch.device("cpu")
 
 
 def _device_index(tensor: torch.Tensor) -> int:

@@ -269,24 +269,32 @@ def baseline_plan(
 class Reference:
     losses: list[float]
     state: dict[int, dict[str, torch.Tensor]]
+    grad_norms: list[float] = field(default_factory=list)  # torch.nn.utils.clip_grad_norm_'s, before clipping
+    lrs: list[float] = field(default_factory=list)
 
 
 def reference(
     model_path: Path, config: dict[str, Any], *, steps: int, microbatches: int, dp: int, microbatch_size: int,
-    optimizer: str, lr: float, seed: int = 0, dtype: str = "float32",
+    optimizer: str, lr: float, seed: int = 0, dtype: str = "float32", optim: Any = None, precision: str = "fp32",
 ) -> Reference:
     """Every layer in one process; per step the mean loss over all microbatches of all replicas.
 
+    ``optim`` (an octorun.optim.OptimizerConfig) gives the whole optimizer step (weight decay,
+    clipping with torch.nn.utils.clip_grad_norm_, the schedule); by default it is ``optimizer``
+    at a constant ``lr``. Tied parameters (the model file's tied_parameters) are one Parameter.
     Memoized: every schedule of one model, microbatch count and optimizer shares one reference.
     """
-    key = (str(model_path), repr(sorted(config.items())), steps, microbatches, dp, microbatch_size, optimizer, lr, seed, dtype)
+    from octorun.optim import OptimizerConfig
+
+    optim = optim or OptimizerConfig(name=optimizer, lr=lr)
+    key = (str(model_path), repr(sorted(config.items())), steps, microbatches, dp, microbatch_size, optim, seed, dtype, precision)
     if key not in _REFERENCES:
         previous, threads = torch.get_default_dtype(), torch.get_num_threads()
         torch.set_default_dtype(getattr(torch, dtype))
         torch.set_num_threads(1)  # tiny ops: threads only contend on a shared 2-core machine
         try:
             _REFERENCES[key] = _reference(model_path, config, steps=steps, microbatches=microbatches, dp=dp,
-                                          microbatch_size=microbatch_size, optimizer=optimizer, lr=lr, seed=seed)
+                                          microbatch_size=microbatch_size, optim=optim, seed=seed, precision=precision)
         finally:
             torch.set_default_dtype(previous)
             torch.set_num_threads(threads)
@@ -298,27 +306,40 @@ _REFERENCES: dict[tuple, Reference] = {}
 
 def _reference(
     model_path: Path, config: dict[str, Any], *, steps: int, microbatches: int, dp: int, microbatch_size: int,
-    optimizer: str, lr: float, seed: int,
+    optim: Any, seed: int, precision: str = "fp32",
 ) -> Reference:
+    from octoplan.precision import autocast
+    from octorun.optim import build_optimizer, lr_at
+    from octorun.tied import tie_local, tied_groups
+
     model = load_model_file(model_path, config, seed=seed)
     layers = [model.build_layer(i) for i in range(model.num_layers())]
+    tie_local(model.path, dict(enumerate(layers)), tied_groups(model, len(layers)), model.build_layer)
     params = list({id(p): p for layer in layers for p in layer.parameters()}.values())  # a tied module once
-    opt = torch.optim.SGD(params, lr=lr, momentum=0, weight_decay=0) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr)
-    losses = []
+    opt = build_optimizer(params, optim)
+    losses, norms, lrs = [], [], []
     for step in range(steps):
         step_losses = []
         for replica in range(dp):
             for mb in range(microbatches):
                 value, targets = model.sample_batch(microbatch_size, step=step, replica=replica, mb=mb)
-                for layer in layers:
-                    value = layer(*as_args(value))
-                step_losses.append(model.loss(value, targets))
+                for index, layer in enumerate(layers):
+                    with autocast("cpu", precision):
+                        value = layer(*as_args(value))
+                        if index == len(layers) - 1:
+                            step_losses.append(model.loss(value, targets))
         loss = torch.stack(step_losses).mean()
         loss.backward()
+        clip = optim.grad_clip if optim.grad_clip is not None else float("inf")
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        lrs.append(lr_at(optim, step, steps))
+        for group in opt.param_groups:
+            group["lr"] = lrs[-1]
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return Reference(losses, {i: {k: v.detach().clone() for k, v in layer.state_dict().items()} for i, layer in enumerate(layers)})
+    return Reference(losses, {i: {k: v.detach().clone() for k, v in layer.state_dict().items()} for i, layer in enumerate(layers)},
+                     norms, lrs)
 
 
 # ---------------------------------------------------------------------------------------------

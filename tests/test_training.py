@@ -1,0 +1,242 @@
+"""octorun as a trainer: the optimizer step (AdamW with weight decay, clipping on the global
+norm, the learning-rate schedule), mixed precision, tied parameters across stages and the
+non-finite guard — each against a single-process reference of the same model.
+
+The jobs of one world size run in one launch (tests/runtime_helpers.launch), so the processes
+start once for the whole module.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import runtime_helpers as h
+from octoplan.plan import save_plan
+from octorun.optim import OptimizerConfig, clip_factor, lr_at
+from octorun.runtime import RunConfig
+
+STEPS = 4
+TOL = 1e-5
+
+# A chain whose embedding and head may share one matrix (``tie``), and whose layer ``poison``
+# multiplies its output by NaN (a forward that goes non-finite in a known stage).
+MODEL = '''
+import torch
+from torch import nn
+
+CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1}
+
+def num_layers(vocab, hidden, depth, seq, tie, poison):
+    return depth
+
+class Embed(nn.Module):
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+    def forward(self, ids):
+        return self.emb(ids)
+
+class Block(nn.Module):
+    def __init__(self, hidden, poisoned):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.lin = nn.Linear(hidden, hidden)
+        self.poisoned = poisoned
+    def forward(self, h):
+        out = h + torch.tanh(self.lin(self.norm(h)))
+        return out * float("nan") if self.poisoned else out
+
+class Head(nn.Module):
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.out = nn.Linear(hidden, vocab, bias=False)
+    def forward(self, h):
+        return self.out(h)
+
+def build_layer(index, vocab, hidden, depth, seq, tie, poison):
+    if index == 0:
+        return Embed(vocab, hidden)
+    if index == depth - 1:
+        return Head(vocab, hidden)
+    return Block(hidden, index == poison)
+
+def tied_parameters(vocab, hidden, depth, seq, tie, poison):
+    return [[(0, "emb.weight"), (depth - 1, "out.weight")]] if tie else []
+
+def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison):
+    ids = torch.randint(0, vocab, (mbs, seq + 1), generator=generator)
+    return ids[:, :-1], ids[:, 1:]
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+'''
+
+ADAMW = OptimizerConfig(name="adamw", lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=0.3,
+                        schedule="cosine", warmup_steps=1, min_lr=0.002)
+
+
+# -- the schedule, by hand ---------------------------------------------------------------------
+def test_learning_rate_schedules_by_hand():
+    constant = OptimizerConfig(lr=0.1, warmup_steps=2)
+    assert [lr_at(constant, s, 6) for s in range(6)] == pytest.approx([0.05, 0.1, 0.1, 0.1, 0.1, 0.1])
+    # linear: after 2 warm-up steps, 0.1 at step 2 falling to min_lr 0.01 at step 5 (3 steps of 0.03)
+    linear = OptimizerConfig(lr=0.1, warmup_steps=2, schedule="linear", min_lr=0.01)
+    assert [lr_at(linear, s, 6) for s in range(6)] == pytest.approx([0.05, 0.1, 0.1, 0.07, 0.04, 0.01])
+    # cosine without warm-up over 5 steps: progress 0, 1/4, 1/2, 3/4, 1
+    cosine = OptimizerConfig(lr=1.0, schedule="cosine", min_lr=0.0)
+    expected = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
+    assert [lr_at(cosine, s, 5) for s in range(5)] == pytest.approx(expected)
+    assert lr_at(cosine, 2, 5) == pytest.approx(0.5)
+
+
+def test_clip_factor_is_torchs():
+    grads = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]  # norm 5
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(params, 2.0)
+    assert float(norm) == 5.0
+    factor = clip_factor(5.0, 2.0)
+    assert factor == pytest.approx(2.0 / (5.0 + 1e-6))
+    assert torch.equal(params[0].grad, grads[0] * factor)
+    assert clip_factor(1.0, 2.0) == 1.0
+
+
+# -- multi-process jobs against the reference --------------------------------------------------
+class Jobs:
+    def __init__(self, folder: Path, world: int):
+        self.folder, self.world = folder, world
+        self.model = folder / "train_model.py"
+        self.model.write_text(MODEL)
+        self.jobs: list[h.Job] = []
+        self.cases: dict[str, tuple] = {}
+        self.launched: h.Launch | None = None
+
+    def add(self, name: str, schedule: str, *, pp: int, config: dict, microbatches: int = 4,
+            optim: OptimizerConfig = ADAMW, precision: str = "fp32", **run) -> None:
+        full = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, **config}
+        plan = h.baseline_plan(schedule, self.model, full, self.folder / name, gpus=self.world, pp=pp,
+                               microbatches=microbatches)
+        path = self.folder / f"{name}.yaml"
+        save_plan(plan, path)
+        self.jobs.append(h.Job(name, RunConfig(
+            plan_path=str(path), steps=STEPS, optimizer=optim.name, lr=optim.lr, weight_decay=optim.weight_decay,
+            betas=optim.betas, grad_clip=optim.grad_clip, lr_schedule=optim.schedule, warmup_steps=optim.warmup_steps,
+            min_lr=optim.min_lr, skip_nonfinite=optim.skip_nonfinite, precision=precision, timeout_s=30, **run)))
+        self.cases[name] = (full, plan, optim, precision)
+
+    def run(self) -> h.Launch:
+        if self.launched is None:
+            self.launched = h.launch(self.world, self.jobs, self.folder / "out", timeout_s=60 + 15 * len(self.jobs))
+        return self.launched
+
+    def reference(self, name: str) -> h.Reference:
+        config, plan, optim, precision = self.cases[name]
+        return h.reference(self.model, config, steps=STEPS, microbatches=plan.microbatches, dp=plan.parallel.dp,
+                           microbatch_size=2, optimizer=optim.name, lr=optim.lr, optim=optim, precision=precision)
+
+    def results(self, name: str) -> tuple[list, dict[int, dict[int, dict]]]:
+        launched = self.run()
+        assert launched.exitcodes == [0] * self.world, "\n".join(launched.logs)
+        replicas: dict[int, dict[int, dict]] = {}
+        for rank in range(self.world):
+            out = launched.result(name, rank)
+            replicas.setdefault(out["dp_rank"], {})[rank] = out["state"]
+        return list(launched.result(name, 0)["metrics"]), replicas
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Jobs:
+    batch = Jobs(tmp_path_factory.mktemp("training"), 4)
+    batch.add("adamw-clip-pp2dp2", "1f1b", pp=2, config={})
+    batch.add("adamw-clip-zbv-pp2dp2", "zbv", pp=2, config={})
+    batch.add("tied-1f1b-pp4", "1f1b", pp=4, config={"tie": True})
+    batch.add("tied-zbv-pp4", "zbv", pp=4, config={"tie": True, "depth": 10}, microbatches=8)  # embed and head on rank 0
+    batch.add("tied-1f1b-pp2dp2", "1f1b", pp=2, config={"tie": True})
+    batch.add("bf16-1f1b-pp4", "1f1b", pp=4, config={}, precision="bf16")
+    batch.add("fp32-1f1b-pp4", "1f1b", pp=4, config={})
+    batch.add("poison-skip-pp4", "1f1b", pp=4, config={"poison": 3},
+              optim=OptimizerConfig(name="adamw", lr=0.02, skip_nonfinite=True))
+    return batch
+
+
+def _merged(replica: dict[int, dict]) -> dict[int, dict]:
+    merged: dict[int, dict] = {}
+    for state in replica.values():
+        merged.update(state)
+    return merged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["adamw-clip-pp2dp2", "adamw-clip-zbv-pp2dp2", "tied-1f1b-pp4", "tied-zbv-pp4",
+                                  "tied-1f1b-pp2dp2"])
+def test_optimizer_step_equals_single_process(jobs, name):
+    """Losses, the global grad norm (torch's clip_grad_norm_ on the whole model), the lr and the
+    weights after AdamW with weight decay, clipping and a cosine schedule; with tied weights, the
+    single-process model holds the embedding and the head as one Parameter."""
+    metrics, replicas = jobs.results(name)
+    ref = jobs.reference(name)
+    assert [m.loss for m in metrics] == pytest.approx(ref.losses, abs=TOL)
+    assert [m.grad_norm for m in metrics] == pytest.approx(ref.grad_norms, rel=1e-6)
+    assert ref.grad_norms[0] > ADAMW.grad_clip  # the clip acts
+    assert [m.lr for m in metrics] == pytest.approx(ref.lrs, rel=1e-12)
+    for replica in replicas.values():
+        assert h.max_abs_diff(_merged(replica), ref.state) <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tied-1f1b-pp4", "tied-1f1b-pp2dp2"])
+def test_tied_copies_stay_identical(jobs, name):
+    """The embedding's matrix on the first rank and the head's on the last: bit for bit the same
+    after every step, because they start equal and take the same summed gradient."""
+    _, replicas = jobs.results(name)
+    depth = jobs.cases[name][0]["depth"]
+    for replica in replicas.values():
+        merged = _merged(replica)
+        assert torch.equal(merged[0]["emb.weight"], merged[depth - 1]["out.weight"])
+
+
+@pytest.mark.slow
+def test_bf16_tracks_fp32_and_its_own_reference(jobs):
+    """bf16 autocast over fp32 masters: within 1e-3 of the same recipe on one process, and within
+    2% of the fp32 run's losses (bf16 rounds every product to 8 bits of mantissa)."""
+    bf16, replicas = jobs.results("bf16-1f1b-pp4")
+    fp32, _ = jobs.results("fp32-1f1b-pp4")
+    ref = jobs.reference("bf16-1f1b-pp4")
+    assert [m.loss for m in bf16] == pytest.approx(ref.losses, rel=1e-3)
+    assert [m.loss for m in bf16] == pytest.approx([m.loss for m in fp32], rel=2e-2)
+    assert [m.loss for m in bf16] != [m.loss for m in fp32]  # bf16 did compute in bf16
+    for replica in replicas.values():  # the masters stay fp32
+        assert all(t.dtype == torch.float32 for state in replica.values() for layer in state.values() for t in layer.values())
+
+
+@pytest.mark.slow
+def test_skip_nonfinite_skips_every_poisoned_update(jobs):
+    metrics, replicas = jobs.results("poison-skip-pp4")
+    assert [m.skipped_steps for m in metrics] == list(range(1, STEPS + 1))
+    assert all(math.isnan(m.loss) for m in metrics)
+    config = jobs.cases["poison-skip-pp4"][0]
+    from octoplan.modelfile import load_model_file
+
+    model = load_model_file(jobs.model, config)
+    initial = {i: model.build_layer(i).state_dict() for i in range(config["depth"])}
+    assert h.max_abs_diff(_merged(replicas[0]), initial) == 0.0  # no update took
+
+
+@pytest.mark.slow
+def test_nonfinite_stops_every_rank_naming_step_and_stage(tmp_path):
+    batch = Jobs(tmp_path, 4)
+    batch.add("poison-stop-pp4", "1f1b", pp=4, config={"poison": 3})  # layer 3: stage 2 of 6 layers on 4 ranks
+    launched = batch.run()
+    assert launched.exitcodes == [1, 1, 1, 1], "\n".join(launched.logs)
+    plan = batch.cases["poison-stop-pp4"][1]
+    stage = next(i for i, s in enumerate(plan.stages) if 3 in s.layers)
+    lines = [line for log in launched.logs for line in log.splitlines() if "non-finite" in line]
+    assert len(lines) == 1, launched.logs  # one line for the whole job
+    first = plan.stages[stage]
+    assert lines[0] == (f"octorun: step 0: non-finite loss; it first appeared in the forward of stage {stage} "
+                        f"(layers {first.start}-{first.end - 1}, pp rank {first.rank}) (--skip-nonfinite skips such updates)")
