@@ -26,7 +26,7 @@ Benchmarks (each a function returning plain data; ``main`` prints markdown and w
               the trace of the last step splits it per op (:func:`trace_overheads`).
 
 Measures: octorun's ``iteration_ms`` runs from the first op's start to the last op's end over all
-ranks (SPEC section 7's measure, what the simulator predicts); ``step_ms`` is the whole step on
+ranks (FORMATS.md section 7's measure, what the simulator predicts); ``step_ms`` is the whole step on
 the slowest rank (after the step's barrier: ops, waits, optimizer). torch's harness times
 ``schedule.step`` from the first process entering to the last leaving; ``step_ms`` is the fair
 figure to put beside it, and both are reported.
@@ -336,7 +336,7 @@ def run_octorun(plan_path: str | Path, *, steps: int, warmup: int, out_dir: str 
                 timeout_s: float = 120.0, extra_args: Sequence[str] = ()) -> dict[str, Any]:
     """Run a plan with torchrun + octorun for ``warmup + steps`` steps; medians of the timed steps.
 
-    Returns ``median_ms`` (iteration, SPEC section 7), ``step_median_ms``, ``all_ms``, the
+    Returns ``median_ms`` (iteration, FORMATS.md section 7), ``step_median_ms``, ``all_ms``, the
     measured bubble ratio, the metrics and trace file paths and the wall time of the whole job.
     """
     plan = load_plan(plan_path)

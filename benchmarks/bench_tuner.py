@@ -10,10 +10,10 @@ Prints markdown tables (docs/BENCHMARKS.md holds a run's output). Megatron-LM = 
 partition, the best of 1F1B and interleaved 1F1B with any chunk count the layers allow
 (``--num-layers-per-virtual-pipeline-stage`` is a knob its users tune; sessions before 27 took 2
 chunks only, still printed as "Megatron v=2"); best baseline = the fastest fitting plan of every
-SPEC section 6 schedule x partition (interleaved 1F1B with every chunk count, as ``octoplan
+FORMATS.md section 6 schedule x partition (interleaved 1F1B with every chunk count, as ``octoplan
 tune`` prices them without ``--chunks-max``), including the ``+recompute`` rows of those that fit
 nowhere without recomputation (stages recomputing their first N layers, the fewest that fit);
-the summary line also gives the speedup over the best without them. Efficiency = SPEC section
+the summary line also gives the speedup over the best without them. Efficiency = FORMATS.md section
 7's lower_bound_ms / iteration_ms.
 
 ``--split-blocks`` tunes on profiles whose blocks are split into mixer and MLP/MoE layers
@@ -120,7 +120,7 @@ def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placeme
                 and (n.startswith("1f1b/") or n.startswith("interleaved-1f1b"))}
     megatron_v2 = [ms for n, ms in megatron.items() if n in ("1f1b/uniform" + suffix, "interleaved-1f1b/uniform" + suffix)]
     best = min((row for row in baselines if row.scored.fits), key=lambda row: row.scored.iteration_ms, default=None)
-    # SPEC section 6's baselines as they are, without the recomputation this project adds to
+    # FORMATS.md section 6's baselines as they are, without the recomputation this project adds to
     # the ones that fit nowhere (the issue's target is stated against these)
     plain = min((row for row in baselines if row.scored.fits and "+recompute" not in row.name),
                 key=lambda row: row.scored.iteration_ms, default=None)
@@ -213,7 +213,7 @@ def suite(args) -> None:
     print()
     print(f"geo-mean efficiency {_geo([r['efficiency'] for r in results]):.3f}, min {min(r['efficiency'] for r in results):.3f}; "
           + _speedups(results, lambda r: r["tuned_ms"]))
-    # What no plan can beat: a plan at efficiency 1 runs in its SPEC section 7 lower bound,
+    # What no plan can beat: a plan at efficiency 1 runs in its FORMATS.md section 7 lower bound,
     # tuned_ms x efficiency, so a speedup target over these baselines is a geo-mean efficiency
     # target of target / ceiling.
     print("at efficiency 1 (each workload's lower bound): " + _speedups(results, lambda r: r["tuned_ms"] * r["efficiency"]))
@@ -242,7 +242,7 @@ def suite(args) -> None:
 
 def balance_cap(profile, pp: int, *, time_limit_s: float = 10.0) -> tuple[float, float]:
     """(best balance found, proven upper bound on the balance) of any assignment of the
-    profile's layers to ``pp`` ranks, stages of any shape: balance = SPEC section 7's lower
+    profile's layers to ``pp`` ranks, stages of any shape: balance = FORMATS.md section 7's lower
     bound / the busiest rank's F + I + W per microbatch. CP-SAT bin packing (makespan), in
     microseconds."""
     from ortools.sat.python import cp_model

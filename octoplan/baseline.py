@@ -1,4 +1,4 @@
-"""Plans of the known schedules (SPEC section 6): partition + placement + the schedule's rule."""
+"""Plans of the known schedules (FORMATS.md section 6): partition + placement + the schedule's rule."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def split_gpus(gpus: int, pp: int | None) -> tuple[int, int]:
     return pp, gpus // pp
 
 
-DEFAULT_CHUNKS = 2  # interleaved 1F1B's stages per rank unless --chunks says otherwise (SPEC section 6)
+DEFAULT_CHUNKS = 2  # interleaved 1F1B's stages per rank unless --chunks says otherwise (FORMATS.md section 6)
 
 
 def simulated_baseline(

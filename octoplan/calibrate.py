@@ -216,7 +216,7 @@ class Calibration:
         return max(0.0, self.gap_ms + self.excess_ms)
 
     def flags(self) -> str:
-        """The cluster options of SPEC section 5 that plan for what was measured."""
+        """The cluster options of FORMATS.md section 5 that plan for what was measured."""
         out = [f"--op-overhead-us {1000 * self.op_overhead_ms:.0f}"]
         if self.latency_ms is not None:
             out.insert(0, f"--latency-us {1000 * self.latency_ms:.0f}")

@@ -1,5 +1,5 @@
 """What every command line shares: turning bad input into exit 2 with one line, and the
-cluster options of SPEC section 5."""
+cluster options of FORMATS.md section 5."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from octoplan.profile import Profile, load_profile
 __all__ = ["terminal", "guarded", "fail", "ClusterOptions", "cluster_from", "memory_of", "read_profile", "log_setup",
            "GPUS_PER_NODE", "MEMORY_GB", "INTRA_NODE_GBPS", "INTER_NODE_GBPS", "LATENCY_US", "OP_OVERHEAD_US"]
 
-# The cluster options of SPEC section 5, shared by every command that takes them.
+# The cluster options of FORMATS.md section 5, shared by every command that takes them.
 GPUS_PER_NODE = typer.Option(8, "--gpus-per-node", help="GPUs per node")
 MEMORY_GB = typer.Option(None, "--memory-gb",
                          help="memory per GPU, GB [default: the profile's GPU memory; 80 for a CPU-measured profile]")
@@ -113,7 +113,7 @@ def cluster_from(gpus: int, opts: ClusterOptions, profile: Profile | None = None
 
 
 def read_profile(given: Optional[Path]) -> tuple[Path, Profile]:
-    """PROFILE as given, else the newest file in profiles/ (SPEC section 5), and the profile it holds."""
+    """PROFILE as given, else the newest file in profiles/ (FORMATS.md section 5), and the profile it holds."""
     if given is not None:
         return given, load_profile(given)
     folder = Path("profiles")

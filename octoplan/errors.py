@@ -1,7 +1,7 @@
 """The one error type for bad input.
 
 Every command turns an :class:`InputError` into exit status 2 and a single line on stderr
-that names the file, the field and the fix (SPEC section 5). Library code raises it; only the
+that names the file, the field and the fix (FORMATS.md section 5). Library code raises it; only the
 CLI prints it.
 """
 

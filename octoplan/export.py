@@ -3,7 +3,7 @@
 ``torch-csv`` is the compute-only CSV that torch.distributed.pipelining's
 ``_PipelineScheduleRuntime._load_csv(filename, format="compute_only")`` reads: row ``r`` holds
 pipeline rank ``r``'s ops in execution order, one op per cell. Our op strings (``0F3``, ``1I2``,
-``1W2``, ``2B5``; SPEC section 1) are exactly the strings torch's ``_Action.from_str`` parses, so
+``1W2``, ``2B5``; FORMATS.md section 1) are exactly the strings torch's ``_Action.from_str`` parses, so
 a row is the plan's schedule of that rank, cell by cell. Torch lowers the rows itself: it infers
 the stage → rank mapping from which row names each stage, checks the op counts, and adds the
 sends and receives (``_add_send_recv``).
@@ -14,7 +14,7 @@ What the CSV does not carry, and the user of torch must set to match the plan:
   with ``num_stages = plan.num_stages`` from the plan's layers ``[start, end)`` of that stage, on
   the pipeline rank that the plan puts it on;
 - the loss must be a mean over the microbatch (torch's default ``scale_grads=True`` then divides
-  the accumulated gradients by the microbatch count, as SPEC section 4's mean asks).
+  the accumulated gradients by the microbatch count, as FORMATS.md section 4's mean asks).
 
 Data parallelism (``dp > 1``) lies outside the pipeline: the CSV is the schedule of one pipeline,
 and each of the ``dp`` replicas runs the same CSV in its own pipeline process group (the plan's

@@ -1,4 +1,4 @@
-"""The one op representation: ``<stage><TYPE><mb>`` (SPEC section 1).
+"""The one op representation: ``<stage><TYPE><mb>`` (FORMATS.md section 1).
 
 An op is plain data — stage, kind, microbatch — with a string form that round-trips. Every
 part of OctoPipe (generators, validator, simulator, tuner, exporter, runtime) reads the same

@@ -1,4 +1,4 @@
-"""Contiguous layer -> stage splits used by the baselines (SPEC section 6).
+"""Contiguous layer -> stage splits used by the baselines (FORMATS.md section 6).
 
 ``uniform`` is Megatron-LM's default: embedding with the first stage, head with the last, the
 other layers split as evenly as possible by count, larger stages first. ``balanced`` minimizes

@@ -1,4 +1,4 @@
-"""Plans (SPEC section 3): stages, their ranks, and every rank's op order.
+"""Plans (FORMATS.md section 3): stages, their ranks, and every rank's op order.
 
 ``load_plan`` checks the structural rules (coverage, placement, every op exactly once, I before
 W); whether the orders can run to the end is a property of the dependency graph and is checked
@@ -66,7 +66,7 @@ class Cluster:
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
     latency_us: float = 10.0
-    # Optional extension of SPEC section 3: a fixed cost added to every op, for runtimes whose
+    # Optional extension of FORMATS.md section 3: a fixed cost added to every op, for runtimes whose
     # per-op overhead is not negligible against the ops (CPU processes standing in for GPUs).
     op_overhead_us: float = 0.0
 
@@ -177,7 +177,7 @@ class Plan:
         return replace(self, schedule=tuple(tuple(ops) for ops in schedule))
 
 
-# A plan's top-level fields (the SPEC's and SPEC_ADDITIONS'): any other is kept as an extension,
+# A plan's top-level fields (docs/FORMATS.md section 3): any other is kept as an extension,
 # unless it is a near miss of one of these (a misspelt profile would leave the plan without one)
 # (the fields Plan reads; the last three, and any other, stay in Plan.extra as they are)
 _READ_FIELDS = ("format", "profile", "profile_sha256", "model", "cluster", "parallel", "stages", "schedule", "predicted")
@@ -186,7 +186,7 @@ _TOP_FIELDS = (*_READ_FIELDS, "microbatch_size", "generator", "tuner")
 
 def _parse_schedule(raw: Any, *, file: str, pp: int) -> tuple[tuple[Op, ...], ...]:
     if not isinstance(raw, dict):
-        raise InputError(file, "schedule", "must map each pipeline rank to its ops", "see SPEC section 3")
+        raise InputError(file, "schedule", "must map each pipeline rank to its ops", "see docs/FORMATS.md section 3")
     keyed: dict[int, Any] = {}
     for key, value in raw.items():
         # ASCII digits only: str.isdigit() also passes "²" (which int() refuses) and "٢" (read as 2)
@@ -286,7 +286,7 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
 
 
 def check_structure(plan: Plan, *, file: str = "<plan>", num_layers: int | None = None) -> None:
-    """SPEC section 3's rules on stages and ops (not the run-to-end rule)."""
+    """FORMATS.md section 3's rules on stages and ops (not the run-to-end rule)."""
     pp, num_mb = plan.pp, plan.microbatches
     if not plan.stages:
         raise InputError(file, "stages", "is empty", "list at least one stage")

@@ -1,4 +1,4 @@
-"""``octoplan validate``: every rule of SPEC section 3.
+"""``octoplan validate``: every rule of FORMATS.md section 3.
 
 Structure is checked when a plan is loaded (:func:`octoplan.plan.check_structure`); this
 module adds the run-to-end rule by simulating the orders: a cycle between the per-rank orders

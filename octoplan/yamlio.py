@@ -1,4 +1,4 @@
-"""Reading and writing the YAML files of SPEC sections 2 and 3, with input errors that name
+"""Reading and writing the YAML files of FORMATS.md sections 2 and 3, with input errors that name
 the file and the field instead of a traceback."""
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
             raise InputError(str(path), where, exc.problem, exc.fix) from None
         raise InputError(str(path), where, "not valid YAML", "fix the YAML syntax") from None
     if not isinstance(data, dict):
-        raise InputError(str(path), None, f"a {what} file must be a YAML mapping", "see SPEC")
+        raise InputError(str(path), None, f"a {what} file must be a YAML mapping", "see docs/FORMATS.md")
     return data
 
 
@@ -165,7 +165,7 @@ class Fields:
 
     def __init__(self, data: Any, *, file: str, prefix: str):
         if not isinstance(data, dict):
-            raise InputError(file, prefix or None, "must be a mapping", "see SPEC")
+            raise InputError(file, prefix or None, "must be a mapping", "see docs/FORMATS.md")
         self.data = data
         self.file = file
         self.prefix = prefix
@@ -217,7 +217,7 @@ class Fields:
     def raw(self, key: str, default: Any = ..., ) -> Any:
         if key not in self.data or self.data[key] is None:
             if default is ...:
-                raise self._error(key, "is missing", "add it (see SPEC)")
+                raise self._error(key, "is missing", "add it (see docs/FORMATS.md)")
             return default
         return self.data[key]
 

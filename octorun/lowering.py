@@ -1,7 +1,7 @@
 """Lowering: a plan's compute op lists -> each pipeline rank's communication program.
 
 This is the one place that decides which tensors travel between pipeline ranks. A plan lists
-compute ops only (SPEC section 1); for every rank, :func:`lower` derives
+compute ops only (FORMATS.md section 1); for every rank, :func:`lower` derives
 
 * before each op, the messages it must have received (its inputs from another rank);
 * after each op, the messages it sends (its outputs another rank needs);

@@ -42,7 +42,7 @@ does not record the model's input, so ``sample_batch`` gives a (mbs, n) float te
 0's output size, and targets shaped like the last layer's output; ``loss_fn`` is the mean squared
 difference.
 
-Optional extension (not in SPEC section 4): ``layer_kind`` / ``layer_name`` return the replayed
+Optional hooks (docs/FORMATS.md section 4): ``layer_kind`` / ``layer_name`` return the replayed
 profile's ``kind`` / ``name``, so profiling this model reproduces the profile's layer names.
 """
 

@@ -101,7 +101,7 @@ def test_overhead_and_calibration_run_end_to_end(tmp_path):
                                 schedules=("zb-h1",))
     (row,) = rows
     assert row["schedule"] == "zb-h1" and row["ops_per_rank"] == 12
-    # SPEC section 7's bound: 4 microbatches x the largest layer's F + I + W (15 ms)
+    # FORMATS.md section 7's bound: 4 microbatches x the largest layer's F + I + W (15 ms)
     assert row["predicted_free_ms"] >= 60.0
     assert -0.2 < row["overhead"] < 0.5, row
     stacked = bench.bench_overhead(link, tmp_path, nprocs=2, microbatches=4, steps=2, warmup=1, op_ms=5.0,

@@ -1,4 +1,4 @@
-"""The bundled example models (examples/models/{tiny_gpt,vlm,hybrid}.py) against SPEC section 4.
+"""The bundled example models (examples/models/{tiny_gpt,vlm,hybrid}.py) against FORMATS.md section 4.
 
 Each model must load through octoplan.modelfile, chain its layers into a scalar loss, rebuild
 bitwise-identically from a seed, survive the runtime's per-layer I/W split with the same

@@ -196,7 +196,7 @@ def test_bad_baseline_options_exit_2_naming_the_option(profile_file, tmp_path, a
 
 
 def test_spec_example_numbers_and_non_finite_values(tmp_path):
-    # SPEC section 2 writes flops: 1.2e9 — a float in YAML 1.2 though a string in YAML 1.1.
+    # FORMATS.md section 2 writes flops: 1.2e9 — a float in YAML 1.2 though a string in YAML 1.1.
     text = """format: octoplan-profile/1
 model: {name: t}
 layers:

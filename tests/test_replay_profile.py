@@ -1,5 +1,5 @@
 """The replay model through the profiler: its measured profile is the source profile times
-the time scale, layer by layer, within 5% (SPEC section 4 model, octoplan profile)."""
+the time scale, layer by layer, within 5% (FORMATS.md section 4 model, octoplan profile)."""
 
 from __future__ import annotations
 

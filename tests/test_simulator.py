@@ -116,7 +116,7 @@ def test_a_message_that_waits_in_the_mailbox_counts_beside_the_next_posted_buffe
 
 
 def _memory_by_sweep(result, costs, rank_of_stage, num_mb) -> tuple[list[int], list[int]]:
-    """The memory rules of docs/SPEC_ADDITIONS.md section 7, stated plainly over ops and the
+    """The memory rules of docs/FORMATS.md section 7, stated plainly over ops and the
     timeline's transfers: per rank, the peak of tapes plus messages, and of messages alone."""
     times = result.op_times()
     landed = {t.op: t.end_ms for t in result.transfers}

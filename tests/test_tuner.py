@@ -55,7 +55,7 @@ def test_the_tuned_order_is_proven_optimal_for_its_stages_and_placement(tuned):
     stages = [(s.start, s.end) for s in tuned.plan.stages]
     assert stages[-1] == (11, 12) and sum(heavy_head().layers[i].forward_ms for i in range(11)) == 10.5
     assert tuned.stats["order_bound_ms"] == tuned.plan.predicted["iteration_ms"] == 154.5
-    # where the time goes: the head's rank carries 8 x 18 = 144 ms, SPEC section 7's lower bound
+    # where the time goes: the head's rank carries 8 x 18 = 144 ms, FORMATS.md section 7's lower bound
     # (the largest layer's work; the even share is 8 x 49.5 / 4 = 99), so the balance is 1; it
     # idles only the 10.5 ms before microbatch 0 reaches it: schedule 144 / 154.5
     stats = tuned.stats
@@ -81,7 +81,7 @@ def test_never_worse_than_the_best_fitting_baseline(tuned):
     best = tuned.best_baseline()
     assert best is not None
     assert tuned.scored.iteration_ms <= best.scored.iteration_ms + 1e-9
-    # every baseline of SPEC section 6 that applies is in the table (dualpipev needs 2pp = 8 mbs)
+    # every baseline of FORMATS.md section 6 that applies is in the table (dualpipev needs 2pp = 8 mbs)
     names = {row.name for row in tuned.baselines}
     assert {"gpipe/uniform", "1f1b/uniform", "interleaved-1f1b/uniform", "zb-h1/balanced", "zb-h2/uniform",
             "zbv/balanced", "dualpipev/uniform"} <= names

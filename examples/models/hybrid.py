@@ -4,7 +4,7 @@ Heterogeneity: the three block kinds differ in cost, in parameters and in how th
 splits between input and weight gradients (a MoE block holds four experts' weights but runs two
 per token; the state-space block's scan is a chain of small kernels; attention is quadratic in the sequence).
 
-Layers (SPEC section 4, a chain; layer i consumes layer i-1's output):
+Layers (FORMATS.md section 4, a chain; layer i consumes layer i-1's output):
 
     0          TokenEmbedding   ids (mbs, seq) int64 -> hidden (mbs, seq, hidden)
     1 .. n     one block per letter of ``pattern`` (default "mamemame"), each pre-LayerNorm with
@@ -23,7 +23,7 @@ counting sequences (random start and stride, modulo ``data_vocab``).
 Every expert takes part in every forward, even with no token routed to it (it then runs on an
 empty batch), so ``torch.autograd.grad`` over a layer's parameters always finds all of them.
 
-Optional extension (not in SPEC section 4; the profiler may use it to fill a profile's layer
+Optional hooks (docs/FORMATS.md section 4; the profiler uses them to fill a profile's layer
 ``name`` and ``kind``): ``layer_kind(index, **config)`` returns "embedding" (first), "mamba",
 "attention", "moe", "head" (last); ``layer_name(index, **config)`` returns "embed",
 "<kind>.<block index>", "head".

@@ -1,4 +1,4 @@
-"""The replay model as a model file (SPEC section 4): see :mod:`octorun.replay`.
+"""The replay model as a model file (FORMATS.md section 4): see :mod:`octorun.replay`.
 
 Config ``profile=PATH``, ``time_scale=S``, ``bytes_scale=B``: layer i sleeps S times the
 profile's forward, input-gradient and weight-gradient times, so N processes on a CPU emulate

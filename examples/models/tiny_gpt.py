@@ -4,7 +4,7 @@ The point of this example is heterogeneity: with the defaults (vocab 8192, hidde
 sequence 32) the head's 128x8192 projection and its cross-entropy cost several transformer
 blocks' worth, so a pipeline that splits layers evenly by count is unbalanced.
 
-Layers (SPEC section 4, a chain; layer i consumes layer i-1's output):
+Layers (FORMATS.md section 4, a chain; layer i consumes layer i-1's output):
 
     0            TokenEmbedding     ids (mbs, seq) int64   -> hidden (mbs, seq, hidden)
     1 .. layers  TransformerBlock   pre-LayerNorm causal self-attention + MLP, residuals
@@ -17,7 +17,7 @@ Data: each sequence counts from a random start with a random stride in 1..4, mod
 model has real structure to learn (the stride must be read from the context by attention), and
 a few optimizer steps already lower the loss.
 
-Optional extension (not in SPEC section 4; the profiler may use it to fill a profile's layer
+Optional hooks (docs/FORMATS.md section 4; the profiler uses them to fill a profile's layer
 ``name`` and ``kind``): ``layer_kind(index, **config)`` returns "embedding" for the first layer,
 "head" for the last and "transformer" for the blocks; ``layer_name(index, **config)`` returns
 "embed", "block.<n>" and "head".

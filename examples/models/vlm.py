@@ -3,7 +3,7 @@
 Heterogeneity: the encoder runs on 16 image patches, the decoder on 16 image tokens plus the
 text, and the head projects only the text positions onto the vocabulary.
 
-Layers (SPEC section 4, a chain; layer i consumes layer i-1's output):
+Layers (FORMATS.md section 4, a chain; layer i consumes layer i-1's output):
 
     0                   PatchEmbedding  (image, ids) -> (patches, ids)
                         conv over image patches + learned positions; ids (int64) pass through
@@ -21,7 +21,7 @@ Data: each sample is one of ``num_classes`` fixed image templates plus noise; it
 class's fixed caption, shifted right behind a BOS token (id 0). The first caption token can only
 be predicted from the image, so learning needs the whole encoder-projector-decoder path.
 
-Optional extension (not in SPEC section 4; the profiler may use it to fill a profile's layer
+Optional hooks (docs/FORMATS.md section 4; the profiler uses them to fill a profile's layer
 ``name`` and ``kind``): ``layer_kind(index, **config)`` returns "embedding" (first), "vision",
 "projector", "decoder", "head" (last); ``layer_name(index, **config)`` returns "patch_embed",
 "vision.<n>", "projector", "decoder.<n>", "head".

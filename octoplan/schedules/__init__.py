@@ -1,4 +1,4 @@
-"""Baseline schedules (SPEC section 6), each generated from a rule over ranks, microbatches and
+"""Baseline schedules (FORMATS.md section 6), each generated from a rule over ranks, microbatches and
 stages — never hand-listed.
 
 A schedule says how many stages each rank holds, how stages are placed on ranks, and every

@@ -2,7 +2,7 @@
 
 An op order is a resource-constrained schedule: every rank runs one op at a time (a unary
 resource), and dataflow ties ops together with time lags (an output is usable after its
-transfer). The model is the simulator's (SPEC section 7) without link contention: an op lasts
+transfer). The model is the simulator's (FORMATS.md section 7) without link contention: an op lasts
 its stage's time plus the cluster's per-op overhead; a transfer between ranks adds latency +
 bytes / bandwidth. Each stage runs its forwards, its backwards (I or B) and its weight
 gradients in microbatch order, as every SPEC schedule and every octoplan order does. With

@@ -3,7 +3,7 @@
 The known schedules (gpipe, looped, zbv, dualpipev) are rules written for one placement. The
 tuner moves stages between ranks freely, so it needs a generator that works for every map. This
 one simulates the iteration event by event, with the same cost semantics as the simulator
-(SPEC section 7: ops last their stage's time, transfers between ranks cost latency + bytes /
+(FORMATS.md section 7: ops last their stage's time, transfers between ranks cost latency + bytes /
 bandwidth and leave one at a time per rank pair in production order), and whenever a rank is
 free it runs the ready op its :class:`RankPolicy` prefers:
 

@@ -78,7 +78,7 @@ def shown_rows(rows: list[dict]) -> list[dict]:
 
 
 def _table(result) -> Table:
-    table = Table(title="tuned plan vs the baselines (SPEC section 6) on the same GPUs",
+    table = Table(title="tuned plan vs the baselines (docs/FORMATS.md section 6) on the same GPUs",
                   caption="pp.dp.mb: pipeline degree, data-parallel degree, microbatches per pipeline "
                           "(pi / di: pp-inner / dp-inner rank order); tuned x: how much faster the tuned plan is; "
                           "interleaved-1f1b(v=N): of the chunk counts above 2, the fastest")

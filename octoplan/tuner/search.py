@@ -4,7 +4,7 @@ Steps:
 1. Enumerate the outer choices (:class:`Config`): every pp dividing the GPU count (``pp``
    pins it) with the microbatch count a global batch implies, and both global rank orders
    when dp > 1.
-2. Seed with every baseline of SPEC section 6 that applies (schedule x partition, interleaved
+2. Seed with every baseline of FORMATS.md section 6 that applies (schedule x partition, interleaved
    1F1B with every chunk count the layers allow up to ``MAX_BASELINE_CHUNKS``, or up to
    ``chunks_max`` where it is given), so the answer is never worse than the best baseline that
    fits; add policy-scheduled seeds (balanced partitions in loop and V placements) and the
@@ -101,7 +101,7 @@ class TuneOptions:
     chunks_max: int | None = None
     dimensions: tuple[str, ...] = DIMENSIONS
     use_cpsat: bool = True
-    baselines: bool = True  # seed with (and report) SPEC section 6's baselines
+    baselines: bool = True  # seed with (and report) FORMATS.md section 6's baselines
     max_configs: int = 3  # outer configurations the local search visits, best seeds first
     max_starts: int = 6  # hill climbs, from the best seed of each family
     # processes that climb at once (:mod:`octoplan.tuner.pool`); they are spawned, so a script
@@ -631,7 +631,7 @@ def tune(
     order_bound = relaxation_bound(plan.schedule, best.ranks, evaluator.costs(best), cluster=evaluator.cluster,
                                    parallel=best.config.parallel())
     # where the rest of the iteration goes: efficiency = balance (how close the busiest rank's
-    # work is to SPEC section 7's lower bound) x schedule (how little that rank idles), and
+    # work is to FORMATS.md section 7's lower bound) x schedule (how little that rank idles), and
     # when it idles: a warm-up says it needs less work, waits between ops a lighter neighbour
     timeline = evaluator.timeline(best)
     busiest = max(range(best.config.pp), key=lambda r: (timeline.busy_ms[r], -r))
