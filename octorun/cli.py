@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="after --warmup-steps, linear and cosine fall from --lr to --min-lr at the last step")
     training.add_argument("--warmup-steps", type=int, default=0, metavar="N", help="linear warm-up steps (default 0)")
     training.add_argument("--min-lr", type=float, default=0.0, metavar="LR", help="the schedule's last learning rate")
+    training.add_argument("--decay-steps", type=int, metavar="N",
+                          help="the steps the schedule spans (default --steps): a run stopped early, to resume "
+                               "under another plan, keeps the whole training's curve")
     training.add_argument("--skip-nonfinite", action="store_true",
                           help="skip the update of a step whose loss or gradient norm is not finite (counted in the "
                                "metrics) instead of stopping the run")
@@ -89,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         metrics_path=args.metrics, trace_path=args.trace, timeout_s=args.timeout, backend=args.backend,
         replay_time_scale=args.replay, dynamic_shapes=args.dynamic_shapes, activation_memory=args.activation_memory,
         precision=args.precision, weight_decay=args.weight_decay, betas=tuple(args.betas), grad_clip=args.grad_clip,
-        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
+        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr, decay_steps=args.decay_steps,
         skip_nonfinite=args.skip_nonfinite, data_path=args.data, data_dtype=args.data_dtype,
         save_dir=args.save, save_every=args.save_every, keep=args.keep, resume=args.resume,
     )

@@ -41,6 +41,9 @@ class OptimizerConfig:
     schedule: str = "constant"
     warmup_steps: int = 0
     min_lr: float = 0.0
+    # the steps the schedule spans (None: the run's --steps); a run that stops early to be
+    # resumed elsewhere keeps the one curve of the whole training
+    decay_steps: int | None = None
     skip_nonfinite: bool = False  # skip the update of a step with a non-finite loss or gradient
 
 
@@ -60,19 +63,23 @@ def check_optimizer_config(config: OptimizerConfig, *, steps: int) -> None:
         raise InputError(None, "--grad-clip", f"is {config.grad_clip}", "give a positive max norm")
     if config.schedule not in SCHEDULES:
         raise InputError(None, "--lr-schedule", f"is {config.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
-    if not 0 <= config.warmup_steps <= steps:
-        raise InputError(None, "--warmup-steps", f"is {config.warmup_steps}", f"give 0 to --steps ({steps})")
+    if config.decay_steps is not None and not 1 <= config.decay_steps <= 10**9:
+        raise InputError(None, "--decay-steps", f"is {config.decay_steps}", "give the schedule's length in steps, >= 1")
+    span = config.decay_steps or steps
+    if not 0 <= config.warmup_steps <= span:
+        raise InputError(None, "--warmup-steps", f"is {config.warmup_steps}", f"give 0 to the schedule's {span} steps")
     if not (math.isfinite(config.min_lr) and 0 <= config.min_lr <= config.lr):
         raise InputError(None, "--min-lr", f"is {config.min_lr}", f"give 0 to --lr ({config.lr:g})")
 
 
 def lr_at(config: OptimizerConfig, step: int, total_steps: int) -> float:
-    """The learning rate of ``step`` (0-based) in a run of ``total_steps``.
+    """The learning rate of ``step`` (0-based) in a run of ``total_steps`` (``decay_steps`` when set).
 
     Warm-up rises linearly to ``lr`` over the first ``warmup_steps`` steps (step k uses
     lr * (k + 1) / warmup, so no step trains at 0); then ``constant`` stays, ``linear`` and
     ``cosine`` fall from ``lr`` to ``min_lr`` at the last step.
     """
+    total_steps = config.decay_steps or total_steps
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     if config.schedule == "constant":

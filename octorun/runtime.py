@@ -84,6 +84,7 @@ class RunConfig:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     min_lr: float = 0.0
+    decay_steps: int | None = None
     skip_nonfinite: bool = False
     # real data (octorun.data): a token file, read in windows; None: the model's sample_batch
     data_path: str | None = None
@@ -98,7 +99,7 @@ class RunConfig:
     def optim(self) -> OptimizerConfig:
         return OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay, betas=tuple(self.betas),
                                grad_clip=self.grad_clip, schedule=self.lr_schedule, warmup_steps=self.warmup_steps,
-                               min_lr=self.min_lr, skip_nonfinite=self.skip_nonfinite)
+                               min_lr=self.min_lr, decay_steps=self.decay_steps, skip_nonfinite=self.skip_nonfinite)
 
 
 class LaunchError(RuntimeError):
@@ -315,10 +316,10 @@ def _ensure_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR")
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
 
 
-def _check_env(plan: Plan, plan_path: str) -> int:
+def _check_env(plan: Plan, plan_path: str, *, replay: bool = False) -> int:
     """The launcher's variables, read before torch.distributed would fail on them with a
     traceback or wait for peers that cannot exist; returns WORLD_SIZE."""
     fix = "launch with torchrun, or leave RANK and WORLD_SIZE unset to run one process"
@@ -345,6 +346,18 @@ def _check_env(plan: Plan, plan_path: str) -> int:
     whole("RANK", 0, world - 1)
     if "LOCAL_RANK" in os.environ:
         whole("LOCAL_RANK", 0, world - 1)
+    if "LOCAL_WORLD_SIZE" in os.environ and not replay:
+        # the plan placed its stages for nodes of gpus_per_node ranks (its transfers' prices and
+        # its rank order assume them); a launch of other nodes would run another plan than tuned.
+        # A replay emulates the plan's nodes and may run them all on one launcher.
+        local = whole("LOCAL_WORLD_SIZE", 1, world)
+        expected = min(plan.cluster.gpus_per_node, plan.cluster.gpus)
+        if local != expected:
+            raise InputError(plan_path, "cluster.gpus_per_node",
+                             f"the plan has {plan.cluster.gpus_per_node} GPUs per node ({expected} processes per launcher) "
+                             f"but this launcher started {local} (LOCAL_WORLD_SIZE)",
+                             f"launch --nproc-per-node {expected} on each of {math.ceil(plan.cluster.gpus / expected)} nodes, "
+                             f"or tune for --gpus-per-node {local}")
     whole("MASTER_PORT", 1, 65535)
     if not os.environ.get("MASTER_ADDR"):
         raise InputError(None, "MASTER_ADDR", "is not set", fix)
@@ -914,7 +927,7 @@ class _Interpreter:
             "optimizer": self.optim_config.name,
             "lr_schedule": {"schedule": self.optim_config.schedule, "lr": self.optim_config.lr,
                             "warmup_steps": self.optim_config.warmup_steps, "min_lr": self.optim_config.min_lr,
-                            "steps": self.config.steps},
+                            "steps": self.optim_config.decay_steps or self.config.steps},
             "data": self.config.data_path,
             "plan": self.config.plan_path,
             "layout": self._layout(),
@@ -1035,7 +1048,7 @@ def run(config: RunConfig) -> RunResult:
     prepared = prepare(config)
     plan = prepared.plan
     _ensure_env()
-    world = _check_env(plan, config.plan_path)
+    world = _check_env(plan, config.plan_path, replay=config.replay_time_scale is not None)
     backend = config.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
