@@ -9,7 +9,7 @@ memory budgets, then times both on a 16-rank V of 32 stages with 64 microbatches
 old and new, and prints the median of each.
 
 ``--tight-budgets`` compares the two versions' orders instead, where memory binds (for a change
-to the scheduler's memory rule; docs/BENCHMARKS.md, session 26, has one): each case's
+to the scheduler's memory rule; docs/BENCHMARKS.md has one): each case's
 budget per rank is what the order built without a budget holds at its peak, up to 10% more,
 plus room for the transients and messages the scheduler keeps free. Both versions' orders are
 simulated; it prints how many are faster, slower or the same now, and the extreme ratios.

@@ -8,8 +8,8 @@ and tuning time at 64 and 1024 GPUs.
 
 Prints markdown tables (docs/BENCHMARKS.md holds a run's output). Megatron-LM = uniform
 partition, the best of 1F1B and interleaved 1F1B with any chunk count the layers allow
-(``--num-layers-per-virtual-pipeline-stage`` is a knob its users tune; sessions before 27 took 2
-chunks only, still printed as "Megatron v=2"); best baseline = the fastest fitting plan of every
+(``--num-layers-per-virtual-pipeline-stage`` is a knob its users tune; the 2-chunk figure
+is printed too, as "Megatron v=2"); best baseline = the fastest fitting plan of every
 FORMATS.md section 6 schedule x partition (interleaved 1F1B with every chunk count, as ``octoplan
 tune`` prices them without ``--chunks-max``), including the ``+recompute`` rows of those that fit
 nowhere without recomputation (stages recomputing their first N layers, the fewest that fit);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one prepared run, for a session that is lent the device machine (one H200):
+# The GPU checks in one prepared run, for a machine with one GPU (written for an H200):
 #   run(command="bash benchmarks/gpu_check.sh", timeout_s=480)
 # It needs only what that machine's python3 has (torch, typer, pyyaml, rich, pytest); OR-Tools
 # is not needed: nothing here tunes. Results land in $OUT (the device tool brings back at most 8

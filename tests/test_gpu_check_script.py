@@ -1,5 +1,5 @@
-"""The prepared GPU check (benchmarks/gpu_check.sh) runs end to end: here on the CPU, so that a
-session lent a GPU spends its minutes on the GPU, not on fixing the script."""
+"""The prepared GPU check (benchmarks/gpu_check.sh) runs end to end: here on the CPU, so that
+time on a GPU goes to the GPU checks, not to fixing the script."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """octorun's count of tapes and messages against the plan's prediction (docs/BENCHMARKS.md,
-"Session 25"): per schedule and rank, ``predicted.peak_with_message_bytes`` beside what each
+"Memory"): per schedule and rank, ``predicted.peak_with_message_bytes`` beside what each
 step held (``octorun --activation-memory``), on gloo processes of this machine.
 
 ``replay``: the replay model (examples/models/replay.py, bytes scale 1) of a profile of F = I =
@@ -7,8 +7,8 @@ W = 6, 6, 15, 15 ms and 400 kB outputs, profiled, planned for 2 ranks and 4 micr
 run for 3 steps: the ops last what the plan says. ``real``: tiny_gpt and hybrid (the test
 configurations), profiled on the CPU, planned for 3 ranks and 6 microbatches, run for 3 steps.
 
-    .venv/bin/python benchmarks/probe_messages.py replay [--schedules gpipe 1f1b zb-h1 zb-h2]
-    .venv/bin/python benchmarks/probe_messages.py real [--schedules 1f1b gpipe zb-h1 zb-h2]
+    .venv/bin/python benchmarks/bench_messages.py replay [--schedules gpipe 1f1b zb-h1 zb-h2]
+    .venv/bin/python benchmarks/bench_messages.py real [--schedules 1f1b gpipe zb-h1 zb-h2]
 """
 
 from __future__ import annotations
