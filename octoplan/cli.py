@@ -522,6 +522,20 @@ def export(
                    f"need more memory than the plan predicts", err=True)
 
 
+@app.command()
+@guarded
+def tokenize(
+    text: Path = typer.Argument(..., metavar="INPUT", help="UTF-8 text file"),
+    output: Path = typer.Option(..., "-o", "--output", help="token file to write (for octorun --data)"),
+    dtype: str = typer.Option("uint16", "--dtype", help="uint16 or uint32: the width of each token id in the file"),
+) -> None:
+    """Turn a text file into a byte-level token file (each UTF-8 byte one token id 0..255) for octorun --data."""
+    from octoplan.tokenfile import tokenize_text
+
+    count = tokenize_text(text, output, dtype=dtype)
+    console.print(f"{count} tokens ({dtype}, one per byte) -> {escape(str(output))}", soft_wrap=True)
+
+
 # tune and compare live beside the tuner they drive.
 register_tuner_commands(app)
 

@@ -97,6 +97,37 @@ class ModelFile:
             raise InputError(self.path, name, f"call failed with {given}: {exc}",
                              "check the config's keys and value types (--config, or the plan's model.config)") from None
 
+    # -- token data (octorun --data): optional hooks, with next-token prediction as the default --
+    def tokens_per_sample(self) -> int:
+        """How many consecutive tokens of a token file one sample reads: the model file's
+        ``tokens_per_sample(**config)``, else ``config["seq"] + 1`` (inputs and next-token targets
+        of ``seq`` positions each)."""
+        if callable(getattr(self.module, "tokens_per_sample", None)):
+            count = self._call("tokens_per_sample", **self.config)
+            if not isinstance(count, int) or isinstance(count, bool) or count < 2:
+                raise InputError(self.path, "tokens_per_sample", f"returned {shown(count)}",
+                                 "return an int of at least 2 (consecutive windows share one token)")
+            return count
+        seq = self.config.get("seq")
+        if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 1:
+            return seq + 1
+        raise InputError(self.path, "tokens_per_sample", f"is not defined, and the config has no positive int seq "
+                         f"(seq is {shown(seq)})", "define tokens_per_sample(**config) -> int in the model file: the "
+                         "tokens one sample reads from a token file")
+
+    def batch_from_tokens(self, tokens: torch.Tensor) -> tuple[Any, Any]:
+        """A microbatch's ``(inputs, targets)`` from its windows of token ids (int64, one row
+        per sample): the model file's ``batch_from_tokens(tokens, **config)``, else next-token
+        prediction, ``(tokens[:, :-1], tokens[:, 1:])``."""
+        if not callable(getattr(self.module, "batch_from_tokens", None)):
+            # contiguous: a tensor that is sent or saved must not drag its whole window along
+            return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        batch = self._call("batch_from_tokens", tokens, **self.config)
+        if not (isinstance(batch, tuple) and len(batch) == 2):
+            raise InputError(self.path, "batch_from_tokens", f"returned {type(batch).__name__}, not (inputs, targets)",
+                             "return a 2-tuple")
+        return batch
+
 
 def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0) -> ModelFile:
     """Import a model file and check it has the SPEC section 4 functions.

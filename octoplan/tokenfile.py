@@ -1,0 +1,164 @@
+"""Token files: a flat array of token ids, little-endian, no header.
+
+This is the layout of nanoGPT's ``.bin`` files and of the ``.bin`` half of Megatron-LM's
+indexed datasets, so files made by either train as they are. The file itself does not say its
+element type; it comes from the user (``--data-dtype``), else from the Megatron ``.idx`` index
+beside the file (whose header names it), else uint16 (nanoGPT's GPT-2 files).
+
+This module knows the format and writes files in it (``octoplan tokenize``: byte-level, each
+UTF-8 byte one token id 0..255); reading them for training is ``octorun.data``. It needs numpy,
+not torch. Token files are routinely larger than the 1 GiB octoplan's other inputs may have,
+so they are checked and read here in chunks, never whole.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import os
+import stat
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from octoplan.errors import InputError
+from octoplan.outputs import _cannot, _mode_for, _target, check_writable
+
+__all__ = [
+    "DTYPES",
+    "MEGATRON_INDEX_MAGIC",
+    "check_token_file",
+    "index_path",
+    "megatron_index_dtype",
+    "readable_dtype",
+    "resolve_dtype",
+    "tokenize_text",
+]
+
+# What --data-dtype accepts, as numpy dtypes of the file's bytes.
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+# Megatron-LM's MMapIndexedDataset index header (megatron/core/datasets/indexed_dataset.py):
+# these 9 bytes, a little-endian uint64 version (1), then one byte naming the .bin's dtype.
+MEGATRON_INDEX_MAGIC = b"MMIDIDX\x00\x00"
+_MEGATRON_VERSION = 1
+# Megatron's DType codes. Its preprocessing writes uint16 for vocabularies under 65500 and
+# int32 above; int32 ids are read as int32 (a negative one is then refused as out of range).
+_MEGATRON_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
+_READABLE = {**DTYPES, "int32": np.dtype("<i4")}
+
+_FIX_TOKENIZE = "give a token file (octoplan tokenize TEXT -o FILE.bin makes one)"
+_CHUNK_BYTES = 1 << 24
+
+
+def check_token_file(path: str | Path, *, fix: str = _FIX_TOKENIZE) -> int:
+    """The size in bytes of ``path`` once it is an ordinary file; :class:`InputError` if it is
+    missing, a folder or a device (opening a FIFO without a writer would hang)."""
+    file = str(path)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise InputError(file, None, "no such file", fix) from None
+    except OSError as exc:
+        raise InputError(file, None, f"cannot be read: {exc.strerror or exc}", fix) from None
+    if stat.S_ISDIR(info.st_mode):
+        raise InputError(file, None, "is a folder", fix)
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(file, None, "is not an ordinary file (a device, FIFO or socket)", fix)
+    return info.st_size
+
+
+def index_path(path: str | Path) -> Path:
+    """Where Megatron-LM keeps the index of the token file ``path``: ``PREFIX.idx`` beside ``PREFIX.bin``."""
+    return Path(path).with_suffix(".idx")
+
+
+def megatron_index_dtype(idx: str | Path) -> str:
+    """The dtype a Megatron ``.idx`` file's header names for its ``.bin``: ``uint16`` or ``int32``."""
+    file = str(idx)
+    check_token_file(idx, fix="remove it, or give --data-dtype")
+    try:
+        with open(idx, "rb") as handle:
+            header = handle.read(len(MEGATRON_INDEX_MAGIC) + 9)
+    except OSError as exc:
+        raise InputError(file, None, f"cannot be read: {exc.strerror or exc}", "give --data-dtype") from None
+    if len(header) < len(MEGATRON_INDEX_MAGIC) + 9 or not header.startswith(MEGATRON_INDEX_MAGIC):
+        raise InputError(file, "header", "is not a Megatron-LM index (it does not start with MMIDIDX)",
+                         "give --data-dtype, or move the file away from the token file")
+    version, code = struct.unpack("<QB", header[len(MEGATRON_INDEX_MAGIC):])
+    if version != _MEGATRON_VERSION:
+        raise InputError(file, "version", f"is {version}, not Megatron-LM's {_MEGATRON_VERSION}", "give --data-dtype")
+    name = _MEGATRON_CODES.get(code, f"unknown code {code}")
+    if name not in _READABLE:
+        raise InputError(file, "dtype", f"is {name}: token files are uint16, uint32 or Megatron's int32",
+                         "write the dataset with integer token ids")
+    return name
+
+
+def resolve_dtype(path: str | Path, dtype: str | None) -> str:
+    """The dtype to read ``path`` as: ``dtype`` when given, else the one its Megatron index
+    names, else uint16. A given dtype whose width the index contradicts is refused: every id
+    would be read wrong."""
+    if dtype is not None and dtype not in DTYPES:
+        raise InputError(None, "--data-dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    idx = index_path(path)
+    indexed = megatron_index_dtype(idx) if idx != Path(path) and idx.exists() else None
+    if dtype is None:
+        return indexed or "uint16"
+    if indexed is not None and _READABLE[indexed].itemsize != DTYPES[dtype].itemsize:
+        raise InputError(str(idx), "dtype", f"is {indexed}, but --data-dtype is {dtype}",
+                         f"drop --data-dtype, or give --data-dtype {'uint16' if indexed == 'uint16' else 'uint32'}")
+    return dtype
+
+
+def readable_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a name :func:`resolve_dtype` returns."""
+    return _READABLE[name]
+
+
+def tokenize_text(source: str | Path, output: str | Path, *, dtype: str = "uint16") -> int:
+    """Write the UTF-8 text file ``source`` as a byte-level token file ``output`` (each byte a
+    token id 0..255); returns the number of tokens. The output is written whole or not at all."""
+    if dtype not in DTYPES:
+        raise InputError(None, "--dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    size = check_token_file(source, fix="give a UTF-8 text file")
+    if size == 0:
+        raise InputError(str(source), None, "is empty: there is nothing to tokenize", "give a text file with some text")
+    check_writable(output, "-o", inputs=(source,))
+    target = _target(output)
+    decoder = codecs.getincrementaldecoder("utf-8")()  # a binary file given by mistake is refused, not tokenized
+    try:
+        text = open(source, "rb")
+    except OSError as exc:
+        raise InputError(str(source), None, f"cannot be read: {exc.strerror or exc}", "give a readable text file") from None
+    written, temporary = 0, None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        with os.fdopen(handle, "wb") as out:
+            while chunk := text.read(_CHUNK_BYTES):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as exc:
+                    raise InputError(str(source), None, f"is not UTF-8 text (near byte {written + exc.start})",
+                                     "give a UTF-8 text file") from None
+                out.write(np.frombuffer(chunk, dtype=np.uint8).astype(DTYPES[dtype]).tobytes())
+                written += len(chunk)
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError:
+                raise InputError(str(source), None, "is not UTF-8 text (it ends inside a character)",
+                                 "give a UTF-8 text file") from None
+        os.chmod(temporary, _mode_for(target))
+        os.replace(temporary, target)
+        temporary = None
+    except OSError as exc:
+        raise _cannot(target, "-o", exc) from None
+    finally:
+        text.close()
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+    return written

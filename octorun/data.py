@@ -1,0 +1,164 @@
+"""Real training data: samples read from a token file (``octoplan.tokenfile``), memory-mapped.
+
+A sample is a window of L = ``model.tokens_per_sample()`` consecutive tokens; window k starts at
+token k * (L - 1), so consecutive windows share one boundary token (the last target of one is
+the first input of the next) and a file of N tokens holds (N - 1) // (L - 1) windows.
+
+Which window a sample reads is a pure function of (seed, stream index n). The stream index
+counts samples over the whole training: n = consumed + g, where ``consumed`` is how many samples
+the steps before this one read (the runtime keeps it in its checkpoints) and g is the sample's
+place in the step's GLOBAL batch, (replica * microbatches + mb) * microbatch_size + row. So a
+step reads the same samples whatever the pipeline and data-parallel degrees (dp=1 with 8
+microbatches and dp=2 with 4 read one global batch), replicas read disjoint windows, and a run
+resumed from a checkpoint, under any plan, reads on where the first run stopped.
+
+Epoch e covers the stream indices [e * W, (e + 1) * W) of W windows and visits every window once,
+in the order of a permutation seeded by (seed, e): no window repeats before all were read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from octoplan.errors import InputError
+from octoplan.tokenfile import DTYPES, check_token_file, readable_dtype, resolve_dtype
+
+if TYPE_CHECKING:
+    from octoplan.modelfile import ModelFile
+
+__all__ = ["TokenData", "VOCAB_CHECK_TOKENS", "epoch_seed"]
+
+# The ids checked against the model's vocabulary when the file is opened: a bounded prefix, so
+# opening a file of billions of tokens stays instant (4M uint16 ids: 8 MB, milliseconds). Every
+# window is checked again as it is read, so an id beyond the prefix is caught too.
+VOCAB_CHECK_TOKENS = 1 << 22
+# Permutations kept: a step's samples span at most two epochs unless an epoch is shorter than
+# a global batch, and each permutation holds 8 bytes per window.
+_CACHED_EPOCHS = 2
+_FIX_DATA = "give a token file (octoplan tokenize TEXT -o FILE.bin makes one)"
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The generator seed of the window order of ``epoch`` (kept within torch's seed range)."""
+    return (seed * 1_000_003 + epoch) % (1 << 63)
+
+
+def _looks_like_uint32(ids: np.ndarray) -> bool:
+    """Whether uint16 ``ids`` are the halves of little-endian uint32 ids below 65536: every
+    high half 0, not every low half. Real uint16 text has no such pattern over 16 pairs; the
+    vocab check would not catch it (0 and the low halves are all valid ids)."""
+    pairs = ids[: len(ids) // 2 * 2].reshape(-1, 2)
+    return len(pairs) >= 16 and not pairs[:, 1].any() and bool(pairs[:, 0].any())
+
+
+class TokenData:
+    """A token file read in windows; build it with :meth:`open`, which checks the file."""
+
+    def __init__(self, *, path: str, tokens: np.ndarray, dtype: str, tokens_per_sample: int, seed: int,
+                 model: "ModelFile", vocab: int | None):
+        self.path = path
+        self.dtype = dtype
+        self.tokens_per_sample = tokens_per_sample
+        self.num_tokens = len(tokens)
+        self.num_windows = (self.num_tokens - 1) // (tokens_per_sample - 1)
+        self.seed = seed
+        self.model = model
+        self._tokens = tokens
+        self._vocab = vocab
+        self._orders: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def open(cls, path: str, model: "ModelFile", *, seed: int, dtype: str | None = None) -> "TokenData":
+        """Memory-map ``path`` for ``model``'s samples; :class:`InputError` on a file that is not
+        a token file of at least one window whose ids fit the model's ``vocab``."""
+        file = str(path)
+        size = check_token_file(path, fix=_FIX_DATA)
+        name = resolve_dtype(path, dtype)
+        itemsize = readable_dtype(name).itemsize
+        if size == 0:
+            raise InputError(file, "size", "is empty", _FIX_DATA)
+        if size % itemsize:
+            other = [other for other, np_dtype in DTYPES.items() if size % np_dtype.itemsize == 0]
+            fix = f"if it holds {other[0]} ids, give --data-dtype {other[0]}" if other else "the file is cut short, or not a token file"
+            raise InputError(file, "size", f"is {size} bytes, not a whole number of {name} ids ({itemsize} bytes each)", fix)
+        length = model.tokens_per_sample()
+        num_tokens = size // itemsize
+        if num_tokens < length:
+            raise InputError(file, "size", f"holds {num_tokens} tokens, fewer than one sample's {length} "
+                             f"(tokens_per_sample of {model.path})",
+                             "give a longer token file, or a model whose samples are shorter (a smaller seq)")
+        try:
+            tokens = np.memmap(path, dtype=readable_dtype(name), mode="r", shape=(num_tokens,))
+        except OSError as exc:
+            raise InputError(file, None, f"cannot be read: {exc.strerror or exc}", _FIX_DATA) from None
+        vocab = model.config.get("vocab")
+        vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+        data = cls(path=file, tokens=tokens, dtype=name, tokens_per_sample=length, seed=seed, model=model, vocab=vocab)
+        prefix = np.asarray(tokens[:VOCAB_CHECK_TOKENS])
+        if name == "uint16" and _looks_like_uint32(prefix):
+            raise InputError(file, "dtype", "read as uint16, every second id is 0: it looks like a file of uint32 ids",
+                             "give --data-dtype uint32")
+        data._check_ids(0, prefix)
+        return data
+
+    def windows(self, first: int, count: int) -> torch.Tensor:
+        """The windows of stream indices ``first`` .. ``first + count - 1``: int64 ``[count, L]``."""
+        if first < 0 or count < 0:
+            raise ValueError(f"stream indices must be >= 0, got first={first}, count={count}")
+        stream = torch.arange(first, first + count, dtype=torch.int64)
+        epochs, positions = stream // self.num_windows, stream % self.num_windows
+        chosen = torch.empty(count, dtype=torch.int64)
+        for epoch in torch.unique(epochs).tolist():
+            inside = epochs == epoch
+            chosen[inside] = self._order(epoch)[positions[inside]]
+        starts = chosen.numpy() * (self.tokens_per_sample - 1)
+        rows = np.asarray(self._tokens[starts[:, None] + np.arange(self.tokens_per_sample)], dtype=np.int64)
+        if rows.size and (rows.min() < 0 or (self._vocab is not None and rows.max() >= self._vocab)):
+            for start, row in zip(starts.tolist(), rows):
+                self._check_ids(start, row)
+        return torch.from_numpy(rows)
+
+    def microbatch(self, *, consumed: int, replica: int, mb: int, microbatches: int,
+                   microbatch_size: int) -> tuple[Any, Any]:
+        """Microbatch ``mb`` of data-parallel replica ``replica`` in the step that follows
+        ``consumed`` samples: its ``(inputs, targets)`` through the model's batch_from_tokens."""
+        first = consumed + (replica * microbatches + mb) * microbatch_size
+        return self.model.batch_from_tokens(self.windows(first, microbatch_size))
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        """The windows in the order epoch ``epoch`` visits them."""
+        order = self._orders.get(epoch)
+        if order is None:
+            generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            order = torch.randperm(self.num_windows, generator=generator)
+            if len(self._orders) >= _CACHED_EPOCHS:
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = order
+        return order
+
+    def _check_ids(self, offset: int, ids: np.ndarray) -> None:
+        """:class:`InputError` when an id of ``ids`` (the file's tokens from ``offset`` on) is no
+        token of the model: beyond its vocab, or negative (a Megatron int32 file)."""
+        if len(ids) == 0:
+            return
+        largest, smallest = int(ids.max()), int(ids.min())
+        if smallest < 0:
+            at = offset + int(np.argmin(ids))
+            raise InputError(self.path, f"token {at}", f"is {smallest}, a negative id", "the file is not a token file of this dtype")
+        if self._vocab is None or largest < self._vocab:
+            return
+        at = offset + int(np.argmax(ids))
+        other = {"uint16": "uint32", "uint32": "uint16"}.get(self.dtype)
+        fix = f"train a model with a vocab above {largest}"
+        if other is not None:
+            fix = f"if the file holds {other} ids, give --data-dtype {other}; else {fix}"
+        raise InputError(self.path, f"token {at}", f"is {largest}, beyond the model's vocab {self._vocab} "
+                         f"({self.model.path}) when the file is read as {self.dtype}", fix)
+
+    def __repr__(self) -> str:
+        return (f"TokenData({Path(self.path).name!r}, {self.num_tokens} {self.dtype} tokens, "
+                f"{self.num_windows} windows of {self.tokens_per_sample})")

@@ -1,0 +1,279 @@
+"""Token files (octoplan.tokenfile, octorun.data): which windows each sample reads, that a step
+reads one global batch whatever pp and dp are, resumption, the model-file hooks, every bad input,
+and ``octoplan tokenize``."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import octorun.data as data_module
+from octoplan.errors import InputError
+from octoplan.modelfile import load_model_file
+from octoplan.tokenfile import MEGATRON_INDEX_MAGIC, tokenize_text
+from octorun.data import TokenData, epoch_seed
+
+REPO = Path(__file__).resolve().parents[1]
+
+_MODEL = """
+import torch
+CONFIG = {config!r}
+def num_layers(**config): return 1
+def build_layer(index, **config): return torch.nn.Identity()
+def sample_batch(microbatch_size, generator, **config): return torch.zeros(microbatch_size, 1), torch.zeros(microbatch_size, 1)
+def loss_fn(outputs, targets): return (outputs - targets).pow(2).mean()
+"""
+
+
+def _model(tmp_path, config=None, hooks="", name="model.py"):
+    path = tmp_path / name
+    path.write_text(_MODEL.format(config=config if config is not None else {"seq": 3}) + textwrap.dedent(hooks))
+    return load_model_file(path)
+
+
+def _tokens(path, values, dtype="<u2"):
+    np.asarray(values, dtype=dtype).tofile(path)
+    return str(path)
+
+
+def _starts(rows: torch.Tensor) -> list[int]:
+    """A file of ids 0, 1, 2, ... holds its own positions: a window's first id is where it starts."""
+    return rows[:, 0].tolist()
+
+
+@pytest.mark.parametrize("num_tokens,expected", [(9, 2), (10, 3), (11, 3), (12, 3), (13, 4)])
+def test_windows_start_every_L_minus_1_tokens(tmp_path, num_tokens, expected):
+    # L = seq + 1 = 4: window k holds tokens 3k .. 3k+3, sharing token 3k+3 with window k+1
+    data = TokenData.open(_tokens(tmp_path / "t.bin", range(num_tokens)), _model(tmp_path), seed=0)
+    assert (data.tokens_per_sample, data.num_windows, data.dtype) == (4, expected, "uint16")
+    rows = data.windows(0, expected)
+    by_start = rows[rows[:, 0].argsort()]
+    assert torch.equal(by_start, torch.tensor([[3 * k, 3 * k + 1, 3 * k + 2, 3 * k + 3] for k in range(expected)]))
+    assert rows.dtype == torch.int64
+
+
+def test_order_is_the_seeded_permutation_of_each_epoch(tmp_path):
+    data = TokenData.open(_tokens(tmp_path / "t.bin", range(301)), _model(tmp_path), seed=7)  # 100 windows
+    assert data.num_windows == 100
+    for epoch in range(3):
+        order = torch.randperm(100, generator=torch.Generator().manual_seed(epoch_seed(7, epoch)))
+        assert _starts(data.windows(epoch * 100, 100)) == (order * 3).tolist()
+    first, second = _starts(data.windows(0, 100)), _starts(data.windows(100, 100))
+    assert sorted(first) == sorted(second) == list(range(0, 300, 3))  # every window once per epoch
+    assert first != second  # and a new order each epoch
+    # a read across the boundary is the end of one epoch and the start of the next
+    assert torch.equal(data.windows(97, 6), torch.cat([data.windows(97, 3), data.windows(100, 3)]))
+    other = TokenData.open(data.path, _model(tmp_path, name="again.py"), seed=8)
+    assert _starts(other.windows(0, 100)) != first
+
+
+def _global_batch(data, *, dp, microbatches, microbatch_size, consumed):
+    """Every replica's microbatches of one step, replica by replica: (inputs, targets, per-replica inputs)."""
+    parts = [[data.microbatch(consumed=consumed, replica=r, mb=m, microbatches=microbatches,
+                              microbatch_size=microbatch_size) for m in range(microbatches)] for r in range(dp)]
+    inputs = torch.cat([x for replica in parts for x, _ in replica])
+    targets = torch.cat([y for replica in parts for _, y in replica])
+    return inputs, targets, [torch.cat([x for x, _ in replica]) for replica in parts]
+
+
+def test_a_step_reads_one_global_batch_whatever_dp(tmp_path):
+    data = TokenData.open(_tokens(tmp_path / "t.bin", range(601)), _model(tmp_path), seed=3)  # 200 windows
+    batches = {}
+    for dp, microbatches in ((1, 8), (2, 4), (4, 2)):
+        for consumed in (0, 48, 192):  # 192: this step's 16 samples straddle the epoch's end
+            batches[dp, consumed] = _global_batch(data, dp=dp, microbatches=microbatches, microbatch_size=2,
+                                                  consumed=consumed)
+    for consumed in (0, 48, 192):
+        whole = data.windows(consumed, 16)
+        for dp in (1, 2, 4):
+            inputs, targets, _ = batches[dp, consumed]
+            assert torch.equal(inputs, whole[:, :-1]) and torch.equal(targets, whole[:, 1:])
+    # replicas read disjoint windows within a step
+    _, _, per_replica = batches[4, 48]
+    starts = [set(_starts(part)) for part in per_replica]
+    assert sum(map(len, starts)) == len(set().union(*starts)) == 16
+
+
+def test_a_resumed_run_reads_what_the_uninterrupted_run_reads(tmp_path):
+    path = _tokens(tmp_path / "t.bin", range(100))  # 33 windows: steps of 12 samples cross epochs unevenly
+    steps, resume_at, global_batch = 7, 3, 12
+    first = TokenData.open(path, _model(tmp_path), seed=5)
+    through = [_global_batch(first, dp=2, microbatches=3, microbatch_size=2, consumed=s * global_batch)
+               for s in range(steps)]
+    # the resumed run is a fresh process (nothing cached) under another plan
+    resumed = TokenData.open(path, _model(tmp_path, name="resumed.py"), seed=5)
+    for step in range(resume_at, steps):
+        inputs, targets, _ = _global_batch(resumed, dp=3, microbatches=2, microbatch_size=2, consumed=step * global_batch)
+        assert torch.equal(inputs, through[step][0]) and torch.equal(targets, through[step][1])
+
+
+def test_default_hooks_are_next_token_prediction(tmp_path):
+    model = _model(tmp_path, {"seq": 5})
+    assert model.tokens_per_sample() == 6
+    tokens = torch.arange(12).view(2, 6)
+    inputs, targets = model.batch_from_tokens(tokens)
+    assert torch.equal(inputs, tokens[:, :-1]) and torch.equal(targets, tokens[:, 1:])
+    assert torch.equal(inputs, torch.tensor([[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]))
+
+
+def test_a_model_files_own_hooks(tmp_path):
+    hooks = """
+    def tokens_per_sample(**config): return config["width"] + 2
+    def batch_from_tokens(tokens, **config): return tokens[:, :2] * config["width"], tokens[:, 2:].sum(1)
+    """
+    model = _model(tmp_path, {"width": 3}, hooks)
+    data = TokenData.open(_tokens(tmp_path / "t.bin", range(9)), model, seed=0)  # L = 5: windows at 0 and 4
+    assert (data.tokens_per_sample, data.num_windows) == (5, 2)
+    inputs, targets = data.microbatch(consumed=0, replica=0, mb=0, microbatches=1, microbatch_size=2)
+    order = _starts(data.windows(0, 2))
+    expected = {0: ([0, 3], 2 + 3 + 4), 4: ([12, 15], 6 + 7 + 8)}
+    assert inputs.tolist() == [expected[s][0] for s in order]
+    assert targets.tolist() == [expected[s][1] for s in order]
+
+
+@pytest.mark.parametrize("config,hooks,field,problem", [
+    ({"hidden": 4}, "", "tokens_per_sample", "is not defined, and the config has no positive int seq"),
+    ({"seq": True}, "", "tokens_per_sample", "is not defined"),
+    ({}, "def tokens_per_sample(**config): return 1\n", "tokens_per_sample", "returned 1"),
+    ({}, "def tokens_per_sample(**config): return 4.0\n", "tokens_per_sample", "returned 4.0"),
+])
+def test_bad_tokens_per_sample(tmp_path, config, hooks, field, problem):
+    with pytest.raises(InputError) as error:
+        _model(tmp_path, config, hooks).tokens_per_sample()
+    assert (error.value.field, error.value.file) == (field, str(tmp_path / "model.py"))
+    assert problem in error.value.problem
+
+
+def test_bad_batch_from_tokens(tmp_path):
+    model = _model(tmp_path, None, "def batch_from_tokens(tokens, **config): return tokens\n")
+    with pytest.raises(InputError) as error:
+        model.batch_from_tokens(torch.zeros(2, 4, dtype=torch.int64))
+    assert error.value.field == "batch_from_tokens" and "not (inputs, targets)" in error.value.problem
+
+
+def _open_error(tmp_path, path, *, config=None, dtype=None) -> InputError:
+    with pytest.raises(InputError) as error:
+        TokenData.open(str(path), _model(tmp_path, config), seed=0, dtype=dtype)
+    return error.value
+
+
+def test_bad_token_files(tmp_path):
+    missing = _open_error(tmp_path, tmp_path / "none.bin")
+    assert (missing.file, missing.field, missing.problem) == (str(tmp_path / "none.bin"), None, "no such file")
+    assert "octoplan tokenize" in missing.fix
+    assert _open_error(tmp_path, tmp_path).problem == "is a folder"
+    (tmp_path / "empty.bin").write_bytes(b"")
+    empty = _open_error(tmp_path, tmp_path / "empty.bin")
+    assert (empty.field, empty.problem) == ("size", "is empty")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    odd = _open_error(tmp_path, tmp_path / "odd.bin")
+    assert (odd.field, odd.problem) == ("size", "is 3 bytes, not a whole number of uint16 ids (2 bytes each)")
+    (tmp_path / "six.bin").write_bytes(bytes(6))
+    six = _open_error(tmp_path, tmp_path / "six.bin", dtype="uint32")
+    assert six.field == "size" and six.fix == "if it holds uint16 ids, give --data-dtype uint16"
+    short = _open_error(tmp_path, _tokens(tmp_path / "short.bin", [1, 2, 3]))
+    assert short.field == "size" and short.problem.startswith("holds 3 tokens, fewer than one sample's 4")
+    unknown = _open_error(tmp_path, _tokens(tmp_path / "t.bin", range(10)), dtype="int8")
+    assert (unknown.file, unknown.field, unknown.problem) == (None, "--data-dtype", "is 'int8'")
+
+
+def test_ids_beyond_the_vocab(tmp_path):
+    path = _tokens(tmp_path / "t.bin", [1, 2, 99, 3, 100, 4, 150, 5, 6, 7])
+    error = _open_error(tmp_path, path, config={"seq": 3, "vocab": 100})
+    assert (error.file, error.field) == (path, "token 6")
+    assert error.problem.startswith("is 150, beyond the model's vocab 100") and "read as uint16" in error.problem
+    assert error.fix == "if the file holds uint32 ids, give --data-dtype uint32; else train a model with a vocab above 150"
+    TokenData.open(path, _model(tmp_path, {"seq": 3, "vocab": 151}), seed=0)  # fits a larger vocab
+
+
+def test_ids_beyond_the_checked_prefix_are_caught_when_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_module, "VOCAB_CHECK_TOKENS", 4)
+    data = TokenData.open(_tokens(tmp_path / "t.bin", [1, 2, 3, 4, 5, 6, 500]), _model(tmp_path, {"seq": 3, "vocab": 100}),
+                          seed=0)  # windows at 0 and 3; the second holds token 6 = 500
+    with pytest.raises(InputError) as error:
+        data.windows(0, 2)
+    assert error.value.field == "token 6" and error.value.problem.startswith("is 500, beyond the model's vocab 100")
+
+
+def test_uint32_read_as_uint16_is_named(tmp_path):
+    path = _tokens(tmp_path / "t.bin", range(1, 41), dtype="<u4")
+    error = _open_error(tmp_path, path)
+    assert (error.field, error.fix) == ("dtype", "give --data-dtype uint32")
+    data = TokenData.open(path, _model(tmp_path, {"seq": 3}), seed=0, dtype="uint32")
+    assert (data.dtype, data.num_windows) == ("uint32", 13)
+    assert sorted(_starts(data.windows(0, 13))) == list(range(1, 40, 3))
+
+
+def _megatron_index(path, code, magic=MEGATRON_INDEX_MAGIC, version=1):
+    # the header, then sequence and document counts, as Megatron-LM's index writer lays them out
+    path.write_bytes(magic + struct.pack("<QB", version, code) + struct.pack("<QQ", 1, 2))
+
+
+def test_megatron_index_names_the_dtype(tmp_path):
+    _tokens(tmp_path / "corpus.bin", range(1, 41), dtype="<u4")
+    _megatron_index(tmp_path / "corpus.idx", 4)  # int32
+    data = TokenData.open(str(tmp_path / "corpus.bin"), _model(tmp_path), seed=0)
+    assert (data.dtype, data.num_windows) == ("int32", 13)
+    conflict = _open_error(tmp_path, tmp_path / "corpus.bin", dtype="uint16")
+    assert (conflict.file, conflict.field) == (str(tmp_path / "corpus.idx"), "dtype")
+    assert TokenData.open(str(tmp_path / "corpus.bin"), _model(tmp_path), seed=0, dtype="uint32").dtype == "uint32"
+    _megatron_index(tmp_path / "corpus.idx", 8)  # uint16: 80 bytes as 40 uint16 ids, half of them 0
+    assert _open_error(tmp_path, tmp_path / "corpus.bin").field == "dtype"  # the uint32 file named as uint16
+    for code, magic, version, field in ((7, MEGATRON_INDEX_MAGIC, 1, "dtype"), (8, b"NOTANIDX\x00", 1, "header"),
+                                        (8, MEGATRON_INDEX_MAGIC, 2, "version")):
+        _megatron_index(tmp_path / "corpus.idx", code, magic, version)
+        error = _open_error(tmp_path, tmp_path / "corpus.bin")
+        assert (error.file, error.field) == (str(tmp_path / "corpus.idx"), field)
+
+
+def test_negative_int32_ids_are_refused(tmp_path):
+    _tokens(tmp_path / "n.bin", [1, 2, 3, -5, 4, 5, 6], dtype="<i4")
+    _megatron_index(tmp_path / "n.idx", 4)
+    error = _open_error(tmp_path, tmp_path / "n.bin")
+    assert (error.field, error.problem) == ("token 3", "is -5, a negative id")
+
+
+def test_tokenize_library_refuses_non_utf8_and_keeps_the_old_output(tmp_path):
+    (tmp_path / "bin.txt").write_bytes(b"ok\xff\xfe")
+    out = tmp_path / "out.bin"
+    out.write_bytes(b"old")
+    with pytest.raises(InputError) as error:
+        tokenize_text(tmp_path / "bin.txt", out)
+    assert error.value.problem == "is not UTF-8 text (near byte 2)"
+    assert out.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["bin.txt", "out.bin"]  # no temporary left
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(InputError, match="is empty"):
+        tokenize_text(tmp_path / "empty.txt", out)
+
+
+def _octoplan(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "octoplan.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, env=env)
+
+
+@pytest.mark.parametrize("dtype,np_dtype", [("uint16", "<u2"), ("uint32", "<u4")])
+def test_tokenize_round_trips_bytes(tmp_path, dtype, np_dtype):
+    text = "Pipelines: café, naïve — 東京 ✓\n" * 3
+    (tmp_path / "in.txt").write_text(text, encoding="utf-8")
+    done = _octoplan("tokenize", tmp_path / "in.txt", "-o", tmp_path / "out" / "t.bin", "--dtype", dtype)
+    assert done.returncode == 0, done.stderr
+    ids = np.fromfile(tmp_path / "out" / "t.bin", dtype=np_dtype).tolist()
+    assert ids == list(text.encode("utf-8"))
+    assert f"{len(ids)} tokens ({dtype}, one per byte)" in done.stdout
+
+
+def test_tokenize_missing_input_exits_2_with_one_line(tmp_path):
+    done = _octoplan("tokenize", tmp_path / "none.txt", "-o", tmp_path / "t.bin")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [f"error: {tmp_path / 'none.txt'}: no such file (give a UTF-8 text file)"]
+    assert not (tmp_path / "t.bin").exists()
+
