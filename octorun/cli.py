@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--metrics", metavar="FILE.jsonl", help="global rank 0 writes one JSON object per step")
     parser.add_argument("--trace", metavar="FILE.json", help="Chrome trace of the last step's ops on every rank")
-    parser.add_argument("--timeout", type=float, default=300.0, metavar="S", help="deadline of every wait, seconds (default 300)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                        help="deadline of every wait once the first step has ended, seconds (default 300)")
+    parser.add_argument("--init-timeout", type=float, metavar="S",
+                        help="deadline of every wait until the first step ends: the process group forms, stages "
+                             "build, a checkpoint loads (default: --timeout, at least 300)")
     parser.add_argument("--replay", nargs="?", type=float, const=1.0, metavar="SCALE",
                         help="run the plan's profile through the replay model: every op sleeps its profiled time x SCALE "
                              "(default 1), so CPU processes emulate the plan's GPUs")
@@ -95,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr, decay_steps=args.decay_steps,
         skip_nonfinite=args.skip_nonfinite, data_path=args.data, data_dtype=args.data_dtype,
         save_dir=args.save, save_every=args.save_every, keep=args.keep, resume=args.resume,
+        init_timeout_s=args.init_timeout,
     )
     try:
         result = run(config)

@@ -20,8 +20,10 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -94,6 +96,11 @@ class RunConfig:
     save_every: int | None = None  # also at the last step; None: only at the last step
     keep: int = 2
     resume: str | None = None  # a checkpoint folder, a folder of them, or "auto" (--save's latest)
+    init_timeout_s: float | None = None  # the deadline until the first step ends (None: max(--timeout, 300))
+
+    @property
+    def first_timeout_s(self) -> float:
+        return self.init_timeout_s if self.init_timeout_s is not None else max(self.timeout_s, 300.0)
 
     @property
     def optim(self) -> OptimizerConfig:
@@ -187,8 +194,9 @@ def prepare(config: RunConfig) -> Prepared:
         raise InputError(None, "--steps", f"is {config.steps}", f"train 1 to {MAX_STEPS} steps")
     check_optimizer_config(config.optim, steps=config.steps)
     check_precision(config.precision)
-    if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
-        raise InputError(None, "--timeout", f"is {config.timeout_s}", "give a positive number of seconds")
+    for flag, value in (("--timeout", config.timeout_s), ("--init-timeout", config.first_timeout_s)):
+        if not (math.isfinite(value) and value > 0):
+            raise InputError(None, flag, f"is {value}", "give a positive number of seconds")
     _check_checkpoint_flags(config)
     if not 0 <= config.seed <= MAX_SEED:
         raise InputError(None, "--seed", f"is {config.seed}", f"give a seed from 0 to {MAX_SEED}")
@@ -545,6 +553,7 @@ class _Interpreter:
         self.first_step = 0  # a resumed run starts later (restore)
         self.consumed_samples = 0  # samples of the data read before first_step
         self.skipped_steps = 0
+        self.stopping = False  # a rank got SIGTERM: finish this step, save, leave
         self.data = prepared.data
         self.global_batch = self.plan.microbatches * self.mbs * self.plan.parallel.dp
         # per stage of this rank: whether a non-finite value came out of its forward this step
@@ -604,7 +613,7 @@ class _Interpreter:
         try:
             dist.barrier(group=self.groups.control)
         except Exception as exc:
-            self.watchdog.fail(f"{what}: {gist(exc)}")
+            self.watchdog.fail_on(what, exc)
 
     # -- one step -----------------------------------------------------------------------------
     def _sample(self, step: int, mb: int) -> tuple[Any, Any]:
@@ -692,9 +701,9 @@ class _Interpreter:
         try:
             finished = wait_work(work, max(deadline - time.monotonic(), 0.001), polled=self.device.type == "cuda")
         except RuntimeError as exc:
-            self.watchdog.fail(f"{what} failed: {gist(exc)}")
+            self.watchdog.fail_on(f"{what} failed", exc)
         if not finished:
-            self.watchdog.fail(f"{what} did not finish within {self.config.timeout_s:g} s")
+            self.watchdog.fail_waiting(f"{what} did not finish within {self.watchdog.timeout_s:g} s")
 
     def _reduce_tied(self, step: int, deadline: float) -> None:
         """Sum each tied tensor's gradient over the ranks of this replica that hold a copy."""
@@ -712,7 +721,8 @@ class _Interpreter:
         """The optimizer step, after one all-reduce that tells every rank the global gradient
         norm and where non-finite values appeared (octorun.optim)."""
         stages = self.plan.num_stages
-        summary = torch.zeros(2 * stages + 1, dtype=torch.float64)
+        summary = torch.zeros(2 * stages + 2, dtype=torch.float64)
+        summary[2 * stages + 1] = float(_STOP_REQUESTED.is_set())  # a SIGTERM this rank got: every rank stops after this step
         for s in self.program.stages:
             grads = [p.grad for p in self.norm_params[s]]
             summary[s] = squared_norms(grads).cpu() if grads else 0.0
@@ -722,8 +732,9 @@ class _Interpreter:
         try:
             work = dist.all_reduce(summary, op=dist.ReduceOp.SUM, group=self.groups.control, async_op=True)
         except Exception as exc:
-            self.watchdog.fail(f"summing the gradient norm of step {step}: {gist(exc)}")
+            self.watchdog.fail_on(f"summing the gradient norm of step {step}", exc)
         self._wait_reduction(work, f"sum of the gradient norm of step {step}", self.watchdog.deadline())
+        self.stopping = self.stopping or summary[2 * stages + 1].item() > 0
         norm = math.sqrt(summary[:stages].sum().item()) if torch.isfinite(summary[:stages]).all() else math.nan
         loss_finite = math.isfinite(summary[2 * stages].item())
         lr = lr_at(self.optim_config, step, self.config.steps)
@@ -774,8 +785,8 @@ class _Interpreter:
         except SendFailed as exc:  # a peer that died closed the connection: not a timeout
             self.watchdog.fail(f"step {step}: {exc} (global rank {self._global(exc.message.dst)})")
         if late is not None:
-            self.watchdog.fail(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) "
-                               f"did not complete within {self.config.timeout_s:g} s")
+            self.watchdog.fail_waiting(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) "
+                               f"did not complete within {self.watchdog.timeout_s:g} s")
 
     def _receive(self, step: int, local: int, op: Op, message: Message, state: _StepState) -> list:
         """Take ``message`` for ``op`` into the step's state; returns its holds in the meter."""
@@ -784,8 +795,8 @@ class _Interpreter:
         try:
             value, holds = self.transport.mailbox.take(local, message, src=src, deadline=self.watchdog.deadline())
         except TimeoutError:
-            self.watchdog.fail(
-                f"op {op} of step {step} waited {self.config.timeout_s:g} s for the {message} (global rank {src}) {self._where()}"
+            self.watchdog.fail_waiting(
+                f"op {op} of step {step} waited {self.watchdog.timeout_s:g} s for the {message} (global rank {src}) {self._where()}"
             )
         except ConnectionError as exc:
             self.watchdog.fail(f"op {op} of step {step} cannot receive the {message} (global rank {src}): {exc}")
@@ -862,7 +873,7 @@ class _Interpreter:
                 try:
                     dist.gather_object(record, gathered, dst=0, group=self.groups.control)
                 except Exception as exc:
-                    self.watchdog.fail(f"gathering the metrics of step {step}: {gist(exc)}")
+                    self.watchdog.fail_on(f"gathering the metrics of step {step}", exc)
                 if self.me == 0:
                     _align_clocks(gathered)
                     step_metrics = self._summarize(step, gathered)
@@ -872,8 +883,16 @@ class _Interpreter:
                         metrics_file.write_line(json.dumps(step_metrics.to_dict()))
                     if self.config.trace_path and step == self.config.steps - 1:
                         _write_trace(self.config.trace_path, gathered)
-                if self._save_due(step):
+                if step == steps[0]:
+                    _lower_timeouts(self.watchdog, self.groups, self.config.timeout_s)
+                if self._save_due(step) or (self.stopping and self.config.save_dir is not None):
                     self.save(step)
+                if self.stopping:
+                    if self.me == 0:
+                        saved = f"; resume with --resume {self.config.save_dir}" if self.config.save_dir else \
+                            " (no --save: nothing was saved)"
+                        log.warning("stopped after step %d on SIGTERM%s", step, saved)
+                    break
             if metrics_file:
                 metrics_file.commit()
         finally:
@@ -1056,7 +1075,10 @@ def run(config: RunConfig) -> RunResult:
         raise InputError(None, "--backend", f"is {backend!r}", "use auto, gloo or nccl")
     if backend == "nccl" and not torch.cuda.is_available():
         raise InputError(None, "--backend", "is nccl but this machine has no CUDA device", "use --backend gloo")
-    timeout = datetime.timedelta(seconds=config.timeout_s)
+    # two deadlines, as torchtitan has: a generous one until the first step ends (the process
+    # group forms, stages build, a checkpoint loads, step 0 sends every layout), --timeout after
+    init_timeout_s = config.first_timeout_s
+    timeout = datetime.timedelta(seconds=init_timeout_s)
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -1067,15 +1089,17 @@ def run(config: RunConfig) -> RunResult:
             with native_stderr_held():
                 dist.init_process_group(backend, timeout=timeout)
         except Exception as exc:  # peers that never came, an address in use: one line, not a trace
-            raise LaunchError(f"the {world} processes did not form a group within --timeout {config.timeout_s:g} s: "
+            raise LaunchError(f"the {world} processes did not form a group within --init-timeout {init_timeout_s:g} s: "
                               f"{gist(exc)}") from None
     elif dist.get_world_size() != world:
         raise InputError(config.plan_path, "cluster.gpus", "does not match the running process group", "launch a matching job")
     me = dist.get_rank()
-    watchdog = Watchdog(global_rank=me, timeout_s=config.timeout_s)
+    watchdog = Watchdog(global_rank=me, timeout_s=init_timeout_s, world=world, record_path=_record_path(config, me))
     groups = _make_groups(prepared, backend=backend, timeout=timeout)
     watchdog.store = groups.store
+    watchdog.register()
     watchdog.start()
+    _stop_on_sigterm()
     try:
         interpreter = _Interpreter(prepared, config, groups=groups, watchdog=watchdog, device=device, model=prepared.model)
     except InputError as exc:
@@ -1114,9 +1138,50 @@ def run(config: RunConfig) -> RunResult:
     try:
         dist.barrier(group=groups.control)
     except Exception as exc:
-        watchdog.fail(f"final barrier: {gist(exc)}")
+        watchdog.fail_on("final barrier", exc)
     result = RunResult(global_rank=me, pp_rank=interpreter.pp_rank, dp_rank=interpreter.dp_rank,
                        metrics=metrics, state=interpreter.state())
     if owns_group:
         dist.destroy_process_group()
+    if watchdog.record_path:  # the record is for runs that fail
+        Path(watchdog.record_path).unlink(missing_ok=True)
     return result
+
+
+# Set by SIGTERM (what a cluster scheduler sends before preemption): the rank finishes its step;
+# the step's all-reduce tells every rank, and all of them save and leave after that same step.
+_STOP_REQUESTED = threading.Event()
+
+
+def _stop_on_sigterm() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers belong to the main thread
+    _STOP_REQUESTED.clear()
+    signal.signal(signal.SIGTERM, lambda signum, frame: _STOP_REQUESTED.set())
+
+
+def _record_path(config: RunConfig, rank: int) -> str | None:
+    """Where a rank keeps the record of its last activities: beside --metrics (out/train.jsonl:
+    out/train.rank3.ops.txt), while the run lasts, and after it when it failed."""
+    if not config.metrics_path:
+        return None
+    path = Path(config.metrics_path)
+    return str(path.with_name(f"{path.stem}.rank{rank}.ops.txt"))
+
+
+def _lower_timeouts(watchdog: Watchdog, groups: _Groups, timeout_s: float) -> None:
+    """After the first step: --timeout for every wait from here on (the watchdog's deadlines and
+    the collectives' own timeouts, through a private API where torch has it)."""
+    if watchdog.timeout_s == timeout_s:
+        return
+    watchdog.timeout_s = timeout_s
+    timeout = datetime.timedelta(seconds=timeout_s)
+    lowered: list[Any] = [None]  # None: the default group
+    for group in (groups.control, groups.dp_group, *groups.tied):
+        if group is not None and all(group is not other for other in lowered):
+            lowered.append(group)
+    for group in lowered:
+        try:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+        except Exception as exc:  # private API: the watchdog's deadlines still hold
+            log.debug("could not lower a group's timeout: %s", exc)

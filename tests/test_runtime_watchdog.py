@@ -51,10 +51,10 @@ def test_peers_that_never_come_end_in_one_line_without_c10d_stacks(tmp_path):
     # store; octorun's own line says the same, so only it is left
     plan = _two_rank_plan(tmp_path)
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(h.free_port())}
-    done = _octorun(str(plan), "--timeout", "1", env=env)
+    done = _octorun(str(plan), "--init-timeout", "1", env=env)
     assert done.returncode == 1
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr[:2000]
-    assert re.fullmatch(r"octorun: rank 1: the 2 processes did not form a group within --timeout 1 s: DistNetworkError: "
+    assert re.fullmatch(r"octorun: rank 1: the 2 processes did not form a group within --init-timeout 1 s: DistNetworkError: "
                         r".*127\.0\.0\.1, \d+\)\.", done.stderr.strip()), done.stderr
 
 
@@ -192,8 +192,10 @@ def test_metrics_and_trace_overwrite_no_input_and_not_each_other(tmp_path):
 
 def _launch_fault(tmp_path: Path, fault: dict, *, timeout_s: float = 5.0, rank_timeouts: dict[int, float] | None = None) -> h.Launch:
     plan = _two_rank_plan(tmp_path)
-    job = h.Job("faulty", RunConfig(plan_path=str(plan), steps=2, timeout_s=timeout_s), fault=fault,
-                rank_overrides={rank: {"timeout_s": seconds} for rank, seconds in (rank_timeouts or {}).items()})
+    # one deadline from the start: the faults strike in step 0, under the first step's deadline
+    job = h.Job("faulty", RunConfig(plan_path=str(plan), steps=2, timeout_s=timeout_s, init_timeout_s=timeout_s), fault=fault,
+                rank_overrides={rank: {"timeout_s": seconds, "init_timeout_s": seconds}
+                                for rank, seconds in (rank_timeouts or {}).items()})
     return h.launch(2, [job], tmp_path / "out", timeout_s=60)
 
 
