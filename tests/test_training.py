@@ -149,9 +149,22 @@ class Jobs:
         return list(launched.result(name, 0)["metrics"]), replicas
 
 
+def write_tokens(path: Path, count: int = 3000, vocab: int = 11, seed: int = 5) -> Path:
+    """A uint16 token file of ids below ``vocab`` with some structure (each id follows the last)."""
+    generator = torch.Generator().manual_seed(seed)
+    steps = torch.randint(1, 3, (count,), generator=generator)
+    tokens = torch.cumsum(steps, 0) % vocab
+    path.write_bytes(tokens.to(torch.int32).numpy().astype("uint16").tobytes())
+    return path
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> Jobs:
     batch = Jobs(tmp_path_factory.mktemp("training"), 4)
+    tokens = str(write_tokens(batch.folder / "tokens.bin"))
+    # one global batch of 8 samples: pp 4 x 4 microbatches of 2, and pp 2 x dp 2 x 2 microbatches
+    batch.add("data-pp4", "1f1b", pp=4, config={}, data_path=tokens)
+    batch.add("data-pp2dp2", "1f1b", pp=2, config={}, microbatches=2, data_path=tokens)
     batch.add("adamw-clip-pp2dp2", "1f1b", pp=2, config={})
     batch.add("adamw-clip-zbv-pp2dp2", "zbv", pp=2, config={})
     batch.add("tied-1f1b-pp4", "1f1b", pp=4, config={"tie": True})
@@ -240,3 +253,40 @@ def test_nonfinite_stops_every_rank_naming_step_and_stage(tmp_path):
     first = plan.stages[stage]
     assert lines[0] == (f"octorun: step 0: non-finite loss; it first appeared in the forward of stage {stage} "
                         f"(layers {first.start}-{first.end - 1}, pp rank {first.rank}) (--skip-nonfinite skips such updates)")
+
+
+@pytest.mark.slow
+def test_token_data_reads_one_global_batch_whatever_pp_and_dp(jobs):
+    """pp 4 and pp 2 x dp 2 read the same 8 windows per step: their losses agree, and equal a
+    single process that reads TokenData.windows(step * 8, 8) in microbatches of 2."""
+    from octoplan.modelfile import load_model_file
+    from octorun.data import TokenData
+    from octorun.optim import build_optimizer
+
+    pp4, _ = jobs.results("data-pp4")
+    pp2dp2, _ = jobs.results("data-pp2dp2")
+    config = jobs.cases["data-pp4"][0]
+    model = load_model_file(jobs.model, config)
+    data = TokenData.open(str(jobs.folder / "tokens.bin"), model, seed=0)
+    layers = [model.build_layer(i) for i in range(config["depth"])]
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = build_optimizer(params, ADAMW)
+    expected = []
+    for step in range(STEPS):
+        windows = data.windows(step * 8, 8)
+        losses = []
+        for mb in range(4):
+            value, targets = model.batch_from_tokens(windows[2 * mb: 2 * mb + 2])
+            for layer in layers:
+                value = layer(value)
+            losses.append(model.loss(value, targets))
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, ADAMW.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(ADAMW, step, STEPS)
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    assert [m.loss for m in pp4] == pytest.approx(expected, abs=TOL)
+    assert [m.loss for m in pp2dp2] == pytest.approx(expected, abs=TOL)
