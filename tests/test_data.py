@@ -277,3 +277,13 @@ def test_tokenize_missing_input_exits_2_with_one_line(tmp_path):
     assert done.stderr.splitlines() == [f"error: {tmp_path / 'none.txt'}: no such file (give a UTF-8 text file)"]
     assert not (tmp_path / "t.bin").exists()
 
+
+
+def test_the_demo_corpus_trains_the_hybrid_example():
+    corpus = REPO / "examples" / "data" / "corpus.txt"
+    text = corpus.read_text(encoding="utf-8")
+    assert 60_000 <= len(text.encode("utf-8")) <= 120_000
+    model = load_model_file(REPO / "examples" / "models" / "hybrid.py")
+    assert model.tokens_per_sample() == model.config["seq"] + 1
+    ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype("<u2")
+    assert int(ids.max()) < model.config["vocab"]
