@@ -83,7 +83,8 @@ class TokenData:
             raise InputError(file, "size", "is empty", _FIX_DATA)
         if size % itemsize:
             other = [other for other, np_dtype in DTYPES.items() if size % np_dtype.itemsize == 0]
-            fix = f"if it holds {other[0]} ids, give --data-dtype {other[0]}" if other else "the file is cut short, or not a token file"
+            fix = (f"if it holds {other[0]} ids, give --data-dtype {other[0]}" if other
+                   else "the file is cut short, or not a token file")
             raise InputError(file, "size", f"is {size} bytes, not a whole number of {name} ids ({itemsize} bytes each)", fix)
         length = model.tokens_per_sample()
         num_tokens = size // itemsize
