@@ -1,0 +1,556 @@
+"""Checkpoints of a training run, written and read with torch.distributed.checkpoint (DCP).
+
+A checkpoint is keyed by global layer index (``model/layers.7.attn.weight``,
+``optim/layers.7.attn.weight/exp_avg``), never by stage or rank, so one written under one plan
+loads under any other plan of the same model: DCP's planner matches keys, whoever holds them.
+The caller builds the flat ``{key: tensor or object}`` dict of what its rank holds; several
+ranks may hold one key with one value (data-parallel replicas, tied weights) and DCP writes it
+once. Objects (ints, dicts, bytes) are pickled by ``torch.save`` and read back with
+``weights_only=True``: plain data loads, a checkpoint cannot run code.
+
+Layout of ``ROOT``::
+
+    ROOT/step_00000010/             one complete checkpoint
+        __0_0.distcp ...            DCP's files, one per rank that wrote something
+        .metadata                   DCP's index of keys, shapes and where each is stored
+        octopipe.json               {"format", "version", "step", "meta"}; written last
+    ROOT/step_00000020.partial/     a save in progress, or one a crash interrupted
+
+A save is atomic: every rank writes into ``step_N.partial``, DCP's finish step writes
+``.metadata``, then the group's first rank writes ``octopipe.json``, renames the folder to its
+final name and prunes old checkpoints. Only a folder with its final name, ``.metadata`` and
+``octopipe.json`` counts, so a crash at any moment leaves the earlier checkpoints intact; the
+next save removes the ``.partial`` folders it finds.
+
+Assumptions: every rank sees ``ROOT`` at the same path (one node, or a shared filesystem);
+one job saves into a ``ROOT`` at a time. Every function that takes ``group`` is collective over
+it (``None``: the default group; without torch.distributed initialized, one process). Errors
+the user must fix raise :class:`InputError` on every rank of the group alike, never on one rank
+alone, which would leave the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from octoplan.errors import InputError
+
+__all__ = [
+    "FORMAT", "VERSION", "META_FILE", "save", "latest", "resolve", "read_meta", "load", "agree",
+    "check_compatible", "checkpoint_bytes", "folder_name",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "octopipe-checkpoint"
+VERSION = 1
+META_FILE = "octopipe.json"
+_DCP_INDEX = ".metadata"  # DCP's own file name (FileSystemWriter writes it in its finish step)
+_PARTIAL = ".partial"
+_REPLACED = ".replaced"  # a complete checkpoint of the same step, moved aside while a new one takes its name
+_FINAL_NAME = re.compile(r"step_(\d{8,})")
+_RESUME_FIX = "give --resume a checkpoint folder (ROOT/step_00000010) or the folder holding them"
+
+
+def folder_name(step: int) -> str:
+    """The final folder name of the checkpoint of ``step`` (eight digits sort as numbers do)."""
+    return f"step_{step:08d}"
+
+
+# -- collectives that also work in one process ----------------------------------------------------
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _gather(obj: Any, group: Any) -> list[Any]:
+    """``obj`` of every rank of ``group``, in group-rank order."""
+    if not _distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+@contextmanager
+def _dcp_call() -> Iterator[None]:
+    """Around a DCP call: in one process (no torch.distributed), DCP warns that it assumes just
+    that on every call; it is this module's documented use, not news."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _is_first(group: Any) -> bool:
+    return not _distributed() or dist.get_rank(group) == 0
+
+
+def _on_first(group: Any, work: Callable[[], None]) -> None:
+    """Run ``work`` on the group's first rank; every rank returns, or every rank raises its error.
+
+    The broadcast doubles as a barrier: no rank goes on before the work is done."""
+    failure: Exception | None = None
+    if _is_first(group):
+        try:
+            work()
+        except Exception as exc:  # sent to the other ranks, which would otherwise wait forever
+            failure = exc
+    if _distributed():
+        box = [_portable(failure)]
+        dist.broadcast_object_list(box, group_src=0, group=group)
+        if failure is None and box[0] is not None:
+            failure = _rebuilt(box[0])
+    if failure is not None:
+        raise failure
+
+
+def _portable(exc: Exception | None) -> tuple | None:
+    """An error as plain data: an InputError does not survive pickling (its constructor takes
+    the four parts, its args hold the joined line)."""
+    if exc is None:
+        return None
+    if isinstance(exc, InputError):
+        return ("input", exc.file, exc.field, exc.problem, exc.fix)
+    return ("other", f"{type(exc).__name__}: {exc}")
+
+
+def _rebuilt(parts: tuple) -> Exception:
+    if parts[0] == "input":
+        return InputError(*parts[1:])
+    return RuntimeError(f"on the first rank: {parts[1]}")
+
+
+# -- finding checkpoints ----------------------------------------------------------------------------
+
+def _step_of(folder: Path) -> int | None:
+    """The step of a folder with a final checkpoint name, else None (``.partial``, foreign)."""
+    match = _FINAL_NAME.fullmatch(folder.name)
+    return int(match.group(1)) if match else None
+
+
+def _is_complete(folder: Path) -> bool:
+    return folder.is_dir() and (folder / META_FILE).is_file() and (folder / _DCP_INDEX).is_file()
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    """Every complete checkpoint in ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        step = _step_of(entry)
+        if step is not None and _is_complete(entry):
+            found.append((step, entry))
+    return sorted(found)
+
+
+def latest(root: str | os.PathLike) -> tuple[int, Path] | None:
+    """The newest complete checkpoint in ``root`` as (step, folder); None if there is none
+    (``root`` missing or empty, or holding only ``.partial`` folders)."""
+    found = _complete(Path(root))
+    return found[-1] if found else None
+
+
+def resolve(spec: str, *, save_root: str | os.PathLike | None) -> Path | None:
+    """The checkpoint ``--resume spec`` names.
+
+    ``"auto"``: the latest complete checkpoint in ``save_root``, or None for a fresh start.
+    A path: a checkpoint folder itself, or a folder holding ``step_*`` folders (its latest).
+    Raises :class:`InputError` when the path holds no complete checkpoint."""
+    if spec == "auto":
+        if save_root is None:
+            raise InputError(None, "--resume", "auto needs --save DIR (it resumes from that folder's latest checkpoint)",
+                             "add --save DIR, or give --resume a checkpoint folder")
+        found = latest(save_root)
+        return None if found is None else found[1]
+    path = Path(spec)
+    if not path.exists():
+        raise InputError(spec, "--resume", "does not exist", _RESUME_FIX)
+    if not path.is_dir():
+        raise InputError(spec, "--resume", "is a file, not a checkpoint folder", _RESUME_FIX)
+    if _looks_like_checkpoint(path):
+        read_meta(path)  # raises naming what is missing
+        return path
+    found = latest(path)
+    if found is None:
+        unfinished = sorted(p.name for p in path.iterdir() if p.name.endswith(_PARTIAL))
+        problem = "holds no complete checkpoint (no step_* folder with octopipe.json and .metadata)"
+        if unfinished:
+            problem += f"; only unfinished saves: {', '.join(unfinished)}"
+        raise InputError(spec, "--resume", problem, _RESUME_FIX)
+    return found[1]
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    """A folder meant as one checkpoint (complete or not), rather than a folder of them."""
+    name = path.name.removesuffix(_PARTIAL)
+    return (_FINAL_NAME.fullmatch(name) is not None or (path / META_FILE).exists()
+            or (path / _DCP_INDEX).exists())
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The caller's ``meta`` dict saved with the checkpoint at ``path``, plus ``"step"``.
+
+    Raises :class:`InputError` if ``path`` is not a complete octopipe checkpoint: missing,
+    an unfinished save, a foreign folder, a garbled or newer ``octopipe.json``."""
+    folder = Path(path)
+    where = str(folder)
+    if not folder.is_dir():
+        raise InputError(where, None, "is not a checkpoint folder" if folder.exists() else "does not exist", _RESUME_FIX)
+    unfinished = folder.name.endswith(_PARTIAL)
+    for name in (META_FILE, _DCP_INDEX):
+        if not (folder / name).is_file():
+            if unfinished:
+                problem = "is missing: this is an unfinished save (the run stopped while writing it)"
+            else:
+                problem = "is missing: not a complete octopipe checkpoint"
+            raise InputError(where, name, problem, "resume from a complete checkpoint (a step_* folder without .partial)")
+    meta_path = folder / META_FILE
+    try:
+        record = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(str(meta_path), None, f"cannot be read: {exc}", "resume from another checkpoint") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise InputError(str(meta_path), "format", f"is not {FORMAT!r}: not an octopipe checkpoint",
+                         "resume from a folder octorun --save wrote")
+    version, step, meta = record.get("version"), record.get("step"), record.get("meta")
+    if not isinstance(version, int) or isinstance(version, bool) or version > VERSION:
+        raise InputError(str(meta_path), "version", f"is {version!r}; this octorun reads up to {VERSION}",
+                         "use the octorun that wrote the checkpoint")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise InputError(str(meta_path), "step", f"is {step!r}, not a step number", "resume from another checkpoint")
+    if not isinstance(meta, dict):
+        raise InputError(str(meta_path), "meta", f"is {type(meta).__name__}, not a mapping", "resume from another checkpoint")
+    return {**meta, "step": step}
+
+
+def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path: str | os.PathLike) -> None:
+    """Raise :class:`InputError` if the checkpoint at ``path`` is of another model than this run's:
+    its ``model`` name or ``num_layers`` differ (a checkpoint lacking a field is not judged on it)."""
+    for key, what in (("model", "model"), ("num_layers", "layer count")):
+        if key in meta_saved and key in meta_now and meta_saved[key] != meta_now[key]:
+            raise InputError(str(path), key, f"the checkpoint's {what} is {meta_saved[key]!r}, this run's is {meta_now[key]!r}",
+                             "resume from a checkpoint of this model, or start afresh without --resume")
+
+
+def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:
+    """Bytes of every file in the checkpoint folder, by its path relative to the folder."""
+    folder = Path(path)
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# -- saving ----------------------------------------------------------------------------------------
+
+def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, meta: dict[str, Any], group: Any,
+         keep: int = 2) -> Path:
+    """Write ``state`` (this rank's share) as the checkpoint of ``step`` in ``root``; collective.
+
+    ``meta`` (the group's first rank's is kept) must be JSON; ``read_meta`` returns it with
+    ``"step"`` added. Keeps the ``keep`` newest complete checkpoints by step, and always the one
+    just written. Returns the final folder, ``root/step_<step:08d>``."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, not {step!r}")
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, not {keep}")
+    if meta.get("step", step) != step:
+        raise ValueError(f"meta['step'] is {meta['step']!r} but the checkpoint is of step {step}")
+    root = Path(root)
+    final = root / folder_name(step)
+    partial = root / (final.name + _PARTIAL)
+    record: list[str] = []
+
+    def prepare() -> None:
+        # json first: meta that is not JSON stops the save before anything is written
+        record.append(json.dumps({"format": FORMAT, "version": VERSION, "step": step, "meta": meta}, indent=1))
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_unfinished(root)
+            partial.mkdir()
+        except OSError as exc:
+            raise _unwritable(root, exc) from None
+
+    _on_first(group, prepare)
+    try:
+        with _dcp_call():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, single_file_per_rank=True, sync_files=True),
+                     planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                     process_group=group)
+    except CheckpointException as exc:  # a BaseException: turn it into an error callers catch
+        raise _failed(partial, "written", exc) from None
+
+    def publish() -> None:
+        try:
+            _write_synced(partial / META_FILE, record[0])
+            _fsync_dir(partial)
+            replaced = root / (final.name + _REPLACED)
+            if final.exists():  # the same step saved again (a resumed run): the new one wins
+                if replaced.exists():
+                    shutil.rmtree(replaced)
+                final.rename(replaced)
+            partial.rename(final)
+            _fsync_dir(root)
+            if replaced.exists():
+                shutil.rmtree(replaced)
+            _prune(root, final, keep)
+        except OSError as exc:
+            raise _unwritable(root, exc) from None
+
+    _on_first(group, publish)
+    return final
+
+
+def _remove_unfinished(root: Path) -> None:
+    """Remove what interrupted saves left: ``.partial`` folders, and ``.replaced`` ones whose
+    step has a complete checkpoint again (else the moved-aside one is the only copy: restore it)."""
+    for entry in root.iterdir():
+        if entry.name.endswith(_PARTIAL) and entry.is_dir():
+            shutil.rmtree(entry)
+        elif entry.name.endswith(_REPLACED) and entry.is_dir():
+            final = root / entry.name.removesuffix(_REPLACED)
+            if final.exists():
+                shutil.rmtree(entry)
+            else:
+                entry.rename(final)
+
+
+def _prune(root: Path, kept: Path, keep: int) -> None:
+    found = _complete(root)
+    newer = [path.name for step, path in found if step > _step_of(kept)]
+    if newer:
+        # Left alone (another run's, resumed from an earlier step): but --resume auto picks the newest.
+        log.warning("%s holds checkpoints of later steps than %s (%s): --resume auto would resume from %s",
+                    root, kept.name, ", ".join(newer), newer[-1])
+    survivors = {path for _, path in found[-keep:]} | {kept}
+    for _, path in found:
+        if path not in survivors:
+            shutil.rmtree(path)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (its directory entry)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unwritable(root: Path, exc: OSError) -> InputError:
+    reason = exc.strerror or str(exc)
+    where = exc.filename or root
+    return InputError(str(root), None, f"cannot write the checkpoint: {reason} ({where})",
+                      "give --save a folder this job can write, with room for a checkpoint")
+
+
+def _failed(folder: Path, verb: str, exc: CheckpointException) -> Exception:
+    """One error for a DCP failure: an InputError naming the file for a filesystem's refusal,
+    else a RuntimeError with every failed rank's reason."""
+    reasons = []
+    for rank, failure in sorted(exc.failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, OSError):
+            name = Path(error.filename).name if error.filename else None
+            return InputError(str(folder), name, f"could not be {verb} by rank {rank}: {error.strerror or error}",
+                              "check the folder's files, space and permissions")
+        reasons.append(f"rank {rank}: {type(error).__name__}: {error}")
+    return RuntimeError(f"the checkpoint {folder} could not be {verb}: {'; '.join(reasons)}")
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+@dataclass
+class _Check:
+    """One rank's verdict on loading its keys from a checkpoint, before anything is read."""
+
+    unreadable: tuple | None = None  # octopipe.json or .metadata could not be read: the error's parts
+    bad_files: dict[str, str] = field(default_factory=dict)  # file name -> what is wrong with it
+    missing: list[str] = field(default_factory=list)  # keys needed that the checkpoint lacks
+    mismatched: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (saved, here)
+    missing_optional: set[str] = field(default_factory=set)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but objects are read back as plain data (no code runs)."""
+
+    def __init__(self) -> None:
+        # not flattened: one state key is one checkpoint key, whatever its value is (a dict too)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item, value) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def load(path: str | os.PathLike, state: dict[str, Any], *, group: Any,
+         optional_prefixes: tuple[str, ...] = ()) -> set[str]:
+    """Fill ``state`` in place from the checkpoint at ``path``; collective.
+
+    Tensors are copied into the caller's tensors (any device); objects are replaced in
+    ``state``. Keys starting with one of ``optional_prefixes`` may be absent from the checkpoint
+    (per-rank RNG states under another world) or differ in shape, dtype or kind: those are left
+    as they are and returned. Any other problem raises :class:`InputError` on every rank before a single value is loaded:
+    missing or truncated files, keys the checkpoint lacks, shapes, dtypes or kinds that differ."""
+    folder = Path(path)
+    verdicts = _gather(_check(folder, state, optional_prefixes), group)
+    error = _first_error(folder, verdicts)
+    if error is not None:
+        raise error
+    mine = verdicts[dist.get_rank(group) if _distributed() else 0]
+    wanted = {key: value for key, value in state.items() if key not in mine.missing_optional}
+    try:
+        with _dcp_call():
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(), process_group=group)
+    except CheckpointException as exc:  # files that changed since the check: a BaseException, so converted
+        raise _failed(folder, "read", exc) from None
+    for key, value in wanted.items():
+        if not isinstance(value, torch.Tensor):
+            state[key] = value
+    return mine.missing_optional
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return "an object"
+
+
+def _describe_saved(entry: Any) -> str:
+    if isinstance(entry, TensorStorageMetadata):
+        return f"{list(entry.size)} {str(entry.properties.dtype).removeprefix('torch.')}"
+    return "an object"
+
+
+def _check(folder: Path, state: dict[str, Any], optional_prefixes: tuple[str, ...]) -> _Check:
+    verdict = _Check()
+    try:
+        read_meta(folder)
+    except InputError as exc:
+        verdict.unreadable = _portable(exc)[1:]
+        return verdict
+    try:
+        index: Metadata = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as exc:  # pickle, truncation, permissions: whatever it is, it is this file's
+        verdict.unreadable = (str(folder / _DCP_INDEX), None, f"cannot be read: {type(exc).__name__}: {exc}",
+                              "resume from another checkpoint")
+        return verdict
+    saved = index.state_dict_metadata
+    for key, value in state.items():
+        if key not in saved:
+            if key.startswith(tuple(optional_prefixes)):
+                verdict.missing_optional.add(key)
+            else:
+                verdict.missing.append(key)
+            continue
+        entry = saved[key]
+        if isinstance(value, torch.Tensor):
+            # DCP would convert a dtype silently and stop half-way at a shape: both are another model's
+            same = (isinstance(entry, TensorStorageMetadata) and tuple(entry.size) == tuple(value.shape)
+                    and entry.properties.dtype == value.dtype)
+        else:
+            same = isinstance(entry, BytesStorageMetadata)
+        if same:
+            continue
+        if key.startswith(tuple(optional_prefixes)):
+            # an optional value that cannot be restored (an RNG state of another device kind or
+            # torch version) is as good as absent: left as it is, and reported
+            verdict.missing_optional.add(key)
+        else:
+            verdict.mismatched[key] = (_describe_saved(entry), _describe(value))
+    needed = set(state) - verdict.missing_optional - set(verdict.missing)
+    verdict.bad_files = _check_files(folder, index, needed)
+    return verdict
+
+
+def _check_files(folder: Path, index: Metadata, keys: set[str]) -> dict[str, str]:
+    """What is wrong with the files that hold ``keys``: missing, or shorter than the index says."""
+    needs: dict[str, tuple[int, int, str]] = {}  # file -> (bytes needed, entries, first key)
+    for where, info in (index.storage_data or {}).items():
+        if where.fqn not in keys:
+            continue
+        name = info.relative_path
+        end, count, first = needs.get(name, (0, 0, where.fqn))
+        needs[name] = (max(end, info.offset + info.length), count + 1, min(first, where.fqn))
+    bad = {}
+    for name, (end, count, first) in sorted(needs.items()):
+        path = folder / name
+        if not path.is_file():
+            bad[name] = f"is missing (it holds {count} entries, e.g. {first})"
+        elif path.stat().st_size < end:
+            bad[name] = f"is truncated: {path.stat().st_size} bytes, the index needs {end}"
+    return bad
+
+
+def _first_error(folder: Path, verdicts: list[_Check]) -> InputError | None:
+    """The one error every rank raises, built from all ranks' verdicts alike."""
+    where = str(folder)
+    fix = "resume from a complete checkpoint of this model, or start afresh without --resume"
+    for verdict in verdicts:
+        if verdict.unreadable:
+            return InputError(*verdict.unreadable)
+    bad_files: dict[str, str] = {}
+    for verdict in verdicts:
+        bad_files.update(verdict.bad_files)
+    if bad_files:
+        name = sorted(bad_files)[0]
+        others = f" ({len(bad_files) - 1} more files too)" if len(bad_files) > 1 else ""
+        return InputError(where, name, bad_files[name] + others, "copy the whole checkpoint folder, or resume from another")
+    missing = sorted({key for verdict in verdicts for key in verdict.missing})
+    if missing:
+        examples = ", ".join(missing[1:4])
+        problem = "is not in the checkpoint"
+        if len(missing) > 1:
+            problem += f", nor are {len(missing) - 1} more keys this model needs (e.g. {examples})"
+        return InputError(where, missing[0], problem + ": it holds another model's state", fix)
+    mismatched: dict[str, tuple[str, str]] = {}
+    for verdict in verdicts:
+        mismatched.update(verdict.mismatched)
+    if mismatched:
+        key = sorted(mismatched)[0]
+        saved, here = mismatched[key]
+        others = f" ({len(mismatched) - 1} more keys differ too)" if len(mismatched) > 1 else ""
+        return InputError(where, key, f"is {saved} in the checkpoint but {here} in this model{others}", fix)
+    return None
+
+
+# -- resuming --------------------------------------------------------------------------------------
+
+def agree(step: int | None, *, group: Any) -> None:
+    """Check that every rank of ``group`` resumes the same ``step`` (None: a fresh start);
+    collective. Raises :class:`InputError` naming the ranks and the steps each found, e.g.
+    ``ranks 0,1 found step 20, rank 2 found step 10``."""
+    me = dist.get_rank() if _distributed() else 0
+    found = _gather((me, step), group)
+    steps = {s for _, s in found}
+    if len(steps) <= 1:
+        return
+    by_step: dict[int | None, list[int]] = {}
+    for rank, s in sorted(found):
+        by_step.setdefault(s, []).append(rank)
+    parts = []
+    for s, ranks in sorted(by_step.items(), key=lambda item: item[1][0]):
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+        parts.append(f"{who} found {'no checkpoint' if s is None else f'step {s}'}")
+    raise InputError(None, "--resume", f"the ranks would resume from different checkpoints: {', '.join(parts)}",
+                     "give every node the same checkpoint folder (a shared filesystem), or --resume one checkpoint folder")

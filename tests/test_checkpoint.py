@@ -1,0 +1,509 @@
+"""octorun.checkpoint: a checkpoint keyed by global layer index loads under any other split of
+the layers and any world size, bit for bit; replicas are written once; a save is atomic; every
+bad input is one InputError, raised on every rank alike, before anything in memory changes.
+
+Multi-process cases fork 2-3 gloo processes (the parent never forms a process group); the
+others run the module in one process, as it supports without torch.distributed."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing
+import os
+import pickle
+import random
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import runtime_helpers as h
+from octoplan.errors import InputError
+from octorun import checkpoint
+
+# -- the state of a tiny model, by global layer index ---------------------------------------------
+
+
+def layer_state(i: int) -> dict[str, Any]:
+    """Layer ``i``'s share of a checkpoint: distinct values per layer, tensors and objects."""
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * i
+    return {
+        f"model/layers.{i}.weight": weight,
+        f"model/layers.{i}.bias": torch.full((4,), i + 0.25, dtype=torch.float64),
+        f"optim/layers.{i}.weight/exp_avg": weight / 3,
+        f"optim/layers.{i}.weight/step": torch.tensor(float(i + 7)),
+        f"extra/layers.{i}": {"index": i, "name": f"layer{i}", "blob": bytes(range(i, i + 5)), "ratio": i / 7},
+    }
+
+
+def rank_state(rank: int) -> dict[str, Any]:
+    """What a rank keeps of its own: RNG states, a tensor and an object."""
+    return {f"rng/rank{rank}/cpu": torch.Generator().manual_seed(rank).get_state(),
+            f"rng/rank{rank}/python": random.Random(rank).getstate()}
+
+
+TIED = {"model/tied.embed": torch.linspace(-1, 1, 10), "counters": {"consumed_samples": 640, "skipped": 1}}
+
+
+def expected(layers, rank: int | None = None, *, tied: bool = False) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for i in layers:
+        state.update(layer_state(i))
+    if rank is not None:
+        state.update(rank_state(rank))
+    if tied:
+        state.update(TIED)
+    return state
+
+
+def blank(state: dict[str, Any]) -> dict[str, Any]:
+    """The same keys, tensors zeroed (same shapes and dtypes), objects None."""
+    return {key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else None for key, value in state.items()}
+
+
+def assert_identical(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert type(got[key]) is type(value) and got[key] == value, key
+
+
+# -- launching gloo processes ----------------------------------------------------------------------
+
+Scenario = Callable[[int, int], Any]  # (rank, world) -> a picklable result
+
+
+def _child(rank: int, world: int, port: int, scenario: Scenario, folder: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    log = open(os.path.join(folder, f"log{rank}.txt"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        outcome = ("ok", scenario(rank, world))
+    except InputError as exc:
+        outcome = ("InputError", exc.file, exc.field, exc.problem, exc.line())
+    except BaseException:
+        outcome = ("crash", traceback.format_exc())
+    with open(os.path.join(folder, f"result{rank}.pkl"), "wb") as out:
+        pickle.dump(outcome, out)
+    log.flush()
+    os._exit(0)  # no teardown of the process group's threads
+
+
+def launch(world: int, scenario: Scenario, folder: Path, *, timeout_s: float = 60.0,
+           kill_when: Callable[[], bool] | None = None) -> list[tuple] | None:
+    """Run ``scenario`` on ``world`` forked gloo processes; each rank's outcome. With
+    ``kill_when``, SIGKILL every process as soon as it holds, and return None."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ctx = multiprocessing.get_context("fork")
+    port = h.free_port()
+    procs = [ctx.Process(target=_child, args=(rank, world, port, scenario, str(folder)), daemon=True)
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout_s
+    if kill_when is not None:
+        while not kill_when() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kill_when(), f"the condition to kill on never held: {_logs(folder, world)}"
+        for proc in procs:
+            proc.kill()  # only the processes this test started
+            proc.join(10)
+        return None
+    for proc in procs:
+        proc.join(max(deadline - time.monotonic(), 0.01))
+    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for rank in hung:
+        procs[rank].kill()
+        procs[rank].join(10)
+    assert not hung, f"ranks {hung} still ran after {timeout_s} s: {_logs(folder, world)}"
+    assert [p.exitcode for p in procs] == [0] * world, _logs(folder, world)
+    outcomes = [pickle.loads((folder / f"result{rank}.pkl").read_bytes()) for rank in range(world)]
+    crashes = [o[1] for o in outcomes if o[0] == "crash"]
+    assert not crashes, crashes[0]
+    return outcomes
+
+
+def _logs(folder: Path, world: int) -> str:
+    return "\n".join(f"rank {r}: {(folder / f'log{r}.txt').read_text()[-3000:]}"
+                     for r in range(world) if (folder / f"log{r}.txt").exists())
+
+
+def values(outcomes: list[tuple]) -> list[Any]:
+    assert all(o[0] == "ok" for o in outcomes), outcomes
+    return [o[1] for o in outcomes]
+
+
+META = {"model": "tiny", "num_layers": 4, "consumed_samples": 640}
+
+
+# -- multi-process ---------------------------------------------------------------------------------
+
+def test_a_checkpoint_loads_under_another_split_and_world(tmp_path):
+    """Saved with rank 0 holding layers 0-1 and rank 1 layers 2-3 (the tied embedding on both);
+    loaded with rank 0 holding layer 0 and rank 1 layers 1-3, then on a world of 3: every value
+    bit for bit, tensors filled in place, and only the RNG state of a rank the saving world
+    lacked reported missing."""
+    root = tmp_path / "ckpt"
+    saved_layers = {0: [0, 1], 1: [2, 3]}
+
+    def save(rank, world):
+        return str(checkpoint.save(root, 10, expected(saved_layers[rank], rank, tied=True), meta=META, group=None))
+
+    assert values(launch(2, save, tmp_path / "save")) == [str(root / "step_00000010")] * 2
+    assert checkpoint.read_meta(root / "step_00000010") == {**META, "step": 10}
+
+    def loader(layers_of, tied_on):
+        def load(rank, world):
+            state = blank(expected(layers_of[rank], rank, tied=rank in tied_on))
+            tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+            missing = checkpoint.load(root / "step_00000010", state, group=None, optional_prefixes=("rng/",))
+            in_place = all(state[key] is tensor for key, tensor in tensors.items())
+            return state, missing, in_place
+        return load
+
+    two = {0: [0], 1: [1, 2, 3]}
+    for rank, (state, missing, in_place) in enumerate(values(launch(2, loader(two, {1}), tmp_path / "load2"))):
+        assert_identical(state, expected(two[rank], rank, tied=rank == 1))
+        assert missing == set() and in_place
+
+    three = {0: [0], 1: [1, 2], 2: [3]}
+    results = values(launch(3, loader(three, {0, 2}), tmp_path / "load3"))
+    for rank, (state, missing, in_place) in enumerate(results):
+        want = expected(three[rank], rank, tied=rank in (0, 2))
+        if rank == 2:  # the saving world had no rank 2: its RNG states stay as they were (zero)
+            assert missing == {"rng/rank2/cpu", "rng/rank2/python"}
+            want.update(blank(rank_state(2)))
+        else:
+            assert missing == set()
+        assert_identical(state, want)
+        assert in_place
+
+
+def test_replicas_are_written_once(tmp_path):
+    """Two ranks holding the same 1 MiB tensor under one key (data-parallel replicas) write
+    it once: the checkpoint's data files hold about 1 MiB, not 2."""
+    root = tmp_path / "ckpt"
+    shared = torch.arange(262144, dtype=torch.float32)  # 1 MiB
+
+    def save(rank, world):
+        checkpoint.save(root, 1, {"model/layers.0.weight": shared.clone(), **rank_state(rank)}, meta=META, group=None)
+
+    values(launch(2, save, tmp_path / "save"))
+    sizes = checkpoint.checkpoint_bytes(root / "step_00000001")
+    data_bytes = sum(size for name, size in sizes.items() if name.endswith(".distcp"))
+    assert 2**20 <= data_bytes < 2**20 + 2**17, sizes
+    state = blank({"model/layers.0.weight": shared})
+    assert checkpoint.load(root / "step_00000001", state, group=None) == set()
+    assert torch.equal(state["model/layers.0.weight"], shared)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    """Both ranks are SIGKILLed inside DCP's write of step 2, after their data files are
+    written: step 1 stays the latest, the .partial folder is no checkpoint, and the next save
+    (step 3) succeeds and removes it."""
+    root = tmp_path / "ckpt"
+    markers = tmp_path / "markers"
+    markers.mkdir()
+
+    def save_at(step):
+        def save(rank, world):
+            return str(checkpoint.save(root, step, expected([rank], rank), meta={**META, "step": step}, group=None))
+        return save
+
+    values(launch(2, save_at(1), tmp_path / "save1"))
+
+    def stalled(rank, world):
+        write = dcp.FileSystemWriter.write_data
+
+        def write_then_stall(self, plan, planner):
+            done = write(self, plan, planner)
+            done.wait()
+            (markers / f"rank{rank}").touch()
+            time.sleep(600)  # killed here
+            return done
+
+        dcp.FileSystemWriter.write_data = write_then_stall
+        return save_at(2)(rank, world)
+
+    launch(2, stalled, tmp_path / "save2", kill_when=lambda: len(list(markers.iterdir())) == 2)
+    partial = root / "step_00000002.partial"
+    assert sorted(os.listdir(partial)) == ["__0_0.distcp", "__1_0.distcp"]  # no .metadata, no octopipe.json
+    assert checkpoint.latest(root) == (1, root / "step_00000001")
+    assert checkpoint.resolve("auto", save_root=str(root)) == root / "step_00000001"
+    with pytest.raises(InputError) as caught:
+        checkpoint.resolve(str(partial), save_root=None)
+    assert caught.value.field in (".metadata", "octopipe.json") and "unfinished save" in caught.value.problem
+
+    values(launch(2, save_at(3), tmp_path / "save3"))
+    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000003"]
+    assert checkpoint.latest(root) == (3, root / "step_00000003")
+
+
+def test_errors_are_raised_on_every_rank_alike(tmp_path):
+    """Only rank 1 asks for a key the checkpoint lacks, only rank 0 for one of another shape:
+    both ranks raise the same InputError (none waits for the other), and neither rank's
+    tensors change. A save into a folder that cannot be made fails on both ranks alike."""
+    root = tmp_path / "ckpt"
+    checkpoint.save(root, 5, expected([0, 1]), meta=META, group=None)
+    path = root / "step_00000005"
+
+    def load(rank, world):
+        state = blank(expected([rank]))
+        if rank == 0:
+            state["model/layers.0.weight"] = torch.zeros(3, 5)
+        else:
+            state["model/layers.9.weight"] = torch.zeros(3, 4)
+        try:
+            checkpoint.load(path, state, group=None)
+        except InputError:
+            assert all(not value.any() for value in state.values() if isinstance(value, torch.Tensor))
+            raise
+
+    outcomes = launch(2, load, tmp_path / "load")
+    assert outcomes[0] == outcomes[1]
+    kind, file, field, problem, line = outcomes[0]
+    assert (kind, file, field) == ("InputError", str(path), "model/layers.9.weight")  # missing keys come first
+    assert problem == "is not in the checkpoint: it holds another model's state"
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+
+    def save(rank, world):
+        checkpoint.save(blocker / "ckpt", 1, expected([rank]), meta=META, group=None)
+
+    outcomes = launch(2, save, tmp_path / "save")
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] == "InputError"
+    assert outcomes[0][1] == str(blocker / "ckpt") and "cannot write the checkpoint" in outcomes[0][3]
+
+
+def test_agree_names_the_ranks_that_disagree(tmp_path):
+    def agree(rank, world):
+        found = []
+        for steps in ([20, 20, 20], [20, 20, 10], [None, 4, None], [None, None, None]):
+            try:
+                checkpoint.agree(steps[rank], group=None)
+                found.append(None)
+            except InputError as exc:
+                found.append((exc.field, exc.problem))
+        return found
+
+    results = values(launch(3, agree, tmp_path / "agree"))
+    assert results[0] == results[1] == results[2]
+    prefix = "the ranks would resume from different checkpoints: "
+    assert results[0] == [
+        None,
+        ("--resume", prefix + "ranks 0,1 found step 20, rank 2 found step 10"),
+        ("--resume", prefix + "ranks 0,2 found no checkpoint, rank 1 found step 4"),
+        None,
+    ]
+
+
+# -- one process -----------------------------------------------------------------------------------
+
+def test_objects_round_trip_in_one_process(tmp_path):
+    """Without torch.distributed: ints, dicts, bytes of an RNG state, a Python RNG state, a
+    0-d tensor; a dict value stays one key (not flattened into its items)."""
+    rng_bytes = bytes(torch.Generator().manual_seed(3).get_state().numpy())
+    state = {"count": 12, "nested": {"a": [1, 2.5, "x", None], "b": (1, 2)}, "rng/bytes": rng_bytes,
+             "rng/python": random.Random(5).getstate(), "zero_d": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
+    path = checkpoint.save(tmp_path, 7, state, meta={"model": "m"}, group=None)
+    got = blank(state)
+    assert checkpoint.load(path, got, group=None) == set()
+    assert_identical(got, state)
+    assert checkpoint.read_meta(path) == {"model": "m", "step": 7}
+    record = json.loads((path / "octopipe.json").read_text())
+    assert record == {"format": "octopipe-checkpoint", "version": 1, "step": 7, "meta": {"model": "m"}}
+
+
+def test_keep_prunes_the_oldest(tmp_path):
+    for step in (1, 2, 3, 4):
+        checkpoint.save(tmp_path, step, {"x": torch.tensor([step])}, meta={}, group=None, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000004"]
+    checkpoint.save(tmp_path, 5, {"x": torch.tensor([5])}, meta={}, group=None, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000005"]
+    # a run resumed from an earlier step: what it saves stays, even behind a later step
+    checkpoint.save(tmp_path, 2, {"x": torch.tensor([2])}, meta={}, group=None, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000005"]
+    # the same step again replaces it
+    checkpoint.save(tmp_path, 2, {"x": torch.tensor([22])}, meta={}, group=None, keep=2)
+    state = {"x": torch.tensor([0])}
+    checkpoint.load(tmp_path / "step_00000002", state, group=None)
+    assert state["x"].tolist() == [22] and sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000005"]
+    with pytest.raises(ValueError):
+        checkpoint.save(tmp_path, 6, {}, meta={}, group=None, keep=0)
+
+
+def test_a_save_clears_what_interrupted_saves_left(tmp_path):
+    checkpoint.save(tmp_path, 1, {"x": torch.tensor([1])}, meta={}, group=None)
+    (tmp_path / "step_00000009.partial").mkdir()
+    (tmp_path / "step_00000009.partial" / "__0_0.distcp").write_bytes(b"junk")
+    # a crash between moving a same-step checkpoint aside and renaming its successor
+    (tmp_path / "step_00000001").rename(tmp_path / "step_00000001.replaced")
+    assert checkpoint.latest(tmp_path) is None
+    checkpoint.save(tmp_path, 2, {"x": torch.tensor([2])}, meta={}, group=None)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000002"]
+
+
+def test_resolve(tmp_path):
+    missing = tmp_path / "nothing"
+    assert checkpoint.resolve("auto", save_root=str(missing)) is None
+    assert checkpoint.latest(missing) is None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert checkpoint.resolve("auto", save_root=str(empty)) is None
+    (empty / "step_00000003.partial").mkdir()
+    assert checkpoint.resolve("auto", save_root=str(empty)) is None
+    with pytest.raises(InputError) as caught:
+        checkpoint.resolve(str(empty), save_root=None)
+    assert caught.value.field == "--resume" and "step_00000003.partial" in caught.value.problem
+    with pytest.raises(InputError) as caught:
+        checkpoint.resolve(str(missing), save_root=None)
+    assert (caught.value.file, caught.value.field, caught.value.problem) == (str(missing), "--resume", "does not exist")
+    with pytest.raises(InputError) as caught:
+        checkpoint.resolve("auto", save_root=None)
+    assert caught.value.field == "--resume"
+
+    root = tmp_path / "root"
+    for step in (8, 12):
+        checkpoint.save(root, step, {"x": torch.tensor([step])}, meta={}, group=None)
+    assert checkpoint.resolve("auto", save_root=str(root)) == root / "step_00000012"
+    assert checkpoint.resolve(str(root), save_root=None) == root / "step_00000012"
+    assert checkpoint.resolve(str(root / "step_00000008"), save_root=None) == root / "step_00000008"
+    (root / "notes.txt").write_text("")
+    with pytest.raises(InputError) as caught:
+        checkpoint.resolve(str(root / "notes.txt"), save_root=None)
+    assert caught.value.problem == "is a file, not a checkpoint folder"
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    return checkpoint.save(tmp_path / "ckpt", 5, expected([0, 1]), meta=META, group=None)
+
+
+def _load_error(path, state, **kwargs) -> InputError:
+    before = {key: value.clone() for key, value in state.items() if isinstance(value, torch.Tensor)}
+    with pytest.raises(InputError) as caught:
+        checkpoint.load(path, state, group=None, **kwargs)
+    for key, value in before.items():  # nothing in memory changed
+        assert torch.equal(state[key], value), key
+    return caught.value
+
+
+def test_read_meta_rejects_what_is_no_complete_checkpoint(saved, tmp_path):
+    with pytest.raises(InputError) as caught:
+        checkpoint.read_meta(tmp_path / "gone")
+    assert (caught.value.file, caught.value.problem) == (str(tmp_path / "gone"), "does not exist")
+    foreign = tmp_path / "foreign"
+    shutil.copytree(saved, foreign)
+    (foreign / ".metadata").unlink()
+    with pytest.raises(InputError) as caught:
+        checkpoint.read_meta(foreign)
+    assert caught.value.field == ".metadata" and "not a complete octopipe checkpoint" in caught.value.problem
+    (saved / "octopipe.json").write_text("{not json")
+    with pytest.raises(InputError) as caught:
+        checkpoint.read_meta(saved)
+    assert caught.value.file == str(saved / "octopipe.json") and caught.value.problem.startswith("cannot be read")
+    (saved / "octopipe.json").write_text(json.dumps({"format": "other", "step": 5, "meta": {}}))
+    with pytest.raises(InputError) as caught:
+        checkpoint.read_meta(saved)
+    assert caught.value.field == "format"
+    (saved / "octopipe.json").write_text(json.dumps({"format": checkpoint.FORMAT, "version": 2, "step": 5, "meta": {}}))
+    with pytest.raises(InputError) as caught:
+        checkpoint.read_meta(saved)
+    assert caught.value.field == "version"
+    (saved / "octopipe.json").unlink()
+    with pytest.raises(InputError) as caught:
+        checkpoint.read_meta(saved)
+    assert caught.value.field == "octopipe.json"
+    # and load refuses it before touching anything
+    assert _load_error(saved, blank(expected([0]))).field == "octopipe.json"
+
+
+def test_a_missing_or_truncated_data_file_is_named(saved):
+    data = saved / "__0_0.distcp"
+    content = data.read_bytes()
+    data.write_bytes(content[: len(content) // 2])
+    error = _load_error(saved, blank(expected([0])))
+    assert error.field == "__0_0.distcp" and error.problem.startswith("is truncated")
+    data.unlink()
+    error = _load_error(saved, blank(expected([1])))
+    assert (error.file, error.field) == (str(saved), "__0_0.distcp")
+    assert error.problem.startswith("is missing (it holds 5 entries, e.g. extra/layers.1)")
+
+
+def test_a_file_vanishing_during_the_read_is_named(saved, monkeypatch):
+    """DCP's own failure (a file gone between the check and the read) becomes one InputError
+    naming the file, not DCP's CheckpointException (a BaseException) with its tracebacks."""
+    monkeypatch.setattr(checkpoint, "_check_files", lambda folder, index, keys: {})
+    (saved / "__0_0.distcp").unlink()
+    with pytest.raises(InputError) as caught:
+        checkpoint.load(saved, blank(expected([0])), group=None)
+    assert (caught.value.file, caught.value.field) == (str(saved), "__0_0.distcp")
+    assert "could not be read by rank 0" in caught.value.problem
+
+
+def test_another_models_keys_and_shapes_are_named(saved):
+    state = blank(expected([0, 1, 2, 3]))
+    error = _load_error(saved, state)
+    assert error.field == "extra/layers.2"
+    assert error.problem == ("is not in the checkpoint, nor are 9 more keys this model needs (e.g. extra/layers.3, "
+                             "model/layers.2.bias, model/layers.2.weight): it holds another model's state")
+    state = blank(expected([0, 1]))
+    state["model/layers.1.weight"] = torch.zeros(3, 8)
+    error = _load_error(saved, state)
+    assert (error.field, error.problem) == ("model/layers.1.weight",
+                                            "is [3, 4] float32 in the checkpoint but [3, 8] float32 in this model")
+    state = blank(expected([0]))
+    state["model/layers.0.bias"] = torch.zeros(4, dtype=torch.float32)
+    state["extra/layers.0"] = torch.zeros(1)
+    error = _load_error(saved, state)
+    assert (error.field, error.problem) == ("extra/layers.0",
+                                            "is an object in the checkpoint but [1] float32 in this model (1 more keys differ too)")
+
+
+def test_optional_keys_may_be_missing_but_others_not(saved):
+    state = blank(expected([1]))
+    state.update({"rng/rank4/cpu": torch.ones(3, dtype=torch.uint8), "rng/rank4/python": "untouched"})
+    assert checkpoint.load(saved, state, group=None, optional_prefixes=("rng/",)) == {"rng/rank4/cpu", "rng/rank4/python"}
+    assert state["rng/rank4/cpu"].tolist() == [1, 1, 1] and state["rng/rank4/python"] == "untouched"
+    want = expected([1])
+    assert_identical({key: state[key] for key in want}, want)
+    error = _load_error(saved, blank({"rng/rank4/cpu": torch.ones(3)}))
+    assert error.field == "rng/rank4/cpu"
+    # an optional value of another shape or kind is skipped alike (an RNG state of another device)
+    state = {"extra/layers.0": torch.ones(2), "model/layers.0.weight": torch.ones(5)}
+    assert checkpoint.load(saved, state, group=None, optional_prefixes=("extra/", "model/")) == set(state)
+    assert state["extra/layers.0"].tolist() == [1, 1] and state["model/layers.0.weight"].tolist() == [1] * 5
+
+
+def test_check_compatible_names_what_differs(tmp_path):
+    checkpoint.check_compatible({"model": "tiny", "num_layers": 4, "step": 3}, {"model": "tiny", "num_layers": 4}, tmp_path)
+    with pytest.raises(InputError) as caught:
+        checkpoint.check_compatible({"model": "tiny", "num_layers": 4}, {"model": "big", "num_layers": 4}, tmp_path)
+    assert (caught.value.file, caught.value.field) == (str(tmp_path), "model")
+    assert caught.value.problem == "the checkpoint's model is 'tiny', this run's is 'big'"
+    with pytest.raises(InputError) as caught:
+        checkpoint.check_compatible({"model": "tiny", "num_layers": 4}, {"model": "tiny", "num_layers": 6}, tmp_path)
+    assert caught.value.field == "num_layers" and "layer count is 4, this run's is 6" in caught.value.problem
+
+
+def test_checkpoint_bytes_lists_every_file(saved):
+    sizes = checkpoint.checkpoint_bytes(saved)
+    assert sorted(sizes) == [".metadata", "__0_0.distcp", "octopipe.json"]
+    assert sizes["octopipe.json"] == (saved / "octopipe.json").stat().st_size
+    assert all(size > 0 for size in sizes.values())
