@@ -859,7 +859,12 @@ class _Interpreter:
                                    static_shapes=not self.config.dynamic_shapes, meter=self.meter)
         self.transport.start()
         metrics: list[StepMetrics] = []
-        metrics_file = StreamedOutput(self.config.metrics_path, flag="--metrics") if self.config.metrics_path and self.me == 0 else None
+        metrics_file = None
+        if self.config.metrics_path and self.me == 0:
+            earlier = _earlier_metrics(self.config.metrics_path, self.first_step)  # read before the file is begun anew
+            metrics_file = StreamedOutput(self.config.metrics_path, flag="--metrics")
+            for line in earlier:
+                metrics_file.write_line(line)
         try:
             for step in steps:
                 try:
@@ -1158,6 +1163,28 @@ def _stop_on_sigterm() -> None:
         return  # signal handlers belong to the main thread
     _STOP_REQUESTED.clear()
     signal.signal(signal.SIGTERM, lambda signum, frame: _STOP_REQUESTED.set())
+
+
+def _earlier_metrics(path: str, first_step: int) -> list[str]:
+    """A resumed run's metrics keep the lines of the steps before it: those the interrupted run
+    wrote (its PATH.partial, newest) or an earlier run ended with (PATH), so that a run restarted
+    any number of times ends with one line per step. Empty for a run from step 0."""
+    if first_step <= 0:
+        return []
+    lines: dict[int, str] = {}
+    for source in (Path(path), partial_path(path)):
+        try:
+            text = source.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for line in text.splitlines():
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a crash, or not ours
+            if isinstance(step, int) and 0 <= step < first_step:
+                lines[step] = line
+    return [lines[step] for step in sorted(lines)]
 
 
 def _record_path(config: RunConfig, rank: int) -> str | None:

@@ -15,68 +15,8 @@ import pytest
 import torch
 
 import runtime_helpers as h
-from octoplan.plan import save_plan
 from octorun.optim import OptimizerConfig, clip_factor, lr_at
-from octorun.runtime import RunConfig
-
-STEPS = 4
-TOL = 1e-5
-
-# A chain whose embedding and head may share one matrix (``tie``), and whose layer ``poison``
-# multiplies its output by NaN (a forward that goes non-finite in a known stage).
-MODEL = '''
-import torch
-from torch import nn
-
-CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1}
-
-def num_layers(vocab, hidden, depth, seq, tie, poison):
-    return depth
-
-class Embed(nn.Module):
-    def __init__(self, vocab, hidden):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, hidden)
-    def forward(self, ids):
-        return self.emb(ids)
-
-class Block(nn.Module):
-    def __init__(self, hidden, poisoned):
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.lin = nn.Linear(hidden, hidden)
-        self.poisoned = poisoned
-    def forward(self, h):
-        out = h + torch.tanh(self.lin(self.norm(h)))
-        return out * float("nan") if self.poisoned else out
-
-class Head(nn.Module):
-    def __init__(self, vocab, hidden):
-        super().__init__()
-        self.out = nn.Linear(hidden, vocab, bias=False)
-    def forward(self, h):
-        return self.out(h)
-
-def build_layer(index, vocab, hidden, depth, seq, tie, poison):
-    if index == 0:
-        return Embed(vocab, hidden)
-    if index == depth - 1:
-        return Head(vocab, hidden)
-    return Block(hidden, index == poison)
-
-def tied_parameters(vocab, hidden, depth, seq, tie, poison):
-    return [[(0, "emb.weight"), (depth - 1, "out.weight")]] if tie else []
-
-def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison):
-    ids = torch.randint(0, vocab, (mbs, seq + 1), generator=generator)
-    return ids[:, :-1], ids[:, 1:]
-
-def loss_fn(logits, targets):
-    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-'''
-
-ADAMW = OptimizerConfig(name="adamw", lr=0.02, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=0.3,
-                        schedule="cosine", warmup_steps=1, min_lr=0.002)
+from training_helpers import ADAMW, STEPS, TOL, Jobs, write_tokens
 
 
 # -- the schedule, by hand ---------------------------------------------------------------------
@@ -107,57 +47,6 @@ def test_clip_factor_is_torchs():
 
 
 # -- multi-process jobs against the reference --------------------------------------------------
-class Jobs:
-    def __init__(self, folder: Path, world: int):
-        self.folder, self.world = folder, world
-        self.model = folder / "train_model.py"
-        self.model.write_text(MODEL)
-        self.jobs: list[h.Job] = []
-        self.cases: dict[str, tuple] = {}
-        self.launched: h.Launch | None = None
-
-    def add(self, name: str, schedule: str, *, pp: int, config: dict, microbatches: int = 4,
-            optim: OptimizerConfig = ADAMW, precision: str = "fp32", **run) -> None:
-        full = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, **config}
-        plan = h.baseline_plan(schedule, self.model, full, self.folder / name, gpus=self.world, pp=pp,
-                               microbatches=microbatches)
-        path = self.folder / f"{name}.yaml"
-        save_plan(plan, path)
-        self.jobs.append(h.Job(name, RunConfig(
-            plan_path=str(path), steps=STEPS, optimizer=optim.name, lr=optim.lr, weight_decay=optim.weight_decay,
-            betas=optim.betas, grad_clip=optim.grad_clip, lr_schedule=optim.schedule, warmup_steps=optim.warmup_steps,
-            min_lr=optim.min_lr, skip_nonfinite=optim.skip_nonfinite, precision=precision, timeout_s=30, **run)))
-        self.cases[name] = (full, plan, optim, precision)
-
-    def run(self) -> h.Launch:
-        if self.launched is None:
-            self.launched = h.launch(self.world, self.jobs, self.folder / "out", timeout_s=60 + 15 * len(self.jobs))
-        return self.launched
-
-    def reference(self, name: str) -> h.Reference:
-        config, plan, optim, precision = self.cases[name]
-        return h.reference(self.model, config, steps=STEPS, microbatches=plan.microbatches, dp=plan.parallel.dp,
-                           microbatch_size=2, optimizer=optim.name, lr=optim.lr, optim=optim, precision=precision)
-
-    def results(self, name: str) -> tuple[list, dict[int, dict[int, dict]]]:
-        launched = self.run()
-        assert launched.exitcodes == [0] * self.world, "\n".join(launched.logs)
-        replicas: dict[int, dict[int, dict]] = {}
-        for rank in range(self.world):
-            out = launched.result(name, rank)
-            replicas.setdefault(out["dp_rank"], {})[rank] = out["state"]
-        return list(launched.result(name, 0)["metrics"]), replicas
-
-
-def write_tokens(path: Path, count: int = 3000, vocab: int = 11, seed: int = 5) -> Path:
-    """A uint16 token file of ids below ``vocab`` with some structure (each id follows the last)."""
-    generator = torch.Generator().manual_seed(seed)
-    steps = torch.randint(1, 3, (count,), generator=generator)
-    tokens = torch.cumsum(steps, 0) % vocab
-    path.write_bytes(tokens.to(torch.int32).numpy().astype("uint16").tobytes())
-    return path
-
-
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> Jobs:
     batch = Jobs(tmp_path_factory.mktemp("training"), 4)

@@ -189,7 +189,7 @@ class MoEBlock(nn.Module):
             # No skip for an expert without tokens: its empty forward keeps its weights in the graph.
             token, slot = (chosen == e).nonzero(as_tuple=True)
             out = expert(tokens[token]) * weights[token, slot].unsqueeze(-1)
-            mixed = mixed.index_add(0, token, out)
+            mixed = mixed.index_add(0, token, out.to(mixed.dtype))  # under bf16 autocast the expert computes in bf16
         return x + mixed.view_as(x)
 
 

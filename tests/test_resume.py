@@ -1,0 +1,165 @@
+"""Checkpoints: a run resumed from step 3 of 6 under the same plan continues bit for bit (fp32
+and bf16, losses and weights, token data read on where it stopped); under another plan of the
+same model (pp, dp, placement, schedule, world size) it continues within 1e-6; bad checkpoints
+stop the run with one line and touch nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import runtime_helpers as h
+from octoplan.plan import save_plan
+from training_helpers import ADAMW, Jobs, write_tokens
+
+STEPS = 6
+SAVED = 3  # the checkpoint the resumed runs start from
+
+
+def _case(jobs: Jobs, name: str, schedule: str, *, pp: int, config: dict, microbatches: int = 4, **run) -> None:
+    jobs.add(name, schedule, pp=pp, config=config, microbatches=microbatches, steps=STEPS, **run)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory) -> Jobs:
+    jobs = Jobs(tmp_path_factory.mktemp("resume4"), 4)
+    tokens = str(write_tokens(jobs.folder / "tokens.bin"))
+    ck = jobs.folder / "ck"
+    common = {"data_path": tokens}
+    # the uninterrupted runs, saving every 3 steps
+    _case(jobs, "full", "1f1b", pp=4, config={}, save_dir=str(ck / "full"), save_every=SAVED, keep=2, **common)
+    _case(jobs, "full-bf16", "1f1b", pp=4, config={}, precision="bf16", save_dir=str(ck / "bf16"), save_every=SAVED, **common)
+    _case(jobs, "full-tied", "1f1b", pp=4, config={"tie": True}, save_dir=str(ck / "tied"), save_every=SAVED, **common)
+    step3 = f"step_{SAVED:08d}"
+    # resumed under the same plan: bit for bit
+    _case(jobs, "same", "1f1b", pp=4, config={}, resume=str(ck / "full" / step3), **common)
+    _case(jobs, "same-bf16", "1f1b", pp=4, config={}, precision="bf16", resume=str(ck / "bf16" / step3), **common)
+    # resumed under other plans of the same world: pp 2 x dp 2 with ZB-V (the embedding and the
+    # head on one rank), and interleaved 1F1B; the global batch (8 samples) stays
+    _case(jobs, "zbv-pp2dp2", "zbv", pp=2, config={}, microbatches=2, resume=str(ck / "full" / step3), **common)
+    _case(jobs, "tied-zbv-pp2dp2", "zbv", pp=2, config={"tie": True}, microbatches=2,
+          resume=str(ck / "tied" / step3), **common)
+    # --resume auto with nothing saved yet is a fresh start; then it picks up the newest
+    _case(jobs, "auto-fresh", "1f1b", pp=4, config={}, save_dir=str(ck / "auto"), resume="auto", **common)
+    return jobs
+
+
+def _final(jobs: Jobs, name: str) -> dict[int, dict]:
+    merged: dict[int, dict] = {}
+    launched = jobs.run()
+    assert launched.exitcodes == [0] * jobs.world, "\n".join(launched.logs)
+    for rank in range(jobs.world):
+        out = launched.result(name, rank)
+        if out["dp_rank"] == 0:
+            merged.update(out["state"])
+    return merged
+
+
+def _losses(jobs: Jobs, name: str) -> dict[int, float]:
+    return {m.step: m.loss for m in jobs.run().result(name, 0)["metrics"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full,resumed", [("full", "same"), ("full-bf16", "same-bf16")])
+def test_resume_under_the_same_plan_is_bit_identical(world4, full, resumed):
+    whole, cont = _losses(world4, full), _losses(world4, resumed)
+    assert sorted(cont) == list(range(SAVED, STEPS))  # --steps counts from step 0
+    assert [cont[s] for s in cont] == [whole[s] for s in cont]  # ==: bit for bit
+    a, b = _final(world4, full), _final(world4, resumed)
+    assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full,resumed", [("full", "zbv-pp2dp2"), ("full-tied", "tied-zbv-pp2dp2")])
+def test_resume_under_another_plan_matches(world4, full, resumed):
+    whole, cont = _losses(world4, full), _losses(world4, resumed)
+    assert sorted(cont) == list(range(SAVED, STEPS))
+    assert [cont[s] for s in cont] == pytest.approx([whole[s] for s in cont], abs=1e-6)
+    assert h.max_abs_diff(_final(world4, resumed), _final(world4, full)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_checkpoints_hold_the_data_position_and_keep_the_newest(world4):
+    root = world4.folder / "ck" / "full"
+    world4.run()
+    assert sorted(p.name for p in root.iterdir()) == [f"step_{SAVED:08d}", f"step_{STEPS:08d}"]
+    meta = json.loads((root / f"step_{SAVED:08d}" / "octopipe.json").read_text())["meta"]
+    assert meta["step"] == SAVED and meta["consumed_samples"] == SAVED * 8 and meta["num_layers"] == 6
+    # auto with no checkpoint: a fresh start from step 0 equal to the uninterrupted run
+    assert _losses(world4, "auto-fresh") == _losses(world4, "full")
+    assert (world4.folder / "ck" / "auto" / f"step_{STEPS:08d}").is_dir()
+
+
+@pytest.mark.slow
+def test_resume_on_a_smaller_world(world4, tmp_path):
+    """A checkpoint of 4 processes resumed by 2 (pp 2, 4 microbatches): within 1e-6."""
+    world4.run()
+    jobs = Jobs(tmp_path, 2)
+    tokens = str(world4.folder / "tokens.bin")
+    _case(jobs, "pp2", "1f1b", pp=2, config={}, resume=str(world4.folder / "ck" / "full" / f"step_{SAVED:08d}"),
+          data_path=tokens)
+    cont, whole = _losses(jobs, "pp2"), _losses(world4, "full")
+    assert [cont[s] for s in cont] == pytest.approx([whole[s] for s in cont], abs=1e-6)
+    assert h.max_abs_diff(_final(jobs, "pp2"), _final(world4, "full")) <= 1e-6
+
+
+# -- bad checkpoints: one line, exit 2, nothing touched ------------------------------------------
+def _octorun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, "-m", "octorun", *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> tuple[Path, Path]:
+    """A one-process plan of the 6-layer model with a checkpoint at step 2, and one of 8 layers."""
+    folder = tmp_path_factory.mktemp("bad")
+    jobs = Jobs(folder, 1)
+    for depth in (6, 8):
+        plan = h.baseline_plan("1f1b", jobs.model, {"vocab": 11, "hidden": 8, "depth": depth, "seq": 5, "tie": False,
+                                                      "poison": -1}, folder / f"d{depth}", gpus=1, pp=1, microbatches=2)
+        save_plan(plan, folder / f"d{depth}.yaml")
+    done = _octorun(str(folder / "d6.yaml"), "--steps", "2", "--save", str(folder / "ck"), cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    return folder, folder / "ck" / "step_00000002"
+
+
+@pytest.mark.parametrize("case", ["missing", "partial", "other-model", "missing-shard", "auto-without-save"])
+def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
+    folder, good = one_rank
+    plan, resume = folder / "d6.yaml", str(good)
+    extra: list[str] = []
+    if case == "missing":
+        resume = str(tmp_path / "nothing-here")
+    elif case == "partial":
+        partial = tmp_path / "step_00000002.partial"
+        partial.mkdir()
+        resume = str(partial)
+    elif case == "other-model":
+        plan = folder / "d8.yaml"
+    elif case == "missing-shard":
+        broken = tmp_path / "step_00000002"
+        broken.mkdir()
+        for file in good.iterdir():
+            if not file.name.endswith(".distcp"):
+                (broken / file.name).write_bytes(file.read_bytes())
+        resume = str(broken)
+    elif case == "auto-without-save":
+        resume = "auto"
+    metrics = tmp_path / "m.jsonl"
+    done = _octorun(str(plan), "--steps", "3", "--resume", resume, "--metrics", str(metrics), *extra, cwd=h.ROOT)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("octorun: "), done.stderr
+    assert "Traceback" not in done.stderr
+    assert not metrics.exists() and not Path(f"{metrics}.partial").exists()
+    expected = {"missing": "nothing-here", "partial": "partial", "other-model": "layers",
+                "missing-shard": ".distcp", "auto-without-save": "--save"}[case]
+    assert expected in lines[0], lines[0]
