@@ -319,9 +319,12 @@ def _remove_unfinished(root: Path) -> None:
     """Remove what interrupted saves left: ``.partial`` folders, and ``.replaced`` ones whose
     step has a complete checkpoint again (else the moved-aside one is the only copy: restore it)."""
     for entry in root.iterdir():
-        if entry.name.endswith(_PARTIAL) and entry.is_dir():
+        if not entry.is_dir():
+            continue
+        # only names a save makes: a user's own "notes.partial" stays
+        if entry.name.endswith(_PARTIAL) and _FINAL_NAME.fullmatch(entry.name.removesuffix(_PARTIAL)):
             shutil.rmtree(entry)
-        elif entry.name.endswith(_REPLACED) and entry.is_dir():
+        elif entry.name.endswith(_REPLACED) and _FINAL_NAME.fullmatch(entry.name.removesuffix(_REPLACED)):
             final = root / entry.name.removesuffix(_REPLACED)
             if final.exists():
                 shutil.rmtree(entry)
@@ -339,7 +342,10 @@ def _prune(root: Path, kept: Path, keep: int) -> None:
     survivors = {path for _, path in found[-keep:]} | {kept}
     for _, path in found:
         if path not in survivors:
-            shutil.rmtree(path)
+            # renamed first: a deletion cut short leaves an unfinished save, not a checkpoint with holes
+            doomed = path.with_name(path.name + _PARTIAL)
+            path.rename(doomed)
+            shutil.rmtree(doomed)
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -410,10 +416,15 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, group: Any,
     Tensors are copied into the caller's tensors (any device); objects are replaced in
     ``state``. Keys starting with one of ``optional_prefixes`` may be absent from the checkpoint
     (per-rank RNG states under another world) or differ in shape, dtype or kind: those are left
-    as they are and returned. Any other problem raises :class:`InputError` on every rank before a single value is loaded:
-    missing or truncated files, keys the checkpoint lacks, shapes, dtypes or kinds that differ."""
+    as they are and returned. Any other problem raises :class:`InputError` on every rank before
+    a single value is loaded: missing or truncated files, keys the checkpoint lacks, shapes,
+    dtypes or kinds that differ."""
     folder = Path(path)
-    verdicts = _gather(_check(folder, state, optional_prefixes), group)
+    try:
+        verdict = _check(folder, state, optional_prefixes)
+    except Exception as exc:  # a filesystem's refusal: still gathered, or the other ranks would wait
+        verdict = _Check(unreadable=(str(folder), None, f"cannot be checked: {type(exc).__name__}: {exc}", None))
+    verdicts = _gather(verdict, group)
     error = _first_error(folder, verdicts)
     if error is not None:
         raise error

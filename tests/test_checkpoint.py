@@ -355,8 +355,9 @@ def test_a_save_clears_what_interrupted_saves_left(tmp_path):
     # a crash between moving a same-step checkpoint aside and renaming its successor
     (tmp_path / "step_00000001").rename(tmp_path / "step_00000001.replaced")
     assert checkpoint.latest(tmp_path) is None
+    (tmp_path / "mine.partial").mkdir()  # not a name a save makes: left alone
     checkpoint.save(tmp_path, 2, {"x": torch.tensor([2])}, meta={}, group=None)
-    assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000002"]
+    assert sorted(os.listdir(tmp_path)) == ["mine.partial", "step_00000001", "step_00000002"]
 
 
 def test_resolve(tmp_path):
