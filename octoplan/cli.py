@@ -500,11 +500,39 @@ def calibrate(
 @guarded
 def export(
     plan_path: Path = typer.Argument(..., metavar="PLAN"),
-    format: str = typer.Option("torch-csv", "--format", help="torch-csv: torch.distributed.pipelining's compute-only CSV"),
+    format: str = typer.Option("torch-csv", "--format", help="torch-csv: torch.distributed.pipelining's compute-only CSV; "
+                               "megatron: Megatron-LM's --pipeline-model-parallel-layout and arguments (a bash array); "
+                               "torchtitan: its [parallelism] settings (TOML) and the schedule CSV beside them"),
     output: Path = typer.Option(..., "-o", "--output", help="file to write"),
+    kind_letter: List[str] = typer.Option([], "--kind-letter", help="megatron: the layout letter of a profile layer "
+                                          "kind, KIND=LETTER with LETTER one of E, t, m, L (repeatable)"),
+    fqn_style: Optional[str] = typer.Option(None, "--fqn-style", help="torchtitan: module names, llama (tok_embeddings, "
+                                            "layers.N, norm, output) or profile (the profile's layer names) [default: llama]"),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", help="megatron: seconds to tune the best plan "
+                                               "Megatron-LM can run, when PLAN is not one [default: 10]"),
+    max_plans: Optional[int] = typer.Option(None, "--max-plans", help="megatron: that tune stops after this many "
+                                            "simulated plans instead (the same result on any machine)"),
 ) -> None:
     """Write PLAN in another tool's format."""
     from octoplan.export import export_plan
+    from octoplan.export_cli import FRAMEWORK_FORMATS, FrameworkOptions, check_framework_options, run_framework_export
+
+    check_framework_options(format, [flag for flag, value in (
+        ("--kind-letter", kind_letter or None), ("--fqn-style", fqn_style), ("--time-limit", time_limit),
+        ("--max-plans", max_plans)) if value is not None])
+    if format in FRAMEWORK_FORMATS:  # both read the layers' kinds from the plan's profile
+        plan = load_plan(plan_path)
+        profile = load_plan_profile(plan, plan_path)
+        check_writable(output, "-o", inputs=_plan_files(plan, plan_path))
+        if format == "torchtitan":
+            from octoplan.export_torchtitan import csv_path_for
+
+            check_writable(csv_path_for(output), "-o", inputs=_plan_files(plan, plan_path))
+        options = FrameworkOptions(tuple(kind_letter), fqn_style or "llama",
+                                   10.0 if time_limit is None else time_limit, max_plans)
+        run_framework_export(console, plan, profile, plan_path=plan_path, profile_path=resolve_profile_path(plan, plan_path),
+                             format=format, output=output, options=options)
+        return
 
     plan = load_plan(plan_path)
     if plan.profile is not None:  # a plan whose profile changed or went missing is refused here as everywhere

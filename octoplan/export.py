@@ -39,11 +39,14 @@ from octoplan.outputs import write_text
 from octoplan.plan import Plan, check_structure
 from octoplan.validate import check_runnable
 
-__all__ = ["EXPORT_FORMATS", "export_plan", "export_torch_csv", "torch_csv_rows"]
+__all__ = ["EXPORT_FORMATS", "PROFILE_FORMATS", "export_plan", "export_torch_csv", "torch_csv_rows"]
 
 logger = logging.getLogger(__name__)
 
 EXPORT_FORMATS = ("torch-csv",)
+# the formats that also need the plan's profile (its layers' kinds): Megatron-LM's layout and
+# torchtitan's module names (octoplan.export_megatron, octoplan.export_torchtitan)
+PROFILE_FORMATS = ("megatron", "torchtitan")
 
 
 def torch_csv_rows(plan: Plan, *, file: str = "<plan>") -> list[list[str]]:
@@ -84,4 +87,7 @@ def export_plan(plan: Plan, path: str | Path, *, format: str, file: str = "<plan
     if format == "torch-csv":
         export_torch_csv(plan, path, file=file)
         return
-    raise InputError(None, "--format", f"unknown export format {format!r}", f"use one of {', '.join(EXPORT_FORMATS)}")
+    if format in PROFILE_FORMATS:  # these read the layers' kinds: octoplan.export_megatron, export_torchtitan
+        raise InputError(None, "--format", f"{format} needs the plan's profile", "use octoplan export, which reads it")
+    raise InputError(None, "--format", f"unknown export format {format!r}",
+                     f"use one of {', '.join(EXPORT_FORMATS + PROFILE_FORMATS)}")

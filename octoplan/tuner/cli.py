@@ -40,6 +40,7 @@ def comparison_rows(result) -> list[dict]:
         "plan": "tuned", "config": c.label(), "short": _short(c), "iteration_ms": tuned_ms, "speedup": 1.0,
         "bubble_ratio": result.scored.bubble_ratio, "efficiency": result.scored.efficiency,
         "peak_memory_gb": result.scored.peak_memory_bytes / 1e9, "fits": result.scored.fits,
+        "runs_on": list(result.runs_on),
     }]
     for row in result.baselines:
         s = row.scored
@@ -47,6 +48,7 @@ def comparison_rows(result) -> list[dict]:
             "plan": _label(row), "config": row.config.label(), "short": _short(row.config), "iteration_ms": s.iteration_ms,
             "speedup": _ratio(s.iteration_ms, tuned_ms), "bubble_ratio": s.bubble_ratio,
             "efficiency": s.efficiency, "peak_memory_gb": s.peak_memory_bytes / 1e9, "fits": s.fits,
+            "runs_on": list(row.runs_on),
         })
     return rows
 
@@ -81,16 +83,18 @@ def _table(result) -> Table:
     table = Table(title="tuned plan vs the baselines (docs/FORMATS.md section 6) on the same GPUs",
                   caption="pp.dp.mb: pipeline degree, data-parallel degree, microbatches per pipeline "
                           "(pi / di: pp-inner / dp-inner rank order); tuned x: how much faster the tuned plan is; "
-                          "interleaved-1f1b(v=N): of the chunk counts above 2, the fastest")
+                          "interleaved-1f1b(v=N): of the chunk counts above 2, the fastest; runs on: the "
+                          "frameworks that run the plan as planned (torch: torch.distributed.pipelining)")
     for name, justify in (("plan", "left"), ("pp.dp.mb", "left"), ("iter ms", "right"), ("tuned x", "right"),
-                          ("bubble", "right"), ("eff", "right"), ("peak GB", "right"), ("fits", "center")):
+                          ("bubble", "right"), ("eff", "right"), ("peak GB", "right"), ("fits", "center"),
+                          ("runs on", "left")):
         table.add_column(name, justify=justify, overflow="fold")
     for row in shown_rows(comparison_rows(result)):
         style = "bold green" if row["plan"] == "tuned" else (None if row["fits"] else "dim")
         table.add_row(
             row["plan"], row["short"], f"{row['iteration_ms']:.2f}", f"{row['speedup']:.3f}x",
             f"{row['bubble_ratio']:.1%}", f"{row['efficiency']:.3f}", f"{row['peak_memory_gb']:.1f}",
-            "yes" if row["fits"] else "no", style=style,
+            "yes" if row["fits"] else "no", ", ".join(row["runs_on"]), style=style,
         )
     return table
 
@@ -106,8 +110,29 @@ def _verdict(result, memory_gb: float) -> str:
             f"the tuned plan is {ratio:.3f}x faster{tie}")
 
 
+def _framework_costs(result) -> list[str]:
+    """What staying on a framework that cannot run the tuned plan costs: the fastest row that
+    fits and that it runs, against the tuned plan."""
+    lines = []
+    for framework, runs_on in (("Megatron-LM", "megatron"), ("torchtitan", "loop")):
+        if framework in result.runs_on:
+            continue
+        rows = [row for row in result.baselines if row.scored.fits and framework in row.runs_on]
+        best = min(rows, key=lambda row: row.scored.iteration_ms, default=None)
+        if best is None:
+            lines.append(f"{framework} runs none of the baselines that fit; `octoplan tune --runs-on {runs_on}` "
+                         "looks for a plan it runs")
+            continue
+        ratio = _ratio(best.scored.iteration_ms, result.scored.iteration_ms)
+        also = " (or v)" if framework == "torchtitan" else ""
+        lines.append(f"staying on {framework}: its fastest baseline that fits here is {_label(best)} "
+                     f"({best.config.label()}), {best.scored.iteration_ms:.2f} ms, {ratio:.3f}x the tuned plan's time; "
+                     f"`octoplan tune --runs-on {runs_on}`{also} tunes the best plan it runs")
+    return lines
+
+
 def _run(source, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,
-         max_plans=None, workers=1, no_recompute=False):
+         max_plans=None, workers=1, no_recompute=False, runs_on="any"):
     from rich.live import Live
 
     from octoplan.tuner.search import TuneOptions, tune
@@ -116,7 +141,7 @@ def _run(source, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_
     cluster = cluster_from(gpus, cluster_opts, profile)
     opts = TuneOptions(gpus=gpus, pp=pp, microbatches=microbatches, global_batch=global_batch,
                        time_limit_s=time_limit, seed=seed, chunks_max=chunks_max, use_cpsat=not no_cpsat,
-                       max_plans=max_plans, workers=workers, recompute=not no_recompute)
+                       max_plans=max_plans, workers=workers, recompute=not no_recompute, runs_on=runs_on)
     with Live(console=console, transient=True, refresh_per_second=4) as live:
         live.update(f"tuning {path} on {gpus} GPUs ...")
 
@@ -144,6 +169,9 @@ _NORC = typer.Option(False, "--no-recompute", help="never recompute activations 
                                                  "priced with full recomputation)")
 _MAXP = typer.Option(None, "--max-plans", help="stop after simulating this many plans instead of at --time-limit: "
                                              "the same plan on any machine at any load (with one worker)")
+_RUNS_ON = typer.Option("any", "--runs-on", help="the plans to tune: any (octorun and torch run every plan), "
+                       "megatron (those Megatron-LM runs: its loop placement and 1F1B or interleaved 1F1B order, only "
+                       "the partition tuned), loop or v (torchtitan's two stage placements, the order tuned)")
 _WORKERS = typer.Option(1, "--workers", help="processes that hill-climb at once, one per core to spare: the climbs "
                                             "from several seeds run side by side (the result then depends on timing)")
 
@@ -174,6 +202,7 @@ def register(app: typer.Typer) -> None:
         gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
         inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
         max_plans: Optional[int] = _MAXP, workers: int = _WORKERS, no_recompute: bool = _NORC,
+        runs_on: str = _RUNS_ON,
     ) -> None:
         """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
         from octoplan.plan import save_plan
@@ -182,10 +211,12 @@ def register(app: typer.Typer) -> None:
         check_writable(output, "-o", inputs=(source[0],))
         result = _run(source, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
-                      max_plans, workers, no_recompute)
+                      max_plans, workers, no_recompute, runs_on)
         save_plan(result.plan, output)
         console.print(_table(result))
         console.print(_verdict(result, result.plan.cluster.memory_gb), soft_wrap=True)
+        for line in _framework_costs(result):
+            console.print(line, soft_wrap=True)
         plan = result.plan
         # soft_wrap: long lines wrap at the terminal's edge, never inside a path or a number
         recomputing = plan.num_recomputing
@@ -193,7 +224,8 @@ def register(app: typer.Typer) -> None:
         stages = f"{plan.num_stages} stages" + (f", {recomputing} recomputing their activations" if recomputing else "") + (
             f" ({some} only their first layers)" if some else "")
         console.print(f"tuned plan for {gpus} GPUs ({result.candidate.config.label()}, {stages}) -> "
-                      f"{escape(str(output))}: predicted {plan.predicted['iteration_ms']:.2f} ms, bubble "
+                      f"{escape(str(output))}, runs on {', '.join(result.runs_on)}: predicted "
+                      f"{plan.predicted['iteration_ms']:.2f} ms, bubble "
                       f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "
                       f"({result.stats['evaluations']} plans simulated in {result.stats['wall_s']:.1f} s)", soft_wrap=True)
         console.print(_where_the_time_goes(result.stats, plan.predicted["efficiency"]), soft_wrap=True)
@@ -213,10 +245,13 @@ def register(app: typer.Typer) -> None:
         gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
         inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
         max_plans: Optional[int] = _MAXP, workers: int = _WORKERS, no_recompute: bool = _NORC,
+        runs_on: str = _RUNS_ON,
     ) -> None:
         """Tune, and print the tuned plan against every baseline without writing a plan."""
         result = _run(read_profile(profile_path), gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
-                      max_plans, workers, no_recompute)
+                      max_plans, workers, no_recompute, runs_on)
         console.print(_table(result))
         console.print(_verdict(result, result.plan.cluster.memory_gb), soft_wrap=True)
+        for line in _framework_costs(result):
+            console.print(line, soft_wrap=True)

@@ -57,6 +57,7 @@ from octoplan.schedules.policy import default_policies
 from octoplan.simulator import DeadlockError, SimResult
 from octoplan.tuner.arrange import start_aware
 from octoplan.tuner.carry import Carrier, peel_moves
+from octoplan.tuner.frameworks import MEGATRON_ID, RUNS_ON, Frameworks
 from octoplan.tuner.moves import DIMENSIONS, neighbours, shifts_off_hot_ranks, with_recomputation
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored, bounds_of
 from octoplan.yamlio import file_sha256
@@ -110,6 +111,9 @@ class TuneOptions:
     # may stages recompute their activations (octoplan.costs.StageCost)? The tuner then also
     # prices every baseline that does not fit memory with full recomputation, as its users would
     recompute: bool = True
+    # the plans the search may return (:mod:`octoplan.tuner.frameworks`): any, or only those
+    # Megatron-LM ("megatron") or torchtitan ("loop", "v": its two stage placements) can run
+    runs_on: str = "any"
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class BaselineRow:
     config: Config
     scored: Scored
     candidate: Candidate
+    runs_on: tuple[str, ...] = ()  # the frameworks that run it as planned (frameworks.FRAMEWORKS)
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,7 @@ class TuneResult:
     candidate: Candidate
     baselines: tuple[BaselineRow, ...]
     stats: dict = field(default_factory=dict)
+    runs_on: tuple[str, ...] = ()  # the frameworks that run the tuned plan as planned
 
     def best_baseline(self) -> BaselineRow | None:
         fitting = [row for row in self.baselines if row.scored.fits]
@@ -310,6 +316,7 @@ class _Search:
         self.shaken: Evaluator | None = None  # the evaluator of the restart climbing now
         self.clock = clock or _Clock(opts.time_limit_s, max_plans=opts.max_plans, plans=self.plans_simulated)
         self.rng = random.Random(opts.seed)
+        self.frameworks = Frameworks(evaluator.profile)
         self.best: Candidate | None = None
         self.best_scored: Scored | None = None
         self.accepted_moves: list[str] = []
@@ -351,9 +358,14 @@ class _Search:
         self.climb(final, deadline=deadline)
         return True
 
+    def allowed(self, cand: Candidate) -> bool:
+        """Whether ``cand`` is a plan the search may return (``--runs-on``)."""
+        return self.frameworks.allows(cand, self.opts.runs_on)
+
     def offer(self, cand: Candidate) -> Scored:
         scored = self.ev.score(cand)
-        if self.best_scored is None or scored.score < self.best_scored.score:
+        # every candidate is priced (a baseline row is, whatever runs it), only allowed ones win
+        if (self.best_scored is None or scored.score < self.best_scored.score) and self.allowed(cand):
             self.best, self.best_scored = cand, scored
             (log.debug if self.quiet else log.info)("best %.4f ms (fits=%s, bubble %.3f) from %s [%s]",
                                                     scored.iteration_ms, scored.fits, scored.bubble_ratio,
@@ -392,6 +404,8 @@ class _Search:
             for moved in moves:
                 if self.clock.elapsed() >= deadline:
                     break
+                if not self.allowed(moved):  # --runs-on: a placement or order the framework cannot run
+                    continue
                 try:
                     scored = self.offer(moved)
                 except (ValueError, DeadlockError) as exc:  # a move that breaks a rule or the order: skip it
@@ -521,6 +535,16 @@ def tune(
         raise InputError(None, "--workers", f"is {opts.workers}", f"use at most {MAX_WORKERS} processes (one per core to spare)")
     if not 0 <= opts.seed <= MAX_SEED:
         raise InputError(None, "--seed", f"is {opts.seed}", f"use a seed from 0 to {MAX_SEED}")
+    if opts.runs_on not in RUNS_ON:
+        raise InputError(None, "--runs-on", f"is {opts.runs_on!r}", f"use one of {', '.join(RUNS_ON)}")
+    if opts.runs_on == "megatron":
+        reason = Frameworks(profile).megatron_reason
+        if reason:
+            raise InputError(str(profile_path) if profile_path else None, "--runs-on megatron", reason,
+                             "Megatron-LM's pipeline layout cannot express this model; tune for octorun or torch")
+        # Megatron runs its own order: only the partition is the search's (boundary shifts keep
+        # the order; every other move would leave it)
+        opts = replace(opts, dimensions=tuple(d for d in opts.dimensions if d == "partition"))
     configs = configs_for(profile, opts)
     if cluster.gpus != opts.gpus:
         cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
@@ -530,6 +554,7 @@ def tune(
     search = _Search(evaluator, replace(opts, chunks_max=min(opts.chunks_max or DEFAULT_CHUNKS, profile.num_layers)),
                      progress)
     baselines = _collect_baselines(profile, cluster, configs, opts, search) if opts.baselines else []
+    megatron_chunks = _baseline_chunks(opts)  # Megatron's users choose their virtual stages as the baselines'
     opts = search.opts
 
     seeds: list[Candidate] = [row.candidate for row in baselines]
@@ -537,8 +562,14 @@ def tune(
     for config in configs:
         if search.clock.out():
             break
+        if opts.runs_on == "megatron":
+            seeds.extend(_megatron_seeds(search, profile, config, megatron_chunks))
+            continue
         if "schedule" in opts.dimensions or "placement" in opts.dimensions or not opts.baselines:
             seeds.extend(_policy_seeds(profile, config, opts.chunks_max))
+        # CP-SAT and the start-aware seeds place stages freely: a fixed placement keeps none of them
+        if opts.runs_on != "any":
+            continue
         if opts.use_cpsat and {"partition", "placement"} <= set(opts.dimensions):
             from octoplan.tuner.cpsat import cpsat_seeds  # OR-Tools only when the tuner runs
 
@@ -560,6 +591,10 @@ def tune(
         ranked = _with_recompute_seeds(search, ranked)
     if "schedule" in opts.dimensions:
         ranked = _with_justified_seeds(search, ranked)
+    ranked = [item for item in ranked if search.allowed(item[2])]
+    if not ranked:
+        raise InputError(None, "--runs-on", f"{opts.runs_on}: no plan of that kind applies to these GPUs and "
+                         "microbatches", _NO_SEED_FIX.get(opts.runs_on, "tune with --runs-on any"))
     seeded_s = search.clock.elapsed()
 
     # Climb from the best seed of each family (configuration x stage count x fixed or policy
@@ -669,9 +704,70 @@ def tune(
     }
     if best.policies is not None:
         stats["policies"] = [p.to_dict() for p in best.policies]
+    stats["runs_on"] = opts.runs_on
     plan = replace(plan, extra={"tuner": stats})
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
-    return TuneResult(plan, best_scored, best, tuple(baselines), stats)
+    frameworks = search.frameworks
+    rows = tuple(replace(row, runs_on=frameworks.runs_on(row.candidate)) for row in baselines)
+    return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best))
+
+
+_NO_SEED_FIX = {
+    "megatron": "Megatron-LM needs a stage per rank at least, and for interleaved 1F1B microbatches that are a "
+                "multiple of pp; give --pp and --microbatches that allow it",
+    "loop": "a loop needs the same number of stages on every rank: give a --pp no larger than the layer count",
+    "v": "a V needs two stages per rank: give a --pp of at most half the layer count",
+}
+
+
+def _snapped(bounds: tuple[int, ...], cuts: set[int]) -> tuple[int, ...] | None:
+    """``bounds`` with every inner boundary moved to the nearest layer index in ``cuts`` (a
+    split-blocks profile's block starts), kept strictly increasing; None where that fails."""
+    allowed = sorted(cuts)
+    out = [bounds[0]]
+    for b in bounds[1:-1]:
+        options = [c for c in allowed if out[-1] < c < bounds[-1]]
+        if not options:
+            return None
+        out.append(min(options, key=lambda c: (abs(c - b), c)))
+    out.append(bounds[-1])
+    return tuple(out)
+
+
+def _megatron_seeds(search: _Search, profile: Profile, config: Config, chunks_max: int) -> list[Candidate]:
+    """Megatron-LM's plans on ``config``: 1F1B, and interleaved 1F1B with every chunk count up to
+    ``chunks_max`` that Megatron runs, each with a uniform and a balanced partition snapped to
+    Megatron's layer boundaries, in Megatron's order (:func:`octoplan.export_megatron.megatron_order`)
+    and marked so (:data:`MEGATRON_ID`); where one does not fit memory, also with the fewest
+    layers recomputed per stage that fit (Megatron's block method)."""
+    frameworks = search.frameworks
+    assert frameworks.letters is not None
+    out: list[Candidate] = []
+    for chunks in range(1, max(1, chunks_max) + 1):
+        num_stages = chunks * config.pp
+        if num_stages > profile.num_layers:
+            break
+        order = frameworks.order(config.pp, config.microbatches, chunks)
+        if order is None:
+            continue
+        ranks = tuple(loop_placement(config.pp, num_stages))
+        what = "1F1B" if chunks == 1 else f"interleaved 1F1B with {chunks} virtual stages"
+        for method in ("uniform", "balanced"):
+            try:
+                pairs = partition(profile, num_stages, method, fused_backward=True)
+            except (InputError, ValueError):
+                continue
+            bounds = _snapped(bounds_of(pairs), frameworks.letters.cuts)
+            if bounds is None:
+                continue
+            label = f"{MEGATRON_ID}(v={chunks})/{method}"
+            cand = Candidate(config, bounds, ranks, None, order, f"Megatron-LM {what}, {method} partition", label)
+            if not frameworks.megatron_layout_ok(cand):
+                continue
+            out.append(cand)
+            if search.opts.recompute and not search.offer(cand).fits:
+                out.append(_fewest_recomputed_layers(search, cand, f"{cand.origin}, recomputing"))
+    return out
 
 
 def _again_ms(evaluator: Evaluator, cand: Candidate, stage: int) -> float:

@@ -1,0 +1,378 @@
+"""Export a plan as Megatron-LM (megatron-core) arguments: ``--pipeline-model-parallel-layout``.
+
+Megatron-LM takes an uneven partition as a layout string (class
+``megatron.core.transformer.pipeline_parallel_layer_layout.PipelineParallelLayerLayout``):
+stages separated by ``|``, one letter per layer — ``E`` embedding, ``t`` decoder layer, ``m``
+MTP layer, ``L`` loss (the final norm, output layer and loss) — with ``x*n`` repeating a letter,
+``(...)*n`` repeating a group (no nesting) and ``,`` as a cosmetic separator. ``E`` comes first
+and ``L`` last, each exactly once; the ``t`` count is ``--num-layers``, the ``m`` count
+``--mtp-num-layers``; MTP layers follow every decoder layer, all in one stage, and that stage is
+the last of its rank's virtual stages. The stage count is a multiple of pp and stage ``i`` runs
+on rank ``i mod pp`` (Megatron's virtual stages, as in octoplan's loop placement).
+
+Megatron runs only that placement, with its own order: 1F1B with one stage per rank, interleaved
+1F1B with several (then the microbatches must be a multiple of pp; with exactly pp of them it
+runs every forward before any backward), never a split backward (I/W). A plan is
+*Megatron-runnable* when it has that placement and that order (:func:`megatron_order`); only
+such a plan is exported, so the iteration time octoplan predicts is the one Megatron runs.
+Recomputation maps to ``--recompute-method block --recompute-num-layers N`` when every stage
+recomputes its first N layers (all of a shorter stage's); other recomputation Megatron cannot
+express.
+
+Layers map to letters by their profile ``kind`` (:data:`KIND_LETTERS`; ``--kind-letter``
+overrides): ``embedding`` is E, ``head`` is L, ``mtp`` is m, decoder blocks (``transformer``,
+``transformer-swa``, ``moe``, ``decoder``) are t. A split-blocks profile's ``NAME.mixer`` and
+``NAME.ffn`` layers (kinds ``K.mixer``, ``K.ffn``) make one t together, so a stage boundary
+between them is refused. A profile with no embedding layer gets E on the first stage, one
+with no head L on the last. Kinds Megatron's layout has no letter for (Mamba and MLP-only
+blocks of hybrid models, vision encoders) are refused: Megatron-LM builds those models with
+other arguments.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from octoplan.errors import InputError
+from octoplan.ops import Kind, Op
+from octoplan.outputs import write_text
+from octoplan.plan import Plan, Stage, check_structure
+from octoplan.profile import Profile
+from octoplan.schedules.looped import interleaved_1f1b, looped_schedule
+
+__all__ = ["KIND_LETTERS", "LayerLetters", "MegatronExport", "megatron_order", "layout_string", "parse_layout",
+           "check_layout", "megatron_problem", "megatron_export", "export_megatron", "parse_kind_letters"]
+
+# A profile layer's kind -> its letter in the layout (a split block's K.mixer / K.ffn read as K's).
+KIND_LETTERS: dict[str, str] = {
+    "embedding": "E", "head": "L", "mtp": "m",
+    "transformer": "t", "transformer-swa": "t", "moe": "t", "decoder": "t",
+}
+LETTERS = "EtmL"
+_SPLIT_PARTS = ("mixer", "ffn")
+
+
+def parse_kind_letters(pairs: Sequence[str]) -> dict[str, str]:
+    """``--kind-letter KIND=LETTER`` options as a dict (LETTER one of E, t, m, L)."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        kind, equals, letter = pair.partition("=")
+        if not equals or not kind or letter not in LETTERS or len(letter) != 1:
+            raise InputError(None, "--kind-letter", f"is {pair!r}", "write KIND=LETTER with LETTER one of E, t, m, L")
+        out[kind] = letter
+    return out
+
+
+class LayerLetters:
+    """A profile's layers as Megatron layout letters: which letter each layer stands for, where
+    a stage may start (never inside a split block), and where the MTP layers are."""
+
+    def __init__(self, profile: Profile, *, letters: Mapping[str, str] | None = None, file: str | None = None):
+        table = {**KIND_LETTERS, **(letters or {})}
+        self.num_layers = profile.num_layers
+        # per layer: its letter when it starts a Megatron layer, "" when it continues one
+        self.letter: list[str] = []
+        self.cuts: set[int] = {0, profile.num_layers}  # layer indices a stage may start at
+        previous_block = None
+        for index, layer in enumerate(profile.layers):
+            base, _, part = layer.kind.rpartition(".")
+            kind, block = (base, layer.name.rpartition(".")[0]) if part in _SPLIT_PARTS and base else (layer.kind, None)
+            if kind not in table:
+                known = ", ".join(sorted(table))
+                raise InputError(file, f"layers.{index}.kind",
+                                 f"is {layer.kind!r} ({layer.name}): Megatron-LM's pipeline layout has letters only "
+                                 f"for embedding (E), decoder layers (t), MTP layers (m) and the loss (L)",
+                                 f"layer kinds it maps: {known}; map others with --kind-letter KIND=LETTER where a "
+                                 f"Megatron decoder layer is what that layer is")
+            continues = block is not None and block == previous_block
+            self.letter.append("" if continues else table[kind])
+            if not continues:
+                self.cuts.add(index)
+            previous_block = block
+        letters_seen = "".join(self.letter)
+        for letter, where in (("E", "first"), ("L", "last")):
+            if letters_seen.count(letter) > 1:
+                raise InputError(file, "layers", f"has {letters_seen.count(letter)} layers of letter {letter}",
+                                 f"Megatron-LM's layout holds exactly one {letter}, the model's {where} layer")
+        if "E" in letters_seen and self.letter[0] != "E":
+            raise InputError(file, "layers.0", "is not the embedding, but a later layer is",
+                             "Megatron-LM's layout starts with the embedding (E)")
+        if "L" in letters_seen and letters_seen[-1] != "L":
+            raise InputError(file, f"layers.{self.num_layers - 1}", "is not the head, but an earlier layer is",
+                             "Megatron-LM's layout ends with the loss (L)")
+        stripped = letters_seen.strip("EL")
+        if "m" in stripped and "t" in stripped[stripped.index("m"):]:
+            raise InputError(file, "layers", "has decoder layers after an MTP layer",
+                             "Megatron-LM builds every MTP layer after the decoder layers")
+        self.mtp = [i for i, letter in enumerate(self.letter) if letter == "m"]
+
+    def stage_letters(self, bounds: Sequence[int]) -> list[str]:
+        """Each stage's letters, for stage boundaries ``bounds`` (S + 1 cut points); E and L
+        added to the first and last stage where no layer is the embedding or the head."""
+        out = ["".join(self.letter[a:b]) for a, b in zip(bounds, bounds[1:])]
+        if "E" not in "".join(out):
+            out[0] = "E" + out[0]
+        if "L" not in "".join(out):
+            out[-1] = out[-1] + "L"
+        return out
+
+    def bounds_problem(self, bounds: Sequence[int], pp: int) -> str | None:
+        """Why Megatron cannot take stages with these boundaries on ``pp`` ranks (None: it can)."""
+        inside = [b for b in bounds if b not in self.cuts]
+        if inside:
+            return (f"a stage starts at layer {inside[0]}, inside a split block: Megatron-LM's t is a whole decoder "
+                    f"layer (its mixer and its MLP together)")
+        if self.mtp:
+            stages = {next(s for s in range(len(bounds) - 1) if bounds[s] <= i < bounds[s + 1]) for i in self.mtp}
+            if len(stages) > 1:
+                return "the MTP layers are split over several stages; Megatron-LM keeps them in one"
+            (stage,) = stages
+            num_stages = len(bounds) - 1
+            if num_stages % pp == 0 and stage < num_stages - pp:
+                return (f"the MTP layers are in stage {stage}, not in its rank's last virtual stage "
+                        f"(stages {num_stages - pp} to {num_stages - 1}), where Megatron-LM requires them")
+        return None
+
+
+def megatron_order(pp: int, microbatches: int, chunks: int) -> list[list[Op]] | None:
+    """The op order Megatron-LM runs for ``chunks`` stages per rank in a loop: 1F1B, or its
+    interleaved 1F1B (microbatches taken in groups of pp; with exactly pp microbatches, every
+    forward before any backward). None where Megatron refuses (interleaved with microbatches
+    not a multiple of pp)."""
+    if chunks == 1:
+        return interleaved_1f1b(pp, microbatches, 1)
+    if microbatches % pp:
+        return None
+    if microbatches == pp:
+        return looped_schedule(pp, microbatches, chunks=chunks, warmup=lambda r: microbatches * chunks)
+    return interleaved_1f1b(pp, microbatches, chunks)
+
+
+def _is_loop(ranks: Sequence[int], pp: int) -> bool:
+    return len(ranks) % pp == 0 and all(r == s % pp for s, r in enumerate(ranks))
+
+
+def uniform_recompute(stages: Sequence[Stage]) -> int | None | bool:
+    """Megatron's ``--recompute-num-layers`` for these stages: False when none recomputes, the
+    N every stage recomputes its first N layers with (all of a shorter stage's), None when no
+    single N describes them."""
+    counts = [s.recomputed_layers for s in stages]
+    if not any(counts):
+        return False
+    n = max(counts)
+    if all(c == min(n, s.end - s.start) for c, s in zip(counts, stages)):
+        return n
+    return None
+
+
+def megatron_problem(plan: Plan, letters: LayerLetters) -> str | None:
+    """Why Megatron-LM cannot run ``plan`` as planned (None: it can)."""
+    pp, num_stages = plan.pp, plan.num_stages
+    ranks = [s.rank for s in plan.stages]
+    if not _is_loop(ranks, pp):
+        wrong = next((s for s, r in enumerate(ranks) if r != s % pp), None)
+        where = (f"stage {wrong} is on rank {ranks[wrong]}, not {wrong % pp}" if wrong is not None
+                 else f"{num_stages} stages are not a multiple of pp {pp}")
+        return f"Megatron-LM places stage i on rank i mod pp with the same stage count on every rank; {where}"
+    bounds = [plan.stages[0].start] + [s.end for s in plan.stages]
+    problem = letters.bounds_problem(bounds, pp)
+    if problem:
+        return problem
+    chunks = num_stages // pp
+    if any(op.kind in (Kind.I, Kind.W) for ops in plan.schedule for op in ops):
+        return "the plan splits backwards into I and W; Megatron-LM runs each backward whole"
+    order = megatron_order(pp, plan.microbatches, chunks)
+    if order is None:
+        return (f"Megatron-LM's interleaved 1F1B needs the microbatches ({plan.microbatches}) to be a multiple "
+                f"of pp ({pp})")
+    if [list(ops) for ops in plan.schedule] != order:
+        which = "1F1B" if chunks == 1 else f"interleaved 1F1B with {chunks} virtual stages per rank"
+        rank = next(r for r in range(pp) if list(plan.schedule[r]) != order[r])
+        return f"rank {rank}'s op order is not Megatron-LM's {which}"
+    if uniform_recompute(plan.stages) is None:
+        return ("its stages recompute different numbers of layers; Megatron-LM's --recompute-num-layers is one N "
+                "for every stage")
+    return None
+
+
+def _compress_stage(letters: str) -> str:
+    # runs of 3 or more as x*n; shorter runs spelled out (tt reads better than t*2)
+    return "".join(m.group(1) * len(m.group(0)) if len(m.group(0)) < 3 else f"{m.group(1)}*{len(m.group(0))}"
+                   for m in re.finditer(r"(.)\1*", letters))
+
+
+def layout_string(stages: Sequence[str]) -> str:
+    """The layout of per-stage letter strings, with repeated stages written once as
+    ``(|s)*n``: ``["Ett", "tt", "tt", "tL"]`` is ``Ett(|tt)*2|tL``. The first stage is never
+    part of a group (it alone holds E), so a group always follows a stage, never dangles."""
+    if not stages:
+        raise ValueError("a layout needs at least one stage")
+    out = [_compress_stage(stages[0])]
+    i = 1
+    while i < len(stages):
+        j = i
+        while j < len(stages) and stages[j] == stages[i]:
+            j += 1
+        text = _compress_stage(stages[i])
+        out.append(f"|{text}" if j - i == 1 else f"(|{text})*{j - i}")
+        i = j
+    return "".join(out)
+
+
+def parse_layout(text: str) -> list[str]:
+    """The stages (letter strings) of a layout string, by the grammar of the module docstring;
+    ``ValueError`` on anything else, including nested groups (Megatron's parser cannot
+    expand those)."""
+    body = text.replace(",", "")
+    pos = 0
+
+    def count() -> int:
+        nonlocal pos
+        if pos >= len(body) or body[pos] != "*":
+            return 1
+        match = re.match(r"\*(\d+)", body[pos:])
+        if not match or int(match.group(1)) < 1:
+            raise ValueError(f"'*' at {pos} is not followed by a positive count")
+        pos += len(match.group(0))
+        return int(match.group(1))
+
+    def sequence(nested: bool) -> str:
+        nonlocal pos
+        out = []
+        while pos < len(body):
+            char = body[pos]
+            if char == ")":
+                if not nested:
+                    raise ValueError(f"unmatched ')' at {pos}")
+                return "".join(out)
+            pos += 1
+            if char == "(":
+                if nested:
+                    raise ValueError(f"nested group at {pos - 1}")
+                inner = sequence(True)
+                if pos >= len(body) or not inner:
+                    raise ValueError("a group is empty or not closed")
+                pos += 1  # the ')'
+                out.append(inner * count())
+            elif char in LETTERS:
+                out.append(char * count())
+            elif char == "|":
+                out.append("|")
+            else:
+                raise ValueError(f"unknown character {char!r} at {pos - 1}")
+        if nested:
+            raise ValueError("a group is not closed")
+        return "".join(out)
+
+    return sequence(False).split("|")
+
+
+def check_layout(stages: Sequence[str], pp: int, *, num_layers: int, mtp_layers: int = 0) -> None:
+    """Megatron-LM's rules for a layout of ``stages`` on ``pp`` ranks; ``ValueError`` naming the
+    rule broken."""
+    if len(stages) % pp:
+        raise ValueError(f"{len(stages)} stages are not a multiple of pp {pp}")
+    flat = "".join(stages)
+    if not flat or flat[0] != "E" or flat[-1] != "L":
+        raise ValueError("the layout must start with E and end with L")
+    for letter in "EL":
+        if flat.count(letter) != 1:
+            raise ValueError(f"{letter} appears {flat.count(letter)} times, not once")
+    if flat.count("t") != num_layers:
+        raise ValueError(f"{flat.count('t')} decoder layers (t), but --num-layers is {num_layers}")
+    if flat.count("m") != mtp_layers:
+        raise ValueError(f"{flat.count('m')} MTP layers (m), but --mtp-num-layers is {mtp_layers}")
+    if "m" in flat and "t" in flat[flat.index("m"):]:
+        raise ValueError("a decoder layer (t) follows an MTP layer (m)")
+    holding = [s for s, text in enumerate(stages) if "m" in text]
+    if len(holding) > 1:
+        raise ValueError(f"the MTP layers are in stages {holding}, not one")
+    if holding and holding[0] < len(stages) - pp:
+        raise ValueError(f"the MTP layers are in stage {holding[0]}, not in its rank's last virtual stage")
+
+
+@dataclass(frozen=True)
+class MegatronExport:
+    """A Megatron-runnable plan as Megatron-LM arguments."""
+
+    layout: str
+    stages: tuple[str, ...]  # each stage's letters, unrolled
+    arguments: tuple[str, ...]  # the command-line arguments, one option or value per item
+    notes: tuple[str, ...]  # what the arguments cannot carry
+
+    def shell(self, *, title: str) -> str:
+        """The arguments as a bash array, to ``source`` and pass as ``"${MEGATRON_PP_ARGS[@]}"``."""
+        lines = [f"# {title}", "MEGATRON_PP_ARGS=("]
+        args = list(self.arguments)
+        while args:
+            option = args.pop(0)
+            value = [] if not args or args[0].startswith("--") else [args.pop(0)]
+            lines.append("  " + " ".join(shlex.quote(part) for part in [option, *value]))
+        lines.append(")")
+        lines.extend(f"# note: {note}" for note in self.notes)
+        return "\n".join(lines) + "\n"
+
+
+def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] | None = None,
+                    file: str = "<plan>") -> MegatronExport:
+    """``plan`` as Megatron-LM arguments; :class:`InputError` naming why Megatron-LM cannot run
+    it (the layer kinds, the placement, the order, the recomputation)."""
+    check_structure(plan, file=file, num_layers=profile.num_layers)
+    table = LayerLetters(profile, letters=letters, file=plan.profile or file)
+    problem = megatron_problem(plan, table)
+    if problem:
+        raise InputError(file, None, f"Megatron-LM cannot run this plan: {problem}",
+                         "octoplan tune --runs-on megatron finds the best plan it can run")
+    bounds = [plan.stages[0].start] + [s.end for s in plan.stages]
+    stages = table.stage_letters(bounds)
+    layout = layout_string(stages)
+    num_layers, mtp = "".join(stages).count("t"), "".join(stages).count("m")
+    check_layout(parse_layout(layout), plan.pp, num_layers=num_layers, mtp_layers=mtp)  # our own output, checked
+    dp = plan.parallel.dp
+    args = ["--pipeline-model-parallel-size", str(plan.pp), "--pipeline-model-parallel-layout", layout,
+            "--num-layers", str(num_layers)]
+    if mtp:
+        args += ["--mtp-num-layers", str(mtp)]
+    args += ["--micro-batch-size", str(profile.microbatch_size),
+             "--global-batch-size", str(profile.microbatch_size * plan.microbatches * dp)]
+    notes = [f"{plan.microbatches} microbatches per pipeline: Megatron-LM takes global batch / (micro batch x "
+             f"data-parallel size), with data-parallel size {dp} = GPUs / (pp {plan.pp} x your tensor-parallel size)",
+             "the layout sets the virtual stages per rank; give no --num-layers-per-virtual-pipeline-stage, "
+             "--num-virtual-stages-per-pipeline-rank, --decoder-first/last-pipeline-num-layers or "
+             "--account-for-embedding/loss-in-pipeline-split beside it"]
+    if dp > 1 and plan.parallel.rank_order == "pp-inner":
+        args.append("--use-tp-pp-dp-mapping")  # a pipeline's ranks consecutive, as the plan's pp-inner order
+    if uniform_recompute(plan.stages):
+        args += _recompute_arguments(plan, table, notes)
+    return MegatronExport(layout, tuple(stages), tuple(args), tuple(notes))
+
+
+def _recompute_arguments(plan: Plan, table: LayerLetters, notes: list[str]) -> list[str]:
+    """Megatron's block recomputation for a plan whose stages recompute their first N profile
+    layers: ``--recompute-num-layers`` counts decoder layers (t), so N becomes the decoder layers
+    among a stage's first N layers (a split block counts once its mixer is among them)."""
+    recomputed = [table.letter[s.start:s.start + s.recomputed_layers].count("t") for s in plan.stages]
+    decoders = [table.letter[s.start:s.end].count("t") for s in plan.stages]
+    n = max(recomputed)
+    differ = [str(i) for i, (k, total) in enumerate(zip(recomputed, decoders)) if k != min(n, total)]
+    if differ:
+        notes.append(f"Megatron-LM recomputes the first {n} decoder layers of every stage; the plan's stages "
+                     f"{', '.join(differ)} recompute fewer (their embedding or a split block's half counts in the "
+                     "plan), so under Megatron-LM they need less memory and a little more time than the plan predicts")
+    if n == 0:
+        notes.append("the plan recomputes only embedding layers, which Megatron-LM never recomputes")
+        return []
+    return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(n)]
+
+
+def export_megatron(plan: Plan, profile: Profile, path: str | Path, *, letters: Mapping[str, str] | None = None,
+                    file: str = "<plan>", title: str | None = None) -> MegatronExport:
+    """Write ``plan``'s Megatron-LM arguments to ``path`` as a bash array (see
+    :meth:`MegatronExport.shell`); nothing is written when it raises."""
+    export = megatron_export(plan, profile, letters=letters, file=file)
+    write_text(path, export.shell(title=title or f"Megatron-LM arguments for {file} (octoplan export --format megatron)"))
+    return export

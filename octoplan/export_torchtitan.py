@@ -1,0 +1,168 @@
+"""Export a plan as torchtitan settings: its ``[parallelism]`` pipeline config and the schedule CSV.
+
+torchtitan (``torchtitan/distributed/pipeline_parallel.py``) builds a pipeline from
+``ParallelismConfig``: ``pipeline_parallel_degree`` ranks, the stages' modules
+``module_fqns_per_model_part`` (one list of module names per stage, in stage order), and with
+``pipeline_parallel_schedule_csv`` it runs torch's ``_PipelineScheduleRuntime`` on that CSV
+(octoplan's ``torch-csv`` export, :mod:`octoplan.export`). The microbatch count is
+``training.local_batch_size / pipeline_parallel_microbatch_size``.
+
+torchtitan places stages itself, from the schedule's name in ``pipeline_parallel_schedule``:
+in a loop (rank ``r`` holds stages ``r + s x pp``) for every schedule but ZB-V and DualPipeV,
+which take a V of exactly two stages per rank (rank ``r`` holds ``r`` and ``2pp-1-r``). The
+CSV decides the order only. So a plan exports when its placement is one of those two (the
+schedule's name is then set to one that yields it); any other placement would put stages on
+other ranks than the CSV names, and is refused. ``octoplan tune --runs-on loop`` (or ``v``)
+finds the best plan of that placement.
+
+Module names (``fqn_style``): ``llama`` names the modules as torchtitan's Llama-style models
+do — the embedding layer ``tok_embeddings``, the head ``norm`` and ``output``, every other layer
+``layers.N`` with N counting those layers from 0 (a split block's mixer and MLP are one
+``layers.N``; a stage boundary between them is refused). That is an assumption about the
+model's module tree that holds for torchtitan's Llama, Llama-4-style and DeepSeek-V3
+models' decoder layers; ``profile`` takes each layer's name from the profile instead, for a
+model whose profile names its modules.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from octoplan.errors import InputError
+from octoplan.export import torch_csv_rows
+from octoplan.outputs import check_distinct, write_text
+from octoplan.plan import Plan, check_structure
+from octoplan.profile import Profile
+from octoplan.schedules import loop_placement, v_placement
+
+__all__ = ["FQN_STYLES", "TorchtitanExport", "torchtitan_placement", "module_fqns", "torchtitan_export",
+           "export_torchtitan", "csv_path_for"]
+
+FQN_STYLES = ("llama", "profile")
+_SPLIT_PARTS = ("mixer", "ffn")
+
+
+def torchtitan_placement(plan: Plan) -> str | None:
+    """``"loop"`` or ``"v"``: the torchtitan stage placement that is ``plan``'s (None: neither)."""
+    ranks = [s.rank for s in plan.stages]
+    if plan.num_stages % plan.pp == 0 and ranks == loop_placement(plan.pp, plan.num_stages):
+        return "loop"
+    if plan.num_stages == 2 * plan.pp and ranks == v_placement(plan.pp, plan.num_stages):
+        return "v"
+    return None
+
+
+def module_fqns(plan: Plan, profile: Profile, *, style: str = "llama", file: str = "<plan>") -> list[list[str]]:
+    """Each stage's module names in ``style`` (see the module docstring)."""
+    if style not in FQN_STYLES:
+        raise InputError(None, "--fqn-style", f"is {style!r}", f"use one of {', '.join(FQN_STYLES)}")
+    names: list[list[str]] = []  # per layer
+    owner: list[str | None] = []  # per layer, the split block it is part of
+    block_index = -1
+    previous = None
+    for layer in profile.layers:
+        base, _, part = layer.name.rpartition(".")
+        block = base if part in _SPLIT_PARTS and layer.kind.rpartition(".")[2] == part else None
+        owner.append(block)
+        if style == "profile":
+            names.append([layer.name])
+        elif layer.kind == "embedding":
+            names.append(["tok_embeddings"])
+        elif layer.kind == "head":
+            names.append(["norm", "output"])
+        else:
+            if block is None or block != previous:
+                block_index += 1
+            names.append([f"layers.{block_index}"])
+        previous = block
+    out = []
+    for s, stage in enumerate(plan.stages):
+        if stage.start > 0 and owner[stage.start] is not None and owner[stage.start] == owner[stage.start - 1]:
+            raise InputError(file, f"stages.{s}", f"starts at layer {stage.start}, inside block {owner[stage.start]} "
+                             "(its mixer and MLP are separate layers of a split-blocks profile)",
+                             "torchtitan splits a model at module boundaries: tune from a profile without "
+                             "--split-blocks, or move the boundary to the block's end")
+        fqns: list[str] = []
+        for layer in stage.layers:
+            fqns.extend(name for name in names[layer] if name not in fqns)
+        out.append(fqns)
+    return out
+
+
+@dataclass(frozen=True)
+class TorchtitanExport:
+    placement: str  # "loop" or "v"
+    schedule_name: str  # pipeline_parallel_schedule: a name that yields that placement
+    fqns: tuple[tuple[str, ...], ...]
+    rows: tuple[tuple[str, ...], ...]  # the CSV's rows
+
+    def toml(self, *, plan: Plan, microbatch_size: int, csv_path: str, title: str) -> str:
+        """The settings as a torchtitan TOML fragment."""
+        fqns = ",\n".join(f"    {json.dumps(list(stage))}" for stage in self.fqns)
+        local_batch = microbatch_size * plan.microbatches
+        lines = [
+            f"# {title}",
+            f"# {plan.num_stages} stages in a {'V' if self.placement == 'v' else 'loop'} on {plan.pp} pipeline ranks, "
+            f"{plan.microbatches} microbatches of {microbatch_size}",
+            "[parallelism]",
+            f"pipeline_parallel_degree = {plan.pp}",
+            f"# only decides where stages go ({self.placement} placement); the CSV sets the order",
+            f"pipeline_parallel_schedule = {json.dumps(self.schedule_name)}",
+            f"pipeline_parallel_schedule_csv = {json.dumps(csv_path)}",
+            f"pipeline_parallel_microbatch_size = {microbatch_size}",
+            "module_fqns_per_model_part = [",
+            fqns,
+            "]",
+            "",
+            "[training]",
+            f"# {plan.microbatches} microbatches = local_batch_size / pipeline_parallel_microbatch_size",
+            f"local_batch_size = {local_batch}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def torchtitan_export(plan: Plan, profile: Profile, *, style: str = "llama", file: str = "<plan>") -> TorchtitanExport:
+    """``plan`` as torchtitan settings; :class:`InputError` (naming the placement torchtitan
+    needs) for a plan it would place otherwise."""
+    check_structure(plan, file=file, num_layers=profile.num_layers)
+    placement = torchtitan_placement(plan)
+    if placement is None:
+        ranks = ", ".join(str(s.rank) for s in plan.stages)
+        raise InputError(file, "stages", f"are placed on ranks [{ranks}]; torchtitan places stage s on rank s mod pp "
+                         f"(a loop, the same stage count on every rank) or, for ZB-V and DualPipeV, in a V "
+                         f"of exactly two stages per rank (rank r holds r and {2 * plan.pp - 1}-r), and would run "
+                         "these stages on other ranks than the plan's",
+                         "octoplan tune --runs-on loop (or --runs-on v) finds the best plan of that placement")
+    fqns = module_fqns(plan, profile, style=style, file=file)
+    rows = torch_csv_rows(plan, file=file)
+    # the name's only effect is the placement: ZB-V's V, or a loop of one or several stages per rank
+    name = "ZBVZeroBubble" if placement == "v" else ("Interleaved1F1B" if plan.num_stages > plan.pp else "1F1B")
+    return TorchtitanExport(placement, name, tuple(map(tuple, fqns)), tuple(map(tuple, rows)))
+
+
+def csv_path_for(path: str | Path) -> Path:
+    """Where the schedule CSV goes beside the settings file ``path``: the same name, ``.csv``."""
+    return Path(path).with_suffix(".csv")
+
+
+def export_torchtitan(plan: Plan, profile: Profile, path: str | Path, *, style: str = "llama",
+                      file: str = "<plan>") -> tuple[TorchtitanExport, Path]:
+    """Write the torchtitan settings to ``path`` (TOML) and the schedule CSV beside it
+    (:func:`csv_path_for`); nothing is written when it raises. Returns the export and the
+    CSV's path."""
+    csv_path = csv_path_for(path)
+    check_distinct({"-o": path, "the schedule CSV": csv_path})
+    export = torchtitan_export(plan, profile, style=style, file=file)
+    from octoplan.export import export_torch_csv
+
+    text = export.toml(plan=plan, microbatch_size=profile.microbatch_size, csv_path=str(csv_path),
+                       title=f"torchtitan settings for {file} (octoplan export --format torchtitan)")
+    export_torch_csv(plan, csv_path, file=file)
+    try:
+        write_text(path, text, flag="-o")
+    except InputError:
+        csv_path.unlink(missing_ok=True)  # the settings name the CSV: one without the other is half an export
+        raise
+    return export, csv_path

@@ -1,0 +1,94 @@
+"""Which training frameworks can run a candidate plan, and the search's constraint for ``--runs-on``.
+
+octorun and torch.distributed.pipelining (octoplan's ``torch-csv`` export) run any plan.
+torchtitan runs a plan whose stages sit in a loop (stage s on rank s mod pp) or in a V of two
+stages per rank (:mod:`octoplan.export_torchtitan`); Megatron-LM one in a loop with its own
+1F1B or interleaved 1F1B order, a layout its layer letters can express, and one recomputation
+count for every stage (:mod:`octoplan.export_megatron`).
+
+``--runs-on`` confines the search to the plans one of them runs: ``megatron`` (only the
+partition is tuned, under Megatron's order; recomputation only as Megatron's block method),
+``loop`` and ``v`` (torchtitan's two placements; partition and order are tuned).
+"""
+
+from __future__ import annotations
+
+from octoplan.errors import InputError
+from octoplan.export_megatron import LayerLetters, megatron_order
+from octoplan.profile import Profile
+from octoplan.schedules import loop_placement, v_placement
+from octoplan.tuner.space import Candidate
+
+__all__ = ["RUNS_ON", "FRAMEWORKS", "Frameworks", "MEGATRON_ID"]
+
+RUNS_ON = ("any", "megatron", "loop", "v")
+FRAMEWORKS = ("octorun", "torch", "torchtitan", "Megatron-LM")
+MEGATRON_ID = "megatron"  # the fixed_id prefix of the search's Megatron-ordered seeds
+
+
+class Frameworks:
+    """The frameworks of one profile's candidates; ``letters`` are None when Megatron-LM's layout
+    cannot express the profile's layers (``megatron_reason`` says why)."""
+
+    def __init__(self, profile: Profile):
+        try:
+            self.letters: LayerLetters | None = LayerLetters(profile)
+            self.megatron_reason = ""
+        except InputError as exc:
+            self.letters, self.megatron_reason = None, f"{exc.field} {exc.problem}"
+        self._orders: dict[tuple[int, int, int], tuple | None] = {}
+
+    def order(self, pp: int, microbatches: int, chunks: int) -> tuple | None:
+        key = (pp, microbatches, chunks)
+        if key not in self._orders:
+            found = megatron_order(pp, microbatches, chunks)
+            self._orders[key] = None if found is None else tuple(tuple(ops) for ops in found)
+        return self._orders[key]
+
+    @staticmethod
+    def placement(cand: Candidate) -> str | None:
+        pp, count = cand.config.pp, cand.num_stages
+        if count % pp == 0 and list(cand.ranks) == loop_placement(pp, count):
+            return "loop"
+        if count == 2 * pp and list(cand.ranks) == v_placement(pp, count):
+            return "v"
+        return None
+
+    def megatron_layout_ok(self, cand: Candidate) -> bool:
+        """Loop placement, boundaries Megatron's letters allow, one recomputation count."""
+        if self.letters is None or self.placement(cand) != "loop":
+            return False
+        if self.letters.bounds_problem(cand.bounds, cand.config.pp) is not None:
+            return False
+        counts = [cand.recomputed_layers(s) for s in range(cand.num_stages)]
+        if any(counts):
+            n = max(counts)
+            sizes = [b - a for a, b in zip(cand.bounds, cand.bounds[1:])]
+            return all(c == min(n, size) for c, size in zip(counts, sizes))
+        return True
+
+    def megatron_runs(self, cand: Candidate) -> bool:
+        """Megatron-LM runs ``cand`` as planned: its layout, and Megatron's order exactly."""
+        if cand.fixed is None or not self.megatron_layout_ok(cand):
+            return False
+        return cand.fixed == self.order(cand.config.pp, cand.config.microbatches, cand.num_stages // cand.config.pp)
+
+    def runs_on(self, cand: Candidate) -> tuple[str, ...]:
+        """The frameworks that run ``cand`` as planned, in :data:`FRAMEWORKS` order."""
+        out = ["octorun", "torch"]
+        if self.placement(cand) is not None:
+            out.append("torchtitan")
+        if self.megatron_runs(cand):
+            out.append("Megatron-LM")
+        return tuple(out)
+
+    def allows(self, cand: Candidate, runs_on: str) -> bool:
+        """Whether the search confined by ``runs_on`` may keep ``cand``. For ``megatron`` a cheap
+        test: the order is one of the search's Megatron-ordered seeds' (boundary shifts keep it,
+        every reordering renames it), the layout as :meth:`megatron_layout_ok`."""
+        if runs_on == "any":
+            return True
+        if runs_on == "megatron":
+            return (cand.fixed is not None and cand.fixed_id.startswith(MEGATRON_ID) and "+" not in cand.fixed_id
+                    and self.megatron_layout_ok(cand))
+        return self.placement(cand) == runs_on

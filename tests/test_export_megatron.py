@@ -1,0 +1,291 @@
+"""``octoplan export --format megatron`` and ``tune --runs-on megatron``.
+
+The layout strings are checked three ways: against exact hand-written strings, against this
+module's own reading of the grammar (``parse_layout``/``check_layout``, which always run), and,
+where megatron-core imports here, against its own ``PipelineParallelLayerLayout`` parser and
+validator (the test skips when it is not installed; megatron-core is no dependency of octoplan).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from octoplan.baseline import make_baseline
+from octoplan.errors import InputError
+from octoplan.export_megatron import (
+    LayerLetters, check_layout, layout_string, megatron_export, megatron_order, megatron_problem, parse_kind_letters,
+    parse_layout,
+)
+from octoplan.plan import Cluster, Parallel, Plan, Stage, load_plan, save_plan
+from octoplan.profile import Layer, ModelRef, Profile, save_profile
+from octoplan.schedules.looped import one_f_one_b
+from octoplan.tuner.frameworks import Frameworks
+from octoplan.tuner.search import TuneOptions, tune
+
+# embedding, 6 decoder layers, one MTP layer, the head: 9 layers, uneven costs
+KINDS = ["embedding"] + ["transformer"] * 3 + ["moe"] * 3 + ["mtp", "head"]
+TIMES = [(0.5, 0.3, 0.2), (1, 1, 1), (1, 1, 1), (1, 1, 1), (2, 2, 2), (2, 2, 2), (2, 2, 2), (1.5, 1, 1), (3, 2, 2)]
+
+
+def _profile(kinds=KINDS, times=TIMES, names=None, microbatch_size=2) -> Profile:
+    names = names or [f"l{i}" for i in range(len(kinds))]
+    layers = tuple(Layer(name, kind, f, i, w, 1000, 100, 10) for name, kind, (f, i, w) in zip(names, kinds, times))
+    return Profile(model=ModelRef("m"), layers=layers, microbatch_size=microbatch_size)
+
+
+def _plan(bounds, ranks, schedule, *, pp, microbatches, dp=1, rank_order="pp-inner", recompute=None) -> Plan:
+    recompute = recompute or {}
+    stages = tuple(Stage(a, b, r, s in recompute, recompute.get(s)) for s, (a, b, r) in
+                   enumerate(zip(bounds, bounds[1:], ranks)))
+    return Plan(model=ModelRef("m"), cluster=Cluster(gpus=pp * dp), parallel=Parallel(pp, microbatches, dp, rank_order),
+                stages=stages, schedule=tuple(tuple(ops) for ops in schedule))
+
+
+def _interleaved_plan(**kwargs) -> Plan:
+    # pp 2, 2 virtual stages per rank: [E t t | t t | t t | m L]
+    return _plan((0, 3, 5, 7, 9), (0, 1, 0, 1), megatron_order(2, 4, 2), pp=2, microbatches=4, **kwargs)
+
+
+def test_layout_strings_are_exact_and_read_back():
+    stages = ["Ettt"] + ["tt"] * 29 + ["m", "L"]  # DeepSeek-V3 on pp 16 with 2 virtual stages
+    assert layout_string(stages) == "Et*3(|tt)*29|m|L"
+    assert layout_string(["Et", "tt", "tt", "tL"]) == "Et(|tt)*2|tL"
+    assert layout_string(["EtttL"]) == "Et*3L"
+    assert layout_string(["Ett", "tt", "ttt", "ttt", "ttt", "mL"]) == "Ett|tt(|t*3)*3|mL"
+    for case in (stages, ["Et", "tt", "tt", "tL"], ["EtttL"], ["Ett", "tt", "ttt", "ttt", "ttt", "mL"]):
+        assert parse_layout(layout_string(case)) == case
+    # Megatron-LM's documented example reads as the same stages
+    assert parse_layout("Et*3|(tt|)*29,m|L") == stages
+
+
+@pytest.mark.parametrize("text", ["Ex|L", "E(t(t)*2)*2|L", "Et*0|L", "E(t|L", "Et)|L", "E()*2|tL"])
+def test_the_grammar_refuses_what_megatron_cannot_read(text):
+    with pytest.raises(ValueError):
+        parse_layout(text)
+
+
+@pytest.mark.parametrize("stages, pp, num_layers, mtp, rule", [
+    (["Ett", "ttL", "t"], 2, 5, 0, "multiple of pp"),
+    (["tE", "ttL"], 2, 3, 0, "start with E"),
+    (["EtE", "ttL"], 2, 3, 0, "E appears 2 times"),
+    (["Ett", "tLtL"], 2, 4, 0, "L appears 2 times"),
+    (["Ett", "tLt"], 2, 4, 0, "end with L"),
+    (["Ett", "ttL"], 2, 5, 0, "--num-layers is 5"),
+    (["Etm", "ttL"], 2, 3, 1, "follows an MTP layer"),
+    (["Ett", "tmmL"], 2, 3, 1, "--mtp-num-layers is 1"),
+    (["Et", "tm", "tt", "L"], 2, 4, 1, "follows an MTP"),
+    (["Et", "tt", "m", "t", "tt", "L"], 3, 6, 1, "follows an MTP"),
+    (["Et", "tt", "tm", "mL"], 2, 4, 2, "not one"),
+    (["Et", "tt", "t", "t", "tt", "mL"], 4, 7, 1, "multiple of pp"),
+])
+def test_check_layout_names_the_rule_broken(stages, pp, num_layers, mtp, rule):
+    with pytest.raises(ValueError, match=rule):
+        check_layout(stages, pp, num_layers=num_layers, mtp_layers=mtp)
+
+
+def test_mtp_must_sit_in_its_ranks_last_virtual_stage():
+    check_layout(["Et", "tt", "tt", "mL"], 2, num_layers=5, mtp_layers=1)  # stage 3: rank 1's last
+    with pytest.raises(ValueError, match="last virtual stage"):
+        check_layout(["Ett", "tm", "", "L"], 2, num_layers=3, mtp_layers=1)  # stage 1: rank 1's first
+
+
+def test_megatron_orders():
+    assert megatron_order(3, 5, 1) == one_f_one_b(3, 5)
+    assert megatron_order(2, 5, 2) is None  # interleaved needs a multiple of pp
+    # exactly pp microbatches: every forward before any backward, in Megatron's chunk order
+    rank0 = megatron_order(2, 2, 2)[0]
+    assert [str(op) for op in rank0] == ["0F0", "0F1", "2F0", "2F1", "2B0", "2B1", "0B0", "0B1"]
+    # 4 microbatches on pp 2: rank 1 warms up with (v-1) x pp = 2 forwards, then alternates
+    rank1 = megatron_order(2, 4, 2)[1]
+    assert [str(op) for op in rank1[:5]] == ["1F0", "1F1", "3F0", "3B0", "3F1"]
+
+
+def test_interleaved_plan_exports_exact_arguments(tmp_path):
+    plan = _interleaved_plan(dp=2)
+    export = megatron_export(plan, _profile())
+    assert export.stages == ("Ett", "tt", "tt", "mL")
+    assert export.layout == "Ett(|tt)*2|mL"
+    assert export.arguments == (
+        "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett(|tt)*2|mL",
+        "--num-layers", "6", "--mtp-num-layers", "1", "--micro-batch-size", "2", "--global-batch-size", "16",
+        "--use-tp-pp-dp-mapping",
+    )
+    text = export.shell(title="t")
+    assert text.splitlines()[:9] == [
+        "# t", "MEGATRON_PP_ARGS=(", "  --pipeline-model-parallel-size 2",
+        "  --pipeline-model-parallel-layout 'Ett(|tt)*2|mL'", "  --num-layers 6", "  --mtp-num-layers 1",
+        "  --micro-batch-size 2", "  --global-batch-size 16", "  --use-tp-pp-dp-mapping",
+    ]
+    # bash reads the array back as the arguments, the layout one word
+    script = tmp_path / "args.sh"
+    script.write_text(text)
+    words = subprocess.run(["bash", "-c", f'source {script}; printf "%s\\n" "${{MEGATRON_PP_ARGS[@]}}"'],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    assert tuple(words) == export.arguments
+    # dp-inner is Megatron's default rank order: no mapping flag
+    assert "--use-tp-pp-dp-mapping" not in megatron_export(_interleaved_plan(dp=2, rank_order="dp-inner"), _profile()).arguments
+
+
+def test_one_stage_per_rank_and_missing_embedding_and_head():
+    kinds = ["block"] * 5
+    profile = _profile(kinds=kinds, times=[(1, 1, 1)] * 5)
+    plan = _plan((0, 2, 5), (0, 1), one_f_one_b(2, 3), pp=2, microbatches=3)
+    export = megatron_export(plan, profile, letters=parse_kind_letters(["block=t"]))
+    assert export.layout == "Ett|t*3L"  # E and L attached to the first and last stage
+    assert export.arguments[:6] == ("--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+                                    "Ett|t*3L", "--num-layers", "5")
+    with pytest.raises(InputError, match="'block'"):
+        megatron_export(plan, profile)  # an unknown kind is refused, not guessed
+
+
+def test_block_recomputation_maps_to_decoder_layers():
+    uniform = _interleaved_plan(recompute={0: 2, 1: 2, 2: 2, 3: 2})
+    args = megatron_export(uniform, _profile()).arguments
+    assert args[-6:] == ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2")
+    export = megatron_export(_interleaved_plan(recompute={0: 3, 1: 3, 2: 3, 3: 3}), _profile())
+    # stage 0's first 3 layers are E t t: 2 decoder layers, as every other stage's (all of theirs)
+    assert export.arguments[-1] == "2"
+    uneven = _interleaved_plan(recompute={0: 1, 1: 2})
+    assert "one N" in megatron_problem(uneven, LayerLetters(_profile()))
+
+
+def test_plans_megatron_cannot_run_are_refused_with_the_reason():
+    profile = _profile()
+    letters = LayerLetters(profile)
+    base = _interleaved_plan()
+    swapped = replace(base, stages=tuple(replace(s, rank=1 - s.rank) for s in base.stages))
+    assert "stage 0 is on rank 1" in megatron_problem(swapped, letters)
+    split = make_baseline(profile, schedule="zb-h1", gpus=2, microbatches=4)
+    assert "splits backwards" in megatron_problem(split, letters)
+    reordered = [list(ops) for ops in base.schedule]
+    reordered[1][3], reordered[1][4] = reordered[1][4], reordered[1][3]
+    assert "rank 1's op order" in megatron_problem(base.with_schedule(reordered), letters)
+    early_mtp = _plan((0, 2, 4, 8, 9), (0, 1, 0, 1), megatron_order(2, 4, 2), pp=2, microbatches=4)
+    assert megatron_problem(early_mtp, letters) is None  # m in stage 2, rank 0's last virtual stage
+    too_early = _plan((0, 3, 8, 9), (0, 1, 2), one_f_one_b(3, 3), pp=3, microbatches=3)
+    assert megatron_problem(too_early, letters) is None  # one stage per rank: every stage is its rank's last
+    with pytest.raises(InputError, match="Megatron-LM cannot run this plan: .*splits backwards"):
+        megatron_export(split, profile)
+
+
+def test_split_blocks_merge_and_refuse_a_cut_inside_a_block():
+    kinds = ["embedding", "transformer.mixer", "transformer.ffn", "transformer.mixer", "transformer.ffn", "head"]
+    names = ["embed", "layers.0.mixer", "layers.0.ffn", "layers.1.mixer", "layers.1.ffn", "head"]
+    profile = _profile(kinds=kinds, times=[(1, 1, 1)] * 6, names=names)
+    whole = _plan((0, 3, 6), (0, 1), one_f_one_b(2, 2), pp=2, microbatches=2)
+    assert megatron_export(whole, profile).layout == "Et|tL"  # two layers of the profile, one t each
+    inside = _plan((0, 2, 6), (0, 1), one_f_one_b(2, 2), pp=2, microbatches=2)
+    assert "inside a split block" in megatron_problem(inside, LayerLetters(profile))
+
+
+def test_hybrid_kinds_are_refused_unless_mapped():
+    profile = _profile(kinds=["embedding", "mamba", "attention", "mamba", "head"], times=[(1, 1, 1)] * 5)
+    with pytest.raises(InputError, match="'mamba'"):
+        LayerLetters(profile)
+    assert "".join(LayerLetters(profile, letters={"mamba": "t", "attention": "t"}).letter) == "EtttL"
+
+
+@pytest.mark.parametrize("pairs", [["block"], ["block=x"], ["=t"], ["block=tt"]])
+def test_kind_letter_options_are_checked(pairs):
+    with pytest.raises(InputError, match="--kind-letter"):
+        parse_kind_letters(pairs)
+
+
+def test_megatron_core_parser_accepts_our_layouts():
+    layout_module = pytest.importorskip("megatron.core.transformer.pipeline_parallel_layer_layout")
+    parser = layout_module.PipelineParallelLayerLayout
+    cases = [
+        (megatron_export(_interleaved_plan(), _profile()).layout, 2, 6, 1, ["Ett", "tt", "tt", "mL"]),
+        (layout_string(["Ettt"] + ["tt"] * 29 + ["m", "L"]), 16, 61, 1, ["Ettt"] + ["tt"] * 29 + ["m", "L"]),
+        (layout_string(["Ett", "tt", "ttt", "ttt", "ttt", "mL"]), 3, 13, 1, ["Ett", "tt", "ttt", "ttt", "ttt", "mL"]),
+    ]
+    letter = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
+    for text, pp, num_layers, mtp, stages in cases:
+        assert ["".join(letter[t.name] for t in stage) for stage in parser.parse_str_to_list(text)] == stages
+        parser(text, pp).validate_layer_layout(num_layers, mtp)
+    with pytest.raises(AssertionError):  # and it refuses what check_layout refuses
+        parser("Ett|tmL|t|t", 2).validate_layer_layout(4, 1)
+    with pytest.raises(ValueError):
+        check_layout(parse_layout("Ett|tmL|t|t"), 2, num_layers=4, mtp_layers=1)
+
+
+def test_tune_runs_on_megatron_returns_a_plan_megatron_runs():
+    profile = _profile()
+    opts = TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=300, runs_on="megatron")
+    result = tune(profile, Cluster(gpus=2), opts)
+    assert "Megatron-LM" in result.runs_on
+    assert megatron_problem(result.plan, LayerLetters(profile)) is None
+    export = megatron_export(result.plan, profile)
+    check_layout(parse_layout(export.layout), 2, num_layers=6, mtp_layers=1)
+    # never slower than the Megatron-runnable baselines that fit (its seeds cover them)
+    runnable = [row for row in result.baselines if "Megatron-LM" in row.runs_on and row.scored.fits]
+    assert runnable and all(result.scored.iteration_ms <= row.scored.iteration_ms + 1e-9 for row in runnable)
+    names = {row.name: row.runs_on for row in result.baselines}
+    assert "Megatron-LM" in names["1f1b/uniform"] and "Megatron-LM" in names["interleaved-1f1b/balanced"]
+    assert "Megatron-LM" not in names["zb-h1/uniform"] and "Megatron-LM" not in names["gpipe/uniform"]
+    assert names["zbv/uniform"] == ("octorun", "torch", "torchtitan")
+
+
+def test_tune_runs_on_megatron_refuses_models_without_letters():
+    profile = _profile(kinds=["embedding", "mamba", "attention", "mamba", "head"], times=[(1, 1, 1)] * 5)
+    with pytest.raises(InputError, match="--runs-on megatron"):
+        tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, max_plans=50, runs_on="megatron"))
+    with pytest.raises(InputError, match="--runs-on"):
+        tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, max_plans=50, runs_on="deepspeed"))
+
+
+def test_frameworks_of_candidates():
+    profile = _profile()
+    frameworks = Frameworks(profile)
+    plain = tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=200))
+    assert plain.runs_on[:2] == ("octorun", "torch")
+    assert ("Megatron-LM" in plain.runs_on) == frameworks.megatron_runs(plain.candidate)
+
+
+def _cli(*args, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "octoplan.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env)
+
+
+def test_cli_exports_a_runnable_plan_and_tunes_for_one_that_is_not(tmp_path):
+    save_profile(_profile(), tmp_path / "p.yaml")
+    base = make_baseline(_profile(), schedule="interleaved-1f1b", gpus=2, microbatches=4, chunks=2,
+                         profile_path=tmp_path / "p.yaml")
+    save_plan(base, tmp_path / "il.yaml")
+    done = _cli("export", "il.yaml", "--format", "megatron", "-o", "il.sh", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    expected = megatron_export(load_plan(tmp_path / "il.yaml"), _profile())
+    assert f"--pipeline-model-parallel-layout {expected.layout}" in done.stdout
+    assert f"'{expected.layout}'" in (tmp_path / "il.sh").read_text()
+
+    zb = make_baseline(_profile(), schedule="zb-h1", gpus=2, microbatches=4, profile_path=tmp_path / "p.yaml")
+    save_plan(zb, tmp_path / "zb.yaml")
+    done = _cli("export", "zb.yaml", "--format", "megatron", "-o", "zb.sh", "--max-plans", "200", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Megatron-LM cannot run zb.yaml as planned" in done.stdout and "than the plan's" in done.stdout
+    layout = next(line.split()[1].strip("'") for line in (tmp_path / "zb.sh").read_text().splitlines()
+                  if "--pipeline-model-parallel-layout" in line)
+    check_layout(parse_layout(layout), 2, num_layers=6, mtp_layers=1)
+
+
+def test_cli_refuses_in_one_line_and_writes_nothing(tmp_path):
+    profile = _profile(kinds=["embedding", "mamba", "attention", "mamba", "head"], times=[(1, 1, 1)] * 5)
+    save_profile(profile, tmp_path / "h.yaml")
+    save_plan(make_baseline(profile, schedule="1f1b", gpus=2, microbatches=2, profile_path=tmp_path / "h.yaml"),
+              tmp_path / "h-plan.yaml")
+    done = _cli("export", "h-plan.yaml", "--format", "megatron", "-o", "out.sh", cwd=tmp_path)
+    assert done.returncode == 2 and "'mamba'" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.sh").exists()
+    done = _cli("export", "h-plan.yaml", "--format", "torch-csv", "-o", "out.csv", "--kind-letter", "mamba=t",
+                cwd=tmp_path)
+    assert done.returncode == 2 and "--kind-letter" in done.stderr and not (tmp_path / "out.csv").exists()
+    done = _cli("export", "h-plan.yaml", "--format", "megatron", "-o", "out.sh", "--kind-letter", "mamba=t",
+                "--kind-letter", "attention=t", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "'Ett|tL'" in (tmp_path / "out.sh").read_text()

@@ -1,0 +1,169 @@
+"""``octoplan export --format torchtitan`` and ``tune --runs-on loop / v``: torchtitan's settings.
+
+The settings file is compared line by line with a hand-written one; the module names are those
+torchtitan's ``pipeline_module_split`` keeps per stage, and the placement is the one its
+``_get_stage_indices`` computes for the schedule name written (loop, or V for ZB-V).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from dataclasses import replace
+
+import pytest
+
+from octoplan.baseline import make_baseline
+from octoplan.errors import InputError
+from octoplan.export import torch_csv_rows
+from octoplan.export_torchtitan import export_torchtitan, module_fqns, torchtitan_export, torchtitan_placement
+from octoplan.plan import Cluster, save_plan
+from octoplan.profile import Layer, ModelRef, Profile, save_profile
+from octoplan.tuner.search import TuneOptions, tune
+
+KINDS = ["embedding"] + ["transformer"] * 6 + ["head"]
+
+
+def _profile(kinds=KINDS, names=None, times=None) -> Profile:
+    names = names or [f"l{i}" for i in range(len(kinds))]
+    times = times or [(1.0 + (i % 3), 1.0, 1.0) for i in range(len(kinds))]
+    layers = tuple(Layer(name, kind, f, i, w, 1000, 100, 10) for name, kind, (f, i, w) in zip(names, kinds, times))
+    return Profile(model=ModelRef("m"), layers=layers, microbatch_size=3)
+
+
+def _stage_indices(style: str, pp: int, num_stages: int, pp_rank: int) -> tuple[int, ...]:
+    """torchtitan's rule (pipeline_module_split's _get_stage_indices), restated."""
+    per_rank = num_stages // pp
+    if style == "loop":
+        return tuple(pp_rank + s * pp for s in range(per_rank))
+    return list(zip(range(pp), range(num_stages - 1, pp - 1, -1)))[pp_rank]
+
+
+def _with_bounds(plan, bounds):
+    """``plan`` with its stages cut at ``bounds`` (the same ranks and ops)."""
+    return replace(plan, stages=tuple(replace(s, start=a, end=b) for s, a, b in zip(plan.stages, bounds, bounds[1:])))
+
+
+def test_loop_plan_settings_are_exact(tmp_path):
+    plan = _with_bounds(make_baseline(_profile(), schedule="interleaved-1f1b", gpus=2, microbatches=4, chunks=2),
+                        (0, 2, 4, 6, 8))
+    export, csv_path = export_torchtitan(plan, _profile(), tmp_path / "tt.toml", file="p.yaml")
+    assert csv_path == tmp_path / "tt.csv"
+    assert (tmp_path / "tt.toml").read_text().splitlines() == [
+        "# torchtitan settings for p.yaml (octoplan export --format torchtitan)",
+        "# 4 stages in a loop on 2 pipeline ranks, 4 microbatches of 3",
+        "[parallelism]",
+        "pipeline_parallel_degree = 2",
+        "# only decides where stages go (loop placement); the CSV sets the order",
+        'pipeline_parallel_schedule = "Interleaved1F1B"',
+        f"pipeline_parallel_schedule_csv = \"{tmp_path / 'tt.csv'}\"",
+        "pipeline_parallel_microbatch_size = 3",
+        "module_fqns_per_model_part = [",
+        '    ["tok_embeddings", "layers.0"],',
+        '    ["layers.1", "layers.2"],',
+        '    ["layers.3", "layers.4"],',
+        '    ["layers.5", "norm", "output"]',
+        "]",
+        "",
+        "[training]",
+        "# 4 microbatches = local_batch_size / pipeline_parallel_microbatch_size",
+        "local_batch_size = 12",
+    ]
+    settings = tomllib.loads((tmp_path / "tt.toml").read_text())
+    parallelism = settings["parallelism"]
+    assert settings["training"]["local_batch_size"] // parallelism["pipeline_parallel_microbatch_size"] == 4
+    assert [row.split(",") for row in (tmp_path / "tt.csv").read_text().splitlines()] == torch_csv_rows(plan)
+    for rank in range(2):  # torchtitan builds on each rank the stages the CSV gives it
+        stages = {int(cell.split("F")[0]) for cell in (tmp_path / "tt.csv").read_text().splitlines()[rank].split(",")
+                  if "F" in cell}
+        assert stages == set(_stage_indices("loop", 2, 4, rank))
+
+
+def test_one_stage_per_rank_is_1f1b_and_v_plans_are_zbv():
+    one = torchtitan_export(_with_bounds(make_baseline(_profile(), schedule="1f1b", gpus=4, microbatches=4),
+                                         (0, 2, 4, 6, 8)), _profile())
+    assert (one.placement, one.schedule_name) == ("loop", "1F1B")
+    assert one.fqns == (("tok_embeddings", "layers.0"), ("layers.1", "layers.2"), ("layers.3", "layers.4"),
+                        ("layers.5", "norm", "output"))
+    plan = make_baseline(_profile(), schedule="zbv", gpus=2, microbatches=4)
+    v = torchtitan_export(plan, _profile())
+    assert (v.placement, v.schedule_name) == ("v", "ZBVZeroBubble")
+    assert [s.rank for s in plan.stages] == [0, 1, 1, 0]
+    for rank in range(2):
+        assert {s for s, stage in enumerate(plan.stages) if stage.rank == rank} == set(_stage_indices("v", 2, 4, rank))
+    assert v.fqns[3][-2:] == ("norm", "output") and v.fqns[0][0] == "tok_embeddings"
+    assert list(map(list, v.rows)) == torch_csv_rows(plan)
+
+
+def test_other_placements_are_refused_naming_the_one_needed(tmp_path):
+    three = make_baseline(_profile(), schedule="1f1b", gpus=2, microbatches=2)
+    moved = replace(three, stages=(replace(three.stages[0], rank=1), replace(three.stages[1], rank=0)))
+    moved = moved.with_schedule([three.schedule[1], three.schedule[0]])
+    assert torchtitan_placement(moved) is None
+    with pytest.raises(InputError, match=r"rank s mod pp .* V of exactly two stages per rank") as info:
+        export_torchtitan(moved, _profile(), tmp_path / "x.toml")
+    assert "--runs-on loop" in info.value.fix
+    assert not (tmp_path / "x.toml").exists() and not (tmp_path / "x.csv").exists()
+
+
+def _swap_ranks(schedule, plan):
+    """Each rank's ops for ``plan``'s placement: the ops of the stages it now holds, in the order
+    they ran on their old rank (any valid order will do here)."""
+    out = [[] for _ in range(plan.pp)]
+    for ops in schedule:
+        for op in ops:
+            out[plan.stages[op.stage].rank].append(op)
+    return out
+
+
+def test_split_blocks_name_one_layer_and_refuse_a_cut_inside():
+    kinds = ["embedding", "transformer.mixer", "transformer.ffn", "moe.mixer", "moe.ffn", "head"]
+    names = ["embed", "layers.0.mixer", "layers.0.ffn", "layers.1.mixer", "layers.1.ffn", "head"]
+    profile = _profile(kinds=kinds, names=names)
+    plan = make_baseline(profile, schedule="1f1b", gpus=2, microbatches=2)
+    whole = replace(plan, stages=(replace(plan.stages[0], end=3), replace(plan.stages[1], start=3)))
+    assert module_fqns(whole, profile) == [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+    assert module_fqns(whole, profile, style="profile") == [["embed", "layers.0.mixer", "layers.0.ffn"],
+                                                            ["layers.1.mixer", "layers.1.ffn", "head"]]
+    inside = replace(plan, stages=(replace(plan.stages[0], end=2), replace(plan.stages[1], start=2)))
+    with pytest.raises(InputError, match="inside block layers.0"):
+        module_fqns(inside, profile)
+    with pytest.raises(InputError, match="--fqn-style"):
+        module_fqns(whole, profile, style="hf")
+
+
+def test_tune_runs_on_loop_and_v():
+    profile = _profile()
+    for runs_on, placement in (("loop", "loop"), ("v", "v")):
+        result = tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=300, runs_on=runs_on))
+        assert torchtitan_placement(result.plan) == placement
+        assert "torchtitan" in result.runs_on
+        torchtitan_export(result.plan, profile)  # and it exports
+    free = tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=300))
+    loop = tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=300, runs_on="loop"))
+    assert free.scored.iteration_ms <= loop.scored.iteration_ms + 1e-9 or "torchtitan" not in free.runs_on
+
+
+def test_cli_writes_both_files_or_refuses_with_exit_2(tmp_path):
+    save_profile(_profile(), tmp_path / "p.yaml")
+    plan = make_baseline(_profile(), schedule="zbv", gpus=2, microbatches=4, profile_path=tmp_path / "p.yaml")
+    save_plan(plan, tmp_path / "v.yaml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "octoplan.cli", "export", *args], capture_output=True,
+                                       text=True, cwd=tmp_path, env=env)
+    done = run("v.yaml", "--format", "torchtitan", "-o", "v.toml")
+    assert done.returncode == 0, done.stderr
+    settings = tomllib.loads((tmp_path / "v.toml").read_text())["parallelism"]
+    assert settings["pipeline_parallel_schedule"] == "ZBVZeroBubble"
+    assert settings["pipeline_parallel_schedule_csv"] == "v.csv" and (tmp_path / "v.csv").exists()
+    moved = replace(plan, stages=tuple(replace(s, rank=r) for s, r in zip(plan.stages, (0, 0, 1, 1))))
+    moved = moved.with_schedule(_swap_ranks(plan.schedule, moved))
+    save_plan(moved, tmp_path / "m.yaml")
+    done = run("m.yaml", "--format", "torchtitan", "-o", "m.toml")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "torchtitan places stage s on rank s mod pp" in done.stderr
+    assert not (tmp_path / "m.toml").exists() and not (tmp_path / "m.csv").exists()
+    done = run("v.yaml", "--format", "torchtitan", "-o", "v.csv")  # the CSV would overwrite the settings
+    assert done.returncode == 2 and "names the file" in done.stderr
