@@ -88,6 +88,7 @@ def export_plan(plan: Plan, path: str | Path, *, format: str, file: str = "<plan
         export_torch_csv(plan, path, file=file)
         return
     if format in PROFILE_FORMATS:  # these read the layers' kinds: octoplan.export_megatron, export_torchtitan
-        raise InputError(None, "--format", f"{format} needs the plan's profile", "use octoplan export, which reads it")
+        raise InputError(None, "--format", f"{format} needs the plan's profile; this function writes torch-csv only",
+                         f"run octoplan export --format {format}, which reads the profile")
     raise InputError(None, "--format", f"unknown export format {format!r}",
                      f"use one of {', '.join(EXPORT_FORMATS + PROFILE_FORMATS)}")
