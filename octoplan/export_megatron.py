@@ -346,6 +346,9 @@ def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] 
              "--account-for-embedding/loss-in-pipeline-split beside it"]
     if dp > 1 and plan.parallel.rank_order == "pp-inner":
         args.append("--use-tp-pp-dp-mapping")  # a pipeline's ranks consecutive, as the plan's pp-inner order
+        notes.append("--use-tp-pp-dp-mapping puts a pipeline's ranks next to each other, as the plan's pp-inner rank "
+                     "order does; Megatron-LM refuses it with context or expert parallelism: there, drop it and plan "
+                     "with the dp-inner order (Megatron-LM's default)")
     if uniform_recompute(plan.stages):
         args += _recompute_arguments(plan, table, notes)
     return MegatronExport(layout, tuple(stages), tuple(args), tuple(notes))
