@@ -134,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if result.metrics and result.metrics[-1].peak_activation_bytes is not None:
             print(_activation_line(result.metrics[-1]))
             print(_with_messages_line(result.metrics))
+    if result.stopped_early:  # receivers still wait for steps that will not come (octorun.runtime.RunResult)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     sys.exit(0)
 
 

@@ -116,7 +116,7 @@ def squared_norms(grads: Iterable[torch.Tensor | None]) -> torch.Tensor:
     for grad in grads:
         if grad is None:
             continue
-        term = torch.linalg.vector_norm(grad, dtype=torch.float32).double().square()
+        term = torch.linalg.vector_norm(grad).double().square()  # in the gradient's dtype, as torch's clip does
         total = term if total is None else total + term
     return torch.zeros((), dtype=torch.float64) if total is None else total
 

@@ -169,6 +169,9 @@ class RunResult:
     dp_rank: int
     metrics: tuple[StepMetrics, ...]
     state: dict[int, dict[str, torch.Tensor]]  # layer index -> its state_dict on CPU (own stages)
+    # stopped on SIGTERM before --steps: the transport's receivers still wait for the steps that
+    # were to come, so the process must end with os._exit, not an interpreter shutdown
+    stopped_early: bool = False
 
 
 @dataclass(frozen=True)
@@ -429,6 +432,23 @@ def _make_groups(prepared: Prepared, *, backend: str, timeout: datetime.timedelt
     except Exception:  # private API: without it the watchdog still has its deadlines
         store = None
     return _Groups(outgoing=outgoing, incoming=incoming, dp_group=dp_group, control=control, store=store, tied=tied)
+
+
+def _init_process_group(backend: str, world: int, timeout: datetime.timedelta) -> None:
+    """The default process group, from torchrun's variables.
+
+    Under torchrun the workers share the launcher's store, which outlives a restart
+    (--max-restarts): the keys of the attempt that failed (its ranks' addresses) would mislead
+    the next one's rendezvous. Each attempt gets keys of its own, under a prefix.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"octorun/attempt{attempt}/", store),
+                            rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
 
 
 def _stage_of_layer(plan: Plan, layer: int) -> int:
@@ -1092,7 +1112,7 @@ def run(config: RunConfig) -> RunResult:
     if owns_group:
         try:
             with native_stderr_held():
-                dist.init_process_group(backend, timeout=timeout)
+                _init_process_group(backend, world, timeout)
         except Exception as exc:  # peers that never came, an address in use: one line, not a trace
             raise LaunchError(f"the {world} processes did not form a group within --init-timeout {init_timeout_s:g} s: "
                               f"{gist(exc)}") from None
@@ -1103,6 +1123,7 @@ def run(config: RunConfig) -> RunResult:
     groups = _make_groups(prepared, backend=backend, timeout=timeout)
     watchdog.store = groups.store
     watchdog.register()
+    watchdog.open_record()
     watchdog.start()
     _stop_on_sigterm()
     try:
@@ -1119,6 +1140,8 @@ def run(config: RunConfig) -> RunResult:
             checkpoint.agree(resumed, group=groups.control)
             if prepared.resume_from is not None:
                 interpreter.restore(prepared.resume_from)
+                if me == 0:
+                    log.warning("resumed from %s at step %d", prepared.resume_from, interpreter.first_step)
         except InputError as exc:
             watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
         except Exception as exc:
@@ -1136,7 +1159,7 @@ def run(config: RunConfig) -> RunResult:
     except InputError as exc:  # the model file's fault, found as it runs (sample_batch's return ...)
         watchdog.fail(f"while {watchdog.activity}: {exc.line()}", code=EXIT_BAD_INPUT)
     except Exception as exc:  # anything unexpected still ends the whole job, with its reason
-        watchdog.fail(f"failed while {watchdog.activity}: {gist(exc)}")
+        watchdog.fail_on(f"failed while {watchdog.activity}", exc)
     # Peers that finish may close the store; stop polling it, then meet once more (with a
     # deadline: the control group's timeout) so nobody leaves while another still sends.
     watchdog.stop()
@@ -1145,11 +1168,10 @@ def run(config: RunConfig) -> RunResult:
     except Exception as exc:
         watchdog.fail_on("final barrier", exc)
     result = RunResult(global_rank=me, pp_rank=interpreter.pp_rank, dp_rank=interpreter.dp_rank,
-                       metrics=metrics, state=interpreter.state())
-    if owns_group:
+                       metrics=metrics, state=interpreter.state(), stopped_early=interpreter.stopping)
+    if owns_group and not result.stopped_early:
         dist.destroy_process_group()
-    if watchdog.record_path:  # the record is for runs that fail
-        Path(watchdog.record_path).unlink(missing_ok=True)
+    watchdog.close_record(keep=False)  # the record is for runs that fail
     return result
 
 

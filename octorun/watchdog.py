@@ -20,15 +20,17 @@ launcher waiting (torchrun gives a worker 30 s between SIGTERM and SIGKILL). So:
   for its peers on the same host to do the same, and SIGKILLs those that do not: a live process
   leaves within one poll of the abort key, so only a hung one is killed. A host whose every
   process hangs is left to its launcher.
-- with ``record_path``, the watchdog thread keeps a short record of this process's last
-  activities (step, op, peer, what it waits for) in that file, rewritten as they change, so that
-  the record of a process that hangs is on disk too.
+- with ``record_path``, every activity (step, op, peer, what it waits for) also goes into that
+  file, a ring of the last ones mapped into memory: a line costs a memory copy, and the file
+  holds a process's last activity even when the process hangs and can write nothing more. A
+  process that leaves rewrites it oldest first.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import os
 import re
 import signal
@@ -44,7 +46,7 @@ __all__ = ["Watchdog", "gist", "ABORT_KEY", "EXIT_FAILURE", "EXIT_BAD_INPUT"]
 
 log = logging.getLogger("octorun.watchdog")
 
-ABORT_KEY = "octorun/abort"
+ABORT_KEY = "abort"  # under the attempt's prefix (see Watchdog.key)
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 _POLL_S = 0.25
@@ -52,6 +54,7 @@ _BEAT_EVERY = 4  # polls per heartbeat: one a second
 _SILENT_S = 2.5  # a heartbeat that stands still this long: the peer is hung
 _GRACE_S = 3.0  # how long a leaving process waits for its host's peers to leave before killing them
 _HISTORY = 24  # activities kept for the record
+_LINE = 200  # bytes per line of the record file
 
 
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
@@ -86,7 +89,14 @@ class Watchdog:
         self._leaving = threading.Lock()
         self._began = time.monotonic()
         self.history: collections.deque[tuple[float, str]] = collections.deque(maxlen=_HISTORY)
-        self._written = None  # the last activity the record file holds
+        self._ring: mmap.mmap | None = None  # the record file while the process runs
+        self._count = 0  # activities recorded so far
+        # torchrun --max-restarts starts the workers again with the same store: keys of an
+        # earlier attempt (its abort above all) must not reach the next one
+        self.prefix = f"octorun/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
 
     # -- the shared switch -------------------------------------------------------------------
     def register(self) -> None:
@@ -94,8 +104,8 @@ class Watchdog:
         if self.store is None:
             return
         try:
-            self.store.set(f"octorun/proc/{self.global_rank}", f"{socket.gethostname()} {os.getpid()}")
-            self.store.add(f"octorun/beat/{self.global_rank}", 1)
+            self.store.set(self.key(f"proc/{self.global_rank}"), f"{socket.gethostname()} {os.getpid()}")
+            self.store.add(self.key(f"beat/{self.global_rank}"), 1)
         except Exception as exc:  # without it a hung peer is left to the launcher, as before
             log.debug("could not register with the store: %s", exc)
 
@@ -114,12 +124,11 @@ class Watchdog:
         polls = 0
         while not self._stop.wait(_POLL_S):
             polls += 1
-            self.write_record()
             try:
                 if polls % _BEAT_EVERY == 0:
-                    self.store.add(f"octorun/beat/{self.global_rank}", 1)
-                aborted = self.store.check([ABORT_KEY])
-                text = self.store.get(ABORT_KEY).decode(errors="replace") if aborted else ""
+                    self.store.add(self.key(f"beat/{self.global_rank}"), 1)
+                aborted = self.store.check([self.key(ABORT_KEY)])
+                text = self.store.get(self.key(ABORT_KEY)).decode(errors="replace") if aborted else ""
             except Exception as exc:  # the store lives with rank 0 or the launcher: losing it is fatal
                 if self._stop.is_set():
                     return
@@ -132,30 +141,58 @@ class Watchdog:
     def doing(self, activity: str) -> None:
         """Record what this process does now; failure and abort messages quote it."""
         self.activity = activity
-        self.history.append((time.monotonic(), activity))
+        now = time.monotonic()
+        self.history.append((now, activity))
+        if self._ring is not None:
+            slot = 1 + self._count % _HISTORY
+            self._count += 1
+            self._ring[slot * _LINE:(slot + 1) * _LINE] = _line(f"{now - self._began:10.3f}  {activity}")
+            self._ring[0:_LINE] = _line(self._title(f"a ring: the newest is line {slot + 1}, `sort -n` orders it"))
+
+    def _title(self, order: str) -> str:
+        return (f"global rank {self.global_rank}, pid {os.getpid()} on {socket.gethostname()}: its last activities, "
+                f"seconds since it started ({order})")
+
+    def open_record(self) -> None:
+        """Map the record file (see above); without it the run goes on, unrecorded."""
+        if self.record_path is None:
+            return
+        try:
+            with open(self.record_path, "w+b") as out:
+                out.write(_line(self._title("none yet")) + _line("") * _HISTORY)
+                out.flush()
+                self._ring = mmap.mmap(out.fileno(), (1 + _HISTORY) * _LINE)
+        except (OSError, ValueError) as exc:  # a record is a help, never a reason to fail
+            log.debug("could not map %s: %s", self.record_path, exc)
 
     def write_record(self) -> None:
-        """Rewrite the record file when the activity changed since the last write."""
-        if self.record_path is None or not self.history or self.history[-1] is self._written:
+        """Rewrite the record file oldest first (a process that leaves)."""
+        if self.record_path is None:
             return
-        latest = self.history[-1]
-        now = time.monotonic()
-        lines = [f"global rank {self.global_rank}, pid {os.getpid()} on {socket.gethostname()}: its last activities, "
-                 f"seconds since it started (newest last; written {now - self._began:.1f} s in)"]
-        lines += [f"{at - self._began:10.3f}  {what}" for at, what in list(self.history)]
+        lines = [self._title("newest last")] + [f"{at - self._began:10.3f}  {what}" for at, what in list(self.history)]
         try:
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
             partial = Path(f"{self.record_path}.partial")
             partial.write_text("\n".join(lines) + "\n")
             os.replace(partial, self.record_path)
-            self._written = latest
-        except OSError as exc:  # a record is a help, never a reason to fail
+        except (OSError, ValueError) as exc:
             log.debug("could not write %s: %s", self.record_path, exc)
+
+    def close_record(self, *, keep: bool) -> None:
+        """The run ended well: unmap the record and remove it unless ``keep``."""
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+        if self.record_path and not keep:
+            Path(self.record_path).unlink(missing_ok=True)
 
     def silent_peers(self) -> list[int]:
         """The global ranks whose heartbeat stands still for :data:`_SILENT_S` (hung ones)."""
         if self.store is None or self.world <= 1:
             return []
-        keys = [f"octorun/beat/{rank}" for rank in range(self.world)]
+        keys = [self.key(f"beat/{rank}") for rank in range(self.world)]
         try:
             before = self.store.multi_get(keys)
             time.sleep(_SILENT_S)
@@ -183,8 +220,31 @@ class Watchdog:
     def deadline(self) -> float:
         return time.monotonic() + self.timeout_s
 
+    def _peers_here(self) -> dict[int, int]:
+        """global rank -> pid of the registered peers on this host."""
+        host, peers = socket.gethostname(), {}
+        for rank in range(self.world):
+            if rank == self.global_rank or not self.store.check([self.key(f"proc/{rank}")]):
+                continue
+            where, pid = self.store.get(self.key(f"proc/{rank}")).decode().rsplit(" ", 1)
+            if where == host:
+                peers[rank] = int(pid)
+        return peers
+
+    def dead_peers(self) -> str:
+        """Which peers on this host are gone (killed, crashed): the likely cause of a failure."""
+        if self.store is None:
+            return ""
+        try:
+            dead = [f"global rank {rank} (pid {pid})" for rank, pid in self._peers_here().items() if not _alive(pid)]
+        except Exception:
+            return ""
+        return f"; {', '.join(dead)} {'is' if len(dead) == 1 else 'are'} gone" if dead else ""
+
     def fail(self, problem: str, *, code: int = EXIT_FAILURE) -> NoReturn:
         """Tell every process of the job that this one failed, then end this one."""
+        if code == EXIT_FAILURE:
+            problem += self.dead_peers()
         with self._lock:
             if not self._failing:
                 self._failing = True
@@ -192,10 +252,10 @@ class Watchdog:
                     try:
                         # A peer that failed first sets the key before it exits, so a broken
                         # connection to it is a symptom: report the peer's cause, not ours.
-                        if self.store.check([ABORT_KEY]):
-                            cause = self.store.get(ABORT_KEY).decode(errors="replace")
+                        if self.store.check([self.key(ABORT_KEY)]):
+                            cause = self.store.get(self.key(ABORT_KEY)).decode(errors="replace")
                             self._exit(f"stopping because {cause}; this rank then saw: {problem}")
-                        self.store.set(ABORT_KEY, f"rank {self.global_rank} failed: {problem}")
+                        self.store.set(self.key(ABORT_KEY), f"rank {self.global_rank} failed: {problem}")
                     except Exception as exc:  # the store may be gone with a dead peer; exit all the same
                         log.debug("could not reach the rendezvous store while failing: %s", exc)
         self._exit(problem, code=code)
@@ -220,23 +280,16 @@ class Watchdog:
         if self.store is None:
             return
         try:
-            self.store.set(f"octorun/gone/{self.global_rank}", "1")
-            host = socket.gethostname()
-            peers = {}
-            for rank in range(self.world):
-                if rank == self.global_rank or not self.store.check([f"octorun/proc/{rank}"]):
-                    continue
-                where, pid = self.store.get(f"octorun/proc/{rank}").decode().rsplit(" ", 1)
-                if where == host:
-                    peers[rank] = int(pid)
+            self.store.set(self.key(f"gone/{self.global_rank}"), "1")
+            peers = self._peers_here()
             deadline = time.monotonic() + _GRACE_S
             while peers and time.monotonic() < deadline:
                 peers = {rank: pid for rank, pid in peers.items()
-                         if _alive(pid) and not self.store.check([f"octorun/gone/{rank}"])}
+                         if _alive(pid) and not self.store.check([self.key(f"gone/{rank}")])}
                 if peers:
                     time.sleep(_POLL_S)
             for rank, pid in peers.items():
-                if not _alive(pid) or self.store.add(f"octorun/reaped/{rank}", 1) != 1:  # one reaper says it
+                if not _alive(pid) or self.store.add(self.key(f"reaped/{rank}"), 1) != 1:  # one reaper says it
                     continue
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -259,3 +312,9 @@ def _alive(pid: int) -> bool:
         except OSError:
             return False
         return not Path("/proc").is_dir()  # no /proc: trust the signal; with /proc, the pid is gone
+
+
+def _line(text: str) -> bytes:
+    """One fixed-width line of the record file."""
+    data = text.encode("utf-8", errors="replace")[: _LINE - 1]
+    return data + b" " * (_LINE - 1 - len(data)) + b"\n"
