@@ -66,13 +66,16 @@ def profile(
     config: List[str] = typer.Option([], "--config", help="model config override key=value (repeatable)"),
     check_whole: bool = typer.Option(False, "--check-whole",
                                      help="also time the whole model's forward+backward and compare the sum of the layers"),
+    precision: Optional[str] = typer.Option(None, "--precision",
+                                            help="fp32, or bf16: every forward under bf16 autocast over fp32 parameters, "
+                                                 "as octorun --precision bf16 trains [default: fp32]"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile file to write"),
 ) -> None:
     """Measure every layer of a model file, or write an analytic profile of a known architecture."""
     # an option of the other kind of profile, or any with --list, would be ignored without a word: refuse it
     given = {"--gpu": gpu, "--tp": tp, "--seq-len": seq_len, "--split-blocks": split_blocks or None,
              "--repeat": repeat, "--device": device, "--clock": clock, "--config": config or None,
-             "--check-whole": check_whole or None}
+             "--check-whole": check_whole or None, "--precision": precision}
     if list_known:
         from octoplan.arch import list_architectures, list_gpus
 
@@ -97,7 +100,7 @@ def profile(
     if arch is not None and model is not None:
         raise InputError(None, "--arch", f"given with the model file {model}", "profile either a model file or --arch NAME")
     if arch is not None:
-        for flag in ("--repeat", "--device", "--clock", "--config", "--check-whole"):
+        for flag in ("--repeat", "--device", "--clock", "--config", "--check-whole", "--precision"):
             if given[flag] is not None:
                 raise InputError(None, flag, "applies to measuring a model file, not to --arch",
                                  f"drop {flag}, or profile a model file")
@@ -123,7 +126,10 @@ def profile(
 
         from octoplan.profiler import parse_config_overrides, profile_model_file
 
+        from octoplan.precision import DEFAULT_PRECISION, check_precision
+
         repeat, clock = 10 if repeat is None else repeat, clock or "auto"
+        precision = check_precision(precision or DEFAULT_PRECISION)
         if repeat < 1:
             raise InputError(None, "--repeat", f"is {repeat}", "use at least 1")
         overrides = parse_config_overrides(config)
@@ -135,7 +141,7 @@ def profile(
 
             result = profile_model_file(
                 str(model), config=overrides, microbatch_size=microbatch_size or 4, repeat=repeat,
-                device=device, on_layer=on_layer, clock=clock,
+                device=device, on_layer=on_layer, clock=clock, precision=precision,
             )
         out = output or Path("profiles") / f"{result.model.name}.yaml"
     else:
@@ -146,7 +152,7 @@ def profile(
         from octoplan.profiler import measure_whole_model_ms
 
         whole = measure_whole_model_ms(str(model), config=overrides, microbatch_size=microbatch_size or 4, repeat=repeat,
-                                       device=device, clock=clock)
+                                       device=device, clock=clock, precision=precision)
         layers = sum(layer.total_ms for layer in result.layers)
         ratio = layers / whole if whole > 0 else float("nan")
         console.print(f"whole model, forward + loss + backward: {whole:.3f} ms; sum of the layers' F+I+W: {layers:.3f} ms "

@@ -20,6 +20,7 @@ __all__ = [
     "StageCost",
     "transfer_ms",
     "allreduce_ms",
+    "tied_allreduce_ms",
     "link_gbps",
     "stage_costs",
     "op_ms",
@@ -232,6 +233,24 @@ def allreduce_ms(cluster: Cluster, parallel: Parallel, pp_rank: int, num_bytes: 
     first, last = parallel.global_rank(pp_rank, 0), parallel.global_rank(pp_rank, dp - 1)
     gbps = cluster.intra_node_gbps if cluster.node_of(first) == cluster.node_of(last) else cluster.inter_node_gbps
     return 2 * (dp - 1) * cluster.latency_us / 1000.0 + 2 * (dp - 1) / dp * num_bytes / (gbps * 1e9) * 1000.0
+
+
+def tied_allreduce_ms(cluster: Cluster, parallel: Parallel, pp_ranks: Sequence[int], num_bytes: float) -> float:
+    """Ring all-reduce of a tied tensor's gradient (``num_bytes``) among the pipeline ranks
+    ``pp_ranks`` that hold a copy, within each data-parallel replica: :func:`allreduce_ms`'s
+    link model over k ranks instead of dp. Every replica reduces its own copies at once; the
+    slowest replica's ring decides (inter-node if its ranks span nodes)."""
+    k = len(set(pp_ranks))
+    if k <= 1 or num_bytes <= 0:
+        return 0.0
+    # as in transfer_ms: a replica's global ranks shift by d x a constant, so one node's worth
+    # of replicas shows every way the ring can fall on nodes
+    spans_nodes = any(
+        len({cluster.node_of(parallel.global_rank(r, d)) for r in pp_ranks}) > 1
+        for d in range(min(parallel.dp, cluster.gpus_per_node))
+    )
+    gbps = cluster.inter_node_gbps if spans_nodes else cluster.intra_node_gbps
+    return 2 * (k - 1) * cluster.latency_us / 1000.0 + 2 * (k - 1) / k * num_bytes / (gbps * 1e9) * 1000.0
 
 
 def lower_bound_ms(profile: Profile, *, pp: int, microbatches: int, op_overhead_ms: float = 0.0) -> float:

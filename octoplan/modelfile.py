@@ -128,12 +128,57 @@ class ModelFile:
                              "return a 2-tuple")
         return batch
 
+    # -- tied parameters: an optional hook --
+    def tied_groups(self) -> list[list[tuple[int, str]]]:
+        """The model file's ``tied_parameters(**config)``, validated: groups of parameters that
+        are one tensor, each member (layer index, parameter name as that layer's
+        ``named_parameters()`` spells it), sorted so that the canonical member (the lowest
+        layer) comes first; each group has two or more distinct members in range. None declared:
+        an empty list. That each member exists and the shapes agree needs the layers built
+        (the profiler and octorun.tied check it)."""
+        if not callable(getattr(self.module, "tied_parameters", None)):
+            return []
+        declared = self._call("tied_parameters", **self.config)
+        example = "e.g. [[(0, 'embed.weight'), (5, 'proj.weight')]]"
+        if not isinstance(declared, (list, tuple)):
+            raise InputError(self.path, "tied_parameters", f"returned {type(declared).__name__}, not a list of groups",
+                             f"return a list of groups of (layer index, parameter name), {example}")
+        total = self.num_layers()
+        groups = []
+        for g, group in enumerate(declared):
+            where = f"tied_parameters group {g}"
+            if not isinstance(group, (list, tuple)) or not all(
+                    isinstance(m, (list, tuple)) and len(m) == 2 and isinstance(m[0], int) and not isinstance(m[0], bool)
+                    and isinstance(m[1], str) and m[1] for m in group):
+                raise InputError(self.path, where, f"is {shown(group)}, not a list of (layer index, parameter name)",
+                                 f"write each group as a list of (int, str) pairs, {example}")
+            members = [(int(layer), str(name)) for layer, name in group]
+            for layer, name in members:
+                if not 0 <= layer < total:
+                    raise InputError(self.path, where, f"names layer {layer} ({name}) of a {total}-layer model",
+                                     f"give layer indices from 0 to {total - 1}")
+            if len(members) < 2 or len(set(members)) != len(members):
+                raise InputError(self.path, where, f"{shown(group)} has {len(set(members))} distinct member(s)",
+                                 "tie two or more distinct parameters in a group, each listed once")
+            for other, earlier in enumerate(groups):
+                both = sorted(set(members) & set(earlier))
+                if both:
+                    raise InputError(self.path, where, f"repeats {both[0]} of group {other}",
+                                     "put all the parameters tied to one tensor in one group")
+            groups.append(sorted(members))
+        return groups
+
 
 def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0) -> ModelFile:
     """Import a model file and check it has the SPEC section 4 functions.
 
-    ``config`` overrides the file's ``CONFIG`` defaults.
+    ``config`` overrides the file's ``CONFIG`` defaults. ``hf:FOLDER`` is a Hugging Face
+    transformers model instead (octoplan.hf).
     """
+    if str(path).startswith("hf:"):
+        from octoplan.hf import load_hf_model
+
+        return load_hf_model(str(path), config, seed=seed)
     path = Path(path)
     if not path.exists():
         raise InputError(str(path), None, "no such model file", "check the path")

@@ -34,6 +34,7 @@ __all__ = [
     "MAX_LAYER_MS",
     "MAX_LAYER_BYTES",
     "check_layer_limits",
+    "TiedParameter",
 ]
 
 PROFILE_FORMAT = "octoplan-profile/1"
@@ -124,6 +125,21 @@ class ModelRef:
 
 
 @dataclass(frozen=True)
+class TiedParameter:
+    """One tensor that several layers use (the model file's ``tied_parameters``): its members
+    as (layer index, parameter name), the canonical (lowest) one first, and one member's bytes.
+    Each pipeline rank holding a member keeps one copy; the copies' gradients are summed after
+    the step's backward (octorun.tied)."""
+
+    members: tuple[tuple[int, str], ...]
+    bytes: int
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer, _ in self.members)
+
+
+@dataclass(frozen=True)
 class Profile:
     model: ModelRef
     layers: tuple[Layer, ...]
@@ -131,6 +147,10 @@ class Profile:
     microbatch_size: int = 1
     dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict)  # optional SPEC extensions, kept verbatim
+    # The training precision the layers were measured at (octoplan.precision): "fp32", or
+    # "bf16", autocast over fp32 master weights. Written only when not fp32.
+    precision: str = "fp32"
+    tied: tuple[TiedParameter, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -139,6 +159,12 @@ class Profile:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def param_dtype_bytes(self) -> int:
+        """The bytes of one parameter in ``param_bytes``: the profile's dtype, except under bf16
+        autocast, whose layers compute in bfloat16 but keep fp32 parameters (master weights)."""
+        return 4 if self.precision == "bf16" else self.dtype_bytes
 
     @property
     def measures_fused_backward(self) -> bool:
@@ -178,7 +204,7 @@ _LAYER_FIELDS = ("name", "kind", "forward_ms", "backward_input_ms", "backward_we
                  "activation_bytes", "output_bytes", "flops", "backward_ms", "pending_w_bytes", "w_saved_bytes",
                  "input_freed_bytes", "output_saved_bytes", "output_w_bytes")
 # The top-level ones: others are kept verbatim (Profile.extra), near misses refused
-_TOP_FIELDS = ("format", "model", "device", "microbatch_size", "dtype", "layers")
+_TOP_FIELDS = ("format", "model", "device", "microbatch_size", "dtype", "precision", "tied", "layers")
 
 
 def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
@@ -252,6 +278,9 @@ def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profi
     dtype = top.str("dtype", "float32")
     if dtype not in DTYPE_BYTES:
         raise InputError(file, "dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPE_BYTES)}")
+    precision = top.str("precision", "fp32")
+    if precision not in _PRECISIONS:
+        raise InputError(file, "precision", f"is {precision!r}", f"use one of {', '.join(_PRECISIONS)}")
     return Profile(
         model=model,
         layers=layers,
@@ -259,7 +288,44 @@ def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profi
         microbatch_size=top.int("microbatch_size", 1, minimum=1, maximum=MAX_MICROBATCH_SIZE),
         dtype=dtype,
         extra={k: v for k, v in data.items() if k not in _TOP_FIELDS},
+        precision=precision,
+        tied=_tied_from(top, layers),
     )
+
+
+# octoplan.precision.PRECISIONS (not imported: that module needs torch, profiles must not)
+_PRECISIONS = ("fp32", "bf16")
+
+
+def _tied_from(top: Fields, layers: tuple[Layer, ...]) -> tuple[TiedParameter, ...]:
+    """The optional ``tied`` list: groups of two or more distinct members (layer index of this
+    profile, parameter name), whose ``bytes`` fit in each member layer's ``param_bytes``."""
+    if not top.has("tied"):
+        return ()
+    file, groups = top.file, []
+    for g, entry in enumerate(top.list("tied")):
+        f = Fields(entry, file=file, prefix=f"tied[{g}]")
+        f.only(("members", "bytes"))
+        raw = f.list("members")
+        members = []
+        for m, member in enumerate(raw):
+            if not (isinstance(member, list) and len(member) == 2 and isinstance(member[0], int)
+                    and not isinstance(member[0], bool) and isinstance(member[1], str) and member[1]):
+                raise InputError(file, f"tied[{g}].members[{m}]", f"is {member!r}", "write [LAYER INDEX, PARAMETER NAME]")
+            if not 0 <= member[0] < len(layers):
+                raise InputError(file, f"tied[{g}].members[{m}]", f"names layer {member[0]} of a {len(layers)}-layer profile",
+                                 "give layer indices of this profile")
+            members.append((member[0], member[1]))
+        if len(members) < 2 or len(set(members)) != len(members):
+            raise InputError(file, f"tied[{g}].members", f"{raw!r} are not two or more distinct members",
+                             "list each tied parameter once, at least two per group")
+        size = f.int("bytes", maximum=MAX_LAYER_BYTES)
+        for layer_index, name in members:
+            if size > layers[layer_index].param_bytes:
+                raise InputError(file, f"tied[{g}].bytes", f"is {size}, more than layer {layer_index}'s param_bytes "
+                                 f"{layers[layer_index].param_bytes}", "re-profile: the tied tensor is one of the layer's parameters")
+        groups.append(TiedParameter(tuple(sorted(members)), size))
+    return tuple(groups)
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -299,6 +365,11 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         "microbatch_size": profile.microbatch_size,
         "dtype": profile.dtype,
     }
+    if profile.precision != "fp32":
+        out["precision"] = profile.precision
+    if profile.tied:
+        out["tied"] = [{"members": [[layer, name] for layer, name in group.members], "bytes": int(group.bytes)}
+                       for group in profile.tied]
     out.update(profile.extra)
     out["layers"] = layers
     return out

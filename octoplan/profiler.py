@@ -50,7 +50,8 @@ import yaml
 
 from octoplan.errors import InputError
 from octoplan.modelfile import ModelFile, as_args, load_model_file
-from octoplan.profile import MAX_MICROBATCH_SIZE, Layer, ModelRef, Profile
+from octoplan.precision import DEFAULT_PRECISION, PROFILE_DTYPE, autocast, check_precision
+from octoplan.profile import MAX_MICROBATCH_SIZE, Layer, ModelRef, Profile, TiedParameter
 from octoplan.splitgrad import PendingWeightGrads, SavedTensors, backward_input, backward_weight
 from octoplan.yamlio import read_yaml_value
 
@@ -369,8 +370,11 @@ class _Step:
 class _LayerRun:
     """One layer on its real input: runs F, I and W the way the runtime does."""
 
-    def __init__(self, mf: ModelFile, *, index: int, total: int, name: str, layer: torch.nn.Module, args: tuple, targets: Any, seed: int):
+    def __init__(self, mf: ModelFile, *, index: int, total: int, name: str, layer: torch.nn.Module, args: tuple, targets: Any, seed: int,
+                 device: torch.device | None = None, precision: str = DEFAULT_PRECISION):
         self.mf, self.index, self.total, self.name = mf, index, total, name
+        # the context each forward of the layer (the loss with the last) runs in, as in octorun
+        self.region = lambda: autocast(device or torch.device("cpu"), precision)
         self.layer, self.args, self.targets = layer, args, targets
         self.last = index == total - 1
         self.params = [p for p in layer.parameters() if p.requires_grad]
@@ -380,7 +384,7 @@ class _LayerRun:
 
     def forward(self) -> _Step:
         saved = SavedTensors()  # octorun's F records into boxes too: the timed forward pays for them
-        with saved.recording():
+        with saved.recording(), self.region():
             output = self.layer(*self.args)
             if self.last:
                 loss = _loss(self.mf, self.index, self.name, output, self.targets)
@@ -393,7 +397,7 @@ class _LayerRun:
         """The checked forward: contract errors name the layer; records what autograd saves."""
         saved = SavedTensors()
         try:
-            with saved.recording():
+            with saved.recording(), self.region():
                 output = self.layer(*self.args)
         except Exception as exc:
             raise self._input_error(exc) from None
@@ -405,7 +409,7 @@ class _LayerRun:
                 "return a tensor or a tuple of tensors",
             )
         if self.last:
-            with saved.recording():
+            with saved.recording(), self.region():
                 loss = _loss(self.mf, self.index, self.name, output, self.targets)
             return _Step(output, [loss], [torch.ones_like(loss)], saved)
         roots = [t for t in as_args(output) if t.requires_grad]
@@ -531,6 +535,36 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
     return layer, step.output
 
 
+def _tied_parameters(mf: ModelFile) -> tuple[TiedParameter, ...]:
+    """The model file's tied groups, each member checked against its built layer (it exists,
+    and every member has the first one's shape), with one member's bytes."""
+    groups = mf.tied_groups()
+    if not groups:
+        return ()
+    built: dict[int, dict[str, torch.nn.Parameter]] = {}
+    out = []
+    with torch.random.fork_rng(devices=[]):  # building reseeds; the measurement's stream stays as it was
+        for g, group in enumerate(groups):
+            found = []
+            for layer, name in group:
+                if layer not in built:
+                    built[layer] = dict(_build(mf, layer, torch.device("cpu")).named_parameters(remove_duplicate=False))
+                param = built[layer].get(name)
+                if param is None:
+                    names = ", ".join(list(built[layer])[:6]) or "none"
+                    raise InputError(mf.path, f"tied_parameters group {g}", f"layer {layer} has no parameter {name!r}",
+                                     f"name a parameter as the layer's named_parameters() spells it (it has: {names})")
+                found.append(param)
+            (first_layer, first_name), first = group[0], found[0]
+            for (layer, name), param in zip(group[1:], found[1:]):
+                if param.shape != first.shape:
+                    raise InputError(mf.path, f"tied_parameters group {g}",
+                                     f"layer {layer}'s {name} has shape {tuple(param.shape)} but layer {first_layer}'s "
+                                     f"{first_name} has {tuple(first.shape)}", "tie parameters of one shape")
+            out.append(TiedParameter(tuple(group), first.numel() * first.element_size()))
+    return tuple(out)
+
+
 def _dtype_name(layers_dtypes: list[torch.dtype]) -> str:
     floating = [d for d in layers_dtypes if d.is_floating_point]
     if not floating:
@@ -554,6 +588,7 @@ def profile_model_file(
     seed: int = 0,
     on_layer: Callable[[int, int, str], None] | None = None,
     clock: str = "auto",
+    precision: str = DEFAULT_PRECISION,
 ) -> Profile:
     """Measure every layer of the model file at ``path`` into a :class:`Profile`.
 
@@ -561,16 +596,22 @@ def profile_model_file(
     ``threads`` (CPU only) defaults to :data:`DEFAULT_CPU_THREADS`. ``on_layer(index, total,
     name)`` is called after each layer is measured. ``clock``: ``auto`` (CUDA events on a GPU,
     the thread's CPU time on one CPU thread, else wall time), ``wall`` (always wall time: for
-    layers that sleep or wait, like the replay model's) or ``cpu``. Bad model files raise
+    layers that sleep or wait, like the replay model's) or ``cpu``. ``precision``
+    (:mod:`octoplan.precision`): ``bf16`` runs every forward under bf16 autocast, as octorun
+    ``--precision bf16`` does, and records ``dtype: bfloat16`` and ``precision: bf16``; the
+    parameters stay fp32. The model file's tied parameters are checked (each member exists, the
+    shapes agree) before anything is measured, and recorded. Bad model files raise
     :class:`InputError`.
     """
     if clock not in ("auto", "wall", "cpu"):
         raise InputError(None, "--clock", f"is {clock!r}", "use auto, wall or cpu")
+    check_precision(precision)
     _check_positive(microbatch_size, "--microbatch-size", 1, MAX_MICROBATCH_SIZE)
     _check_positive(repeat, "--repeat", 1)
     _check_positive(warmup, "--warmup", 0)
     dev = _resolve_device(device)
     mf = load_model_file(path, config, seed=seed)
+    tied = _tied_parameters(mf)
     with _Threads(dev, threads) as used_threads:
         total = mf.num_layers()
         timer = _Clock(dev, threads=used_threads, clock=clock)
@@ -590,6 +631,8 @@ def profile_model_file(
                 args=_layer_inputs(previous, first=index == 0),
                 targets=targets if index == total - 1 else None,
                 seed=seed,
+                device=dev,
+                precision=precision,
             )
             layer, output = _measure_layer(run, clock=timer, repeat=repeat, warmup=warmup)
             layers.append(replace(layer, kind=kind))
@@ -612,8 +655,11 @@ def profile_model_file(
         layers=tuple(layers),
         device=_device_info(dev),
         microbatch_size=microbatch_size,
-        dtype=_dtype_name(dtypes),
+        # under autocast the layers compute in bfloat16 over fp32 parameters
+        dtype=_dtype_name(dtypes) if precision == "fp32" else PROFILE_DTYPE[precision],
         extra={"profiler": settings},
+        precision=precision,
+        tied=tied,
     )
 
 
@@ -628,12 +674,15 @@ def measure_whole_model_ms(
     warmup: int = 3,
     threads: int | None = None,
     clock: str = "auto",
+    precision: str = DEFAULT_PRECISION,
 ) -> float:
     """Median time of one training microbatch of the whole model: all layers chained as usual,
     the loss, one fused ``backward()``. The reference the per-layer sum should approach; timed
-    with the same ``clock`` as :func:`profile_model_file`."""
+    with the same ``clock`` as :func:`profile_model_file`, each layer's forward (the last one's
+    with the loss) in its own autocast region at ``precision``, as octorun runs it."""
     if clock not in ("auto", "wall", "cpu"):
         raise InputError(None, "--clock", f"is {clock!r}", "use auto, wall or cpu")
+    check_precision(precision)
     _check_positive(microbatch_size, "--microbatch-size", 1, MAX_MICROBATCH_SIZE)
     _check_positive(repeat, "--repeat", 1)
     dev = _resolve_device(device)
@@ -648,9 +697,12 @@ def measure_whole_model_ms(
             for p in params:
                 p.grad = None
             value: Any = inputs
-            for module in modules:
-                value = module(*as_args(value))
-            mf.loss(value, targets).backward()
+            for index, module in enumerate(modules):
+                with autocast(dev, precision):
+                    value = module(*as_args(value))
+                    if index == total - 1:
+                        loss = mf.loss(value, targets)
+            loss.backward()
 
         try:
             with _QuietGC():

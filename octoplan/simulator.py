@@ -22,11 +22,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from octoplan.costs import LayerTable, StageCost, allreduce_ms, lower_bound_ms, stage_costs, transfer_ms
+from octoplan.costs import LayerTable, StageCost, allreduce_ms, lower_bound_ms, stage_costs, tied_allreduce_ms, transfer_ms
 from octoplan.memory import static_bytes
 from octoplan.ops import Kind, Op
 from octoplan.plan import Plan
-from octoplan.profile import Profile
+from octoplan.profile import Profile, TiedParameter
 
 __all__ = [
     "DeadlockError",
@@ -35,6 +35,7 @@ __all__ = [
     "Transfer",
     "Bubble",
     "AllReduce",
+    "TiedAllReduce",
     "simulate",
     "simulate_costs",
 ]
@@ -73,6 +74,16 @@ class Transfer(NamedTuple):
 class AllReduce(NamedTuple):
     rank: int
     stage: int
+    start_ms: float
+    end_ms: float
+
+
+class TiedAllReduce(NamedTuple):
+    """The sum of a tied tensor's gradient copies (``Profile.tied[group]``) over the pipeline
+    ranks that hold one, in every data-parallel replica at once."""
+
+    group: int
+    ranks: tuple[int, ...]
     start_ms: float
     end_ms: float
 
@@ -120,6 +131,7 @@ class SimResult:
     peak_message_bytes: tuple[int, ...]
     busy_ms: tuple[float, ...]
     allreduces: tuple[AllReduce, ...]
+    tied_allreduces: tuple[TiedAllReduce, ...]
     _schedule: tuple[tuple[Op, ...], ...] = field(repr=False)
     _rank_of_stage: tuple[int, ...] = field(repr=False)
     _keys: tuple[list[int], ...] = field(repr=False)
@@ -147,13 +159,22 @@ class SimResult:
     def prediction(self) -> dict:
         """A plan's ``predicted`` section (docs/SPEC_ADDITIONS.md): the figures octorun sets its
         measurements beside."""
-        return {
+        out = {
             "iteration_ms": round(self.iteration_ms, 4),
             "bubble_ratio": round(self.bubble_ratio, 4),
             "efficiency": round(self.efficiency, 4),
             "peak_activation_bytes": list(self.peak_activation_bytes),
             "peak_with_message_bytes": list(self.peak_with_message_bytes),
         }
+        if self.tied_allreduces:
+            out["tied_allreduce_ms"] = self.tied_allreduce_ms
+        return out
+
+    @property
+    def tied_allreduce_ms(self) -> list[float]:
+        """Each tied all-reduce's duration (start to end), in the profile's group order: only
+        the groups held on more than one rank have one."""
+        return [round(ar.end_ms - ar.start_ms, 6) for ar in self.tied_allreduces]
 
     @property
     def num_ranks(self) -> int:
@@ -295,6 +316,8 @@ class SimResult:
             "busy_ms": [round(b, 6) for b in self.busy_ms],
             # per rank: idle before its first op, between its ops, after its last (idle_parts)
             "idle_ms": [[round(ms, 6) for ms in self.idle_parts(r)] for r in range(self.num_ranks)],
+            # present only where a tied tensor's copies are summed across ranks
+            **({"tied_allreduce_ms": self.tied_allreduce_ms} if self.tied_allreduces else {}),
         }
 
 
@@ -307,8 +330,9 @@ def simulate(plan: Plan, profile: Profile, *, optimizer: str = "adam-mixed", tab
         costs,
         lower_bound=lower_bound_ms(profile, pp=plan.pp, microbatches=plan.microbatches,
                                    op_overhead_ms=plan.cluster.op_overhead_us / 1000.0),
-        dtype_bytes=profile.dtype_bytes,
+        dtype_bytes=profile.param_dtype_bytes,
         optimizer=optimizer,
+        tied=profile.tied,
     )
 
 
@@ -319,8 +343,11 @@ def simulate_costs(
     lower_bound: float = 0.0,
     dtype_bytes: int = 2,
     optimizer: str = "adam-mixed",
+    tied: Sequence[TiedParameter] = (),
 ) -> SimResult:
-    """Simulate with explicit per-stage costs (the tuner's entry point)."""
+    """Simulate with explicit per-stage costs (the tuner's entry point). ``dtype_bytes``: the
+    bytes of one parameter (``Profile.param_dtype_bytes``); ``tied``: the profile's tied
+    tensors (``Profile.tied``)."""
     num_mb = plan.microbatches
     num_stages = len(plan.stages)
     num_ranks = plan.pp
@@ -398,6 +425,13 @@ def simulate_costs(
     static = [0] * num_ranks
     for stage in range(num_stages):
         static[rank_of_stage[stage]] += static_bytes(costs[stage].param_bytes, dtype_bytes=dtype_bytes, optimizer=optimizer)
+    # per tied tensor, the stage of each member: a rank holding several members holds one tensor
+    tied_stages = [[_stage_of_layer(plan, layer) for layer in group.layers] for group in tied]
+    for group, stages in zip(tied, tied_stages):
+        for r in range(num_ranks):
+            copies = sum(rank_of_stage[stage] == r for stage in stages)
+            if copies > 1:
+                static[r] -= static_bytes(group.bytes * (copies - 1), dtype_bytes=dtype_bytes, optimizer=optimizer)
 
     # typed arrays: numpy reads them without a copy (_message_peaks)
     start = array("d", bytes(8 * size))
@@ -496,11 +530,15 @@ def simulate_costs(
             for stage, t_end in ready:
                 last_bwd[stage] = max(last_bwd.get(stage, 0.0), t_end)
             channel = 0.0
-            for stage, t_ready in sorted(last_bwd.items(), key=lambda item: item[1]):
+            order = sorted(last_bwd.items(), key=lambda item: item[1])
+            reduced = _reduced_bytes(r, [stage for stage, _ in order], costs, rank_of_stage, tied, tied_stages)
+            for stage, t_ready in order:
                 t0 = max(t_ready, channel)
-                channel = t0 + allreduce_ms(cluster, parallel, r, costs[stage].param_bytes)
+                channel = t0 + allreduce_ms(cluster, parallel, r, reduced[stage])
                 allreduces.append(AllReduce(r, stage, t0, channel))
         last_end = max([last_end] + [ar.end_ms for ar in allreduces])
+    tied_allreduces = _tied_allreduces(plan, free, allreduces, tied, tied_stages, rank_of_stage, has_ops=[bool(k) for k in keys])
+    last_end = max([last_end] + [ar.end_ms for ar in tied_allreduces])
 
     first_start = min((start[k[0]] for k in keys if k), default=0.0)
     iteration = last_end - first_start
@@ -531,6 +569,7 @@ def simulate_costs(
         peak_message_bytes=tuple(int(m) for m in message_peak),
         busy_ms=tuple(busy),
         allreduces=tuple(allreduces),
+        tied_allreduces=tuple(tied_allreduces),
         _schedule=plan.schedule,
         _rank_of_stage=rank_of_stage,
         _keys=tuple(keys),
@@ -541,6 +580,50 @@ def simulate_costs(
         _cross=cross,
         _num_mb=num_mb,
     )
+
+
+def _stage_of_layer(plan: Plan, layer: int) -> int:
+    return next(s for s, stage in enumerate(plan.stages) if stage.start <= layer < stage.end)
+
+
+def _reduced_bytes(rank: int, order: list[int], costs: Sequence[StageCost], rank_of_stage: Sequence[int],
+                   tied: Sequence[TiedParameter], tied_stages: list[list[int]]) -> dict[int, int]:
+    """The bytes each stage of ``rank`` all-reduces over dp, its all-reduces in ``order``: its
+    parameters, a tied tensor the rank holds for several members once, with the stage whose
+    all-reduce comes last (after every backward that adds to it), as octorun assigns it."""
+    reduced = {stage: costs[stage].param_bytes for stage in order}
+    for group, stages in zip(tied, tied_stages):
+        here = [stage for stage in stages if rank_of_stage[stage] == rank]
+        if len(here) < 2:
+            continue
+        for stage in here:
+            reduced[stage] -= group.bytes
+        owner = max(here, key=order.index)
+        reduced[owner] += group.bytes
+    return reduced
+
+
+def _tied_allreduces(plan: Plan, free: Sequence[float], allreduces: Sequence[AllReduce], tied: Sequence[TiedParameter],
+                     tied_stages: list[list[int]], rank_of_stage: Sequence[int], *, has_ops: Sequence[bool]) -> list[TiedAllReduce]:
+    """The tied tensors' gradient sums, as octorun runs them after a step's ops: each rank, once
+    its ops and its data-parallel all-reduces are done, joins the groups it holds a member of,
+    one after the other in the profile's order, each a blocking all-reduce among the pipeline
+    ranks holding a member (none where one rank holds them all). A group's sum starts when the
+    last of its ranks joins."""
+    ready = [free[r] if has_ops[r] else 0.0 for r in range(len(free))]
+    for ar in allreduces:
+        ready[ar.rank] = max(ready[ar.rank], ar.end_ms)
+    out = []
+    for index, (group, stages) in enumerate(zip(tied, tied_stages)):
+        ranks = tuple(sorted({rank_of_stage[stage] for stage in stages}))
+        if len(ranks) < 2:
+            continue
+        begin = max(ready[r] for r in ranks)
+        finish = begin + tied_allreduce_ms(plan.cluster, plan.parallel, ranks, group.bytes)
+        for r in ranks:
+            ready[r] = finish
+        out.append(TiedAllReduce(index, ranks, begin, finish))
+    return out
 
 
 def _message_peaks(keys, start, end, arrive, present, *, num_mb: int, act, burst, dest, msg_bytes,

@@ -306,7 +306,7 @@ def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_pe
     for layer in layers[:-1]:
         intra.append(to_ticks(transfer_ms(cluster, parallel, *same, layer.output_bytes)) if same else 0)
         inter.append(to_ticks(transfer_ms(cluster, parallel, *diff, layer.output_bytes)) if diff else intra[-1])
-    dtype = profile.dtype_bytes
+    dtype = profile.param_dtype_bytes  # a tied tensor counts once per member here: a bound on the safe side
     return PartitionProblem(
         forward=tuple(to_ticks(l.forward_ms) for l in layers),
         backward_input=tuple(to_ticks(l.backward_input_ms + (l.forward_ms if recompute else 0.0)) for l in layers),

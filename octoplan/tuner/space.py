@@ -160,7 +160,7 @@ class Evaluator:
         limit = self.cluster.memory_gb * 1e9
         budget = [limit] * cand.config.pp
         for cost, rank in zip(costs, cand.ranks):
-            budget[rank] -= static_bytes(cost.param_bytes, dtype_bytes=self.profile.dtype_bytes, optimizer=self.optimizer)
+            budget[rank] -= static_bytes(cost.param_bytes, dtype_bytes=self.profile.param_dtype_bytes, optimizer=self.optimizer)
         return budget
 
     def justified(self, cand: Candidate) -> list[Candidate]:
@@ -211,7 +211,7 @@ class Evaluator:
             plan, self.costs(cand),
             lower_bound=lower_bound_ms(self.profile, pp=cand.config.pp, microbatches=cand.config.microbatches,
                                        op_overhead_ms=self.cluster.op_overhead_us / 1000.0),
-            dtype_bytes=self.profile.dtype_bytes, optimizer=self.optimizer,
+            dtype_bytes=self.profile.param_dtype_bytes, optimizer=self.optimizer, tied=self.profile.tied,
         )
         self.evaluations += 1
         self._cache[cand] = _scored(result)
