@@ -185,6 +185,11 @@ def _print_profile(result: Profile, out: Path) -> None:
     fused = result.fused_backward_ratio
     ratio = f"; fused backward B = {fused:.2f} x (I + W)" if fused is not None and fused != 1.0 else ""
     console.print(f"{result.num_layers} layers, F+I+W = {total:.3f} ms per microbatch of {result.microbatch_size}{ratio}")
+    if result.precision != "fp32":
+        console.print(f"measured at {result.precision}: forwards under autocast, parameters fp32")
+    for group in result.tied:
+        members = ", ".join(f"layer {layer} {name}" for layer, name in group.members)
+        console.print(f"tied: {members} ({group.bytes / 1e6:.2f} MB, one tensor)", soft_wrap=True)
 
 
 @app.command()
@@ -261,6 +266,9 @@ def simulate(
     table.add_row("bubble ratio", f"{result.bubble_ratio:.1%}")
     table.add_row("peak memory", f"{max(result.peak_memory_bytes) / 1e9:.2f} GB (limit {result.memory_limit_bytes / 1e9:.0f})")
     table.add_row("fits memory", "yes" if result.fits_memory else "[red]NO[/red]")
+    for ar in result.tied_allreduces:  # the profile's tied tensors held on several ranks
+        table.add_row(f"tied group {ar.group} all-reduce", f"{ar.end_ms - ar.start_ms:.3f} ms (ranks "
+                      f"{', '.join(map(str, ar.ranks))}, ends at {ar.end_ms:.3f})")
     console.print(table)
     by_rank = Table(title="per rank")
     for column in ("rank", "stages", "busy ms", "idle ms", "idle: warm-up / between / drain", "peak GB",

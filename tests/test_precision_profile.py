@@ -211,3 +211,10 @@ def test_a_bf16_profile_keeps_fp32_masters_and_does_not_halve_the_static_bytes()
     assert simulate(plan, bf16).static_memory_bytes == simulate(plan, fp32).static_memory_bytes == (16_000_000,)
     assert simulate(plan, bf16, optimizer="sgd").static_memory_bytes == (8_000_000,)
     assert simulate(plan, analytic).static_memory_bytes == (32_000_000,)
+
+
+def test_the_profile_command_says_at_which_precision_it_measured(tmp_path):
+    _, printed = _cli_profile(tmp_path, "bf16")
+    assert "measured at bf16: forwards under autocast, parameters fp32" in printed
+    _, printed = _cli_profile(tmp_path, "fp32")
+    assert "measured at" not in printed

@@ -295,3 +295,29 @@ def test_the_cli_refuses_a_bad_group_in_one_line_and_writes_nothing(model_path, 
     # stderr holds the one line (the progress display's own line break goes to stdout)
     assert done.exit_code == 2 and done.stderr.count("\n") == 1 and "shape (12, 8)" in done.stderr, done.output
     assert not out.exists()
+    done = CliRunner().invoke(app, ["profile", str(model_path), "--repeat", "1", "--device", "cpu", "-o", str(out)],
+                              terminal_width=200)
+    assert done.exit_code == 0 and "tied: layer 0 emb.weight, layer 2 out.weight (0.00 MB, one tensor)" in done.output, done.output
+    assert load_profile(out).tied[0].bytes == 352
+
+
+def test_octoplan_simulate_shows_the_tied_all_reduce(tmp_path):
+    import json
+    from dataclasses import replace
+
+    from typer.testing import CliRunner
+
+    from octoplan.cli import app
+    from octoplan.plan import save_plan
+    from octoplan.yamlio import file_sha256
+
+    save_profile(_profile(), tmp_path / "p.yaml")
+    plan = _plan([(0, 1, 0), (1, 2, 1)], GPIPE, cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
+    save_plan(replace(plan, profile="p.yaml", profile_sha256=file_sha256(tmp_path / "p.yaml")), tmp_path / "plan.yaml")
+    runner = CliRunner()
+    done = runner.invoke(app, ["simulate", str(tmp_path / "plan.yaml"), "--json"])
+    assert done.exit_code == 0, done.output
+    figures = json.loads(done.output)
+    assert (figures["iteration_ms"], figures["tied_allreduce_ms"]) == (28, [6])
+    done = runner.invoke(app, ["simulate", str(tmp_path / "plan.yaml")], terminal_width=200)
+    assert done.exit_code == 0 and "tied group 0 all-reduce" in done.output and "6.000 ms (ranks 0, 1, ends at 28.000)" in done.output, done.output
