@@ -256,7 +256,9 @@ def tied_allreduce_ms(cluster: Cluster, parallel: Parallel, pp_ranks: Sequence[i
 def lower_bound_ms(profile: Profile, *, pp: int, microbatches: int, op_overhead_ms: float = 0.0) -> float:
     """SPEC section 7: no plan with this pp and microbatch count can be faster. A layer's least
     time takes the cheaper of its split backward (I + W) and its fused one (B). With a per-op
-    runtime cost, every rank runs at least two ops (F and B) per microbatch and pays it twice."""
+    runtime cost, every rank runs at least two ops (F and B) per microbatch and pays it twice.
+    Tied tensors' all-reduces (``Profile.tied``) only add time after the ops, so they are left
+    out: the bound still holds, and the simulator prices them."""
     totals = [layer.forward_ms + min(layer.backward_input_ms + layer.backward_weight_ms, layer.b_ms)
               for layer in profile.layers]
     return microbatches * (max(sum(totals) / pp, max(totals)) + 2 * op_overhead_ms)
