@@ -50,9 +50,9 @@ ABORT_KEY = "abort"  # under the attempt's prefix (see Watchdog.key)
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 _POLL_S = 0.25
-_BEAT_EVERY = 4  # polls per heartbeat: one a second
-_SILENT_S = 2.5  # a heartbeat that stands still this long: the peer is hung
-_GRACE_S = 3.0  # how long a leaving process waits for its host's peers to leave before killing them
+_BEAT_EVERY = 2  # polls per heartbeat: two a second
+_SILENT_S = 1.5  # a heartbeat that stands still this long (three beats): the peer is hung
+_GRACE_S = 2.0  # how long a leaving process waits for its host's peers to leave before killing them
 _HISTORY = 24  # activities kept for the record
 _LINE = 200  # bytes per line of the record file
 
