@@ -7,8 +7,8 @@ step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 export OMP_NUM_THREADS=1  # one thread per process (torchrun would set it and warn)
 RUN=(torchrun --standalone --nproc-per-node 4 -m octorun)
 
-step "1. Profile the hybrid SSM / attention / MoE example model on this CPU"
-octoplan profile examples/models/hybrid.py -o profiles/hybrid.yaml --repeat 5
+step "1. Profile the hybrid SSM / attention / MoE example model on this CPU, in bf16 as it will train"
+octoplan profile examples/models/hybrid.py -o profiles/hybrid.yaml --repeat 5 --precision bf16
 
 step "2. Calibrate: what a transfer and the runtime around each op cost with 4 processes here"
 # Four CPU processes stand in for four GPUs, sharing this machine's cores: gloo's transfers and
@@ -28,13 +28,27 @@ octoplan baseline profiles/hybrid.yaml --gpus 4 --schedule 1f1b --microbatches 8
 step "4. The tuned plan's timeline (also out/hybrid.svg, and out/hybrid-trace.json for Perfetto)"
 octoplan show plans/hybrid.yaml --svg out/hybrid.svg --trace out/hybrid-trace.json
 
-step "5. Train the real model with the tuned plan: torchrun, 4 processes, gloo"
+step "5. Train it on text with the tuned plan: 4 processes, bf16, AdamW, clipping, a cosine schedule, checkpoints"
 echo "The losses are real. The times are not the plan's: four processes share this machine's cores, while"
-echo "each layer was profiled with the cores to itself. Step 6 replays the ops at their profiled times."
+echo "each layer was profiled with the cores to itself. Step 8 replays the ops at their profiled times."
 echo "The memory is the plan's: --activation-memory counts what each rank holds, beside the prediction."
-"${RUN[@]}" plans/hybrid.yaml --steps 6 --optimizer adamw --lr 3e-3 --metrics out/train.jsonl --activation-memory
+octoplan tokenize examples/data/corpus.txt -o out/corpus.bin
+rm -rf out/checkpoints
+# one schedule over the whole training (--decay-steps), stopped halfway as if the cluster changed
+TRAIN=(--data out/corpus.bin --precision bf16 --optimizer adamw --lr 3e-3 --min-lr 3e-4 --weight-decay 0.1
+       --betas 0.9 0.95 --grad-clip 1.0 --lr-schedule cosine --warmup-steps 4 --decay-steps 60 --save out/checkpoints)
+"${RUN[@]}" plans/hybrid.yaml "${TRAIN[@]}" --steps 30 --save-every 10 --metrics out/train-4x1.jsonl --activation-memory
 
-step "6. Predicted vs measured, and the speedup over 1F1B"
+step "6. The cluster changes: re-tune the same 4 GPUs as pp 2 x dp 2, and resume under the new plan"
+echo "The checkpoint is keyed by layer, not by stage or rank: the new plan loads it as it is."
+octoplan tune profiles/hybrid.yaml --gpus 4 --pp 2 --microbatches 4 "${LINK[@]}" --time-limit 10 -o plans/hybrid-pp2dp2.yaml
+"${RUN[@]}" plans/hybrid-pp2dp2.yaml "${TRAIN[@]}" --steps 60 --resume out/checkpoints --metrics out/train-2x2.jsonl
+
+step "7. The loss across the re-plan (out/loss.svg)"
+python examples/loss_curve.py "pp 4 (tuned)=out/train-4x1.jsonl" "pp 2 x dp 2 (re-tuned, resumed)=out/train-2x2.jsonl" \
+    --title "hybrid example on examples/data/corpus.txt, bf16" -o out/loss.svg
+
+step "8. Predicted vs measured, and the speedup over 1F1B"
 # Four processes share the cores here, so real compute would be slowed by the sharing itself;
 # --replay runs every op for exactly its profiled time (sleeping), as four GPUs would.
 "${RUN[@]}" plans/hybrid.yaml --replay --steps 5 --metrics out/tuned.jsonl --trace out/tuned-measured.json

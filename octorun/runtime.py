@@ -248,7 +248,7 @@ def prepare(config: RunConfig) -> Prepared:
         if resume_from is not None:
             checkpoint.check_compatible(checkpoint.read_meta(resume_from), _model_identity(model, num_layers), resume_from)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
-                    microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model, num_layers),
+                    microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model),
                     data=data, resume_from=resume_from)
 
 

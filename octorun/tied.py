@@ -47,33 +47,9 @@ def parameter_key(layer: int, name: str) -> str:
     return f"layers.{layer}.{name}"
 
 
-def tied_groups(model, num_layers: int) -> tuple[TiedGroup, ...]:
-    """The model file's validated groups (none when it declares none)."""
-    declared = model.tied_groups() if hasattr(model, "tied_groups") else _declared(model)
-    groups = []
-    for members in declared:
-        normalized = tuple(sorted((int(layer), str(name)) for layer, name in members))
-        for layer, name in normalized:
-            if not 0 <= layer < num_layers:
-                raise InputError(model.path, "tied_parameters", f"names layer {layer} of a {num_layers}-layer model",
-                                 "give layer indices of this model")
-        if len(set(normalized)) != len(normalized) or len(normalized) < 2:
-            raise InputError(model.path, "tied_parameters", f"group {list(members)!r} needs two or more distinct members",
-                             "list each tied parameter once, at least two per group")
-        groups.append(TiedGroup(normalized))
-    return tuple(groups)
-
-
-def _declared(model) -> list:
-    fn = getattr(model.module, "tied_parameters", None)
-    if fn is None:
-        return []
-    groups = fn(**model.config)
-    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) and all(
-            isinstance(m, (list, tuple)) and len(m) == 2 for m in g) for g in groups):
-        raise InputError(model.path, "tied_parameters", "must return a list of groups of (layer index, parameter name)",
-                         "return e.g. [[(0, 'embed.weight'), (5, 'proj.weight')]]")
-    return list(groups)
+def tied_groups(model) -> tuple[TiedGroup, ...]:
+    """The model file's groups, as ModelFile.tied_groups validated them (none when it declares none)."""
+    return tuple(TiedGroup(tuple(sorted(members))) for members in model.tied_groups())
 
 
 def _parameter(model_path: str, layer_module: torch.nn.Module, layer: int, name: str) -> torch.nn.Parameter:

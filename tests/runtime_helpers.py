@@ -314,7 +314,7 @@ def _reference(
 
     model = load_model_file(model_path, config, seed=seed)
     layers = [model.build_layer(i) for i in range(model.num_layers())]
-    tie_local(model.path, dict(enumerate(layers)), tied_groups(model, len(layers)), model.build_layer)
+    tie_local(model.path, dict(enumerate(layers)), tied_groups(model), model.build_layer)
     params = list({id(p): p for layer in layers for p in layer.parameters()}.values())  # a tied module once
     opt = build_optimizer(params, optim)
     losses, norms, lrs = [], [], []
