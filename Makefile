@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	# elsewhere on Linux, PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu keeps it from
 	# pulling the multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,hf]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,119 @@
+"""A chain layer's weights from the safetensors files of a checkpoint folder, and only its own.
+
+``safe_open`` maps a file and reads a tensor's bytes only when the tensor is sliced, so every
+checkpoint key is offered to transformers' loader as a lazy slice, and the loader slices only
+the keys that its conversion rules (renamed keys, per-expert matrices stacked into one) map to
+the shell's parameters: a pipeline rank reads its stages' tensors and no others. Each slice
+counts the bytes it returns (:attr:`Checkpoint.bytes_read`).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from octoplan.errors import InputError
+
+__all__ = ["Checkpoint"]
+
+
+class _CountedSlice:
+    """A safetensors slice that adds the bytes of every read to its checkpoint's count."""
+
+    def __init__(self, inner: Any, checkpoint: "Checkpoint"):
+        self._inner = inner
+        self._checkpoint = checkpoint
+
+    def __getitem__(self, item: Any) -> torch.Tensor:
+        # a copy: the slice may be a view of the file's mapping, which an in-place optimizer step
+        # would then change for every later read in this process (and its forked children)
+        tensor = self._inner[item].clone()
+        self._checkpoint._count(tensor.numel() * tensor.element_size())
+        return tensor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class Checkpoint:
+    """The safetensors files of one folder, opened lazily."""
+
+    def __init__(self, source: str, files: list[Path]):
+        from safetensors import safe_open
+
+        self.source = source
+        self.bytes_read = 0
+        self._lock = threading.Lock()  # the loader reads from a thread pool
+        self._handles = []
+        self.slices: dict[str, _CountedSlice] = {}
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as exc:
+                raise InputError(str(file), None, f"is not a readable safetensors file: {exc}", "replace the file") from None
+            self._handles.append(handle)
+            for key in handle.keys():
+                self.slices[key] = _CountedSlice(handle.get_slice(key), self)
+
+    @classmethod
+    def of_folder(cls, source: str, folder: Path) -> "Checkpoint | None":
+        files = sorted(folder.glob("*.safetensors"))
+        return cls(source, files) if files else None
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+
+    def load(self, shell: nn.Module, *, label: str, tied: dict[str, str], full_names: dict[str, str]) -> None:
+        """Fill ``shell``'s parameters (and persistent buffers) from the checkpoint.
+
+        ``tied`` maps a tied parameter transformers does not save (``lm_head.weight``) to the one
+        it is (``model.embed_tokens.weight``); ``full_names`` maps a parameter name of the full
+        model to the checkpoint key it is stored under, for those.
+        """
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        load_config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(shell))
+        try:
+            info, _ = convert_and_load_state_dict_in_model(shell, dict(self.slices), load_config)
+        except Exception as exc:
+            raise InputError(self.source, label, f"loading its weights failed: {_one_line(exc)}",
+                             "check the safetensors files against config.json") from None
+        if info.mismatched_keys:
+            name, found, expected = sorted(info.mismatched_keys, key=str)[0]
+            raise InputError(self.source, label, f"the safetensors files hold {name} of shape {tuple(found)}, "
+                             f"but config.json makes it {tuple(expected)}",
+                             "give the config.json of these weights (or --config weights=none for a seeded init)")
+        if info.conversion_errors:
+            name, text = sorted(info.conversion_errors.items())[0]
+            raise InputError(self.source, label, f"converting {name} failed: {' '.join(str(text).split())[:300]}",
+                             "check the safetensors files against config.json")
+        params = dict(shell.named_parameters())
+        for name in sorted(info.missing_keys):
+            if name in tied and tied[name] in full_names:
+                self._load_tied(shell, params[name], name, full_names[tied[name]], label)
+            elif name in params:
+                raise InputError(self.source, label, f"{name} is not in the safetensors files",
+                                 "give the whole checkpoint (or --config weights=none for a seeded init)")
+
+    def _load_tied(self, shell: nn.Module, param: torch.Tensor, name: str, key: str, label: str) -> None:
+        value = self.slices[key][...]
+        if tuple(value.shape) != tuple(param.shape):
+            raise InputError(self.source, label, f"the safetensors files hold {key} (tied to {name}) of shape "
+                             f"{tuple(value.shape)}, but config.json makes it {tuple(param.shape)}",
+                             "give the config.json of these weights")
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,371 @@
+"""hf:FOLDER: Hugging Face transformers models as chains of their own modules (octoplan.hf).
+
+Every family is a tiny config built here, saved with transformers' save_pretrained (so its
+safetensors files are in the hub's format: MoE experts one matrix each, LLaVA's legacy keys),
+and compared with the transformers model itself: its own loss (labels=...), its gradients, and
+its own SGD step against octorun running a 1F1B pp-4 plan and a tuned plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from octoplan.cli import app
+from octoplan.errors import InputError
+from octoplan.modelfile import as_args, load_model_file
+from octoplan.plan import load_plan
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from tests import runtime_helpers as h  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 6
+MBS = 2
+LR = 0.5
+
+
+def _text(model_type: str, **extra):
+    base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2)  # 4 decoder layers: a 1F1B pp-4 plan pins the embedding and head to the ends
+    return transformers.AutoConfig.for_model(model_type, **{**base, **extra})
+
+
+FAMILIES = {
+    "llama": lambda: _text("llama"),
+    "mistral": lambda: _text("mistral", sliding_window=4),
+    "qwen2": lambda: _text("qwen2"),
+    "qwen3": lambda: _text("qwen3", head_dim=8),
+    # tied embeddings, sliding and full attention alternating, soft-capped logits
+    "gemma2": lambda: _text("gemma2", head_dim=8, sliding_window=3),
+    "mixtral": lambda: _text("mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: _text("qwen3_moe", head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    # hybrid: gated DeltaNet (linear attention) and gated full attention, MoE
+    "qwen3_next": lambda: _text("qwen3_next", num_hidden_layers=4, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=16, shared_expert_intermediate_size=16, linear_num_value_heads=4,
+                                linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
+    "llava": lambda: transformers.LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=8, patch_size=4, projection_dim=16),
+        image_token_id=95, image_seq_length=4),
+}
+# one per kind the issue names: dense, tied + local/global attention, MoE, hybrid, vision-language
+RUN_FAMILIES = ("qwen3", "gemma2", "mixtral", "qwen3_next", "llava")
+
+
+def _hf_class(config):
+    return transformers.AutoModelForImageTextToText if config.model_type == "llava" else transformers.AutoModelForCausalLM
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """family -> (folder with config.json and model.safetensors, the transformers model)."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for index, (name, make) in enumerate(FAMILIES.items()):
+        torch.manual_seed(100 + index)
+        config = make()
+        model = _hf_class(config).from_config(config)
+        model.save_pretrained(root / name)
+        out[name] = (root / name, model)
+    return out
+
+
+def _hf_loss(model, inputs, targets) -> torch.Tensor:
+    """transformers' own loss (labels=...) of a chain microbatch: the tokens with the last target
+    appended, labels shifted by the model itself."""
+    if isinstance(inputs, tuple):  # LLaVA: (pixels, ids); the image positions carry no loss
+        pixels, ids = inputs
+        tokens = torch.cat([ids, targets[:, -1:]], 1)
+        labels = torch.cat([torch.full_like(targets[:, :1], -100), targets], 1)
+        return model(input_ids=tokens, pixel_values=pixels, labels=labels).loss
+    tokens = torch.cat([inputs, targets[:, -1:]], 1)
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def _chain(folder: Path, **config):
+    model = load_model_file(f"hf:{folder}", {"seq": SEQ, **config})
+    return model, [model.build_layer(i) for i in range(model.num_layers())]
+
+
+def _forward(model, layers, inputs, targets) -> torch.Tensor:
+    value = inputs
+    for layer in layers:
+        value = layer(*as_args(value))
+    return model.loss(value, targets)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chain_loss_and_gradients_equal_transformers(saved, family):
+    folder, hf_model = saved[family]
+    model, layers = _chain(folder)
+    reference = copy.deepcopy(hf_model).train()
+    inputs, targets = model.sample_batch(MBS, step=0, replica=0, mb=0)
+    loss = _forward(model, layers, inputs, targets)
+    expected = _hf_loss(reference, inputs, targets)
+    assert abs(loss.item() - expected.item()) <= 1e-5
+    loss.backward()
+    expected.backward()
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    # a tied weight's gradient is the sum over its uses, in transformers as across octorun's ranks
+    tied = reference.all_tied_weights_keys
+    found: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        for name, param in layer.named_parameters():
+            key = tied.get(name, name)
+            if param.grad is None:  # unused, as LLaVA's last vision layer (it reads the one before)
+                assert grads[key] is None, name
+                found[key] = None
+                continue
+            assert key not in found or key in tied.values(), name  # each parameter in one chain layer
+            found[key] = found[key] + param.grad if key in found else param.grad
+    assert set(found) == set(grads)
+    for name, grad in found.items():
+        if grad is None:
+            continue
+        assert torch.allclose(grad, grads[name], atol=1e-5, rtol=0), (name, (grad - grads[name]).abs().max())
+
+
+def test_chain_layers_names_and_kinds(saved):
+    model, _ = _chain(saved["qwen3_next"][0], weights="none")
+    names = [model.module.layer_name(i, **model.config) for i in range(model.num_layers())]
+    kinds = [model.module.layer_kind(i, **model.config) for i in range(model.num_layers())]
+    assert names == ["embed_tokens", "layers.0", "layers.1", "layers.2", "layers.3", "norm+lm_head"]
+    assert kinds == ["embedding", "linear_attention", "linear_attention", "linear_attention", "full_attention", "head"]
+    vlm, _ = _chain(saved["llava"][0], weights="none")
+    assert [vlm.module.layer_kind(i, **vlm.config) for i in range(vlm.num_layers())] == [
+        "vision", "projector", "embed", "decoder", "decoder", "decoder", "decoder", "head"]
+    (pixels, ids), targets = vlm.sample_batch(3, step=0, replica=0, mb=0)
+    assert pixels.shape == (3, 3, 8, 8) and ids.shape == (3, 4 + SEQ) and targets.shape == (3, 4 + SEQ)
+    assert (ids[:, :4] == 95).all() and (ids[:, 4:] != 95).all() and (targets[:, :4] == -100).all()
+    assert model.tokens_per_sample() == SEQ + 1
+
+
+def test_seeded_init_is_per_layer_and_deterministic(saved):
+    folder = saved["gemma2"][0]
+    first, layers = _chain(folder, weights="none")
+    _, again = _chain(folder, weights="none")
+    for a, b in zip(layers, again):
+        for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+            assert torch.equal(x, y), name
+    seeded = load_model_file(f"hf:{folder}", {"seq": SEQ, "weights": "none"}, seed=1).build_layer(1)
+    assert not torch.equal(seeded.state_dict()["model.layers.0.mlp.up_proj.weight"],
+                           layers[1].state_dict()["model.layers.0.mlp.up_proj.weight"])
+    # transformers' init: normal(0, initializer_range) for matrices, not the checkpoint's values
+    up = layers[1].state_dict()["model.layers.0.mlp.up_proj.weight"]
+    assert abs(up.std().item() - first_init_std(folder)) < 0.005
+    assert all(layer.checkpoint_bytes_read == 0 for layer in layers)
+    assert first.tied_groups() == [[(0, "model.embed_tokens.weight"), (5, "lm_head.weight")]]
+
+
+def first_init_std(folder: Path) -> float:
+    return json.loads((folder / "config.json").read_text())["initializer_range"]
+
+
+def _checkpoint_bytes_by_layer(folder: Path, names: list[str]) -> dict[int, int]:
+    """Hand-made from the safetensors header: the bytes of the checkpoint's tensors per chain layer."""
+    header = safetensors_torch.load_file(folder / "model.safetensors")
+    out = {i: 0 for i in range(len(names))}
+    for key, tensor in header.items():
+        size = tensor.numel() * tensor.element_size()
+        if "embed_tokens" in key:
+            out[0] += size
+        elif key in ("model.norm.weight", "lm_head.weight"):
+            out[len(names) - 1] += size
+        else:
+            out[names.index("layers." + key.split("layers.")[1].split(".")[0])] += size
+    return out
+
+
+def test_each_rank_reads_only_its_stages_tensors(saved, tmp_path):
+    folder = saved["mixtral"][0]
+    model = load_model_file(f"hf:{folder}", {"seq": SEQ})
+    names = [model.module.layer_name(i, **model.config) for i in range(model.num_layers())]
+    expected = _checkpoint_bytes_by_layer(folder, names)
+    plan = h.baseline_plan("1f1b", f"hf:{folder}", dict(model.config), tmp_path, gpus=4, pp=4, microbatches=4)
+    total = 0
+    for stage in plan.stages:  # what each rank's octorun builds: its stages' layers, no others
+        fresh = load_model_file(f"hf:{folder}", {"seq": SEQ})
+        read = sum(fresh.build_layer(i).checkpoint_bytes_read for i in range(stage.start, stage.end))
+        assert read == sum(expected[i] for i in range(stage.start, stage.end)) > 0
+        total += read
+    assert total == sum(expected.values()) == (folder / "model.safetensors").stat().st_size - _header_size(folder)
+
+
+def test_a_trained_layer_leaves_the_checkpoint_as_it_was(saved):
+    folder = saved["qwen3"][0]
+    model = load_model_file(f"hf:{folder}", {"seq": SEQ})
+    layer = model.build_layer(1)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.add_(1.0)  # as an optimizer step does, in place
+    again = model.build_layer(1).state_dict()
+    assert all(torch.equal(again[k], before[k]) for k in before)
+
+
+def _header_size(folder: Path) -> int:
+    with open(folder / "model.safetensors", "rb") as file:
+        return 8 + int.from_bytes(file.read(8), "little")
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(app, [*args])
+
+
+def _one_line_exit_2(result, *words):
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_bad_input_exits_2_in_one_line(saved, tmp_path):
+    out = tmp_path / "p.yaml"
+    _one_line_exit_2(_cli("profile", f"hf:{tmp_path / 'none'}", "-o", str(out)), "is not a folder")
+    (tmp_path / "empty").mkdir()
+    _one_line_exit_2(_cli("profile", f"hf:{tmp_path / 'empty'}", "-o", str(out)), "config.json", "not found")
+    # configs transformers cannot read or build: an unknown model type, an unknown activation
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 8}))
+    _one_line_exit_2(_cli("profile", f"hf:{unknown}", "-o", str(out)), "config.json", "cannot read it")
+    folder = saved["qwen2"][0]
+    _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "hidden_act=no-such-act", "-o", str(out)),
+                     "cannot build Qwen2ForCausalLM")
+    _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "no_such_field=1", "-o", str(out)),
+                     "no_such_field", "not a field")
+    # the safetensors files hold hidden 32, the overridden config says 16
+    _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "hidden=16", "--config", "num_attention_heads=2",
+                          "--config", "num_key_value_heads=1", "-o", str(out)),
+                     "shape (96, 32)", "(96, 16)")
+    # a family transformers declares no pipeline plan for (Jamba: Mamba and attention)
+    jamba = tmp_path / "jamba"
+    jamba.mkdir()
+    transformers.JambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2).save_pretrained(jamba)
+    _one_line_exit_2(_cli("profile", f"hf:{jamba}", "-o", str(out)), "no pipeline plan", "'jamba'")
+    # a family with a plan whose chain is not verified here
+    phi = tmp_path / "phi3"
+    phi.mkdir()
+    transformers.Phi3Config(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2).save_pretrained(phi)
+    _one_line_exit_2(_cli("profile", f"hf:{phi}", "-o", str(out)), "'phi3'", "not verified")
+    assert not out.exists()
+
+
+def test_missing_tensor_is_bad_input(saved, tmp_path):
+    folder = saved["qwen3"][0]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    tensors = safetensors_torch.load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    safetensors_torch.save_file(tensors, broken / "model.safetensors")
+    model = load_model_file(f"hf:{broken}", {"seq": SEQ})
+    model.build_layer(1)  # layer 0 of the decoder is whole
+    with pytest.raises(InputError, match=r"layer 2 \(layers.1\).*model.layers.1.mlp.down_proj.weight is not in"):
+        model.build_layer(2)
+
+
+def test_without_transformers_says_what_to_install(saved, tmp_path):
+    script = ("import sys; sys.modules['transformers'] = None\n"
+              "from octoplan.cli import main; sys.argv = ['octoplan'] + sys.argv[1:]; main()")
+    run = subprocess.run([sys.executable, "-c", script, "profile", f"hf:{saved['qwen3'][0]}", "-o", str(tmp_path / "p.yaml")],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0 and "pip install -e '.[hf]'" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+
+
+# ---------------------------------------------------------------------- octorun against transformers
+
+
+def _hf_sgd_step(hf_model, model, plan) -> tuple[float, dict[str, torch.Tensor]]:
+    """transformers' own loss over the step's microbatches of every replica, and its weights
+    after one SGD step."""
+    reference = copy.deepcopy(hf_model).train()
+    losses = [_hf_loss(reference, *model.sample_batch(MBS, step=0, replica=d, mb=mb))
+              for d in range(plan.parallel.dp) for mb in range(plan.microbatches)]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    with torch.no_grad():
+        for param in reference.parameters():
+            if param.grad is not None:
+                param -= LR * param.grad
+    state = dict(reference.named_parameters())
+    for target, source in reference.all_tied_weights_keys.items():
+        state[target] = state[source]
+    return loss.item(), {name: p.detach() for name, p in state.items()}
+
+
+def _runtime_reads_hf_sources(plan_path: Path) -> bool:
+    from octorun import runtime
+
+    try:
+        return str(runtime._model_path(load_plan(plan_path), str(plan_path))).startswith("hf:")
+    except InputError:
+        return False
+
+
+@pytest.mark.slow
+def test_octorun_1f1b_and_tuned_plans_equal_transformers(saved, tmp_path, monkeypatch):
+    from octorun.runtime import RunConfig
+
+    jobs, cases = [], {}
+    for family in RUN_FAMILIES:
+        folder, hf_model = saved[family]
+        source = f"hf:{folder}"
+        profile = tmp_path / f"{family}.yaml"
+        result = _cli("profile", source, "--config", f"seq={SEQ}", "--microbatch-size", str(MBS), "--repeat", "1",
+                      "--device", "cpu", "-o", str(profile))
+        assert result.exit_code == 0, result.output
+        for kind, args in (("1f1b", ["baseline", str(profile), "--gpus", "4", "--schedule", "1f1b"]),
+                           ("tuned", ["tune", str(profile), "--gpus", "4", "--max-plans", "200"])):
+            plan_path = tmp_path / f"{family}-{kind}.yaml"
+            result = _cli(*args, "--microbatches", "4", "-o", str(plan_path))
+            assert result.exit_code == 0, result.output
+            name = f"{family}-{kind}"
+            jobs.append(h.Job(name, RunConfig(plan_path=str(plan_path), steps=1, optimizer="sgd", lr=LR, timeout_s=60)))
+            cases[name] = (family, load_plan(plan_path))
+    plan = load_plan(Path(jobs[0].config.plan_path))
+    assert plan.parallel.pp == 4 and plan.model.source.startswith("hf:")
+    if not _runtime_reads_hf_sources(Path(jobs[0].config.plan_path)):
+        # until octorun resolves hf: sources itself, the forked workers inherit this stand-in
+        from octorun import runtime
+
+        monkeypatch.setattr(runtime, "_model_path", lambda plan, plan_path: plan.model.source)
+    launched = h.launch(4, jobs, tmp_path / "out", timeout_s=240)
+    assert launched.exitcodes == [0] * 4, "\n".join(launched.logs)
+    for name, (family, plan) in cases.items():
+        folder, hf_model = saved[family]
+        model = load_model_file(f"hf:{folder}", {"seq": SEQ})
+        want_loss, want_state = _hf_sgd_step(hf_model, model, plan)
+        metrics = launched.result(name, 0)["metrics"]
+        assert abs(metrics[0].loss - want_loss) <= 1e-5, (name, metrics[0].loss, want_loss)
+        compared, moved = 0, 0.0
+        for rank in range(4):
+            for layer, state in launched.result(name, rank)["state"].items():
+                for key, value in state.items():
+                    if key not in want_state:
+                        continue  # buffers
+                    assert torch.allclose(value, want_state[key], atol=1e-5, rtol=0), (name, layer, key)
+                    moved = max(moved, (want_state[key] - hf_model.state_dict()[key]).abs().max().item()
+                                if key in hf_model.state_dict() else 0.0)
+                    compared += 1
+        assert compared >= len(dict(hf_model.named_parameters())), name
+        assert moved > 1e-3, name  # the step changed the weights: the comparison can fail
