@@ -105,17 +105,17 @@ class Sizes:
     soak_window: int  # steps whose median is compared at the start and the end of the soak
     checkpoint_saves: int
     checkpoint_loads: int
-    large_models: bool  # also the examples at GPU size
+    large_models: tuple[str, ...]  # examples also run at GPU size (LARGE_SHORT)
 
 
 # At scale 0.22 (bench_runtime's for this profile) the tuned plan's ops last 2-50 ms and a step
 # about 1.1 s; the soak runs at 0.1 (about 0.5 s a step) to fit 300 steps into a few minutes.
 FULL = Sizes(gpus=8, microbatches=16, tune_max_plans=1500, tune_quick=False, overhead_scale=0.22, soak_scale=0.1,
              rounds=6, warmup=3, steps=10, soak_steps=300, soak_warmup=20, soak_window=50,
-             checkpoint_saves=5, checkpoint_loads=5, large_models=True)
+             checkpoint_saves=5, checkpoint_loads=5, large_models=("tiny_gpt",))
 QUICK = Sizes(gpus=4, microbatches=8, tune_max_plans=20, tune_quick=True, overhead_scale=0.01, soak_scale=0.01,
               rounds=2, warmup=1, steps=3, soak_steps=40, soak_warmup=5, soak_window=10,
-              checkpoint_saves=2, checkpoint_loads=2, large_models=False)
+              checkpoint_saves=2, checkpoint_loads=2, large_models=())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +167,7 @@ class _Probe:
     """What one worker records about the job it runs (see the module docstring)."""
 
     step_began: list[float] = field(default_factory=list)
+    cpu_began: list[float] = field(default_factory=list)  # the process's CPU seconds (all its threads)
     step_ended: list[float] = field(default_factory=list)
     rss_kb: list[int] = field(default_factory=list)
     save_s: list[float] = field(default_factory=list)
@@ -188,6 +189,7 @@ class _Probe:
         def timed_step(interpreter, number):
             probe.interpreter = interpreter
             probe.step_began.append(time.perf_counter())
+            probe.cpu_began.append(time.process_time())
             record = step(interpreter, number)
             probe.step_ended.append(time.perf_counter())
             probe.rss_kb.append(_vm_rss_kb())
@@ -294,7 +296,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[TrainJob], folder: str)
         steps_run = len(probe.step_began)
         record = {
             "job": job.name, "rank": rank, "pp_rank": result.pp_rank, "wall_s": wall_s,
-            "step_began": probe.step_began, "step_ended": probe.step_ended, "rss_kb": probe.rss_kb,
+            "step_began": probe.step_began, "cpu_began": probe.cpu_began, "step_ended": probe.step_ended, "rss_kb": probe.rss_kb,
             "save_s": probe.save_s, "restore_s": probe.restore_s, "saved_payload_bytes": probe.saved_payload_bytes,
             "messages": probe.leftovers(steps_run), "state_digest": _state_digest(result.state),
             "metrics": [m.to_dict() for m in result.metrics],
@@ -306,10 +308,17 @@ def _worker(rank: int, world: int, port: int, jobs: list[TrainJob], folder: str)
     os._exit(0)  # skip interpreter teardown: the process group's threads need not be joined
 
 
+# Scheduling priority of the measured processes (a nice value; None: leave as is), as in
+# bench_runtime.py: on a machine whose cores other jobs keep busy, a rank waking from a sleep
+# waits for a core, and the benchmark measures the neighbours; a negative value (root only)
+# lets the ranks, which mostly sleep, wake at once.
+NICE: int | None = None
+
+
 def run_jobs(world: int, jobs: Sequence[TrainJob], folder: str | Path, *, timeout_s: float = 900.0) -> dict[str, list[dict]]:
-    """Run ``jobs`` one after another on ``world`` fresh gloo processes (forked; each with one
-    intra-op thread). Returns, per job name, each rank's record (global rank order). Raises
-    ``RuntimeError`` with the ranks' logs' tails when a process fails or outlives ``timeout_s``."""
+    """Run ``jobs`` one after another on ``world`` fresh gloo processes (forked, at :data:`NICE`;
+    each with one intra-op thread). Returns, per job name, each rank's record (global rank order).
+    Raises ``RuntimeError`` with the ranks' logs' tails when a process fails or outlives ``timeout_s``."""
     import torch._dynamo  # noqa: F401  (AdamW imports it: seconds per process if each child did it)
     from torch.distributed import TCPStore
 
@@ -322,8 +331,11 @@ def run_jobs(world: int, jobs: Sequence[TrainJob], folder: str | Path, *, timeou
     procs = [context.Process(target=_worker, args=(rank, world, port, list(jobs), str(folder)), daemon=True)
              for rank in range(world)]
     started = time.monotonic()
-    for proc in procs:
-        proc.start()
+    from benchmarks.bench_runtime import priority
+
+    with priority(NICE):  # the children keep the value they were forked with
+        for proc in procs:
+            proc.start()
     # created after forking: no child inherits a copy of the store's server
     store = TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=timeout_s))
@@ -406,8 +418,11 @@ def _step_series(records: list[dict], warmup: int) -> dict[str, list[float]]:
     writing the metrics); the last step has no period."""
     rank0 = records[0]
     began = rank0["step_began"]
+    # CPU: per step, the busiest rank's process CPU time from one step's start to the next
+    cpu = [[1000 * (b - a) for a, b in zip(r["cpu_began"], r["cpu_began"][1:])] for r in records if "cpu_began" in r]
     return {"step_ms": [m["step_ms"] for m in rank0["metrics"]][warmup:],
-            "period_ms": [1000 * (b - a) for a, b in zip(began, began[1:])][warmup:]}
+            "period_ms": [1000 * (b - a) for a, b in zip(began, began[1:])][warmup:],
+            "cpu_ms": [max(per_rank) for per_rank in zip(*cpu)][warmup:] if cpu else []}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,14 +432,16 @@ def _step_series(records: list[dict], warmup: int) -> dict[str, list[float]]:
 
 def bench_overhead(out: str | Path, sizes: Sizes, *, variants: Sequence[str] = ("plain", "full"),
                    source: str = SOURCE) -> dict[str, Any]:
-    """Interleaved jobs of the same replayed plan, ``sizes.rounds`` times each variant in turn."""
+    """Interleaved jobs of the same replayed plan: ``sizes.rounds`` rounds of each variant in
+    turn, every other round in reverse order (A B, B A, A B ...), so that a load that rises or
+    falls during a round weighs on both variants alike; each round is one pair."""
     out = Path(out) / "overhead"
     plan = tuned_replay_plan(source, Path(out).parent / f"tuned-{sizes.gpus}.yaml", gpus=sizes.gpus,
                              microbatches=sizes.microbatches, max_plans=sizes.tune_max_plans, quick=sizes.tune_quick)
     jobs = [TrainJob(f"{variant}-{round_}", trainer_config(plan, steps=sizes.warmup + sizes.steps, folder=out,
                                                            name=f"{variant}-{round_}", variant=VARIANTS[variant],
                                                            replay_scale=sizes.overhead_scale))
-            for round_ in range(sizes.rounds) for variant in variants]
+            for round_ in range(sizes.rounds) for variant in (variants if round_ % 2 == 0 else variants[::-1])]
     began = time.monotonic()
     results = run_jobs(sizes.gpus, jobs, out)
     series = {job.name: _step_series(results[job.name], sizes.warmup) for job in jobs}
@@ -433,7 +450,7 @@ def bench_overhead(out: str | Path, sizes: Sizes, *, variants: Sequence[str] = (
     for variant in variants:
         row: dict[str, Any] = {"variant": variant, "fields": {k: list(v) if isinstance(v, tuple) else v
                                                               for k, v in VARIANTS[variant].items()}}
-        for measure in ("step_ms", "period_ms"):
+        for measure in ("step_ms", "period_ms", "cpu_ms"):
             pooled = [ms for r in range(sizes.rounds) for ms in series[f"{variant}-{r}"][measure]]
             per_round = [statistics.median(series[f"{variant}-{r}"][measure]) for r in range(sizes.rounds)]
             row[measure] = {"median": _round(statistics.median(pooled), 3), "per_round": [_round(x, 3) for x in per_round]}
@@ -460,12 +477,15 @@ def bench_overhead(out: str | Path, sizes: Sizes, *, variants: Sequence[str] = (
 def overhead_table(result: dict[str, Any]) -> str:
     lines = [f"{result['gpus']}-rank tuned plan of {Path(result['source']).stem} ({result['stages']} stages, "
              f"{result['ops_per_rank']} ops on the busiest rank, {result['microbatches']} microbatches), "
-             f"--replay {result['replay_scale']:g}; {result['rounds']} rounds of interleaved jobs, "
+             f"--replay {result['replay_scale']:g}; {result['rounds']} rounds of interleaved jobs (A B, B A, ...), "
              f"{result['steps']} timed steps each after {result['warmup']} warm-up steps.",
              "",
              f"| variant | step_ms median | vs {result['base']}: pooled | pairs: median (min … max) "
-             "| period_ms median | vs base: pooled | pairs: median (min … max) |",
-             "|---|---:|---:|---|---:|---:|---|"]
+             "| period_ms median | vs base: pooled | pairs: median (min … max) | CPU ms per step, busiest rank | more CPU than "
+             f"{result['base']}, share of its step |",
+             "|---|---:|---:|---|---:|---:|---|---:|---:|"]
+    base_step = result["rows"][0]["step_ms"]["median"]
+    base_cpu = result["rows"][0]["cpu_ms"]["median"]
 
     def pct(x: float) -> str:
         return f"{100 * x:+.2f}%"
@@ -476,11 +496,18 @@ def overhead_table(result: dict[str, Any]) -> str:
             m, v = row[measure], row[measure]["vs_base"]
             cells.append(f"{m['median']:.1f} | {pct(v['pooled'])} | {pct(v['pairs_median'])} "
                          f"({pct(v['pairs_min'])} … {pct(v['pairs_max'])})")
+        cpu = row["cpu_ms"]["median"]
+        cells.append(f"{cpu:.1f} | {100 * (cpu - base_cpu) / base_step:+.2f}%")
         lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
     noise = result["noise_base_vs_itself"]
     if noise:
         lines += ["", f"Noise floor: {result['base']} against its own previous round: "
                       + ", ".join(pct(x) for x in noise) + "."]
+    lines += ["", "step_ms: octorun's (the slowest rank, barrier to optimizer's end); period_ms: rank 0's step start "
+                  "to the next (gathering and writing the metrics too); CPU: the process's CPU time (all threads) "
+                  "from one step's start to the next, on the rank that used most. On a loaded machine a step's wall "
+                  "time moves with the neighbours; the extra CPU is what the variant itself costs, an upper bound of "
+                  "what it adds to the step where all of it lies on the critical path."]
     lines += ["", "Under --replay every layer only sleeps; its few element-wise ops (index_select, add) are not ops "
                   "autocast lowers to bf16, so bf16 here costs its autocast regions (one per layer call), not bf16 "
                   "arithmetic. AdamW and clipping work on the replay's small weight vectors; the gradient-norm "
@@ -520,8 +547,7 @@ def _checkpoint_cases(out: Path, sizes: Sizes, *, source: str) -> list[Checkpoin
     for model in ("tiny_gpt", "hybrid", "vlm"):
         # quick: the tests' tiny configs; full: each example's own default size, then GPU-sized
         sized[model] = EXAMPLE_CONFIGS[model] if sizes.tune_quick else dict(load_model_file(EXAMPLES / f"{model}.py").config)
-    if sizes.large_models:
-        sized.update({f"{model}-large": LARGE_SHORT[model] for model in LARGE_SHORT})
+    sized.update({f"{model}-large": LARGE_SHORT[model] for model in sizes.large_models})
     for name, config in sized.items():
         model = name.removesuffix("-large")
         plan = baseline_plan("1f1b", EXAMPLES / f"{model}.py", config, out, gpus=4, pp=4, microbatches=4, microbatch_size=1)
@@ -550,7 +576,9 @@ def bench_checkpoints(out: str | Path, sizes: Sizes, *, source: str = SOURCE) ->
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", case.name)
         save_dir = out / f"{slug}-saved"
         shutil.rmtree(save_dir, ignore_errors=True)  # this benchmark's own folder, from an earlier run
-        steps = sizes.checkpoint_saves
+        # a GPU-sized model writes GBs per save: fewer of them
+        steps = min(sizes.checkpoint_saves, 3) if case.name.endswith("-large") else sizes.checkpoint_saves
+        loads = min(sizes.checkpoint_loads, 3) if case.name.endswith("-large") else sizes.checkpoint_loads
         variant = {"optimizer": "adamw", "weight_decay": 0.1}
         jobs = [TrainJob(f"{slug}-save", trainer_config(case.plan, steps=steps, folder=out, name=f"{slug}-save",
                                                         variant=variant, replay_scale=case.replay_scale,
@@ -558,7 +586,7 @@ def bench_checkpoints(out: str | Path, sizes: Sizes, *, source: str = SOURCE) ->
         jobs += [TrainJob(f"{slug}-load-{n}", trainer_config(case.plan, steps=steps, folder=out, name=f"{slug}-load-{n}",
                                                              variant=variant, replay_scale=case.replay_scale,
                                                              resume=str(save_dir)))
-                 for n in range(sizes.checkpoint_loads)]
+                 for n in range(loads)]
         world = load_plan(case.plan).cluster.gpus
         results = run_jobs(world, jobs, out / f"{slug}-runs")
         saver = results[jobs[0].name]
@@ -574,32 +602,56 @@ def bench_checkpoints(out: str | Path, sizes: Sizes, *, source: str = SOURCE) ->
             per_rank.append({"rank": r["rank"], "file_bytes": files.get(name, 0), "payload_bytes": r["saved_payload_bytes"],
                              "rss_mb": round(max(r["rss_kb"]) / 1024, 1)})
         rows.append({
-            "case": case.name, "plan": str(case.plan), "ranks": world, "saves": steps, "loads": sizes.checkpoint_loads,
+            "case": case.name, "plan": str(case.plan), "ranks": world, "saves": steps, "loads": loads,
             "save_s": [round(s, 4) for s in save_s], "load_s": [round(s, 4) for s in load_s],
             "save_median_s": round(statistics.median(save_s), 4), "load_median_s": round(statistics.median(load_s), 4),
             "total_bytes": sum(files.values()), "index_bytes": files.get(".metadata", 0), "per_rank": per_rank,
             "restored_identical": identical,
         })
+        if case.replay_scale is not None:
+            rows[-1]["real_model_bytes_per_rank"] = _real_checkpoint_bytes(case.plan)
         log.info("checkpoint %s: save %.3f s, load %.3f s, %d bytes", case.name, rows[-1]["save_median_s"],
                  rows[-1]["load_median_s"], rows[-1]["total_bytes"])
     return {"rows": rows, "wall_s": round(time.monotonic() - began, 1)}
 
 
+def _real_checkpoint_bytes(plan_path: str | Path) -> list[int]:
+    """Per rank, what octorun would save of the profiled model itself: fp32 master weights and
+    AdamW's two fp32 moments per parameter, from the profile's ``param_bytes``."""
+    from octoplan.plan import load_plan, load_plan_profile
+
+    plan = load_plan(plan_path)
+    profile = load_plan_profile(plan, plan_path)
+    out = [0] * plan.cluster.gpus
+    for stage in plan.stages:
+        params = sum(profile.layers[i].param_bytes for i in stage.layers) // profile.param_dtype_bytes
+        out[stage.rank] += 12 * params
+    return out
+
+
 def checkpoints_table(result: dict[str, Any]) -> str:
-    lines = ["| model | ranks | save s: median (min–max) | load s: median (min–max) | bytes per rank (payload) "
-             "| total bytes | restored bit for bit |",
-             "|---|---:|---|---|---|---:|---|"]
+    lines = ["| model | ranks | save s: median (min–max) | load s: median (min–max) | file bytes per rank "
+             "| payload, all ranks | total bytes | save GB/s | restored bit for bit |",
+             "|---|---:|---|---|---|---:|---:|---:|---|"]
+    notes = []
     for row in result["rows"]:
         per_rank = ", ".join(_size(r["file_bytes"]) for r in row["per_rank"])
         payload = sum(r["payload_bytes"] or 0 for r in row["per_rank"])
         lines.append(f"| {row['case']} | {row['ranks']} | {row['save_median_s']:.3f} ({min(row['save_s']):.3f}–"
                      f"{max(row['save_s']):.3f}) | {row['load_median_s']:.3f} ({min(row['load_s']):.3f}–{max(row['load_s']):.3f}) "
-                     f"| {per_rank} ({_size(payload)} in all) | {_size(row['total_bytes'])} | "
-                     f"{'yes' if row['restored_identical'] else 'NO'} |")
+                     f"| {per_rank} | {_size(payload)} | {_size(row['total_bytes'])} "
+                     f"| {row['total_bytes'] / row['save_median_s'] / 1e9:.2f} | {'yes' if row['restored_identical'] else 'NO'} |")
+        if "real_model_bytes_per_rank" in row:
+            notes.append(f"The real model of {row['case']} under the same plan would save "
+                         + ", ".join(_size(b) for b in row["real_model_bytes_per_rank"])
+                         + " per rank (fp32 weights and AdamW's two moments, from the profile's param_bytes).")
     lines += ["", "Payload: the tensors of the ranks' shares (parameters, AdamW's two moments and step, the RNG "
-                  "state); DCP's files add a torch.save record per tensor. A replayed profile's layers hold one "
+                  "state); DCP's files add a torch.save record per tensor. The replayed profile's layers hold one "
                   "small weight vector each (octorun/replay.py), not the profile's param_bytes: its row measures "
-                  "the replay's state, not the real model's."]
+                  "the replay's state, not the real model's. Each row: one job saving after each of its steps "
+                  "(keep 2: a save also prunes the oldest), then jobs that restore the last checkpoint and train "
+                  "no further step; a job's time is its slowest rank's. The first save of a process also pays "
+                  "DCP's first-call set-up.", *notes]
     return "\n".join(lines)
 
 
@@ -723,7 +775,9 @@ def soak_table(result: dict[str, Any]) -> str:
 
 
 def report(results: dict[str, Any]) -> str:
-    parts = [f"bench_training ({results.get('started', '')}, load average {results.get('load_average', '?')})"]
+    nice = results.get("args", {}).get("nice")
+    parts = [f"bench_training ({results.get('started', '')}, load average {results.get('load_average', '?')}"
+             + ("" if nice is None else f", ranks at nice {nice}") + ")"]
     if "overhead" in results:
         parts.append("## Overhead per step\n\n" + overhead_table(results["overhead"]))
     if "checkpoints" in results:
@@ -744,9 +798,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="plain,full",
                         help=f"overhead: comma-separated, the first is the base (of {', '.join(VARIANTS)})")
     parser.add_argument("--steps", type=int, help="soak: steps (default 300, quick 40)")
-    parser.add_argument("--no-large", action="store_true", help="checkpoints: skip the GPU-sized examples")
+    parser.add_argument("--large", help="checkpoints: the examples also run at GPU size, comma-separated "
+                        f"(default tiny_gpt, quick none; of {', '.join(LARGE_SHORT)}; 'none')")
+    parser.add_argument("--nice", type=int, help="run the measured processes at this nice value (e.g. -10; needs root)")
     parser.add_argument("--out", default="out/bench-training")
     args = parser.parse_args(argv)
+    global NICE
+    NICE = args.nice
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("octoplan.tuner").setLevel(logging.WARNING)
     out = Path(args.out)
@@ -756,8 +814,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     if args.rounds:
         sizes = replace(sizes, rounds=args.rounds)
-    if args.no_large:
-        sizes = replace(sizes, large_models=False)
+    if args.large is not None:
+        large = tuple(m.strip() for m in args.large.split(",") if m.strip() and m.strip() != "none")
+        if any(m not in LARGE_SHORT for m in large):
+            parser.error(f"--large: give names of {', '.join(LARGE_SHORT)}, or none")
+        sizes = replace(sizes, large_models=large)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or len(variants) < 2:
