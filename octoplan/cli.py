@@ -50,7 +50,8 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="log what 
 @app.command()
 @guarded
 def profile(
-    model: Optional[Path] = typer.Argument(None, help="model file (SPEC section 4)"),
+    model: Optional[Path] = typer.Argument(None, help="model file (SPEC section 4), or hf:FOLDER: a Hugging Face "
+                                           "transformers model from its config.json (and safetensors files, if any)"),
     arch: Optional[str] = typer.Option(None, "--arch", help="write an analytic profile of a known architecture"),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU of the analytic profile [default: h100]"),
     list_known: bool = typer.Option(False, "--list", help="name the known architectures and GPUs"),
@@ -614,10 +615,22 @@ def _refuse_folder_outputs(argv: list[str]) -> None:
 def main() -> None:
     """Run the command line; usage errors are bad input too: one line, exit 2 (SPEC section 5)."""
     _refuse_folder_outputs(sys.argv[1:])
+    # Typer before 0.2x raises click's exceptions; later ones raise those of the click it carries
+    # (typer._click), which are TyperExceptions and not click's even where click is installed too.
+    problems: list[type] = []
     try:
-        from click import ClickException as UsageProblem  # typer before 0.2x builds on click
+        from typer.exceptions import TyperException
+
+        problems.append(TyperException)
     except ImportError:
-        from typer.exceptions import TyperException as UsageProblem
+        pass
+    try:
+        from click import ClickException
+
+        problems.append(ClickException)
+    except ImportError:
+        pass
+    UsageProblem = tuple(problems)
     try:
         # without standalone mode, click turns Ctrl-C into a returned 130 instead of raising
         code = app(standalone_mode=False)

@@ -592,7 +592,7 @@ def tune(
     if "schedule" in opts.dimensions:
         ranked = _with_justified_seeds(search, ranked)
     ranked = [item for item in ranked if search.allowed(item[2])]
-    if not ranked:
+    if not ranked and search.best is None:  # (a budget spent on the baselines leaves none to rank, yet a best)
         raise InputError(None, "--runs-on", f"{opts.runs_on}: no plan of that kind applies to these GPUs and "
                          "microbatches", _NO_SEED_FIX.get(opts.runs_on, "tune with --runs-on any"))
     seeded_s = search.clock.elapsed()
