@@ -14,7 +14,7 @@ name                        stages per rank   placement (stage -> rank)
 ==========================  ================  ===================================
 
 The layers are split into stages by :func:`octoplan.partition.partition` (``balanced`` by
-default). Every process builds only its stages' layers (SPEC seeding), feeds the same
+default). Every process builds only its stages' layers (the seeding of docs/FORMATS.md section 4), feeds the same
 microbatches, and times ``schedule.step``: an iteration is the time from the first process
 entering ``step`` (after a barrier) to the last one leaving it, read on the one monotonic clock
 all processes share. The first ``warmup`` steps (torch infers shapes and opens its connections in

@@ -1,7 +1,7 @@
 """What a transfer and the runtime around each op really cost, read from a measured octorun
 trace: the cluster figures (``latency_us``, ``op_overhead_us``) to plan with on that machine.
 
-The planner predicts with the cluster's latency per transfer and its fixed cost per op (SPEC
+The planner predicts with the cluster's latency per transfer and its fixed cost per op (FORMATS.md
 sections 3 and 7). Their true values depend on the machine and on how many processes share it
 (CPU stand-ins for GPUs), so they are best measured in a job of the same processes as the runs
 the plans are for. One step of any plan's trace holds what is needed:

@@ -1,4 +1,4 @@
-"""The ``octoplan`` command line (SPEC section 5). Thin: parse, call one library function,
+"""The ``octoplan`` command line (docs/FORMATS.md section 5). Thin: parse, call one library function,
 write the file, render with rich."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="log what 
 @app.command()
 @guarded
 def profile(
-    model: Optional[Path] = typer.Argument(None, help="model file (SPEC section 4), or hf:FOLDER: a Hugging Face "
+    model: Optional[Path] = typer.Argument(None, help="model file (docs/FORMATS.md section 4), or hf:FOLDER: a Hugging Face "
                                            "transformers model from its config.json (and safetensors files, if any)"),
     arch: Optional[str] = typer.Option(None, "--arch", help="write an analytic profile of a known architecture"),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU of the analytic profile [default: h100]"),
@@ -209,7 +209,7 @@ def baseline(
     gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
     inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
 ) -> None:
-    """Write a plan of a known schedule, for comparison (SPEC section 6)."""
+    """Write a plan of a known schedule, for comparison (docs/FORMATS.md section 6)."""
     from octoplan.baseline import simulated_baseline, split_gpus
 
     path, prof = read_profile(profile_path)
@@ -245,9 +245,9 @@ def baseline(
 @guarded
 def simulate(
     plan_path: Path = typer.Argument(..., metavar="PLAN"),
-    json_out: bool = typer.Option(False, "--json", help="print SPEC section 7's JSON object"),
+    json_out: bool = typer.Option(False, "--json", help="print FORMATS.md section 7's JSON object"),
 ) -> None:
-    """Predict a plan's iteration (SPEC section 7)."""
+    """Predict a plan's iteration (docs/FORMATS.md section 7)."""
     from octoplan.simulator import simulate as run_simulation
     from octoplan.validate import check_runnable
 
@@ -289,7 +289,7 @@ def simulate(
 @app.command()
 @guarded
 def validate(plan_path: Path = typer.Argument(..., metavar="PLAN")) -> None:
-    """Check every rule of SPEC section 3."""
+    """Check every rule of FORMATS.md section 3."""
     from octoplan.validate import check_runnable
 
     plan = load_plan(plan_path)
@@ -613,7 +613,7 @@ def _refuse_folder_outputs(argv: list[str]) -> None:
 
 
 def main() -> None:
-    """Run the command line; usage errors are bad input too: one line, exit 2 (SPEC section 5)."""
+    """Run the command line; usage errors are bad input too: one line, exit 2 (docs/FORMATS.md section 5)."""
     _refuse_folder_outputs(sys.argv[1:])
     # Typer before 0.2x raises click's exceptions; later ones raise those of the click it carries
     # (typer._click), which are TyperExceptions and not click's even where click is installed too.

@@ -1,5 +1,5 @@
 """How long things take: the one place that turns a profile and a cluster into op and
-transfer durations (SPEC section 7's cost semantics).
+transfer durations (FORMATS.md section 7's cost semantics).
 
 Stage costs are sums of layer costs, computed from prefix sums so that the tuner can price
 any layer range in O(1). The integer scaling CP-SAT needs lives in :func:`to_ticks`.
@@ -67,7 +67,7 @@ class StageCost:
 
     @property
     def b_ms(self) -> float:
-        """A B op's time: the measured fused backward, else I + W (SPEC section 2)."""
+        """A B op's time: the measured fused backward, else I + W (docs/FORMATS.md section 2)."""
         if self.backward_ms is None:
             return self.backward_input_ms + self.backward_weight_ms
         return self.backward_ms
@@ -186,7 +186,7 @@ def stage_costs(stages: Sequence[Stage], table: LayerTable) -> list[StageCost]:
 
 
 def op_ms(cost: StageCost, kind: Kind) -> float:
-    """The duration of one op of a stage: F, I, W, or B (I + W unless measured fused; SPEC section 2)."""
+    """The duration of one op of a stage: F, I, W, or B (I + W unless measured fused; FORMATS.md section 2)."""
     if kind is Kind.F:
         return cost.forward_ms
     if kind is Kind.I:
@@ -254,7 +254,7 @@ def tied_allreduce_ms(cluster: Cluster, parallel: Parallel, pp_ranks: Sequence[i
 
 
 def lower_bound_ms(profile: Profile, *, pp: int, microbatches: int, op_overhead_ms: float = 0.0) -> float:
-    """SPEC section 7: no plan with this pp and microbatch count can be faster. A layer's least
+    """FORMATS.md section 7: no plan with this pp and microbatch count can be faster. A layer's least
     time takes the cheaper of its split backward (I + W) and its fused one (B). With a per-op
     runtime cost, every rank runs at least two ops (F and B) per microbatch and pays it twice.
     Tied tensors' all-reduces (``Profile.tied``) only add time after the ops, so they are left

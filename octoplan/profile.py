@@ -1,4 +1,4 @@
-"""Profiles (SPEC section 2): per-layer costs of one model on one device.
+"""Profiles (docs/FORMATS.md section 2): per-layer costs of one model on one device.
 
 A profile is immutable data. Times are milliseconds per microbatch; sizes are bytes per
 microbatch. ``load_profile`` validates everything a later stage relies on, so the simulator and
@@ -68,7 +68,7 @@ class Layer:
     # tensors W reads (a matmul's input, a norm's) and the layer's input where W's graph holds it;
     # octorun releases the rest at I. None (profiles written before it was measured): all of it.
     w_saved_bytes: int | None = None
-    # How the tensor between this layer and the next is held (octorun's tape; SPEC_ADDITIONS):
+    # How the tensor between this layer and the next is held (octorun's tape; FORMATS.md):
     # of the layer's floating inputs, the bytes its I lets go (a layer with no weight on its
     # input path); of its own floating outputs, the bytes it holds itself from F (autograd saved
     # them, or it passes its input through), and of those the bytes it holds until W.
@@ -87,7 +87,7 @@ class Layer:
 
     @property
     def b_ms(self) -> float:
-        """What a B op of this layer costs (SPEC section 2)."""
+        """What a B op of this layer costs (docs/FORMATS.md section 2)."""
         return self.backward_input_ms + self.backward_weight_ms if self.backward_ms is None else self.backward_ms
 
     def map_times(self, fn: Callable[[str, float], float]) -> "Layer":
@@ -100,7 +100,7 @@ class Layer:
 
 @dataclass(frozen=True)
 class ModelRef:
-    """Which model file a profile or plan belongs to (SPEC sections 2 and 4)."""
+    """Which model file a profile or plan belongs to (FORMATS.md sections 2 and 4)."""
 
     name: str
     source: str | None = None
@@ -146,7 +146,7 @@ class Profile:
     device: dict[str, Any] = field(default_factory=lambda: {"name": "cpu", "memory_gb": 24})
     microbatch_size: int = 1
     dtype: str = "float32"
-    extra: dict[str, Any] = field(default_factory=dict)  # optional SPEC extensions, kept verbatim
+    extra: dict[str, Any] = field(default_factory=dict)  # optional extensions (FORMATS.md section 2), kept verbatim
     # The training precision the layers were measured at (octoplan.precision): "fp32", or
     # "bf16", autocast over fp32 master weights. Written only when not fp32.
     precision: str = "fp32"
@@ -198,7 +198,7 @@ MAX_LAYER_MS = 86_400_000.0
 MAX_LAYER_BYTES = 10**15
 
 
-# The fields of a profile layer (SPEC and SPEC_ADDITIONS). Others are extensions SPEC allows
+# The fields of a profile layer (FORMATS.md section 2). Others are extensions FORMATS.md allows
 # another tool to write, and are passed over; a near miss of one of these is refused instead.
 _LAYER_FIELDS = ("name", "kind", "forward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
                  "activation_bytes", "output_bytes", "flops", "backward_ms", "pending_w_bytes", "w_saved_bytes",

@@ -1,6 +1,6 @@
-"""Measuring a model file (SPEC section 4) layer by layer into a profile (SPEC section 2).
+"""Measuring a model file (docs/FORMATS.md section 4) layer by layer into a profile (docs/FORMATS.md section 2).
 
-Each layer is built with the SPEC seeding and fed the real output of the layer before it (the
+Each layer is built with the seeding of FORMATS.md section 4 and fed the real output of the layer before it (the
 first layer gets microbatch 0 of step 0 on replica 0), so shapes and data are those of training.
 Per layer the profiler measures, as medians over ``repeat`` runs after ``warmup`` runs (and after
 any leading runs still far slower than the rest, see :meth:`_Clock.samples_ms`):
@@ -644,7 +644,7 @@ def profile_model_file(
             del run, module
             if on_layer is not None:
                 on_layer(index, total, name)
-    # Kept in the profile (SPEC section 2 allows extra fields): timings mean little without them.
+    # Kept in the profile (FORMATS.md section 2 allows extra fields): timings mean little without them.
     settings: dict[str, Any] = {"repeat": repeat, "warmup": warmup, "seed": seed, "clock": timer.kind}
     if dev.type == "cpu":
         settings["threads"] = used_threads

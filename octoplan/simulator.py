@@ -1,4 +1,4 @@
-"""The graph-based simulator: plan + costs -> timeline (SPEC section 7).
+"""The graph-based simulator: plan + costs -> timeline (docs/FORMATS.md section 7).
 
 Nodes are compute ops and the transfers between ranks; edges are data dependencies and each
 rank's order. Because every rank runs its list in order, and the transfers of one directed rank
@@ -157,7 +157,7 @@ class SimResult:
         return tuple(peak - static for peak, static in zip(self.peak_memory_bytes, self.static_memory_bytes))
 
     def prediction(self) -> dict:
-        """A plan's ``predicted`` section (docs/SPEC_ADDITIONS.md): the figures octorun sets its
+        """A plan's ``predicted`` section (docs/FORMATS.md): the figures octorun sets its
         measurements beside."""
         out = {
             "iteration_ms": round(self.iteration_ms, 4),
@@ -302,7 +302,7 @@ class SimResult:
         return path
 
     def summary(self) -> dict:
-        """SPEC section 7's figures."""
+        """FORMATS.md section 7's figures."""
         return {
             "iteration_ms": round(self.iteration_ms, 6),
             "bubble_ratio": round(self.bubble_ratio, 6),

@@ -1,4 +1,4 @@
-"""The ``octorun`` command (SPEC section 5): parse, call :func:`octorun.runtime.run`, summarize.
+"""The ``octorun`` command (docs/FORMATS.md section 5): parse, call :func:`octorun.runtime.run`, summarize.
 
 ``torchrun --nproc-per-node N octorun PLAN [--steps K] [--seed S] [--optimizer sgd|adamw]
 [--lr LR] [--metrics FILE.jsonl] [--trace FILE.json] [--timeout S] [--replay [SCALE]]
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="octorun", description="Train a plan's model with pipeline and data parallelism (launch with torchrun).")
     parser.add_argument("plan", help="plan file (octoplan tune / baseline)")
     parser.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (SPEC section 4)")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (docs/FORMATS.md section 4)")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="sgd is plain: no momentum, no weight decay")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--metrics", metavar="FILE.jsonl", help="global rank 0 writes one JSON object per step")

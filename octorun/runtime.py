@@ -1,7 +1,7 @@
 """The octorun interpreter: trains a plan's model with torch.distributed, one process per GPU.
 
 Each process finds its (pp_rank, dp_rank) from the plan, builds only the layers of its own
-stages (seeded per SPEC section 4), and runs its pipeline rank's lowered program
+stages (seeded per FORMATS.md section 4), and runs its pipeline rank's lowered program
 (:mod:`octorun.lowering`) op by op: before an op it takes the messages the op needs from the
 mailbox, after it it starts the sends; adjacent stages on one rank hand values over directly.
 With dp > 1, a stage's gradient all-reduce starts right after its last weight-gradient op and is
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 # Far beyond any run of one octorun job, small enough that a typo is caught (a job of 10**20
 # steps would only ever end by being killed)
 MAX_STEPS = 10**7
-# The largest --seed whose every microbatch seed (SPEC section 4) stays a signed 64-bit integer,
+# The largest --seed whose every microbatch seed (docs/FORMATS.md section 4) stays a signed 64-bit integer,
 # at the last step, replica and microbatch these limits allow
 MAX_SEED = ((2**63 - 1 - microbatch_seed(seed=0, step=MAX_STEPS - 1, replica=MAX_GPUS - 1, mb=MAX_MICROBATCHES - 1))
             // microbatch_seed(seed=1, step=0, replica=0, mb=0))
@@ -123,7 +123,7 @@ class StepMetrics:
     step: int
     loss: float  # mean over all microbatches of all replicas
     iteration_ms: float  # first op start to last op end, or to the last gradient all-reduce's end when
-    # dp > 1: the span the simulator's iteration_ms predicts (SPEC section 7, docs/SPEC_ADDITIONS.md)
+    # dp > 1: the span the simulator's iteration_ms predicts (FORMATS.md section 7, docs/FORMATS.md)
     step_ms: float  # the whole step on the slowest rank: ops, waits, all-reduce, optimizer
     bubble_ratio: float  # 1 - busy compute time / (ranks x iteration_ms)
     predicted_iteration_ms: float | None = None

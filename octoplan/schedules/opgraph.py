@@ -5,7 +5,7 @@ resource), and dataflow ties ops together with time lags (an output is usable af
 transfer). The model is the simulator's (FORMATS.md section 7) without link contention: an op lasts
 its stage's time plus the cluster's per-op overhead; a transfer between ranks adds latency +
 bytes / bandwidth. Each stage runs its forwards, its backwards (I or B) and its weight
-gradients in microbatch order, as every SPEC schedule and every octoplan order does. With
+gradients in microbatch order, as every baseline schedule and every octoplan order does. With
 ``keep_memory`` a stage never holds more microbatches' activations at once (from F until the
 W or B that frees them) than in a given order.
 
