@@ -216,6 +216,16 @@ def test_a_trained_layer_leaves_the_checkpoint_as_it_was(saved):
     assert all(torch.equal(again[k], before[k]) for k in before)
 
 
+def test_a_bf16_checkpoint_trains_in_fp32_parameters(saved, tmp_path):
+    _, hf_model = saved["qwen3"]
+    copy.deepcopy(hf_model).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    layer = load_model_file(f"hf:{tmp_path / 'bf16'}", {"seq": SEQ}).build_layer(1)
+    assert {p.dtype for p in layer.parameters()} == {torch.float32}  # octoplan's fp32 masters
+    want = hf_model.state_dict()["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16).float()
+    assert torch.equal(layer.state_dict()["model.layers.0.mlp.up_proj.weight"], want)
+
+
 def _header_size(folder: Path) -> int:
     with open(folder / "model.safetensors", "rb") as file:
         return 8 + int.from_bytes(file.read(8), "little")

@@ -66,6 +66,8 @@ class _Absent(nn.Module):
 
 
 def _transformers(source: str):
+    # a local folder only, never the network: set before huggingface_hub reads it at import
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import transformers
     except ImportError:
@@ -121,7 +123,6 @@ class HFChain:
         if weights not in ("auto", "none"):
             raise InputError(source, "config.weights", f"is {shown(weights)}",
                              "use auto (the folder's safetensors files if any) or none (a seeded init)")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder only: never the network
         try:
             hf_config = tf.AutoConfig.from_pretrained(str(directory), local_files_only=True)
         except Exception as exc:  # transformers' own words on what it cannot read
@@ -152,7 +153,9 @@ class HFChain:
                              "embed_tokens, layers, norm", "profile it with --arch, or write a model file")
         try:
             with torch.device("meta"):
-                self.meta = self.model_class._from_config(hf_config)
+                # fp32 parameters whatever config.json's dtype (a checkpoint's bf16 is cast on load):
+                # octoplan's precision is fp32 masters, with bf16 only as autocast (octoplan.precision)
+                self.meta = self.model_class._from_config(hf_config, dtype=torch.float32)
         except Exception as exc:
             raise InputError(source, "config.json", f"transformers cannot build {self.model_class.__name__} from it: "
                              f"{_one_line(exc)}", "fix the config (or the --config overrides)") from None
