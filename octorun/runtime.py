@@ -299,6 +299,14 @@ def _model_path(plan: Plan, plan_path: str) -> str:
     if not source:
         raise InputError(plan_path, "model.source", "is missing: an analytic plan has no model to train",
                          "plan from a profile made by octoplan profile MODEL.py")
+    if source.startswith("hf:"):  # a Hugging Face model folder (octoplan.hf), found as written paths are
+        from octoplan.hf import resolve_hf_source
+
+        folder = resolve_hf_source(source, plan_path)
+        if folder is None:
+            raise InputError(plan_path, "model.source", f"model folder {source!r} not found",
+                             "run from the project folder or fix the path")
+        return folder
     found = resolve_written_path(source, plan_path)
     if found is not None:
         return str(found)
