@@ -21,6 +21,11 @@
 #      H200, 2026-11-30: "invalid usage" at the first send, and every rank of octorun exited 1
 #      naming op 0F0): the step records that, and the path needs a machine with two or more GPUs.
 #      On the CPU the same runs use gloo.
+#   5. training as users run it, on one GPU: each example model profiled with --precision bf16,
+#      a 1-rank plan of it trained 4 steps with --precision bf16 (AdamW, clipping, a cosine
+#      schedule, --activation-memory against the bf16 profile's prediction), saving a checkpoint
+#      after step 2 (torch.distributed.checkpoint from CUDA tensors); then resumed from that
+#      checkpoint, whose steps 2 and 3 must repeat the first run's losses bit for bit.
 # STEPS="1 3" runs only those steps (step 4 needs step 3 and the small size); SIZES="small"
 # skips the GPU-sized models.
 set -euo pipefail
@@ -34,7 +39,7 @@ trap 'tar -czf "$OUT/models.tar.gz" -C "$WORK" . 2>/dev/null; rm -rf "$WORK"' EX
 export COLUMNS=200 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ROUNDS="${ROUNDS:-3}"
 if [ "$DEVICE" = cuda ]; then SIZES="${SIZES:-small large}"; else SIZES="${SIZES:-small}"; fi
-STEPS="${STEPS:-1 2 3 4}"  # which of the steps below to run
+STEPS="${STEPS:-1 2 3 4 5}"  # which of the steps below to run
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 if step 4 && ! step 3; then echo "gpu_check.sh: STEPS=\"$STEPS\": step 4 trains on step 3's profiles; add 3" >&2; exit 2; fi
 if step 4 && [[ " $SIZES " != *" small "* ]]; then echo "gpu_check.sh: SIZES=\"$SIZES\": step 4 uses the small models; add small" >&2; exit 2; fi
@@ -105,5 +110,26 @@ if step 4; then
     multi vlm-1f1b-pp2 vlm 2 4 --schedule 1f1b
     multi hybrid-zbv-pp4 hybrid 4 4 --schedule zbv
     multi tiny_gpt-1f1b-pp2-dp2 tiny_gpt 4 2 --schedule 1f1b --pp 2
+fi
+if step 5; then
+    echo "== 5. bf16 training on $DEVICE: profile --precision bf16, a 1-rank plan, 4 steps saving after step 2, then a resume"
+    TRAIN=(--precision bf16 --optimizer adamw --lr 3e-3 --grad-clip 1.0 --lr-schedule cosine --steps 4 --timeout 120)
+    for model in tiny_gpt vlm hybrid; do
+        "$PY" -m octoplan.cli profile "examples/models/$model.py" --precision bf16 --device "$DEVICE" --repeat 5 \
+            -o "$WORK/$model-bf16.yaml" | tail -1
+        "$PY" -m octoplan.cli baseline "$WORK/$model-bf16.yaml" --gpus 1 --schedule 1f1b --microbatches 4 \
+            -o "$WORK/$model-bf16-plan.yaml" | tail -1
+        "$PY" -m octorun "$WORK/$model-bf16-plan.yaml" "${TRAIN[@]}" --activation-memory --save "$WORK/$model-ck" --save-every 2 \
+            --metrics "$WORK/$model-bf16.metrics.jsonl" | tee "$WORK/$model-bf16.octorun.txt"
+        "$PY" -m octorun "$WORK/$model-bf16-plan.yaml" "${TRAIN[@]}" --resume "$WORK/$model-ck/step_00000002" \
+            --metrics "$WORK/$model-bf16-resumed.metrics.jsonl" > "$WORK/$model-bf16-resumed.octorun.txt" 2>&1
+        "$PY" - "$WORK/$model-bf16.metrics.jsonl" "$WORK/$model-bf16-resumed.metrics.jsonl" "$model" <<'PY'
+import json, sys
+whole, resumed = ([json.loads(line) for line in open(path)] for path in sys.argv[1:3])
+same = [r["loss"] for r in resumed] == [w["loss"] for w in whole]  # the resumed file keeps steps 0 and 1
+print(f"{sys.argv[3]} bf16: losses {[round(w['loss'], 6) for w in whole]}, iteration {whole[-1]['iteration_ms']:.2f} ms "
+      f"(predicted {whole[-1].get('predicted_iteration_ms', 0):.2f}); resume from step 2 {'bit-identical' if same else 'DIFFERS'}")
+PY
+    done
 fi
 echo "== done: $OUT (profiler.md, models.tar.gz: each model's profile, plan, metrics and trace)"

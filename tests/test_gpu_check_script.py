@@ -29,3 +29,8 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
         steps = [json.loads(line) for line in (tmp_path / "models" / f"{model}.metrics.jsonl").read_text().splitlines()]
         assert [s["step"] for s in steps] == [0, 1, 2] and all(s["iteration_ms"] > 0 for s in steps)
         assert json.loads((tmp_path / "models" / f"{model}.trace.json").read_text())["traceEvents"]
+    for model in ("tiny_gpt", "vlm", "hybrid"):  # step 5: bf16, a checkpoint and a bit-identical resume
+        whole, resumed = ([json.loads(line)["loss"] for line in (tmp_path / "models" / name).read_text().splitlines()]
+                          for name in (f"{model}-bf16.metrics.jsonl", f"{model}-bf16-resumed.metrics.jsonl"))
+        assert len(whole) == 4 and resumed == whole
+        assert f"{model} bf16: " in done.stdout and "bit-identical" in done.stdout.split(f"{model} bf16: ")[1].splitlines()[0]
