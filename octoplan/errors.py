@@ -26,10 +26,23 @@ def _clipped(part):
     return f"{part[:half]}...[{len(part) - 2 * half} characters]...{part[-half:]}"
 
 
+# Every character that ends a line for str.splitlines() (and for a terminal or a log reader),
+# written as its escape instead: a message a model file raised, or a file name, may hold one,
+# and the error must stay one line.
+_LINE_BREAKS = {ord(c): c.encode("unicode_escape").decode("ascii")
+                for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
 # What a bad value echoed back may show of a structure: reprlib's cuts, so that the text is
 # bounded before it is built. repr() of a list a few YAML aliases expand to 10**9 items would
 # run for minutes (and take the memory) before _clipped could trim it.
-_SHOWN = reprlib.Repr()
+class _Bounded(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        # reprlib cuts repr(x), which raises beyond 4300 digits
+        return f"<a {_digits(x)}-digit number>" if abs(x) >= 10**60 else super().repr_int(x, level)
+
+
+_SHOWN = _Bounded()
 _SHOWN.maxlevel = 2
 _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxset = _SHOWN.maxfrozenset = _SHOWN.maxdict = 6
 _SHOWN.maxstring = 200  # inside a structure; a string alone is cut by _clipped, which counts what it drops
@@ -46,8 +59,18 @@ def shown(value: Any) -> str:
         half = _PART_CHARS // 2
         return f"{value[:half]!r}...[{len(value) - 2 * half} characters]...{value[-half:]!r}"
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**60:
-        return f"a {len(str(abs(value)))}-digit number"  # str() of over 4300 digits would raise
+        return f"a {_digits(value)}-digit number"
     return _SHOWN.repr(value)
+
+
+def _digits(value: int) -> int:
+    """How many decimal digits ``value`` has, counted without str(), which raises beyond 4300
+    digits (sys.get_int_max_str_digits)."""
+    value = abs(value)
+    count = max(1, int(value.bit_length() * 0.30102999566398))  # log10(2): at most one short
+    while 10**count <= value:
+        count += 1
+    return count
 
 
 class InputError(ValueError):
@@ -61,7 +84,8 @@ class InputError(ValueError):
         super().__init__(self.line())
 
     def line(self) -> str:
-        file, field, problem, fix = (_clipped(part) for part in (self.file, self.field, self.problem, self.fix))
+        file, field, problem, fix = (_clipped(part).translate(_LINE_BREAKS) if isinstance(part, str) else part
+                                     for part in (self.file, self.field, self.problem, self.fix))
         where = ": ".join(part for part in (file, field) if part)
         text = f"{where}: {problem}" if where else problem
         if fix:

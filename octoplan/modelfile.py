@@ -58,9 +58,16 @@ class ModelFile:
         return name
 
     def num_layers(self) -> int:
-        count = self._call("num_layers", **self.config)
+        try:
+            count = self._call("num_layers", **self.config)
+        except InputError:
+            raise
+        except Exception as exc:  # the first call into a model file: what it raises is the file's fault
+            text = " ".join(str(exc).split())[:300]
+            raise InputError(self.path, "num_layers", f"raised {type(exc).__name__}{': ' + text if text else ''}",
+                             "fix num_layers in the model file") from None
         if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_LAYERS:
-            raise InputError(self.path, "num_layers", f"returned {count!r}", f"return an int from 1 to {MAX_LAYERS}")
+            raise InputError(self.path, "num_layers", f"returned {shown(count)}", f"return an int from 1 to {MAX_LAYERS}")
         return count
 
     def build_layer(self, index: int) -> torch.nn.Module:

@@ -114,11 +114,58 @@ def _compose_document(loader: _Loader) -> yaml.Node:
 _Loader.compose_document = _compose_document  # type: ignore[method-assign]
 
 
+# The deepest nesting of flow collections ([...] and {...}) a file may have. PyYAML's scanner
+# reads a flow collection to its end before the parser sees it, keeping one pending key per
+# open level and checking all of them at every token: time quadratic in the depth (3000
+# levels: 10 s; the 64k of a 130 kB file: hours), long before its parser would give up on the
+# recursion (about 500 levels). No octoplan file nests more than a few.
+MAX_FLOW_DEPTH = 200
+_FLOW_CHARS = re.compile(r"""[\[\]{}'"#\n\\]""")
+
+
+def _check_flow_depth(text: str, *, file: str, what: str) -> None:
+    """Refuse ``text`` before parsing it when its flow collections nest deeper than
+    :data:`MAX_FLOW_DEPTH`. One pass over the characters that matter, passing over quoted
+    text and comments as YAML does (a quote opens only where a scalar may start, so the
+    apostrophe of a plain ``it's`` is none); a file with fewer brackets than the limit is not
+    scanned at all."""
+    if text.count("[") + text.count("{") <= MAX_FLOW_DEPTH:
+        return
+    depth, line, quote, comment, escaped = 0, 1, "", False, -1
+    for match in _FLOW_CHARS.finditer(text):
+        char, at = match.group(), match.start()
+        if char == "\n":
+            line, comment = line + 1, False
+            continue
+        if comment:
+            continue
+        if quote:
+            if char == "\\" and quote == '"' and at != escaped:
+                escaped = at + 1  # the next character is escaped, a quote or a backslash alike
+            elif char == quote and at != escaped:
+                quote = ""
+            continue
+        before = text[at - 1] if at else "\n"
+        if char in "'\"":
+            if before in " \t\n[{,":
+                quote = char
+        elif char == "#":
+            comment = before in " \t\n"
+        elif char in "[{":
+            depth += 1
+            if depth > MAX_FLOW_DEPTH:
+                raise InputError(file, f"line {line}", f"nested too deeply to be a {what} file (more than "
+                                 f"{MAX_FLOW_DEPTH} levels of [ ] or {{ }})", f"give a {what} YAML file")
+        elif char in "]}":
+            depth = max(0, depth - 1)
+
+
 def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise InputError(str(path), None, f"no such {what} file", "check the path")
     text = read_input_text(path, fix=f"give a {what} YAML file")
+    _check_flow_depth(text, file=str(path), what=what)
     try:
         data = yaml.load(text, Loader=_Loader)
     except RecursionError:

@@ -657,7 +657,7 @@ def document_cases(draw, seed: dict, slots: list[Slot], *, spelt: list[tuple], m
         return Case(kind, text, None, what)
     if kind == "deep nesting":
         slot = draw(st.sampled_from(slots))
-        depth = draw(st.integers(1_200, 6_000))
+        depth = draw(st.integers(300, 60_000))
         opener = draw(st.sampled_from(["[", "{a: "]))
         closer = "]" if opener == "[" else "}"
         text, _ = _with_value(seed, slot.path, Raw(opener * depth + closer * depth))
@@ -957,3 +957,200 @@ def test_bad_profiles_are_refused_by_every_command(command):
         check_profile_case(command, case, existing)
 
     run()
+
+
+# --- model files off the contract (octoplan profile) ---------------------------------------------------
+
+_MODEL_TEMPLATE = '''\
+import torch
+from torch import nn
+
+NAME = {name}
+
+
+class Plain(nn.Module):
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+        self.linear = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        {forward}
+        return self.linear(x){reshape}
+
+
+def num_layers(**config):
+    {num_layers}
+    return 3
+
+
+def build_layer(index, **config):
+    {build_layer}
+    return Plain(index)
+
+
+def sample_batch(microbatch_size, generator, **config):
+    {sample_batch}
+    return torch.randn(microbatch_size, 4, generator=generator), torch.randn(microbatch_size, 4, generator=generator)
+
+
+def loss_fn(outputs, targets):
+    {loss_fn}
+    return ((outputs - targets) ** 2).mean()
+{tail}'''
+
+# what a layer raises: the exception types model code meets, with messages that may span lines
+_RAISED = st.sampled_from(["ValueError", "RuntimeError", "ZeroDivisionError", "KeyError", "AssertionError", "TypeError",
+                           "IndexError", "NotImplementedError", "OSError", "FloatingPointError"])
+_MESSAGES = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40) | st.sampled_from(
+    ["line one\nline two", "tab\there", "\r\n", "x" * 5000, "carriage\rreturn", "form\x0cfeed", "sep\u2028line"])
+
+
+@st.composite
+def model_cases(draw) -> Case:
+    """A model file that breaks docs/FORMATS.md section 4, and the field its error must name."""
+    parts = dict(name='"corpus-model"', forward="", reshape="", num_layers="", build_layer="", sample_batch="",
+                 loss_fn="", tail="")
+    kind = draw(st.sampled_from(["missing function", "a layer raises", "shapes disagree", "not a module",
+                                 "bad layer count", "a hook raises", "bad batch", "bad loss", "broken file"]))
+    layer = draw(st.integers(0, 2))
+    field_name: tuple[str, ...] | None = None
+    if kind == "missing function":
+        name = draw(st.sampled_from(["num_layers", "build_layer", "sample_batch", "loss_fn"]))
+        parts["tail"] = f"\ndel {name}\n"
+        field_name = (name,)
+    elif kind == "a layer raises":
+        error, message = draw(_RAISED), draw(_MESSAGES)
+        when = draw(st.sampled_from(["always", "on a later call", "in backward"]))
+        raising = f"raise {error}({message!r})"
+        if when == "always":
+            parts["forward"] = f"if self.index == {layer}: {raising}"
+        elif when == "on a later call":
+            parts["forward"] = f"if self.index == {layer} and self.calls > 1: {raising}"
+        else:  # on the gradient of the layer's output (its input has none in layer 0)
+            parts["forward"] = (f"if self.index == {layer}:\n            out = self.linear(x)\n"
+                                f"            out.register_hook(lambda g: (_ for _ in ()).throw({error}({message!r})))\n"
+                                f"            return out")
+    elif kind == "shapes disagree":
+        # layer k's output does not fit what layer k+1 (or the loss) takes
+        parts["reshape"] = f"[..., :3] if self.index == {layer} else self.linear(x)"
+    elif kind == "not a module":
+        value = draw(st.sampled_from(["None", "5", "'layer'", "lambda x: x", "torch.zeros(2)", "[nn.Linear(4, 4)]",
+                                      "Plain", "nn.Linear"]))
+        parts["build_layer"] = f"if index == {layer}: return {value}"
+        field_name = (f"build_layer({layer})",)
+    elif kind == "bad layer count":
+        value = draw(st.sampled_from(["0", "-1", "'3'", "3.0", "None", "10**9", "10**5000", "True", "[1, 2, 3]",
+                                      "[[1] * 1000] * 1000"]))
+        parts["num_layers"] = f"return {value}"
+        field_name = ("num_layers",)
+    elif kind == "a hook raises":
+        name = draw(st.sampled_from(["num_layers", "build_layer", "sample_batch", "loss_fn"]))
+        parts[name] = f"raise {draw(_RAISED)}({draw(_MESSAGES)!r})"
+        field_name = (name,) if name != "build_layer" else ("build_layer",)
+    elif kind == "bad batch":
+        value = draw(st.sampled_from(["None", "torch.zeros(4, 4)", "(torch.zeros(4, 4),)", "(1, 2, 3)",
+                                      "('a', 'b')", "[torch.zeros(4, 4), torch.zeros(4, 4)]"]))
+        parts["sample_batch"] = f"return {value}"
+        field_name = ("sample_batch",)
+    elif kind == "bad loss":
+        value = draw(st.sampled_from(["None", "1.0", "outputs", "(outputs - targets)", "torch.tensor(1.0)"]))
+        parts["loss_fn"] = f"return {value}"
+        field_name = ("loss_fn",)
+    else:
+        how = draw(st.sampled_from(["syntax", "import", "raise", "exit", "name"]))
+        parts["tail"] = {"syntax": "\ndef broken(:\n", "import": "\nimport a_module_that_is_not_there\n",
+                         "raise": f"\nraise {draw(_RAISED)}({draw(_MESSAGES)!r})\n", "exit": "\nraise SystemExit(0)\n",
+                         "name": ""}[how]
+        if how == "name":
+            parts["name"] = draw(st.sampled_from(["5", "''", "None", "['x']"]))
+            field_name = ("NAME",)
+    source = _MODEL_TEMPLATE.format(**parts)
+    changed = "; ".join(f"{key}: {value.strip()}" for key, value in parts.items()
+                        if value and not (key == "name" and value == '"corpus-model"'))
+    return Case(kind, source.encode(), field_name, changed)
+
+
+def check_model_case(case: Case, existing: bool) -> None:
+    model = _write_case(case, "model.py")
+    outputs = Outputs.make({"-o": "profile.yaml"}, existing=existing)
+    outcome = octoplan("profile", model, "--repeat", 1, "--device", "cpu", "-o", outputs.paths["-o"])
+    problems = contract_problems(outcome, tool="octoplan", file=model, field_name=case.field, outputs=outputs)
+    _judge("profile", problems, f"{case.kind}: {case.describe}")
+    shutil.rmtree(model.parent, ignore_errors=True)
+    shutil.rmtree(outputs.folder, ignore_errors=True)
+
+
+def test_model_files_off_the_contract_are_refused_by_profile(one_thread):
+    @corpus_settings(30)
+    @given(case=model_cases(), existing=st.booleans())
+    def run(case, existing):
+        check_model_case(case, existing)
+
+    run()
+
+
+# --- what the corpus found, each fixed and pinned by a plain test ----------------------------------------
+
+def test_deep_flow_nesting_inside_a_mapping_is_refused_before_it_is_parsed(tmp_path):
+    # PyYAML's scanner is quadratic in flow depth: 30000 levels under a key took minutes
+    seed = seeds().plan_data
+    text, _ = _with_value(seed, ("cluster", "latency_us"), Raw("[" * 30_000 + "]" * 30_000))
+    plan = tmp_path / "plan.yaml"
+    plan.write_bytes(text)
+    line = next(n for n, text_line in enumerate(text.decode().splitlines(), 1) if "latency_us" in text_line)
+    outcome = octoplan("validate", plan)
+    assert outcome.code == 2 and outcome.stderr == (
+        f"error: {plan}: line {line}: nested too deeply to be a plan file (more than 200 levels of [ ] or {{ }}) "
+        "(give a plan YAML file)\n"), outcome
+    # 200 levels are read (and refused for what they are: not a number), quoted brackets are text
+    text, _ = _with_value(seed, ("cluster", "latency_us"), Raw("[" * 200 + "]" * 200))
+    plan.write_bytes(text)
+    outcome = octoplan("validate", plan)
+    assert outcome.code == 2 and "cluster.latency_us: must be a number" in outcome.stderr, outcome
+    data = copy.deepcopy(seed)
+    data["model"]["name"] = "[" * 5000
+    plan.write_bytes(_dump(data))
+    outcome = octoplan("validate", plan)
+    assert outcome.code == 2 and "model.name: is '[[[" in outcome.stderr, outcome
+
+
+def test_an_error_line_stays_one_line_whatever_its_parts_hold():
+    from octoplan.errors import InputError
+
+    error = InputError("a\nb.py", "f\u2028", "x\ry\x0cz\x85", "fix\n")
+    assert error.line() == "a\\nb.py: f\\u2028: x\\ry\\x0cz\\x85 (fix\\n)"
+
+
+def test_a_model_file_that_raises_a_line_break_at_import_gets_one_line(tmp_path):
+    model = tmp_path / "model.py"
+    model.write_text("raise ValueError('carriage\\rreturn\\nand a new line')\n")
+    outcome = octoplan("profile", model, "--repeat", 1, "-o", tmp_path / "p.yaml")
+    assert outcome.code == 2 and outcome.stderr == (
+        f"error: {model}: import failed: ValueError: carriage\\rreturn\\nand a new line (fix the model file)\n"), outcome
+
+
+@pytest.mark.parametrize("body,problem", [
+    ("raise KeyError('depth')", "num_layers: raised KeyError: 'depth' (fix num_layers in the model file)"),
+    ("raise RuntimeError('')", "num_layers: raised RuntimeError (fix num_layers in the model file)"),
+    ("return 10**5000", "num_layers: returned a 5001-digit number (return an int from 1 to 100000)"),
+    ("return [10**5000]", "num_layers: returned [<a 5001-digit number>] (return an int from 1 to 100000)"),
+])
+def test_a_num_layers_that_raises_or_returns_a_huge_number_is_bad_input(tmp_path, body, problem):
+    # each was exit 1 with the exception's text alone: octoplan profile's and octorun's first call into the file
+    model = tmp_path / "model.py"
+    model.write_text(_MODEL_TEMPLATE.format(name='"m"', forward="", reshape="", num_layers=body, build_layer="",
+                                            sample_batch="", loss_fn="", tail=""))
+    outcome = octoplan("profile", model, "--repeat", 1, "-o", tmp_path / "p.yaml")
+    assert outcome.code == 2 and outcome.stderr == f"error: {model}: {problem}\n", outcome
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_a_bad_value_of_more_digits_than_python_prints_is_shown_by_its_length():
+    from octoplan.errors import shown
+
+    assert shown(10**5000) == "a 5001-digit number" and shown(-(10**4999)) == "a 5000-digit number"
+    assert shown(10**59) == str(10**59) and shown(10**60) == "a 61-digit number"
+    assert shown({"a": [10**5000, 3]}) == "{'a': [<a 5001-digit number>, 3]}"
