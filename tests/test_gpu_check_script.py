@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_gpu_check_script_runs_on_the_cpu(tmp_path):
-    env = {**os.environ, "DEVICE": "cpu", "PY": sys.executable, "OUT": str(tmp_path), "ROUNDS": "1", "PYTEST": "0"}
-    done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "DEVICE": "cpu", "PY": sys.executable, "OUT": str(tmp_path), "ROUNDS": "1", "PYTEST": "0",
+           "BF16_MODELS": "tiny_gpt"}
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["models.tar.gz", "profiler.md"]  # within the device tool's 8 files
     table = (tmp_path / "profiler.md").read_text().splitlines()
@@ -29,8 +30,8 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
         steps = [json.loads(line) for line in (tmp_path / "models" / f"{model}.metrics.jsonl").read_text().splitlines()]
         assert [s["step"] for s in steps] == [0, 1, 2] and all(s["iteration_ms"] > 0 for s in steps)
         assert json.loads((tmp_path / "models" / f"{model}.trace.json").read_text())["traceEvents"]
-    for model in ("tiny_gpt", "vlm", "hybrid"):  # step 5: bf16, a checkpoint and a bit-identical resume
+    for model in ("tiny_gpt",):  # step 5: bf16, a checkpoint and a bit-identical resume
         whole, resumed = ([json.loads(line)["loss"] for line in (tmp_path / "models" / name).read_text().splitlines()]
                           for name in (f"{model}-bf16.metrics.jsonl", f"{model}-bf16-resumed.metrics.jsonl"))
-        assert len(whole) == 4 and resumed == whole
+        assert len(whole) == 4 and resumed == whole[2:]
         assert f"{model} bf16: " in done.stdout and "bit-identical" in done.stdout.split(f"{model} bf16: ")[1].splitlines()[0]
