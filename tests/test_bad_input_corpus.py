@@ -625,7 +625,11 @@ def document_cases(draw, seed: dict, slots: list[Slot], *, spelt: list[tuple],
     if kind in ("out of range", "huge number"):
         ranged = [s for s in slots if s.bad is not None and (kind == "out of range" or s.kind in ("int", "num"))]
         slot = draw(st.sampled_from(ranged))
-        bad = slot.bad(_get(seed, slot.path))
+        try:
+            now = _get(seed, slot.path)
+        except KeyError:  # an optional field the seed leaves out
+            now = None
+        bad = slot.bad(now)
         value = draw(bad if kind == "out of range" else bad.filter(lambda v: isinstance(v, Raw)))
         text, what = _with_value(seed, slot.path, value)
         named = slot.named or (_field_name(slot.path),)
