@@ -123,14 +123,14 @@ MAX_FLOW_DEPTH = 200
 _FLOW_CHARS = re.compile(r"""[\[\]{}'"#\n\\]""")
 
 
-def _check_flow_depth(text: str, *, file: str, what: str) -> None:
-    """Refuse ``text`` before parsing it when its flow collections nest deeper than
-    :data:`MAX_FLOW_DEPTH`. One pass over the characters that matter, passing over quoted
-    text and comments as YAML does (a quote opens only where a scalar may start, so the
-    apostrophe of a plain ``it's`` is none); a file with fewer brackets than the limit is not
+def _too_deep(text: str) -> int | None:
+    """The line where ``text``'s flow collections first nest deeper than
+    :data:`MAX_FLOW_DEPTH`, else None. One pass over the characters that matter, passing over
+    quoted text and comments as YAML does (a quote opens only where a scalar may start, so the
+    apostrophe of a plain ``it's`` is none); a text with fewer brackets than the limit is not
     scanned at all."""
     if text.count("[") + text.count("{") <= MAX_FLOW_DEPTH:
-        return
+        return None
     depth, line, quote, comment, escaped = 0, 1, "", False, -1
     for match in _FLOW_CHARS.finditer(text):
         char, at = match.group(), match.start()
@@ -154,10 +154,10 @@ def _check_flow_depth(text: str, *, file: str, what: str) -> None:
         elif char in "[{":
             depth += 1
             if depth > MAX_FLOW_DEPTH:
-                raise InputError(file, f"line {line}", f"nested too deeply to be a {what} file (more than "
-                                 f"{MAX_FLOW_DEPTH} levels of [ ] or {{ }})", f"give a {what} YAML file")
+                return line
         elif char in "]}":
             depth = max(0, depth - 1)
+    return None
 
 
 def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
@@ -165,7 +165,10 @@ def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
     if not path.exists():
         raise InputError(str(path), None, f"no such {what} file", "check the path")
     text = read_input_text(path, fix=f"give a {what} YAML file")
-    _check_flow_depth(text, file=str(path), what=what)
+    line = _too_deep(text)
+    if line is not None:
+        raise InputError(str(path), f"line {line}", f"nested too deeply to be a {what} file (more than "
+                         f"{MAX_FLOW_DEPTH} levels of [ ] or {{ }})", f"give a {what} YAML file")
     try:
         data = yaml.load(text, Loader=_Loader)
     except RecursionError:
@@ -183,8 +186,14 @@ def read_yaml(path: str | Path, *, what: str) -> dict[str, Any]:
 
 def read_yaml_value(text: str) -> Any:
     """One YAML value (a command-line ``key=value``'s), read as the files are: YAML 1.2's
-    floats (``5e-1`` is a number), no key twice, aliases bounded. Raises ``yaml.YAMLError``."""
-    return yaml.load(text, Loader=_Loader)
+    floats (``5e-1`` is a number), no key twice, aliases bounded, nesting bounded. Raises
+    ``yaml.YAMLError``."""
+    if _too_deep(text) is not None:
+        raise yaml.YAMLError(f"nested more than {MAX_FLOW_DEPTH} levels deep")
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply") from None
 
 
 class _Dumper(yaml.SafeDumper):

@@ -1378,3 +1378,11 @@ def test_a_sample_of_the_corpus_ends_alike_in_a_real_process(tool):
         shutil.rmtree(plan.parent, ignore_errors=True)
 
     run()
+
+
+def test_a_config_value_nested_too_deeply_is_bad_input():
+    # read as YAML too: a RecursionError (exit 1), and quadratic below that
+    outcome = octoplan("profile", REPO / "examples/models/tiny_gpt.py", "--config", "hidden=" + "[" * 5000 + "]" * 5000,
+                       "-o", _case_folder() / "p.yaml")
+    assert outcome.code == 2 and outcome.stderr.startswith("error: --config: value of 'hidden' is not valid YAML: '[[["), outcome
+    assert outcome.stderr.count("\n") == 1 and "Traceback" not in outcome.stderr
