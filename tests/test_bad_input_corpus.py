@@ -609,10 +609,11 @@ _BAD_BYTES = [b"\xff", b"\xfe\xff", b"\xc3", b"\x00", b"\x07", b"\x1b[2J", b"\xe
 
 
 @st.composite
-def document_cases(draw, seed: dict, slots: list[Slot], *, spelt: list[tuple],
+def document_cases(draw, seed: dict, slots: list[Slot], *, spelt: list[tuple[tuple, tuple | None]],
                    more: dict[str, Callable] | None = None) -> Case:
     """A bad version of ``seed``. ``spelt``: the mappings whose keys must be spelt right
-    (a near miss of a key is refused there); ``more``: further kinds of damage, each a
+    (a near miss of a key is refused there), each as (its path, the keys the format reads there,
+    or None: all of them) where the others are extensions another tool may write; ``more``: further kinds of damage, each a
     function of ``draw`` that returns a Case."""
     kinds = ["wrong type", "out of range", "missing", "truncated", "alias bomb", "self alias", "deep nesting",
              "not a mapping", "bad bytes", "duplicate key", "misspelt key", "huge number", *(more or {})]
@@ -692,9 +693,10 @@ def document_cases(draw, seed: dict, slots: list[Slot], *, spelt: list[tuple],
         lines.insert(i + 1, again)
         return Case(kind, "".join(lines).encode(), None, f"line {i + 1} written twice: {lines[i].strip()!r}")
     if kind == "misspelt key":
-        parent = draw(st.sampled_from(spelt))
+        parent, read = draw(st.sampled_from(spelt))
         mapping = _get(seed, parent)
-        key = draw(st.sampled_from([k for k in mapping if isinstance(k, str) and len(k) >= 4]))
+        key = draw(st.sampled_from([k for k in mapping
+                                    if isinstance(k, str) and len(k) >= 4 and (read is None or k in read)]))
         drop = draw(st.integers(0, len(key) - 1))
         wrong = key[:drop] + key[drop + 1:]
         assume(wrong not in mapping)
@@ -844,8 +846,8 @@ def plan_cases(command: str) -> st.SearchStrategy:
     if command in ("simulate", "show"):  # without a profile field, validate checks the rest, export
         # writes the op order and octorun trains microbatches of microbatch_size (or 1)
         slots = [Slot(s.path, s.kind, True, s.bad) if s.path == ("profile",) else s for s in slots]
-    spelt = [(), ("model",), ("model", "config"), ("cluster",), ("parallel",),
-             *(("stages", i) for i in range(len(seed["stages"])))]
+    spelt = [(path, None) for path in ((), ("model",), ("model", "config"), ("cluster",), ("parallel",),
+                                       *(("stages", i) for i in range(len(seed["stages"]))))]
     return document_cases(seed, slots, spelt=spelt, more=plan_damage(seed))
 
 
@@ -969,7 +971,9 @@ def profile_damage(seed: dict) -> dict[str, Callable]:
 
 def profile_cases(which: str) -> st.SearchStrategy:
     seed = seeds().profile_data if which == "measured" else seeds().analytic_data
-    spelt = [(), ("model",), *(("layers", i) for i in range(len(seed["layers"])))]
+    # the top-level fields a profile reads (octoplan.profile): "profiler" and the like are extensions
+    read = ("format", "model", "device", "microbatch_size", "dtype", "precision", "tied", "layers")
+    spelt = [((), read), (("model",), None), *((("layers", i), None) for i in range(len(seed["layers"])))]
     return document_cases(seed, profile_slots(seed), spelt=spelt, more=profile_damage(seed))
 
 
@@ -1384,5 +1388,6 @@ def test_a_config_value_nested_too_deeply_is_bad_input():
     # read as YAML too: a RecursionError (exit 1), and quadratic below that
     outcome = octoplan("profile", REPO / "examples/models/tiny_gpt.py", "--config", "hidden=" + "[" * 5000 + "]" * 5000,
                        "-o", _case_folder() / "p.yaml")
-    assert outcome.code == 2 and outcome.stderr.startswith("error: --config: value of 'hidden' is not valid YAML: '[[["), outcome
+    assert outcome.code == 2, outcome
+    assert outcome.stderr.startswith("error: --config: value of 'hidden' is not valid YAML: '[[["), outcome
     assert outcome.stderr.count("\n") == 1 and "Traceback" not in outcome.stderr
