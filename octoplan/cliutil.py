@@ -35,10 +35,10 @@ OP_OVERHEAD_US = typer.Option(0.0, "--op-overhead-us", help="fixed runtime cost 
 
 
 def terminal() -> Console:
-    """The console a command prints to: the terminal's width (or ``COLUMNS``), and 110 columns
+    """The console a command prints to: the terminal's width (or ``COLUMNS``), and 130 columns
     when the output goes to a file or a pipe, where rich's default 80 would cut the tables'
-    numbers short."""
-    return Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 110)
+    numbers short (and the tune table's plan names, beside its "runs on" column)."""
+    return Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 130)
 
 
 def fail(error: InputError) -> None:

@@ -57,6 +57,9 @@ _HISTORY = 24  # activities kept for the record
 _LINE = 200  # bytes per line of the record file
 
 
+# what gloo and c10d say when a peer's end of a connection went away
+_CONNECTION_LOST = re.compile(r"connection (closed|reset|refused)|reset by peer|broken pipe|read error|socket closed",
+                              re.IGNORECASE)
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 
@@ -210,12 +213,26 @@ class Watchdog:
 
     def fail_waiting(self, problem: str) -> NoReturn:
         """:meth:`fail` for a deadline that passed: names the peers that stopped responding."""
+        self.fail(problem, waited=True)
+
+    def _silent_text(self) -> str:
         silent = self.silent_peers()
-        if silent:
-            listed = ", ".join(map(str, silent))
-            problem += f"; global rank{'s' if len(silent) > 1 else ''} {listed} stopped responding (no heartbeat for " \
-                       f"{_SILENT_S:g} s: hung or stopped)"
-        self.fail(problem)
+        if not silent:
+            return ""
+        listed = ", ".join(map(str, silent))
+        return f"; global rank{'s' if len(silent) > 1 else ''} {listed} stopped responding (no heartbeat for " \
+               f"{_SILENT_S:g} s: hung or stopped)"
+
+    def _diagnosis(self, problem: str, *, waited: bool) -> str:
+        """Who is to blame for a failure: a peer on this host whose process is gone (a lost
+        connection is the first sign of a killed peer, seen before the kernel has quite ended
+        it: look again for a moment), else, after a deadline or a lost connection, the peers
+        whose heartbeat stands still (a hung peer, or one its own deadline ended)."""
+        connection = bool(_CONNECTION_LOST.search(problem))
+        dead = self.dead_peers(wait_s=1.0 if connection else 0.0)
+        if dead:
+            return dead
+        return self._silent_text() if waited or connection else ""
 
     def deadline(self) -> float:
         return time.monotonic() + self.timeout_s
@@ -231,20 +248,27 @@ class Watchdog:
                 peers[rank] = int(pid)
         return peers
 
-    def dead_peers(self) -> str:
-        """Which peers on this host are gone (killed, crashed): the likely cause of a failure."""
+    def dead_peers(self, *, wait_s: float = 0.0) -> str:
+        """Which peers on this host are gone (killed, crashed), looking for up to ``wait_s``."""
         if self.store is None:
             return ""
         try:
-            dead = [f"global rank {rank} (pid {pid})" for rank, pid in self._peers_here().items() if not _alive(pid)]
+            peers = self._peers_here()
+            deadline = time.monotonic() + wait_s
+            while True:
+                dead = [f"global rank {rank} (pid {pid})" for rank, pid in peers.items() if not _alive(pid)]
+                if dead or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
         except Exception:
             return ""
         return f"; {', '.join(dead)} {'is' if len(dead) == 1 else 'are'} gone" if dead else ""
 
-    def fail(self, problem: str, *, code: int = EXIT_FAILURE) -> NoReturn:
-        """Tell every process of the job that this one failed, then end this one."""
+    def fail(self, problem: str, *, code: int = EXIT_FAILURE, waited: bool = False) -> NoReturn:
+        """Tell every process of the job that this one failed, then end this one (``waited``:
+        a deadline passed)."""
         if code == EXIT_FAILURE:
-            problem += self.dead_peers()
+            problem += self._diagnosis(problem, waited=waited)
         with self._lock:
             if not self._failing:
                 self._failing = True

@@ -85,11 +85,13 @@ def _table(result) -> Table:
                           "(pi / di: pp-inner / dp-inner rank order); tuned x: how much faster the tuned plan is; "
                           "interleaved-1f1b(v=N): of the chunk counts above 2, the fastest; runs on: the "
                           "frameworks that run the plan as planned (torch: torch.distributed.pipelining)")
+    rows = shown_rows(comparison_rows(result))
     for name, justify in (("plan", "left"), ("pp.dp.mb", "left"), ("iter ms", "right"), ("tuned x", "right"),
-                          ("bubble", "right"), ("eff", "right"), ("peak GB", "right"), ("fits", "center"),
-                          ("runs on", "left")):
+                          ("bubble", "right"), ("eff", "right"), ("peak GB", "right"), ("fits", "center")):
         table.add_column(name, justify=justify, overflow="fold")
-    for row in shown_rows(comparison_rows(result)):
+    # narrow: the frameworks wrap before a plan's name does
+    table.add_column("runs on", justify="left", overflow="fold", max_width=16)
+    for row in rows:
         style = "bold green" if row["plan"] == "tuned" else (None if row["fits"] else "dim")
         table.add_row(
             row["plan"], row["short"], f"{row['iteration_ms']:.2f}", f"{row['speedup']:.3f}x",
