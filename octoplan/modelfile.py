@@ -1,4 +1,4 @@
-"""The model-file contract of SPEC section 4: loading a ``model.py``, seeding its layers and
+"""The model-file contract of FORMATS.md section 4: loading a ``model.py``, seeding its layers and
 drawing its microbatches exactly as every process must, so that the profiler, the runtime and
 single-process references all rebuild the same model and data.
 
@@ -34,7 +34,7 @@ MAX_LAYERS = 100_000
 
 
 def microbatch_seed(*, seed: int, step: int, replica: int, mb: int) -> int:
-    """SPEC section 4: the generator seed of microbatch ``mb`` of ``step`` on replica ``replica``."""
+    """FORMATS.md section 4: the generator seed of microbatch ``mb`` of ``step`` on replica ``replica``."""
     return ((seed * 1_000_003 + step) * 1_009 + replica) * 10_007 + mb
 
 
@@ -71,7 +71,7 @@ class ModelFile:
         return count
 
     def build_layer(self, index: int) -> torch.nn.Module:
-        """Layer ``index``, built after ``torch.manual_seed(seed + index)`` (SPEC section 4)."""
+        """Layer ``index``, built after ``torch.manual_seed(seed + index)`` (docs/FORMATS.md section 4)."""
         torch.manual_seed(self.seed + index)
         layer = self._call("build_layer", index, **self.config)
         if not isinstance(layer, torch.nn.Module):
@@ -177,7 +177,7 @@ class ModelFile:
 
 
 def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0) -> ModelFile:
-    """Import a model file and check it has the SPEC section 4 functions.
+    """Import a model file and check it has the FORMATS.md section 4 functions.
 
     ``config`` overrides the file's ``CONFIG`` defaults. ``hf:FOLDER`` is a Hugging Face
     transformers model instead (octoplan.hf).
@@ -205,7 +205,7 @@ def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, s
                          "guard the script part with if __name__ == '__main__'") from None
     missing = [name for name in REQUIRED_FUNCTIONS if not callable(getattr(module, name, None))]
     if missing:
-        raise InputError(str(path), missing[0], "is not defined", f"define {', '.join(missing)} (SPEC section 4)")
+        raise InputError(str(path), missing[0], "is not defined", f"define {', '.join(missing)} (docs/FORMATS.md section 4)")
     defaults = getattr(module, "CONFIG", None) or {}
     if not isinstance(defaults, dict):
         raise InputError(str(path), "CONFIG", f"is a {type(defaults).__name__}, not a mapping",

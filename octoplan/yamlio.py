@@ -22,7 +22,7 @@ __all__ = ["read_yaml", "read_yaml_value", "write_yaml", "file_sha256", "Fields"
 
 class _Loader(yaml.SafeLoader):
     """YAML 1.2's floats: PyYAML follows YAML 1.1, where ``1.2e9`` and ``1e-3`` (no dot, or no
-    sign in the exponent) are strings — but the SPEC's own example writes ``flops: 1.2e9``."""
+    sign in the exponent) are strings — but FORMATS.md's own example writes ``flops: 1.2e9``."""
 
 
 _Loader.add_implicit_resolver(
@@ -228,7 +228,7 @@ class Fields:
 
     @classmethod
     def document(cls, data: Any, *, file: str, format: str, fields: Iterable[str], fix: str) -> "Fields":
-        """A whole file of one of SPEC's formats: its ``format`` must be ``format`` (else the
+        """A whole file of one of FORMATS.md's formats: its ``format`` must be ``format`` (else the
         error says ``fix``), and no top-level key may be a near miss of one of ``fields``."""
         top = cls(data, file=file, prefix="")
         found = top.str("format")
@@ -258,7 +258,7 @@ class Fields:
 
     def no_misspelling(self, known: Iterable[str]) -> None:
         """Refuse a key that is not in ``known`` but nearly is (``backwrd_ms``, ``w_saved_byte``,
-        ``microbatch-size``), where other keys are extensions SPEC lets a file carry: only a
+        ``microbatch-size``), where other keys are extensions FORMATS.md lets a file carry: only a
         near miss is surely a misspelt field, which would be dropped for its default."""
         known = list(known)
         for key in self.data:

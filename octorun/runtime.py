@@ -328,6 +328,10 @@ def _ensure_env() -> None:
     """Without torchrun, run as a world of one."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
+    for given, missing in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
+        if given in os.environ and missing not in os.environ:  # half a launch: never a world of one
+            raise InputError(None, missing, f"is not set but {given} is",
+                             "launch with torchrun, or leave RANK and WORLD_SIZE unset to run one process")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")

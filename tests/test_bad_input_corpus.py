@@ -1265,8 +1265,6 @@ def test_launch_variables_that_disagree_with_the_plan_are_refused():
     run()
 
 
-@pytest.mark.xfail(strict=True, reason="octorun defaults RANK to 0 when WORLD_SIZE alone is set, then waits --init-timeout "
-                                       "for peers that never come (a fix belongs in octorun.runtime._ensure_env)")
 def test_a_launch_that_sets_world_size_but_not_rank_is_refused():
     env = dict(_GOOD_LAUNCH, RANK=None)
     outcome = octorun(seeds().plan, env=env)
