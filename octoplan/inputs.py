@@ -13,17 +13,17 @@ from pathlib import Path
 
 from octoplan.errors import InputError
 
-__all__ = ["MAX_INPUT_BYTES", "check_input_file", "read_input_text", "read_input_bytes"]
+__all__ = ["MAX_INPUT_BYTES", "ordinary_file_size", "check_input_file", "read_input_text", "read_input_bytes"]
 
 # Far above any plan, profile or trace of a 1024-GPU job (a trace of 1024 ranks x 2048 ops is
 # about 200 MB), far below what would exhaust the memory of the machines octoplan runs on.
 MAX_INPUT_BYTES = 1 << 30
 
 
-def check_input_file(path: str | Path, *, field: str | int | None = None, fix: str) -> None:
-    """:class:`InputError` (naming ``fix``) unless ``path`` is an ordinary file of at most
-    :data:`MAX_INPUT_BYTES`; only a ``stat``, so it never blocks (opening a FIFO without a
-    writer would)."""
+def ordinary_file_size(path: str | Path, *, field: str | int | None = None, fix: str) -> int:
+    """The size in bytes of ``path`` once it is an ordinary file; :class:`InputError` (naming
+    ``fix``) if it is missing, a folder or a device. Only a ``stat``, so it never blocks
+    (opening a FIFO without a writer would)."""
     file = str(path)
     try:
         info = os.stat(path)
@@ -35,8 +35,15 @@ def check_input_file(path: str | Path, *, field: str | int | None = None, fix: s
         raise InputError(file, field, "is a folder", fix)
     if not stat.S_ISREG(info.st_mode):
         raise InputError(file, field, "is not an ordinary file (a device, FIFO or socket)", fix)
-    if info.st_size > MAX_INPUT_BYTES:
-        raise InputError(file, field, f"is {info.st_size / 2**30:.1f} GiB, more than the "
+    return info.st_size
+
+
+def check_input_file(path: str | Path, *, field: str | int | None = None, fix: str) -> None:
+    """:class:`InputError` (naming ``fix``) unless ``path`` is an ordinary file of at most
+    :data:`MAX_INPUT_BYTES`."""
+    size = ordinary_file_size(path, field=field, fix=fix)
+    if size > MAX_INPUT_BYTES:
+        raise InputError(str(path), field, f"is {size / 2**30:.1f} GiB, more than the "
                          f"{MAX_INPUT_BYTES // 2**30} GiB an input file may have", fix)
 
 

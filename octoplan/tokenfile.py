@@ -16,7 +16,6 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
-import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from octoplan.errors import InputError
+from octoplan.inputs import ordinary_file_size
 from octoplan.outputs import _cannot, _mode_for, _target, check_writable
 
 __all__ = [
@@ -54,20 +54,9 @@ _CHUNK_BYTES = 1 << 24
 
 
 def check_token_file(path: str | Path, *, fix: str = _FIX_TOKENIZE) -> int:
-    """The size in bytes of ``path`` once it is an ordinary file; :class:`InputError` if it is
-    missing, a folder or a device (opening a FIFO without a writer would hang)."""
-    file = str(path)
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise InputError(file, None, "no such file", fix) from None
-    except OSError as exc:
-        raise InputError(file, None, f"cannot be read: {exc.strerror or exc}", fix) from None
-    if stat.S_ISDIR(info.st_mode):
-        raise InputError(file, None, "is a folder", fix)
-    if not stat.S_ISREG(info.st_mode):
-        raise InputError(file, None, "is not an ordinary file (a device, FIFO or socket)", fix)
-    return info.st_size
+    """The size in bytes of ``path`` once it is an ordinary file (no size limit: token files are
+    memory-mapped, never read whole); :class:`InputError` if it is missing, a folder or a device."""
+    return ordinary_file_size(path, fix=fix)
 
 
 def index_path(path: str | Path) -> Path:
