@@ -135,6 +135,8 @@ class TuneResult:
     baselines: tuple[BaselineRow, ...]
     stats: dict = field(default_factory=dict)
     runs_on: tuple[str, ...] = ()  # the frameworks that run the tuned plan as planned
+    # every configuration's best candidate the search priced, best first (the winner's first)
+    configs: tuple[tuple[Candidate, Scored], ...] = ()
 
     def best_baseline(self) -> BaselineRow | None:
         fitting = [row for row in self.baselines if row.scored.fits]
@@ -320,6 +322,9 @@ class _Search:
         self.best: Candidate | None = None
         self.best_scored: Scored | None = None
         self.accepted_moves: list[str] = []
+        # the best allowed candidate of each configuration, on the true times: what the
+        # configuration table (:mod:`octoplan.tuner.configs`) compares the winner against
+        self.config_best: dict[Config, tuple[Candidate, Scored]] = {}
         self._reordered: set[Candidate] = set()  # candidates whose order was rebuilt already
         self._reorder_s_per_unit = REORDER_S_PER_UNIT  # the last rebuild's seconds per op x rank^2
 
@@ -365,6 +370,10 @@ class _Search:
     def offer(self, cand: Candidate) -> Scored:
         scored = self.ev.score(cand)
         # every candidate is priced (a baseline row is, whatever runs it), only allowed ones win
+        if not self.quiet and self.allowed(cand):
+            held = self.config_best.get(cand.config)
+            if held is None or scored.score < held[1].score:
+                self.config_best[cand.config] = (cand, scored)
         if (self.best_scored is None or scored.score < self.best_scored.score) and self.allowed(cand):
             self.best, self.best_scored = cand, scored
             (log.debug if self.quiet else log.info)("best %.4f ms (fits=%s, bubble %.3f) from %s [%s]",
@@ -709,7 +718,8 @@ def tune(
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     frameworks = search.frameworks
     rows = tuple(replace(row, runs_on=frameworks.runs_on(row.candidate)) for row in baselines)
-    return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best))
+    configs_best = tuple(sorted(search.config_best.values(), key=lambda item: (item[1].score, item[0].config)))
+    return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best), configs_best)
 
 
 _NO_SEED_FIX = {
