@@ -8,6 +8,7 @@ write the plan.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -32,20 +33,24 @@ def _ratio(ms: float, against_ms: float) -> float:
     return ms / against_ms if against_ms > 0 else 1.0
 
 
-def comparison_rows(result) -> list[dict]:
-    """The tuned plan against every baseline on the same GPUs, as plain rows."""
+def comparison_rows(result, sizes: dict[int, int] | None = None, tuned_size: int | None = None) -> list[dict]:
+    """The tuned plan against every baseline on the same GPUs, as plain rows. ``sizes``: where
+    several microbatch sizes were tuned, each baseline row's (by its index), and the tuned
+    plan's ``tuned_size``: the short configuration then names them."""
     tuned_ms = result.scored.iteration_ms
     c = result.candidate.config
     rows = [{
-        "plan": "tuned", "config": c.label(), "short": _short(c), "iteration_ms": tuned_ms, "speedup": 1.0,
+        "plan": "tuned", "config": c.label(), "short": _short(c, tuned_size if sizes else None),
+        "iteration_ms": tuned_ms, "speedup": 1.0,
         "bubble_ratio": result.scored.bubble_ratio, "efficiency": result.scored.efficiency,
         "peak_memory_gb": result.scored.peak_memory_bytes / 1e9, "fits": result.scored.fits,
         "runs_on": list(result.runs_on),
     }]
-    for row in result.baselines:
+    for index, row in enumerate(result.baselines):
         s = row.scored
         rows.append({
-            "plan": _label(row), "config": row.config.label(), "short": _short(row.config), "iteration_ms": s.iteration_ms,
+            "plan": _label(row), "config": row.config.label(), "short": _short(row.config, (sizes or {}).get(index)),
+            "iteration_ms": s.iteration_ms,
             "speedup": _ratio(s.iteration_ms, tuned_ms), "bubble_ratio": s.bubble_ratio,
             "efficiency": s.efficiency, "peak_memory_gb": s.peak_memory_bytes / 1e9, "fits": s.fits,
             "runs_on": list(row.runs_on),
@@ -59,9 +64,10 @@ def _label(row) -> str:
     return row.name if layers is None else f"{row.name} (first {layers} layers)"
 
 
-def _short(config) -> str:
+def _short(config, microbatch_size: int | None = None) -> str:
     order = "" if config.dp == 1 else (" pi" if config.rank_order == "pp-inner" else " di")
-    return f"{config.pp}.{config.dp}.{config.microbatches}{order}"
+    size = "" if microbatch_size is None else f" x{microbatch_size}"
+    return f"{config.pp}.{config.dp}.{config.microbatches}{size}{order}"
 
 
 def shown_rows(rows: list[dict]) -> list[dict]:
@@ -79,13 +85,14 @@ def shown_rows(rows: list[dict]) -> list[dict]:
     return [row for row in rows if not row["plan"].startswith("interleaved-1f1b(v=") or id(row) in keep]
 
 
-def _table(result) -> Table:
+def _table(result, sizes: dict[int, int] | None = None, tuned_size: int | None = None) -> Table:
     table = Table(title="tuned plan vs the baselines (docs/FORMATS.md section 6) on the same GPUs",
                   caption="pp.dp.mb: pipeline degree, data-parallel degree, microbatches per pipeline "
-                          "(pi / di: pp-inner / dp-inner rank order); tuned x: how much faster the tuned plan is; "
+                          "(xN: samples per microbatch, where several were tuned; "
+                          "pi / di: pp-inner / dp-inner rank order); tuned x: how much faster the tuned plan is; "
                           "interleaved-1f1b(v=N): of the chunk counts above 2, the fastest; runs on: the "
                           "frameworks that run the plan as planned (torch: torch.distributed.pipelining)")
-    rows = shown_rows(comparison_rows(result))
+    rows = shown_rows(comparison_rows(result, sizes, tuned_size))
     for name, justify in (("plan", "left"), ("pp.dp.mb", "left"), ("iter ms", "right"), ("tuned x", "right"),
                           ("bubble", "right"), ("eff", "right"), ("peak GB", "right"), ("fits", "center")):
         table.add_column(name, justify=justify, overflow="fold")
@@ -133,33 +140,112 @@ def _framework_costs(result) -> list[str]:
     return lines
 
 
-def _run(source, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,
+def _run(sources, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,
          max_plans=None, workers=1, no_recompute=False, runs_on="any"):
+    """Tune every profile (one per microbatch size) and return the global batch's result
+    (:class:`octoplan.tuner.configs.BatchResult`)."""
     from rich.live import Live
 
-    from octoplan.tuner.search import TuneOptions, tune
+    from octoplan.tuner.configs import tune_global_batch
+    from octoplan.tuner.search import TuneOptions
 
-    path, profile = source  # read_profile's: read once, before anything is written
-    cluster = cluster_from(gpus, cluster_opts, profile)
+    cluster = cluster_from(gpus, cluster_opts, sources[0][1])
     opts = TuneOptions(gpus=gpus, pp=pp, microbatches=microbatches, global_batch=global_batch,
                        time_limit_s=time_limit, seed=seed, chunks_max=chunks_max, use_cpsat=not no_cpsat,
                        max_plans=max_plans, workers=workers, recompute=not no_recompute, runs_on=runs_on)
+    what = ", ".join(str(path) for path, _ in sources)
     with Live(console=console, transient=True, refresh_per_second=4) as live:
-        live.update(f"tuning {path} on {gpus} GPUs ...")
+        live.update(f"tuning {what} on {gpus} GPUs ...")
 
         def progress(best, evaluations, elapsed):
             state = f"{best.iteration_ms:.2f} ms, bubble {best.bubble_ratio:.1%}" if best.fits else \
                 f"nothing fits yet (leanest {best.peak_memory_bytes / 1e9:.1f} GB)"
             live.update(f"tuning: best {state} - {evaluations} plans simulated, {elapsed:.1f}/{time_limit:g} s")
 
-        result = tune(profile, cluster, opts, profile_path=path, progress=progress)
-    return result
+        batch = tune_global_batch(sources, cluster, opts, progress=progress)
+    return batch
+
+
+def _merged(batch):
+    """The winning size's result with every size's baselines (each label's best row over the
+    sizes), and each row's microbatch size by index (none where one size was tuned)."""
+    best: dict[str, tuple[int, object]] = {}
+    for size, row in batch.baselines:
+        held = best.get(row.name)
+        if held is None or row.scored.score < held[1].scored.score:
+            best[row.name] = (size, row)
+    # a +recompute row is there for a schedule that fits nowhere without: at some size it may
+    kept = [best[name] for name in dict.fromkeys(row.name for _, row in batch.baselines)
+            if not (name.endswith("+recompute") and best.get(name[:-len("+recompute")], (0, None))[1] is not None
+                    and best[name[:-len("+recompute")]][1].scored.fits)]
+    result = replace(batch.result, baselines=tuple(row for _, row in kept))
+    several = len({size for size, _ in batch.baselines}) > 1 or len({row.microbatch_size for row in batch.configs}) > 1
+    return result, ({index: size for index, (size, _) in enumerate(kept)} if several else None)
+
+
+CONFIG_ROWS = 8  # the configurations the table shows: the fastest ones
+
+
+def _configs_table(batch) -> Table:
+    rows = batch.configs
+    several = len({row.microbatch_size for row in rows}) > 1
+    table = Table(title=f"configurations for this batch: the best plan found for each ({len(rows)} priced"
+                        + (f", the fastest {CONFIG_ROWS} shown" if len(rows) > CONFIG_ROWS else "") + ")",
+                  caption="the busiest GPU's time in parts: compute (its ops, less recomputed forwards), recompute, "
+                          "bubbles (waiting on other GPUs' work), transfers (waiting on the wire), all-reduce (the "
+                          "gradient all-reduce left after the last op); why: the part that grew most against the fastest")
+    columns = (["mbs"] if several else []) + ["pp.dp.mb", "iter ms", "compute", "recompute", "bubbles", "transfers",
+                                              "all-reduce", "fits", "why slower"]
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("pp.dp.mb", "why slower") else "right", overflow="fold")
+    winner = rows[0]
+    from octoplan.tuner.configs import TIME_PARTS, why_slower
+
+    for row in rows[:CONFIG_ROWS]:
+        cells = ([str(row.microbatch_size)] if several else []) + [_short(row.config), f"{row.scored.iteration_ms:.2f}"]
+        cells += [f"{row.parts[part]:.2f}" for part in TIME_PARTS]
+        cells += ["yes" if row.scored.fits else "no", why_slower(row, winner)]
+        table.add_row(*cells, style="bold green" if row is winner else (None if row.scored.fits else "dim"))
+    return table
+
+
+def _config_verdict(batch) -> str:
+    """Which configuration won, and why the next-best lost."""
+    from octoplan.tuner.configs import why_slower
+
+    rows = batch.configs
+    winner = rows[0]
+    if len(rows) == 1:
+        return f"one configuration applies: {winner.label()}"
+    runner = rows[1]
+    ratio = _ratio(runner.scored.iteration_ms, winner.scored.iteration_ms)
+    slower = f"{ratio:.3f}x the time" if runner.scored.fits else "does not fit"
+    return (f"fastest configuration: {winner.label()}; the next best, {runner.label()}, {slower}; "
+            f"{why_slower(runner, winner)}")
+
+
+def _report(batch, memory_gb: float) -> None:
+    """The tables and lines ``tune`` and ``compare`` print."""
+    result, sizes = _merged(batch)
+    console.print(_configs_table(batch))
+    console.print(_config_verdict(batch), soft_wrap=True)
+    if batch.untuned_sizes:
+        from octoplan.tuner.configs import MAX_TUNER_GAIN
+
+        untuned = ", ".join(str(size) for size in batch.untuned_sizes)
+        console.print(f"microbatch size {untuned}: priced by its baselines only, whose best is more than "
+                      f"{MAX_TUNER_GAIN:g}x the best size's (more than the tuner has gained over a baseline)", soft_wrap=True)
+    console.print(_table(result, sizes, batch.microbatch_size))
+    console.print(_verdict(result, memory_gb), soft_wrap=True)
+    for line in _framework_costs(result):
+        console.print(line, soft_wrap=True)
 
 
 _GPN, _MEM, _INTRA, _INTER, _LAT, _OVH = GPUS_PER_NODE, MEMORY_GB, INTRA_NODE_GBPS, INTER_NODE_GBPS, LATENCY_US, OP_OVERHEAD_US
 _MB = typer.Option(None, "--microbatches", help="microbatches per pipeline (pins them)")
 _PP = typer.Option(None, "--pp", help="pipeline degree (pins it; default: every divisor of --gpus)")
-_GB = typer.Option(None, "--global-batch", help="samples per iteration (default 2 x GPUs x microbatch size)")
+_GB = typer.Option(None, "--global-batch", help="samples per iteration (default 2 x GPUs x microbatch size; needed "
+                   "with several profiles)")
 _TL = typer.Option(60.0, "--time-limit", help="seconds to search")
 _SEED = typer.Option(0, "--seed", help="seed of the search's tie-breaking")
 _CHUNKS = typer.Option(None, "--chunks-max", help="most stages per rank, in the search's layouts and among the baselines "
@@ -176,6 +262,17 @@ _RUNS_ON = typer.Option("any", "--runs-on", help="the plans to tune: any (octoru
                        "the partition tuned), loop or v (torchtitan's two stage placements, the order tuned)")
 _WORKERS = typer.Option(1, "--workers", help="processes that hill-climb at once, one per core to spare: the climbs "
                                             "from several seeds run side by side (the result then depends on timing)")
+
+
+_PROFILES = typer.Argument(None, metavar="PROFILE...", help="profile (default: newest in profiles/); several: one "
+                           "model at several --microbatch-size, the fastest for --global-batch wins")
+
+
+def _read_profiles(paths: Optional[list[Path]]) -> list:
+    """Each PROFILE read once, before anything is written; the newest in profiles/ without any."""
+    if not paths:
+        return [read_profile(None)]
+    return [read_profile(path) for path in paths]
 
 
 def _where_the_time_goes(stats: dict, efficiency: float) -> str:
@@ -196,7 +293,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @guarded
     def tune(
-        profile_path: Optional[Path] = typer.Argument(None, metavar="PROFILE", help="profile (default: newest in profiles/)"),
+        profile_paths: Optional[list[Path]] = _PROFILES,
         gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
         output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
         microbatches: Optional[int] = _MB, pp: Optional[int] = _PP, global_batch: Optional[int] = _GB,
@@ -209,23 +306,22 @@ def register(app: typer.Typer) -> None:
         """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
         from octoplan.plan import save_plan
 
-        source = read_profile(profile_path)
-        check_writable(output, "-o", inputs=(source[0],))
-        result = _run(source, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
+        sources = _read_profiles(profile_paths)
+        check_writable(output, "-o", inputs=tuple(path for path, _ in sources))
+        batch = _run(sources, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
                       max_plans, workers, no_recompute, runs_on)
+        result = batch.result
         save_plan(result.plan, output)
-        console.print(_table(result))
-        console.print(_verdict(result, result.plan.cluster.memory_gb), soft_wrap=True)
-        for line in _framework_costs(result):
-            console.print(line, soft_wrap=True)
+        _report(batch, result.plan.cluster.memory_gb)
         plan = result.plan
         # soft_wrap: long lines wrap at the terminal's edge, never inside a path or a number
         recomputing = plan.num_recomputing
         some = plan.num_recomputing_part
         stages = f"{plan.num_stages} stages" + (f", {recomputing} recomputing their activations" if recomputing else "") + (
             f" ({some} only their first layers)" if some else "")
-        console.print(f"tuned plan for {gpus} GPUs ({result.candidate.config.label()}, {stages}) -> "
+        size = f"microbatches of {batch.microbatch_size}, " if len(sources) > 1 else ""
+        console.print(f"tuned plan for {gpus} GPUs ({size}{result.candidate.config.label()}, {stages}) -> "
                       f"{escape(str(output))}, runs on {', '.join(result.runs_on)}: predicted "
                       f"{plan.predicted['iteration_ms']:.2f} ms, bubble "
                       f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "
@@ -240,7 +336,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @guarded
     def compare(
-        profile_path: Optional[Path] = typer.Argument(None, metavar="PROFILE", help="profile (default: newest in profiles/)"),
+        profile_paths: Optional[list[Path]] = _PROFILES,
         gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
         microbatches: Optional[int] = _MB, pp: Optional[int] = _PP, global_batch: Optional[int] = _GB,
         time_limit: float = _TL, seed: int = _SEED, chunks_max: Optional[int] = _CHUNKS, no_cpsat: bool = _NOCP,
@@ -250,10 +346,7 @@ def register(app: typer.Typer) -> None:
         runs_on: str = _RUNS_ON,
     ) -> None:
         """Tune, and print the tuned plan against every baseline without writing a plan."""
-        result = _run(read_profile(profile_path), gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
+        batch = _run(_read_profiles(profile_paths), gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
                       max_plans, workers, no_recompute, runs_on)
-        console.print(_table(result))
-        console.print(_verdict(result, result.plan.cluster.memory_gb), soft_wrap=True)
-        for line in _framework_costs(result):
-            console.print(line, soft_wrap=True)
+        _report(batch, batch.result.plan.cluster.memory_gb)

@@ -1,0 +1,220 @@
+"""The whole configuration for a global batch: which microbatch size, pp x dp, rank order and
+plan is fastest on N GPUs, and why the others lose.
+
+A user fixes the GPUs and the global batch; everything else is the tuner's choice. The
+microbatch size changes every layer's time and memory, so it is priced from a profile measured
+at that size: :func:`tune_global_batch` takes one profile per size (of the same model), tunes
+each with :func:`octoplan.tuner.search.tune` on an equal share of the budget (every pp dividing
+the GPUs, both rank orders, recomputation where memory is short, the data-parallel all-reduce
+overlapped with the last backwards as the simulator prices it), and keeps the fastest plan of
+one global batch. Sizes whose best baseline is more than :data:`MAX_TUNER_GAIN` slower than
+another size's are priced but not tuned. Every configuration the searches priced becomes a :class:`ConfigRow`, whose
+time is split into the parts a configuration choice moves (:func:`time_parts`), so that the
+table can say why the next-best configuration lost: memory, balance, bubbles, transfers or
+the all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+from octoplan.errors import InputError
+from octoplan.ops import Kind
+from octoplan.plan import Cluster
+from octoplan.profile import Profile
+from octoplan.tuner.search import BaselineRow, ProgressFn, TuneOptions, TuneResult, compare_baselines, tune
+from octoplan.tuner.space import Candidate, Config, Evaluator, Scored
+
+__all__ = ["ConfigRow", "BatchResult", "TIME_PARTS", "time_parts", "why_slower", "tune_global_batch", "check_same_model"]
+
+# A microbatch size whose best baseline is this much slower than another size's is not tuned:
+# the tuner has not beaten the best baseline by more than 1.146x on any workload of its suite
+# (docs/BENCHMARKS.md, "Tuner suite"), so its time goes to the sizes that can still win.
+MAX_TUNER_GAIN = 1.15
+
+# the parts of a configuration's iteration time (:func:`time_parts`), in the table's order
+TIME_PARTS = ("compute", "recompute", "bubbles", "transfers", "allreduce")
+_PART_WORDS = {
+    "compute": "balance: its busiest GPU computes {delta:.2f} ms more",
+    "recompute": "memory: it recomputes {delta:.2f} ms more of forwards to fit",
+    "bubbles": "bubbles: its busiest GPU idles {delta:.2f} ms more",
+    "transfers": "transfers: its busiest GPU waits {delta:.2f} ms more on activations on the wire{where}",
+    "allreduce": "all-reduce: {delta:.2f} ms more of the gradient all-reduce is left after the last backward",
+}
+
+
+@dataclass(frozen=True)
+class ConfigRow:
+    """The best plan the search found for one configuration, and its time in parts."""
+
+    microbatch_size: int
+    candidate: Candidate
+    scored: Scored
+    parts: dict[str, float]  # TIME_PARTS -> ms, summing to the iteration time
+    cross_node_waits: bool  # whether some of its transfer waits are on links between nodes
+
+    @property
+    def config(self) -> Config:
+        return self.candidate.config
+
+    def label(self) -> str:
+        return f"mbs={self.microbatch_size} {self.config.label()}"
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """The fastest plan of a global batch, its tuning, and every configuration priced."""
+
+    result: TuneResult  # the winning microbatch size's tuning
+    profile_path: Path | None
+    microbatch_size: int
+    configs: tuple[ConfigRow, ...]  # best first
+    # every baseline row of every microbatch size, with that size
+    baselines: tuple[tuple[int, BaselineRow], ...]
+    # sizes priced by their baselines only, as too slow to win (MAX_TUNER_GAIN)
+    untuned_sizes: tuple[int, ...] = ()
+
+
+def time_parts(evaluator: Evaluator, cand: Candidate) -> tuple[dict[str, float], bool]:
+    """``cand``'s iteration time in :data:`TIME_PARTS`, as seen from its busiest GPU: what it
+    computes (less the forwards it runs again), those recomputed forwards, its waits on other
+    GPUs' work (bubbles) and on the wire (transfers), and the all-reduce's tail after the last op
+    of any GPU. And whether a wire wait was on a link between nodes."""
+    timeline = evaluator.timeline(cand)
+    busiest = max(range(cand.config.pp), key=lambda r: (timeline.busy_ms[r], -r))
+    again = 0.0
+    for span in timeline.spans(busiest):
+        if span.op.kind in (Kind.I, Kind.B) and span.op.stage in cand.recompute:
+            start = cand.bounds[span.op.stage]
+            again += evaluator.table.stage(start, start + cand.recomputed_layers(span.op.stage)).forward_ms
+    last_op_end = max((span.end_ms for span in timeline.spans()), default=0.0)
+    tail = max(0.0, timeline.iteration_ms - last_op_end)
+    wire = 0.0
+    cross = False
+    cluster, parallel = evaluator.cluster, cand.config.parallel()
+    for bubble in timeline.bubbles:
+        if bubble.rank == busiest and bubble.reason == "transfer":
+            wire += bubble.duration_ms
+            if bubble.from_rank is not None and _nodes_apart(cluster, parallel, busiest, bubble.from_rank):
+                cross = True
+    busy = timeline.busy_ms[busiest]
+    parts = {
+        "compute": busy - again,
+        "recompute": again,
+        "bubbles": max(0.0, timeline.iteration_ms - busy - wire - tail),
+        "transfers": wire,
+        "allreduce": tail,
+    }
+    return parts, cross
+
+
+def _nodes_apart(cluster: Cluster, parallel, rank_a: int, rank_b: int) -> bool:
+    """Whether pipeline ranks ``a`` and ``b`` of replica 0 sit on different nodes."""
+    return cluster.node_of(parallel.global_rank(rank_a, 0)) != cluster.node_of(parallel.global_rank(rank_b, 0))
+
+
+def why_slower(row: ConfigRow, winner: ConfigRow) -> str:
+    """One phrase: the part of ``row``'s time that grew most against the winner's."""
+    if row is winner:
+        return "fastest"
+    if not row.scored.fits:
+        return f"memory: needs {row.scored.peak_memory_bytes / 1e9:.1f} GB on its fullest GPU even recomputing"
+    deltas = {part: row.parts[part] - winner.parts[part] for part in TIME_PARTS}
+    part = max(TIME_PARTS, key=lambda p: (deltas[p], -TIME_PARTS.index(p)))
+    if deltas[part] <= 1e-9:
+        return "ties the winner"
+    where = " between nodes" if part == "transfers" and row.cross_node_waits else ""
+    return _PART_WORDS[part].format(delta=deltas[part], where=where)
+
+
+def check_same_model(profiles: Sequence[tuple[Path | None, Profile]]) -> None:
+    """Profiles given together must be one model at distinct microbatch sizes."""
+    first_path, first = profiles[0]
+    names = [layer.name for layer in first.layers]
+    seen: dict[int, Path | None] = {}
+    for path, profile in profiles:
+        where = str(path) if path is not None else None
+        if [layer.name for layer in profile.layers] != names:
+            raise InputError(where, "layers", f"are not the layers of {first_path}",
+                             "give profiles of one model, measured at different --microbatch-size")
+        if profile.precision != first.precision:
+            raise InputError(where, "precision", f"is {profile.precision}, {first_path}'s is {first.precision}",
+                             "profile every microbatch size at the same --precision")
+        if profile.microbatch_size in seen:
+            raise InputError(where, "microbatch_size", f"is {profile.microbatch_size}, as is {seen[profile.microbatch_size]}'s",
+                             "give one profile per microbatch size")
+        seen[profile.microbatch_size] = path
+
+
+def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: Cluster, opts: TuneOptions, *,
+                      progress: ProgressFn | None = None) -> BatchResult:
+    """Tune every microbatch size's profile for ``opts.global_batch`` samples on ``opts.gpus``
+    GPUs, each on an equal share of the budget, and keep the fastest plan that fits. Sizes the
+    global batch does not split into (for any dp) are skipped; ``InputError`` if none is left.
+    With several sizes, each size's baselines are priced first, and a size more than
+    :data:`MAX_TUNER_GAIN` behind the best one is left untuned: its rows are its baselines'."""
+    check_same_model(profiles)
+    if len(profiles) > 1 and opts.global_batch is None:
+        raise InputError(None, "--global-batch", "is needed with several profiles: plans of different microbatch sizes "
+                         "compare only on the same batch", "give the samples per iteration, e.g. --global-batch "
+                         f"{2 * opts.gpus * max(profile.microbatch_size for _, profile in profiles)}")
+    ordered = sorted(profiles, key=lambda item: item[1].microbatch_size)
+    refusals: list[InputError] = []
+    leads: list[tuple[Path | None, Profile, float]] = []  # each size's best fitting baseline (ms)
+    priced: dict[int, list[BaselineRow]] = {}  # each size's baselines, for the sizes left untuned
+    if len(ordered) > 1:
+        for path, profile in ordered:
+            try:
+                rows = compare_baselines(profile, cluster, opts)
+            except InputError as exc:
+                refusals.append(exc)  # the batch does not split into this size's microbatches
+                continue
+            priced[profile.microbatch_size] = rows
+            fitting = [row.scored.iteration_ms for row in rows if row.scored.fits]
+            leads.append((path, profile, min(fitting, default=math.inf)))
+        fastest = min((ms for _, _, ms in leads), default=math.inf)
+        # every size where nothing fits stays in (recomputing stages may fit), as do sizes close enough
+        kept = [(path, profile) for path, profile, ms in leads
+                if not math.isfinite(fastest) or not math.isfinite(ms) or ms <= MAX_TUNER_GAIN * fastest]
+        untuned = [(path, profile) for path, profile, _ in leads if (path, profile) not in kept]
+        ordered = kept
+    else:
+        untuned = []
+    shares = max(1, len(ordered))
+    share = replace(opts, time_limit_s=opts.time_limit_s / shares,
+                    max_plans=None if opts.max_plans is None else max(1, opts.max_plans // shares))
+    tuned: list[tuple[Path | None, Profile, TuneResult]] = []
+    for path, profile in ordered:
+        try:
+            tuned.append((path, profile, tune(profile, cluster, share, profile_path=path, progress=progress)))
+        except InputError as exc:
+            if len(profiles) == 1:
+                raise
+            refusals.append(exc)  # nothing fits at this size
+    if not tuned:
+        raise refusals[0]
+    rows: list[ConfigRow] = []
+    for path, profile, result in tuned:
+        evaluator = Evaluator(profile, result.plan.cluster)
+        for cand, scored in result.configs:
+            parts, cross = time_parts(evaluator, cand)
+            rows.append(ConfigRow(profile.microbatch_size, cand, scored, parts, cross))
+    for path, profile in untuned:  # their configurations as the baselines priced them
+        evaluator = Evaluator(profile, Cluster(**{**cluster.to_dict(), "gpus": opts.gpus}))
+        best: dict[Config, BaselineRow] = {}
+        for row in priced[profile.microbatch_size]:
+            if row.config not in best or row.scored.score < best[row.config].scored.score:
+                best[row.config] = row
+        for row in best.values():
+            parts, cross = time_parts(evaluator, row.candidate)
+            rows.append(ConfigRow(profile.microbatch_size, row.candidate, row.scored, parts, cross))
+    rows.sort(key=lambda row: (row.scored.score, row.microbatch_size, row.config))
+    winner_path, winner_profile, winner = min(
+        tuned, key=lambda item: (item[2].scored.score, item[1].microbatch_size))
+    baselines = tuple((profile.microbatch_size, row) for _, profile, result in tuned for row in result.baselines)
+    baselines += tuple((profile.microbatch_size, row) for _, profile in untuned for row in priced[profile.microbatch_size])
+    return BatchResult(winner, winner_path, winner_profile.microbatch_size, tuple(rows), baselines,
+                       tuple(profile.microbatch_size for _, profile in untuned))

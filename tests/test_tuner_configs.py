@@ -1,0 +1,129 @@
+"""The whole configuration for a global batch (octoplan.tuner.configs): microbatch sizes
+compared on the same batch, every configuration's time in parts, and why the next best lost."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from octoplan.cli import app
+from octoplan.costs import allreduce_ms
+from octoplan.errors import InputError
+from octoplan.plan import Cluster, Parallel, load_plan
+from octoplan.tuner import TuneOptions
+from octoplan.tuner.configs import TIME_PARTS, ConfigRow, time_parts, tune_global_batch, why_slower
+from octoplan.tuner.space import Candidate, Config, Evaluator, Scored
+from tests.conftest import make_profile
+
+PARAMS = 10**8  # bytes per layer: a 2-GPU ring moves 2 x 10^8 bytes at 100 GB/s in 2 ms
+
+
+def two_layers(scale: float = 1.0, size: int = 1):
+    """Two layers of F = I = W = ``scale`` ms, measured at ``size`` samples per microbatch."""
+    profile = make_profile([(scale, scale, scale)] * 2, act=10**6, out=10**6, params=PARAMS)
+    return replace(profile, microbatch_size=size)
+
+
+def cluster(gpus: int = 2) -> Cluster:
+    return Cluster(gpus=gpus, gpus_per_node=gpus, latency_us=0.0, intra_node_gbps=100.0, inter_node_gbps=100.0,
+                   op_overhead_us=0.0)
+
+
+def test_a_data_parallel_configuration_splits_into_compute_and_its_all_reduce_tail():
+    # pp 1 x dp 2, 4 samples: each replica runs 2 microbatches of 2 layers x (F 1 + B 2) = 12 ms
+    # back to back, then all-reduces both layers' 2 x 10^8 bytes: 2 (dp-1)/dp x 2e8 B / 100 GB/s = 2 ms
+    profile = two_layers()
+    ev = Evaluator(profile, cluster())
+    config = Config(1, 2, 2)
+    from octoplan.tuner.search import _policy_seeds
+
+    cand = _policy_seeds(profile, config, 1)[0]
+    parts, cross = time_parts(ev, cand)
+    assert allreduce_ms(cluster(), Parallel(pp=1, dp=2, microbatches=2), 0, 2 * PARAMS) == pytest.approx(2.0)
+    assert parts == pytest.approx({"compute": 12.0, "recompute": 0.0, "bubbles": 0.0, "transfers": 0.0, "allreduce": 2.0})
+    assert not cross
+    assert sum(parts.values()) == pytest.approx(ev.score(cand).iteration_ms) == pytest.approx(14.0)
+
+
+def test_every_configuration_of_a_batch_is_priced_and_its_parts_add_up():
+    batch = tune_global_batch([(None, two_layers())], cluster(),
+                              TuneOptions(gpus=2, global_batch=4, max_plans=200, time_limit_s=60))
+    labels = {row.config.label() for row in batch.configs}
+    assert labels == {"pp=1 dp=2 mb=2 pp-inner", "pp=1 dp=2 mb=2 dp-inner", "pp=2 dp=1 mb=4"}
+    assert batch.configs[0].scored == batch.result.scored  # the table's first row is the plan written
+    for row in batch.configs:
+        assert sum(row.parts[p] for p in TIME_PARTS) == pytest.approx(row.scored.iteration_ms, abs=1e-9)
+    pipeline = next(row for row in batch.configs if row.config.pp == 2)
+    # 2 stages, 4 microbatches of 3 ms each per stage: 12 ms of work on either GPU, no all-reduce
+    assert pipeline.parts["compute"] == pytest.approx(12.0) and pipeline.parts["allreduce"] == 0.0
+
+
+def test_the_microbatch_size_that_runs_the_batch_fastest_wins():
+    small = two_layers(1.0, size=1)
+    # twice the samples per microbatch in 1.2x the time: fewer samples-ms, so 2 per microbatch wins
+    quick = two_layers(1.2, size=2)
+    opts = TuneOptions(gpus=2, global_batch=8, max_plans=300, time_limit_s=60)
+    batch = tune_global_batch([(None, small), (None, quick)], cluster(), opts)
+    assert batch.microbatch_size == 2 and batch.configs[0].microbatch_size == 2
+    assert {row.microbatch_size for row in batch.configs} == {1, 2}
+    assert batch.untuned_sizes == (1,)  # 1.67x slower per sample: priced by its baselines only
+    # in 3x the time, 2 per microbatch loses: the per-sample cost decides
+    slow = two_layers(3.0, size=2)
+    batch = tune_global_batch([(None, small), (None, slow)], cluster(), opts)
+    assert batch.microbatch_size == 1
+    # its best baseline is far more than MAX_TUNER_GAIN behind: priced, not tuned
+    assert batch.untuned_sizes == (2,)
+    assert min(row.scored.iteration_ms for row in batch.configs if row.microbatch_size == 2) > batch.result.scored.iteration_ms
+
+
+def _row(parts: dict, fits: bool = True, cross: bool = False) -> ConfigRow:
+    total = sum(parts.values())
+    cand = Candidate(Config(2, 1, 4), (0, 1, 2), (0, 1))
+    return ConfigRow(1, cand, Scored(total, 0.0, 1.0, 90 * 10**9, fits), {p: parts.get(p, 0.0) for p in TIME_PARTS}, cross)
+
+
+def test_why_the_next_best_lost_names_the_part_that_grew_most():
+    base = {"compute": 10.0, "recompute": 0.0, "bubbles": 1.0, "transfers": 0.0, "allreduce": 1.0}
+    winner = _row(base)
+    assert why_slower(winner, winner) == "fastest"
+    assert why_slower(_row({**base, "bubbles": 3.0, "allreduce": 0.5}), winner) == \
+        "bubbles: its busiest GPU idles 2.00 ms more"
+    assert why_slower(_row({**base, "recompute": 4.0}), winner) == "memory: it recomputes 4.00 ms more of forwards to fit"
+    assert why_slower(_row({**base, "transfers": 2.5}, cross=True), winner) == \
+        "transfers: its busiest GPU waits 2.50 ms more on activations on the wire between nodes"
+    assert why_slower(_row({**base, "allreduce": 1.5}), winner).startswith("all-reduce: 0.50 ms more")
+    assert why_slower(_row({**base, "compute": 11.0}), winner) == "balance: its busiest GPU computes 1.00 ms more"
+    assert why_slower(_row(base, fits=False), winner) == "memory: needs 90.0 GB on its fullest GPU even recomputing"
+
+
+def test_profiles_of_different_models_or_the_same_size_are_refused():
+    one = two_layers()
+    other = make_profile([(1, 1, 1)] * 3)
+    opts = TuneOptions(gpus=2, global_batch=4, max_plans=50)
+    with pytest.raises(InputError, match="layers"):
+        tune_global_batch([(None, one), (None, other)], cluster(), opts)
+    with pytest.raises(InputError, match="microbatch_size"):
+        tune_global_batch([(None, one), (None, two_layers(2.0))], cluster(), opts)
+    with pytest.raises(InputError, match="--global-batch"):
+        tune_global_batch([(None, one), (None, two_layers(2.0, size=2))], cluster(), replace(opts, global_batch=None))
+
+
+def test_cli_tunes_several_sizes_and_says_which_configuration_won(profile_file, tmp_path):
+    small = profile_file(two_layers(1.0, size=1), "m1.yaml")
+    quick = profile_file(two_layers(1.2, size=2), "m2.yaml")
+    out = tmp_path / "plan.yaml"
+    net = ["--gpus-per-node", "2", "--latency-us", "0", "--intra-node-gbps", "100", "--inter-node-gbps", "100",
+           "--op-overhead-us", "0", "--max-plans", "300"]
+    runner = CliRunner()
+    result = runner.invoke(app, ["tune", str(small), str(quick), "--gpus", "2", "--global-batch", "8", *net, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "fastest configuration: mbs=2 " in text and "the next best, " in text
+    assert "tuned plan for 2 GPUs (microbatches of 2, " in text
+    assert load_plan(out).profile == str(quick)  # the plan reads the winning size's profile
+    refused = runner.invoke(app, ["tune", str(small), str(quick), "--gpus", "2", *net, "-o", str(out)])
+    assert refused.exit_code == 2 and "--global-batch" in refused.output
+    same = runner.invoke(app, ["compare", str(small), str(small), "--gpus", "2", "--global-batch", "8", *net])
+    assert same.exit_code == 2 and "microbatch_size" in same.output
