@@ -11,7 +11,9 @@ strong scaling), on nodes of the suite's size:
 - **Megatron-LM's best configuration**: a grid search over every pp dividing the pipeline GPUs
   (N / tp) with at most one pp rank per layer, both global rank orders, every microbatch size of
   ``--sizes`` that divides the batch per replica, 1F1B and interleaved 1F1B with every chunk
-  count the layers allow (Megatron's uniform partition, only layouts it runs), and on a
+  count the layers allow (Megatron's uniform partition; only layouts and orders Megatron-LM
+  runs, where its pipeline layout can name every layer, else its scheme as the tuner suite
+  prices it: Mamba hybrids and the VLM), and on a
   configuration that does not fit memory the least block recomputation that fits
   (``--recompute-method block --recompute-num-layers K``, the fewest K). The fastest that fits.
 - **tuned**: ``octoplan tune`` with every size's profile for the same batch
@@ -114,7 +116,9 @@ def megatron_grid(profile, cluster: Cluster, pipeline_gpus: int, global_batch: i
         for name, cand in _baseline_candidates(profile, cluster, config, 32):
             if not name.endswith("/uniform") or not (name.startswith("1f1b/") or name.startswith("interleaved-1f1b")):
                 continue
-            if "Megatron-LM" not in frameworks.runs_on(cand):
+            # where Megatron-LM's layout letters name every layer, only the layouts and orders it
+            # runs; elsewhere (Mamba hybrids, a vision encoder) its scheme, as the tuner suite prices it
+            if frameworks.letters is not None and "Megatron-LM" not in frameworks.runs_on(cand):
                 continue
             scored = search.offer(cand)
             priced += 1

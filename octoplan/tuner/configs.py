@@ -17,6 +17,7 @@ the all-reduce.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -161,6 +162,7 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
         raise InputError(None, "--global-batch", "is needed with several profiles: plans of different microbatch sizes "
                          "compare only on the same batch", "give the samples per iteration, e.g. --global-batch "
                          f"{2 * opts.gpus * max(profile.microbatch_size for _, profile in profiles)}")
+    started = time.perf_counter()
     ordered = sorted(profiles, key=lambda item: item[1].microbatch_size)
     refusals: list[InputError] = []
     leads: list[tuple[Path | None, Profile, float]] = []  # each size's best fitting baseline (ms)
@@ -183,8 +185,11 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
         ordered = kept
     else:
         untuned = []
+    # the pricing above comes out of the time limit (not out of --max-plans, which counts the
+    # tunes' plans: the same result at any load), and every tune keeps at least a tenth of it
+    left_s = max(opts.time_limit_s / 10, opts.time_limit_s - (time.perf_counter() - started))
     shares = max(1, len(ordered))
-    share = replace(opts, time_limit_s=opts.time_limit_s / shares,
+    share = replace(opts, time_limit_s=left_s / shares,
                     max_plans=None if opts.max_plans is None else max(1, opts.max_plans // shares))
     tuned: list[tuple[Path | None, Profile, TuneResult]] = []
     for path, profile in ordered:
