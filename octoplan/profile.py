@@ -7,6 +7,7 @@ tuner never check again.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,6 +36,8 @@ __all__ = [
     "MAX_LAYER_BYTES",
     "check_layer_limits",
     "TiedParameter",
+    "LayerTimes",
+    "WholeModelCheck",
 ]
 
 PROFILE_FORMAT = "octoplan-profile/1"
@@ -43,6 +46,53 @@ DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8,
     "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """A layer's F, I, W and fused B in milliseconds, as one way of timing measured them (a
+    profile layer's ``isolated``: the layer timed alone)."""
+
+    forward_ms: float
+    backward_input_ms: float
+    backward_weight_ms: float
+    backward_ms: float
+
+    @property
+    def f_plus_b_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+
+@dataclass(frozen=True)
+class WholeModelCheck:
+    """The profile's layers against the whole model, timed in the same run (FORMATS.md section 2,
+    ``whole_model``): ``ms``, the median whole-model forward + loss + backward of one microbatch;
+    ``layers_sum_ms``, the layers' F + B summed; ``in_sequence_ms``, the median pass of every
+    layer's F then every layer's B that the layers' times come from, start to end (it differs
+    from ``ms`` by what the runtime does per layer, from ``layers_sum_ms`` by taking the median
+    of sums rather than the sum of medians); ``isolated_sum_ms``, the layers' F + B timed alone.
+    The last two where measured."""
+
+    ms: float
+    layers_sum_ms: float
+    in_sequence_ms: float | None = None
+    isolated_sum_ms: float | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.layers_sum_ms / self.ms if self.ms > 0 else math.nan
+
+    @property
+    def isolated_ratio(self) -> float | None:
+        if self.isolated_sum_ms is None or self.ms <= 0:
+            return None
+        return self.isolated_sum_ms / self.ms
+
+    @property
+    def in_sequence_ratio(self) -> float | None:
+        if self.in_sequence_ms is None or self.ms <= 0:
+            return None
+        return self.in_sequence_ms / self.ms
 
 
 @dataclass(frozen=True)
@@ -75,6 +125,12 @@ class Layer:
     input_freed_bytes: int = 0
     output_saved_bytes: int = 0
     output_w_bytes: int = 0
+    # How much the layer's time moved between the profiler's repeats: (p90 - p10) / median of
+    # its per-repeat F + B. None: not measured (analytic profiles, older ones).
+    spread: float | None = None
+    # The layer timed alone, the profiler's cross-check of its in-sequence times. A record of
+    # the measurement: map_times leaves it as measured. None: not measured.
+    isolated: LayerTimes | None = None
 
     @property
     def held_for_w_bytes(self) -> int:
@@ -151,6 +207,7 @@ class Profile:
     # "bf16", autocast over fp32 master weights. Written only when not fp32.
     precision: str = "fp32"
     tied: tuple[TiedParameter, ...] = ()
+    whole_model: WholeModelCheck | None = None  # measured profiles: the layers' sum against the whole model
 
     @property
     def num_layers(self) -> int:
@@ -202,9 +259,15 @@ MAX_LAYER_BYTES = 10**15
 # another tool to write, and are passed over; a near miss of one of these is refused instead.
 _LAYER_FIELDS = ("name", "kind", "forward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
                  "activation_bytes", "output_bytes", "flops", "backward_ms", "pending_w_bytes", "w_saved_bytes",
-                 "input_freed_bytes", "output_saved_bytes", "output_w_bytes")
+                 "input_freed_bytes", "output_saved_bytes", "output_w_bytes", "spread", "isolated")
 # The top-level ones: others are kept verbatim (Profile.extra), near misses refused
-_TOP_FIELDS = ("format", "model", "device", "microbatch_size", "dtype", "precision", "tied", "layers")
+_TOP_FIELDS = ("format", "model", "device", "microbatch_size", "dtype", "precision", "tied", "whole_model", "layers")
+# A layer's ``isolated`` times and the ``whole_model`` check: every key is the profiler's, so
+# any other is refused, not passed over
+_TIMES_FIELDS = ("forward_ms", "backward_input_ms", "backward_weight_ms", "backward_ms")
+_WHOLE_MODEL_FIELDS = ("ms", "layers_sum_ms", "in_sequence_ms", "isolated_sum_ms", "ratio")
+# How far a written ``ratio`` may be from layers_sum_ms / ms: both are rounded when written
+_RATIO_TOLERANCE = 1e-3
 
 
 def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
@@ -227,9 +290,37 @@ def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
         input_freed_bytes=f.int("input_freed_bytes", 0, maximum=MAX_LAYER_BYTES),
         output_saved_bytes=f.int("output_saved_bytes", 0, maximum=MAX_LAYER_BYTES),
         output_w_bytes=f.int("output_w_bytes", 0, maximum=MAX_LAYER_BYTES),
+        spread=f.number("spread", None),
+        isolated=_times_from(f, "isolated") if f.has("isolated") else None,
     )
     _check_parts(layer, file=file, index=index)
     return layer
+
+
+def _times_from(parent: Fields, key: str) -> LayerTimes:
+    f = parent.mapping(key)
+    f.only(_TIMES_FIELDS)
+    return LayerTimes(*(f.number(name, maximum=MAX_LAYER_MS) for name in _TIMES_FIELDS))
+
+
+def _whole_model_from(top: Fields) -> WholeModelCheck | None:
+    """The optional ``whole_model`` mapping: a positive whole-model time, the layers' sums, and
+    a ``ratio`` that, where written, is theirs."""
+    if not top.has("whole_model"):
+        return None
+    f = top.mapping("whole_model")
+    f.only(_WHOLE_MODEL_FIELDS)
+    ms = f.number("ms", maximum=MAX_LAYER_MS)
+    if ms <= 0:
+        raise InputError(top.file, "whole_model.ms", "must be > 0, got 0", "re-profile: a whole model takes time")
+    check = WholeModelCheck(ms=ms, layers_sum_ms=f.number("layers_sum_ms", maximum=MAX_LAYER_MS),
+                            in_sequence_ms=f.number("in_sequence_ms", None, maximum=MAX_LAYER_MS),
+                            isolated_sum_ms=f.number("isolated_sum_ms", None, maximum=MAX_LAYER_MS))
+    ratio = f.number("ratio", None)
+    if ratio is not None and abs(ratio - check.ratio) > _RATIO_TOLERANCE * max(1.0, check.ratio):
+        raise InputError(top.file, "whole_model.ratio", f"is {ratio:g}, but layers_sum_ms / ms is {check.ratio:.4f}",
+                         "re-profile, or drop ratio")
+    return check
 
 
 def _check_parts(layer: Layer, *, file: str, index: int) -> None:
@@ -290,6 +381,7 @@ def profile_from_dict(data: dict[str, Any], *, file: str = "<profile>") -> Profi
         extra={k: v for k, v in data.items() if k not in _TOP_FIELDS},
         precision=precision,
         tied=_tied_from(top, layers),
+        whole_model=_whole_model_from(top),
     )
 
 
@@ -357,6 +449,10 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         for name in ("input_freed_bytes", "output_saved_bytes", "output_w_bytes"):
             if getattr(layer, name):
                 entry[name] = int(getattr(layer, name))
+        if layer.spread is not None:
+            entry["spread"] = round(layer.spread, 4)
+        if layer.isolated is not None:
+            entry["isolated"] = {name: round(getattr(layer.isolated, name), 6) for name in _TIMES_FIELDS}
         layers.append(entry)
     out: dict[str, Any] = {
         "format": PROFILE_FORMAT,
@@ -370,6 +466,15 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     if profile.tied:
         out["tied"] = [{"members": [[layer, name] for layer, name in group.members], "bytes": int(group.bytes)}
                        for group in profile.tied]
+    if profile.whole_model is not None:
+        check = profile.whole_model
+        ms, layers_sum = round(check.ms, 6), round(check.layers_sum_ms, 6)
+        out["whole_model"] = {"ms": ms, "layers_sum_ms": layers_sum}
+        for name in ("in_sequence_ms", "isolated_sum_ms"):
+            if getattr(check, name) is not None:
+                out["whole_model"][name] = round(getattr(check, name), 6)
+        # of the rounded figures, so that a profile read back writes the same ratio
+        out["whole_model"]["ratio"] = round(layers_sum / ms, 4)
     out.update(profile.extra)
     out["layers"] = layers
     return out

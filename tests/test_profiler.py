@@ -791,6 +791,7 @@ def test_layer_sum_equals_the_whole_model_time(tmp_path):
 
 
 def test_cli_check_whole_reports_the_ratio(tmp_path):
+    # --check-whole is still accepted; the comparison is in every profile of a model file now
     from typer.testing import CliRunner
 
     from octoplan.cli import app
@@ -802,7 +803,9 @@ def test_cli_check_whole_reports_the_ratio(tmp_path):
     assert done.exit_code == 0, done.output
     line = next(line for line in done.output.splitlines() if line.startswith("whole model"))
     whole, layers, ratio = (float(x) for x in re.findall(r"(\d+\.\d+)(?= ms|\))", line))
-    assert layers == pytest.approx(sum(layer.total_ms for layer in load_profile(out).layers), abs=1e-3)
+    profile = load_profile(out)
+    assert layers == pytest.approx(sum(layer.forward_ms + layer.b_ms for layer in profile.layers), abs=2e-3)
+    assert (whole, layers) == pytest.approx((profile.whole_model.ms, profile.whole_model.layers_sum_ms), abs=1e-3)
     assert ratio == pytest.approx(layers / whole, abs=1e-3)
     assert abs(whole - layers) <= 1.0 + 0.03 * layers  # the spin model's times are exact (above)
     assert "off the whole model" not in done.output
