@@ -347,23 +347,92 @@ def simulate_costs(
 ) -> SimResult:
     """Simulate with explicit per-stage costs (the tuner's entry point). ``dtype_bytes``: the
     bytes of one parameter (``Profile.param_dtype_bytes``); ``tied``: the profile's tied
-    tensors (``Profile.tied``)."""
+    tensors (``Profile.tied``).
+
+    Four phases: every op's static data by flat key (:func:`_op_table`), each rank's static
+    memory (:func:`_static_memory`), the ranks run to the end (:func:`_run_ranks`, the hot
+    loop), then the all-reduces and memory peaks that follow from the op times."""
     num_mb = plan.microbatches
-    num_stages = len(plan.stages)
     num_ranks = plan.pp
     rank_of_stage = tuple(stage.rank for stage in plan.stages)
+    cluster = plan.cluster
+    ops = _op_table(plan, costs, rank_of_stage)
+    keys = ops.keys
+    # per tied tensor, the stage of each member: a rank holding several members holds one tensor
+    tied_stages = [[_stage_of_layer(plan, layer) for layer in group.layers] for group in tied]
+    static = _static_memory(costs, rank_of_stage, num_ranks, tied, tied_stages, dtype_bytes=dtype_bytes, optimizer=optimizer)
+    run = _run_ranks(ops, static, num_ranks=num_ranks, num_mb=num_mb, rank_of_stage=rank_of_stage)
+    start, end, free, busy = run.start, run.end, run.free, run.busy
+
+    last_end = max((free[r] for r in range(num_ranks) if keys[r]), default=0.0)
+    allreduces = _dp_allreduces(plan, keys, end, costs, rank_of_stage, tied, tied_stages)
+    if allreduces:
+        last_end = max([last_end] + [ar.end_ms for ar in allreduces])
+    tied_allreduces = _tied_allreduces(plan, free, allreduces, tied, tied_stages, rank_of_stage, has_ops=[bool(k) for k in keys])
+    last_end = max([last_end] + [ar.end_ms for ar in tied_allreduces])
+
+    first_start = min((start[k[0]] for k in keys if k), default=0.0)
+    iteration = last_end - first_start
+    tape_peak = [peak - base for peak, base in zip(run.peak_mem, static)]
+    with_messages, message_peak = _memory_peaks(ops, run, costs, num_mb=num_mb, first_start=first_start, last_end=last_end)
+    # the main loop's tape peak also holds the bursts of ops that take no time, which the
+    # sweep's instants merge away
+    peak_mem = [base + max(tape, both) for base, tape, both in zip(static, tape_peak, with_messages)]
+    idle = sum(iteration - b for b in busy)
+    bubble_ratio = idle / (num_ranks * iteration) if iteration > 0 else 0.0
+    return SimResult(
+        iteration_ms=iteration,
+        bubble_ratio=bubble_ratio,
+        lower_bound_ms=lower_bound,
+        peak_memory_bytes=tuple(int(m) for m in peak_mem),
+        memory_limit_bytes=int(cluster.memory_gb * 1e9),
+        static_memory_bytes=tuple(int(m) for m in static),
+        peak_activation_bytes=tuple(int(m) for m in tape_peak),
+        peak_message_bytes=tuple(int(m) for m in message_peak),
+        busy_ms=tuple(busy),
+        allreduces=tuple(allreduces),
+        tied_allreduces=tuple(tied_allreduces),
+        _schedule=plan.schedule,
+        _rank_of_stage=rank_of_stage,
+        _keys=tuple(keys),
+        _start=start,
+        _end=end,
+        _xfer_start=run.xstart,
+        _arrive=run.arrive,
+        _cross=ops.cross,
+        _num_mb=num_mb,
+    )
+
+
+class _OpTable(NamedTuple):
+    """A plan's ops by flat key ``(stage * 4 + kind) * microbatches + mb``: what the main loop
+    reads of each (every list has an entry per key, run by the plan or not)."""
+
+    keys: list[list[int]]  # per rank, its ops' keys in its order
+    present: bytearray  # 1 where the plan runs the op
+    dur: list[float]
+    cross: list[int]  # the op of another stage it needs (-1: none)
+    local: list[int]  # the op of its own stage it needs (-1: none)
+    dest: list[int]  # the rank its output travels to (-1: none, or its own)
+    wire: list[float]  # that transfer's time
+    act: list[int]  # activation bytes the op allocates (F, +) or frees (B/W, -)
+    burst: list[int]  # bytes it holds above its start only while it runs (an I; a recomputing B)
+
+
+def _op_table(plan: Plan, costs: Sequence[StageCost], rank_of_stage: Sequence[int]) -> _OpTable:
+    """Per key: duration, the cross-stage dependency, the same-stage dependency, where the op's
+    output goes (destination rank and wire time), and its memory."""
+    num_mb = plan.microbatches
+    num_stages = len(plan.stages)
     cluster, parallel = plan.cluster, plan.parallel
     size = num_stages * 4 * num_mb
-
-    # Per-key static data: duration, the cross-stage dependency, the same-stage dependency,
-    # and where the op's output goes (destination rank and wire time), or -1.
     dur = [0.0] * size
     cross = [-1] * size
     local = [-1] * size
     dest = [-1] * size
     wire = [0.0] * size
-    act = [0] * size  # activation bytes an op allocates (F, +) or frees (B/W, -)
-    burst = [0] * size  # bytes an op holds above its start only while it runs (an I; a recomputing B)
+    act = [0] * size
+    burst = [0] * size
     present = bytearray(size)
     keys: list[list[int]] = []
     for ops in plan.schedule:
@@ -420,19 +489,47 @@ def simulate_costs(
             if prev_rank >= 0 and prev_rank != rank:
                 dest[ki], wire[ki] = prev_rank, bwd_wire
                 dest[kb], wire[kb] = prev_rank, bwd_wire
+    return _OpTable(keys, present, dur, cross, local, dest, wire, act, burst)
 
-    bursts = any(burst)  # whether any op holds memory only while it runs (an I, a recomputing B)
+
+def _static_memory(costs: Sequence[StageCost], rank_of_stage: Sequence[int], num_ranks: int,
+                   tied: Sequence[TiedParameter], tied_stages: list[list[int]], *, dtype_bytes: int,
+                   optimizer: str) -> list[int]:
+    """Per rank, the bytes its weights, gradients and optimizer state take: its stages', a tied
+    tensor it holds for several members once."""
     static = [0] * num_ranks
-    for stage in range(num_stages):
+    for stage in range(len(rank_of_stage)):
         static[rank_of_stage[stage]] += static_bytes(costs[stage].param_bytes, dtype_bytes=dtype_bytes, optimizer=optimizer)
-    # per tied tensor, the stage of each member: a rank holding several members holds one tensor
-    tied_stages = [[_stage_of_layer(plan, layer) for layer in group.layers] for group in tied]
     for group, stages in zip(tied, tied_stages):
         for r in range(num_ranks):
             copies = sum(rank_of_stage[stage] == r for stage in stages)
             if copies > 1:
                 static[r] -= static_bytes(group.bytes * (copies - 1), dtype_bytes=dtype_bytes, optimizer=optimizer)
+    return static
 
+
+class _Run(NamedTuple):
+    """The main loop's outcome: per key, when each op started and ended, when its output
+    arrived and its transfer started; per rank, when it was last free, how long it was busy,
+    and the most memory it held."""
+
+    start: array
+    end: array
+    arrive: array
+    xstart: list[float]
+    free: list[float]
+    busy: list[float]
+    peak_mem: list[int]
+
+
+def _run_ranks(ops: _OpTable, static: Sequence[int], *, num_ranks: int, num_mb: int,
+               rank_of_stage: Sequence[int]) -> _Run:
+    """Every rank run through its list in order (the module's docstring); ``DeadlockError``
+    where ranks are left waiting on each other."""
+    keys, dur, cross, local = ops.keys, ops.dur, ops.cross, ops.local
+    dest, wire, act, burst = ops.dest, ops.wire, ops.act, ops.burst
+    size = len(dur)
+    bursts = any(burst)  # whether any op holds memory only while it runs (an I, a recomputing B)
     # typed arrays: numpy reads them without a copy (_message_peaks)
     start = array("d", bytes(8 * size))
     end = array("d", bytes(8 * size))
@@ -452,7 +549,12 @@ def simulate_costs(
     # yet, parks itself on that op, and is woken when the op runs. Each op is touched once.
     waiter = [-1] * size
     work = list(range(num_ranks - 1, -1, -1))
-    while work:
+    # `while True`, not `while work`: CPython 3.11 specializes a function's bytecode after 8
+    # calls or 8 unconditional backward jumps, and a `while` condition jumps back conditionally;
+    # so written, a process's first 7 simulations ran unspecialized, about 1.5x slower
+    while True:
+        if not work:
+            break
         r = work.pop()
         seq = keys[r]
         p = ptr[r]
@@ -514,35 +616,42 @@ def simulate_costs(
         cur_mem[r] = mem
         peak_mem[r] = peak
     if remaining:
-        raise DeadlockError(_waits(plan, keys, ptr, cross, local, done, num_mb, rank_of_stage))
+        raise DeadlockError(_waits(keys, ptr, cross, local, done, num_mb, rank_of_stage))
+    return _Run(start, end, arrive, xstart, free, busy, peak_mem)
 
-    # Data-parallel gradient all-reduce: each stage's starts after its last backward op on
-    # the rank, one at a time per rank, overlapping the rank's remaining compute.
-    allreduces = []
-    last_end = max((free[r] for r in range(num_ranks) if keys[r]), default=0.0)
-    if parallel.dp > 1:
-        for r in range(num_ranks):
-            ready = []
-            for op, key in zip(plan.schedule[r], keys[r]):
-                if op.kind is not Kind.F:
-                    ready.append((op.stage, end[key]))
-            last_bwd: dict[int, float] = {}
-            for stage, t_end in ready:
-                last_bwd[stage] = max(last_bwd.get(stage, 0.0), t_end)
-            channel = 0.0
-            order = sorted(last_bwd.items(), key=lambda item: item[1])
-            reduced = _reduced_bytes(r, [stage for stage, _ in order], costs, rank_of_stage, tied, tied_stages)
-            for stage, t_ready in order:
-                t0 = max(t_ready, channel)
-                channel = t0 + allreduce_ms(cluster, parallel, r, reduced[stage])
-                allreduces.append(AllReduce(r, stage, t0, channel))
-        last_end = max([last_end] + [ar.end_ms for ar in allreduces])
-    tied_allreduces = _tied_allreduces(plan, free, allreduces, tied, tied_stages, rank_of_stage, has_ops=[bool(k) for k in keys])
-    last_end = max([last_end] + [ar.end_ms for ar in tied_allreduces])
 
-    first_start = min((start[k[0]] for k in keys if k), default=0.0)
-    iteration = last_end - first_start
-    tape_peak = [peak - base for peak, base in zip(peak_mem, static)]
+def _dp_allreduces(plan: Plan, keys: Sequence[Sequence[int]], end: Sequence[float], costs: Sequence[StageCost],
+                   rank_of_stage: Sequence[int], tied: Sequence[TiedParameter],
+                   tied_stages: list[list[int]]) -> list[AllReduce]:
+    """The data-parallel gradient all-reduces (none without data parallelism): each stage's
+    starts after its last backward op on the rank, one at a time per rank, overlapping the
+    rank's remaining compute."""
+    allreduces: list[AllReduce] = []
+    cluster, parallel = plan.cluster, plan.parallel
+    if parallel.dp == 1:
+        return allreduces
+    for r in range(plan.pp):
+        ready = []
+        for op, key in zip(plan.schedule[r], keys[r]):
+            if op.kind is not Kind.F:
+                ready.append((op.stage, end[key]))
+        last_bwd: dict[int, float] = {}
+        for stage, t_end in ready:
+            last_bwd[stage] = max(last_bwd.get(stage, 0.0), t_end)
+        channel = 0.0
+        order = sorted(last_bwd.items(), key=lambda item: item[1])
+        reduced = _reduced_bytes(r, [stage for stage, _ in order], costs, rank_of_stage, tied, tied_stages)
+        for stage, t_ready in order:
+            t0 = max(t_ready, channel)
+            channel = t0 + allreduce_ms(cluster, parallel, r, reduced[stage])
+            allreduces.append(AllReduce(r, stage, t0, channel))
+    return allreduces
+
+
+def _memory_peaks(ops: _OpTable, run: _Run, costs: Sequence[StageCost], *, num_mb: int, first_start: float,
+                  last_end: float) -> tuple[list[int], list[int]]:
+    """:func:`_message_peaks` of the run, from the ops' data per (stage, kind)."""
+    num_stages = len(costs)
     # per (stage, kind): what an op's output message weighs (an F's activation, an I's or B's
     # gradient), and what it does to its rank's tape
     msg_bytes = [0] * (4 * num_stages)
@@ -550,36 +659,10 @@ def simulate_costs(
         msg_bytes[4 * stage] = costs[stage].output_bytes
         msg_bytes[4 * stage + 1] = msg_bytes[4 * stage + 3] = costs[stage - 1].output_bytes if stage > 0 else 0
     by_code = [code * num_mb for code in range(4 * num_stages)]
-    with_messages, message_peak = _message_peaks(
-        keys, start, end, arrive, present, num_mb=num_mb, act=[act[k] for k in by_code], burst=[burst[k] for k in by_code],
-        dest=[dest[k] for k in by_code], msg_bytes=msg_bytes, first_start=first_start, last_end=last_end)
-    # the main loop's tape peak also holds the bursts of ops that take no time, which the
-    # sweep's instants merge away
-    peak_mem = [base + max(tape, both) for base, tape, both in zip(static, tape_peak, with_messages)]
-    idle = sum(iteration - b for b in busy)
-    bubble_ratio = idle / (num_ranks * iteration) if iteration > 0 else 0.0
-    return SimResult(
-        iteration_ms=iteration,
-        bubble_ratio=bubble_ratio,
-        lower_bound_ms=lower_bound,
-        peak_memory_bytes=tuple(int(m) for m in peak_mem),
-        memory_limit_bytes=int(cluster.memory_gb * 1e9),
-        static_memory_bytes=tuple(int(m) for m in static),
-        peak_activation_bytes=tuple(int(m) for m in tape_peak),
-        peak_message_bytes=tuple(int(m) for m in message_peak),
-        busy_ms=tuple(busy),
-        allreduces=tuple(allreduces),
-        tied_allreduces=tuple(tied_allreduces),
-        _schedule=plan.schedule,
-        _rank_of_stage=rank_of_stage,
-        _keys=tuple(keys),
-        _start=start,
-        _end=end,
-        _xfer_start=xstart,
-        _arrive=arrive,
-        _cross=cross,
-        _num_mb=num_mb,
-    )
+    return _message_peaks(
+        ops.keys, run.start, run.end, run.arrive, ops.present, num_mb=num_mb, act=[ops.act[k] for k in by_code],
+        burst=[ops.burst[k] for k in by_code], dest=[ops.dest[k] for k in by_code], msg_bytes=msg_bytes,
+        first_start=first_start, last_end=last_end)
 
 
 def _stage_of_layer(plan: Plan, layer: int) -> int:
@@ -739,7 +822,7 @@ def _message_peaks(keys, start, end, arrive, present, *, num_mb: int, act, burst
     return peaks[0], peaks[1]
 
 
-def _waits(plan, keys, ptr, cross, local, done, num_mb, rank_of_stage) -> list[tuple[int, Op, Op, int]]:
+def _waits(keys, ptr, cross, local, done, num_mb, rank_of_stage) -> list[tuple[int, Op, Op, int]]:
     def decode(key: int) -> Op:
         code, mb = divmod(key, num_mb)
         stage, kind = divmod(code, 4)

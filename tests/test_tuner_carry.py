@@ -79,45 +79,47 @@ def test_peels_go_from_the_rank_that_finishes_last_to_the_one_that_finishes_firs
     assert peel_moves(cand, result, max_per_rank=1) == []  # rank 0 may hold no second stage
 
 
-def test_a_peel_with_its_order_justified_gets_a_climb_past_a_local_optimum(monkeypatch):
+def test_a_peel_with_its_order_justified_gets_a_climb_past_a_local_optimum():
     # 7 uneven layers on 3 ranks, 6 microbatches, from 1F1B (found by a seeded random search
     # over small cases): the climb's other moves, the compound shifts included, stop at 120 ms;
     # with the peels (PEELS = 6) it goes on to 106 ms through two of them. The shifting-
     # bottleneck reordering is off, as in the compound-shift test, to isolate the move.
-    import octoplan.tuner.search as search
     from octoplan.baseline import make_baseline
     from octoplan.tuner import TuneOptions
+    from octoplan.tuner.climb import Search
+    from octoplan.tuner.neighbourhoods import NEIGHBOURHOODS, PEELS, BottleneckOrder, PeeledAndJustified
 
-    monkeypatch.setattr(search._Search, "_reordered_later", lambda self, cand, deadline: iter(()))
     profile, cluster = make_profile([(1, 4, 1), (2, 2, 3), (1, 4, 2), (3, 3, 3), (4, 3, 1), (2, 3, 1), (1, 1, 2)]), free_cluster(3)
     base = make_baseline(profile, schedule="1f1b", gpus=3, microbatches=6, cluster=cluster)
     start = Candidate(Config(3, 1, 6), (0,) + tuple(s.end for s in base.stages), tuple(s.rank for s in base.stages), None,
                       tuple(tuple(ops) for ops in base.schedule), "1f1b", "1f1b")
     ends = {}
-    for peels in (0, search.PEELS):
-        monkeypatch.setattr(search, "PEELS", peels)
+    for peels in (0, PEELS):
+        chosen = [PeeledAndJustified(peels) if isinstance(n, PeeledAndJustified) else n
+                  for n in NEIGHBOURHOODS if not isinstance(n, BottleneckOrder)]
         evaluator = Evaluator(profile, cluster)
-        climber = search._Search(evaluator, TuneOptions(gpus=3, pp=3, microbatches=6, time_limit_s=600), None)
+        climber = Search(evaluator, TuneOptions(gpus=3, pp=3, microbatches=6, time_limit_s=600), None,
+                         neighbourhoods=chosen)
         end = climber.climb(start, deadline=600)
         ends[peels] = (evaluator.score(end).iteration_ms, climber.accepted_moves)
     assert ends[0][0] == 120.0 and not any("peel" in move for move in ends[0][1])
-    assert ends[search.PEELS][0] == 106.0
-    assert [move for move in ends[search.PEELS][1] if "peel" in move] == [
+    assert ends[PEELS][0] == 106.0
+    assert [move for move in ends[PEELS][1] if "peel" in move] == [
         "peel the last layer of stage 0 onto rank 2, justified", "peel the last layer of stage 3 onto rank 0, justified"]
 
 
-def test_the_peels_make_a_whole_tune_faster(monkeypatch):
+def test_the_peels_make_a_whole_tune_faster():
     # the same search on a budget of plans (deterministic), with and without the peels: 97 -> 94 ms
-    import octoplan.tuner.search as search
     from octoplan.tuner import TuneOptions, tune
+    from octoplan.tuner.neighbourhoods import NEIGHBOURHOODS, PEELS, PeeledAndJustified
 
     profile = make_profile([(3, 4, 1), (1, 4, 3), (4, 3, 2), (2, 1, 3), (1, 3, 3), (1, 3, 3), (1, 2, 3), (1, 4, 1), (4, 4, 2), (2, 3, 2)])
     opts = TuneOptions(gpus=4, pp=4, microbatches=4, max_plans=2000, time_limit_s=600)
     found = {}
-    for peels in (0, search.PEELS):
-        monkeypatch.setattr(search, "PEELS", peels)
-        found[peels] = tune(profile, free_cluster(4), opts).scored.iteration_ms
-    assert found == {0: 97.0, search.PEELS: 94.0}
+    for peels in (0, PEELS):
+        chosen = [PeeledAndJustified(peels) if isinstance(n, PeeledAndJustified) else n for n in NEIGHBOURHOODS]
+        found[peels] = tune(profile, free_cluster(4), opts, neighbourhoods=chosen).scored.iteration_ms
+    assert found == {0: 97.0, PEELS: 94.0}
 
 
 def test_a_stage_that_fuses_some_backwards_and_splits_others_keeps_each_microbatchs_kinds():

@@ -1,4 +1,4 @@
-"""Restarts: climbs again from the first seeds on shaken layer times (octoplan.tuner.search)."""
+"""Restarts: climbs again from the first seeds on shaken layer times (octoplan.tuner.climb)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_shaken_times_draw_one_gaussian_per_time_in_layer_order():
 
 
 class _StubSearch:
-    """What _Restarts asks of a search: a clock, restart() (answering from ``wins``) and its count."""
+    """What Restarts asks of a search: a clock, restart() (answering from ``wins``) and its count."""
 
     def __init__(self, wins):
         self.wins = iter(wins)
@@ -50,24 +50,24 @@ class _StubSearch:
 
 
 def test_restarts_take_the_seeds_in_turn_until_three_rounds_in_a_row_find_nothing():
-    from octoplan.tuner.search import RESTART_PATIENCE, _Restarts
+    from octoplan.tuner.climb import RESTART_PATIENCE, Restarts
 
     assert RESTART_PATIENCE == 3
     stub = _StubSearch([False, True, False, True] + [False] * 6)
-    restarts = _Restarts(stub, ["a", "b"])
+    restarts = Restarts(stub, ["a", "b"])
     while not restarts.done:
         restarts.next(60.0)
     # a win at the 2nd and the 4th; then 3 rounds of 2 seeds that find nothing
     assert stub.calls == ["a", "b", "a", "b"] + ["a", "b"] * 3
-    assert _Restarts(stub, []).done  # no seeds, no restarts
+    assert Restarts(stub, []).done  # no seeds, no restarts
 
 
 def test_restarts_stop_at_the_deadline():
-    from octoplan.tuner.search import _Restarts
+    from octoplan.tuner.climb import Restarts
 
     stub = _StubSearch([False] * 10)
     stub.clock = type("Clock", (), {"elapsed": lambda _: 60.0})()
-    restarts = _Restarts(stub, ["a"])
+    restarts = Restarts(stub, ["a"])
     restarts.next(60.0)
     assert stub.calls == [] and not restarts.done
 
@@ -77,16 +77,16 @@ def test_restarts_find_a_faster_plan_judged_on_the_true_times(monkeypatch):
     # by a seeded random search over small cases. Without restarts the search ends at 70 ms
     # with budget to spare; climbs from its first seeds again, on times shaken by 0.1%, find a
     # plan of 64 ms, and the plan written is priced on the true times.
-    import octoplan.tuner.search as search
+    import octoplan.tuner.climb as climb
     from octoplan.tuner import TuneOptions, tune
 
     profile = make_profile([(4, 1, 2), (4, 1, 3), (4, 3, 2), (2, 2, 1), (1, 2, 3), (3, 3, 1), (3, 1, 3)])
     opts = TuneOptions(gpus=4, pp=4, microbatches=4, max_plans=3000, time_limit_s=600)
     found = {}
-    for patience in (0, search.RESTART_PATIENCE):
-        monkeypatch.setattr(search, "RESTART_PATIENCE", patience)
+    for patience in (0, climb.RESTART_PATIENCE):
+        monkeypatch.setattr(climb, "RESTART_PATIENCE", patience)
         found[patience] = tune(profile, free_cluster(4), opts)
-    without, with_restarts = found[0], found[search.RESTART_PATIENCE]
+    without, with_restarts = found[0], found[climb.RESTART_PATIENCE]
     assert without.stats["restarts"] == 0 and without.stats["evaluations"] < 3000 * 0.95
     assert without.scored.iteration_ms == 70.0
     assert with_restarts.stats["restarts"] > 0
@@ -105,11 +105,11 @@ def test_a_restart_that_ends_a_rounding_error_faster_is_no_win(monkeypatch):
     # Float layer times: a restart may end on a plan of the same true time whose sum came out
     # in another order (7.900000000000001 -> 7.9 ms). Counted as a win, it would reset the
     # stopping rule every time; only a gain the climbs would accept (a relative 1e-9) counts.
-    import octoplan.tuner.search as search
     from octoplan.tuner import TuneOptions, tune
+    from octoplan.tuner.climb import Search
 
     outcomes = []
-    restart = search._Search.restart
+    restart = Search.restart
 
     def recorded(self, start, *, deadline):
         before = self.best_scored.score[1]
@@ -117,7 +117,7 @@ def test_a_restart_that_ends_a_rounding_error_faster_is_no_win(monkeypatch):
         outcomes.append((won, before, self.best_scored.score[1]))
         return won
 
-    monkeypatch.setattr(search._Search, "restart", recorded)
+    monkeypatch.setattr(Search, "restart", recorded)
     a, b, c = (0.7, 0.1, 0.2), (0.3, 0.3, 0.3), (0.1, 0.2, 0.3)
     tune(make_profile([a, b, a, a, b, c]), free_cluster(4),
          TuneOptions(gpus=4, pp=4, microbatches=4, max_plans=1500, time_limit_s=600, seed=14, use_cpsat=False))

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from octoplan.costs import StageCost, transfer_ms
 from octoplan.ops import Kind, Op
@@ -144,25 +144,38 @@ def policy_schedule(
     ``activation_budget_bytes``: per rank, the memory left for activations after weights,
     gradients and optimizer state (None: no memory limit beyond the in-flight knobs).
     """
-    num_stages = len(rank_of_stage)
     num_ranks = len(policies)
-    num_mb = microbatches
     stages_of: list[list[int]] = [[] for _ in range(num_ranks)]
     for s, r in enumerate(rank_of_stage):
         stages_of[r].append(s)
     if any(not held for held in stages_of):
         raise ValueError("every rank must hold at least one stage")
-    first = [held[0] for held in stages_of]
-    # backward candidates are scanned later stage first (the order ties break in)
-    desc = [sorted(held, reverse=True) for held in stages_of]
-    fwd_order = [desc[r] if policies[r].deep_first else stages_of[r] for r in range(num_ranks)]
     split = [policies[r].split for r in rank_of_stage]
+    times = _op_times(rank_of_stage, costs, cluster, parallel)
+    memory = _memory_rule(rank_of_stage, stages_of, costs, split, times, activation_budget_bytes)
+    return _list_schedule(rank_of_stage, stages_of, split, policies, microbatches, times, memory)
+
+
+class _OpTimes(NamedTuple):
+    """Per stage: each op's time, and where its output goes and how long it travels."""
+
+    f_ms: list[float]
+    i_ms: list[float]
+    w_ms: list[float]
+    b_ms: list[float]
+    fwd_to: list[int]  # the rank of the next stage (-1: none)
+    bwd_to: list[int]  # the rank of the stage before (-1: none)
+    fwd_wire: list[float]  # the forward output's wire time (0: same rank / none)
+    bwd_wire: list[float]  # the backward gradient's
+
+
+def _op_times(rank_of_stage: Sequence[int], costs: Sequence[StageCost], cluster: Cluster, parallel: Parallel) -> _OpTimes:
+    num_stages = len(rank_of_stage)
     overhead = cluster.op_overhead_us / 1000.0  # every op pays it, as in the simulator
     f_ms = [c.forward_ms + overhead for c in costs]
     i_ms = [c.backward_input_ms + overhead for c in costs]
     w_ms = [c.backward_weight_ms + overhead for c in costs]
     b_ms = [c.b_ms + overhead for c in costs]
-    # wire time of each stage's forward output and backward gradient (0: same rank / none)
     fwd_to = [rank_of_stage[s + 1] if s + 1 < num_stages else -1 for s in range(num_stages)]
     bwd_to = [rank_of_stage[s - 1] if s > 0 else -1 for s in range(num_stages)]
     fwd_wire = [0.0] * num_stages
@@ -173,15 +186,26 @@ def policy_schedule(
             fwd_wire[s] = transfer_ms(cluster, parallel, r, fwd_to[s], costs[s].output_bytes)
         if bwd_to[s] >= 0 and bwd_to[s] != r:
             bwd_wire[s] = transfer_ms(cluster, parallel, r, bwd_to[s], costs[s - 1].output_bytes)
+    return _OpTimes(f_ms, i_ms, w_ms, b_ms, fwd_to, bwd_to, fwd_wire, bwd_wire)
 
-    fwd_arrive = [[-1.0] * num_mb for _ in range(num_stages)]  # F(s,m)'s output at stage s+1's rank
-    bwd_arrive = [[-1.0] * num_mb for _ in range(num_stages)]  # I/B(s,m)'s gradient at stage s-1's rank
-    next_f = [0] * num_stages
-    next_b = [0] * num_stages
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
-    admitted = [0] * num_ranks
-    warming = [True] * num_ranks  # the rank has run only first-stage forwards so far
-    warm_count = [0] * num_ranks
+
+class _MemoryRule(NamedTuple):
+    """What the memory rule of the module's docstring reads, per stage and per rank."""
+
+    act: list[int]  # per stage: what a microbatch holds from its F to its B or W
+    after_i: list[int]  # what an I changes that by
+    until_w: list[int]  # what W frees
+    budget: list[float]  # per rank: the bytes its tapes may hold (inf: no limit)
+    limited: list[bool]  # whether the rank's budget is finite
+    i_grows: list[bool]  # whether an I of the rank can leave more held than its F did
+    owed_per_admit: list[int]  # what one more admitted microbatch owes the rank's later stages
+    later_here: list[list[int]]  # per stage: its rank's later stages
+
+
+def _memory_rule(rank_of_stage: Sequence[int], stages_of: Sequence[Sequence[int]], costs: Sequence[StageCost],
+                 split: Sequence[bool], times: _OpTimes, activation_budget_bytes: Sequence[float] | None) -> _MemoryRule:
+    num_stages = len(rank_of_stage)
+    fwd_to, bwd_to = times.fwd_to, times.bwd_to
     # what a microbatch holds on a stage from its F to its B or W (octoplan.costs.StageCost): an
     # I changes it by after_i (it frees all but what its W reads, and keeps the gradients W
     # starts from) and W frees the rest; the budget keeps room for the most an op holds above
@@ -190,7 +214,7 @@ def policy_schedule(
     after_i = [c.i_delta_bytes for c in costs]
     until_w = [c.w_held_bytes + c.pending_w_bytes for c in costs]
     transient = [c.recompute_bytes + (c.i_peak_bytes if split[s] else 0) for s, c in enumerate(costs)]
-    budget = list(activation_budget_bytes) if activation_budget_bytes is not None else [_INF] * num_ranks
+    budget = list(activation_budget_bytes) if activation_budget_bytes is not None else [_INF] * len(stages_of)
     budget = [b - max(transient[s] for s in held) for b, held in zip(budget, stages_of)]
     # and for the transport's messages beside the tapes (octoplan.simulator._message_peaks): per
     # incoming channel the receive posted ahead and one message waiting, per outgoing channel
@@ -206,19 +230,44 @@ def policy_schedule(
         budget[dst] -= 2 * size
     # ranks where an I can leave more held than F did: only their Ws bring them back under budget
     i_grows = [any(split[s] and after_i[s] > 0 for s in held) for held in stages_of]
-    # what the rank's tapes hold now; a forward may take memory only where every older
-    # microbatch's forwards still to run on the rank fit beside it, so the oldest can always
-    # finish (see the module's docstring)
-    tape = [0.0] * num_ranks
     limited = [b < _INF for b in budget]
-    # what the admitted microbatches' forwards still to run on the rank will add, kept as it
+    # what the admitted microbatches' forwards still to run on a rank will add is kept as it
     # changes: sum over the rank's stages s of act[s] x (admitted - next_f[s]). A first-stage F
     # admits one more (every later stage owes its act again); any other F pays its own off.
-    owed = [0] * num_ranks
     owed_per_admit = [sum(act[s] for s in held[1:]) for held in stages_of]
     # a rank's stages after s: a microbatch older than m can still owe a forward only there,
     # since next_f never grows along the pipeline (F(s, m) needs F(s - 1, m))
     later_here = [[s2 for s2 in stages_of[rank_of_stage[s]] if s2 > s] for s in range(num_stages)]
+    return _MemoryRule(act, after_i, until_w, budget, limited, i_grows, owed_per_admit, later_here)
+
+
+def _list_schedule(rank_of_stage: Sequence[int], stages_of: Sequence[Sequence[int]], split: Sequence[bool],
+                   policies: Sequence[RankPolicy], num_mb: int, times: _OpTimes, memory: _MemoryRule) -> list[list[Op]]:
+    """The event loop: whenever a rank is free, it runs the ready op its policy prefers (the
+    module's docstring), until every op has run. One function, so that the hot loop reads its
+    state as local variables."""
+    num_stages = len(rank_of_stage)
+    num_ranks = len(policies)
+    f_ms, i_ms, w_ms, b_ms, fwd_to, bwd_to, fwd_wire, bwd_wire = times
+    act, after_i, until_w, budget, limited, i_grows, owed_per_admit, later_here = memory
+    first = [held[0] for held in stages_of]
+    # backward candidates are scanned later stage first (the order ties break in)
+    desc = [sorted(held, reverse=True) for held in stages_of]
+    fwd_order = [desc[r] if policies[r].deep_first else stages_of[r] for r in range(num_ranks)]
+
+    fwd_arrive = [[-1.0] * num_mb for _ in range(num_stages)]  # F(s,m)'s output at stage s+1's rank
+    bwd_arrive = [[-1.0] * num_mb for _ in range(num_stages)]  # I/B(s,m)'s gradient at stage s-1's rank
+    next_f = [0] * num_stages
+    next_b = [0] * num_stages
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
+    admitted = [0] * num_ranks
+    warming = [True] * num_ranks  # the rank has run only first-stage forwards so far
+    warm_count = [0] * num_ranks
+    # what the rank's tapes hold now; a forward may take memory only where every older
+    # microbatch's forwards still to run on the rank fit beside it, so the oldest can always
+    # finish (see the module's docstring)
+    tape = [0.0] * num_ranks
+    owed = [0] * num_ranks  # what the admitted microbatches' forwards still to run will add (_memory_rule)
     ops_per_mb = [sum(3 if split[s] else 2 for s in stages) for stages in stages_of]
     ops_left = [[ops_per_mb[r]] * num_mb for r in range(num_ranks)]
     oldest = [0] * num_ranks  # the oldest microbatch with ops left on the rank

@@ -17,6 +17,10 @@ time it causes on others (``SimResult.bubbles``: who waits on whose op). Layers 
 ranks to cold ones; ranks that idle get deeper warm-ups and I/W splits; a plan that does not
 fit memory first tries the moves that shrink its fullest GPU. Ties keep a fixed order, broken
 only by the seeded ``random.Random`` passed in, so a run is deterministic for a seed.
+
+The climbs read these moves as one neighbourhood (:class:`octoplan.tuner.neighbourhoods.BasicMoves`),
+ranked together; a move that costs more than a simulation (an order rebuilt, a compound move)
+is a neighbourhood of its own in :mod:`octoplan.tuner.neighbourhoods`.
 """
 
 from __future__ import annotations

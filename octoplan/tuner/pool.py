@@ -23,6 +23,7 @@ from typing import NamedTuple, Sequence
 
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
+from octoplan.tuner.climb import Clock, Search
 from octoplan.tuner.space import Candidate, Evaluator
 
 __all__ = ["Climb", "climb_in_parallel"]
@@ -39,21 +40,21 @@ class Climb(NamedTuple):
     shared: bool
 
 
-def _init_worker(profile: Profile, cluster: Cluster, opts) -> None:
+def _init_worker(profile: Profile, cluster: Cluster, opts, neighbourhoods) -> None:
     _worker["evaluator"] = Evaluator(profile, cluster)
     _worker["opts"] = opts
+    _worker["neighbourhoods"] = neighbourhoods
 
 
 def _climb(start: Candidate, end_wall: float, plan_budget: int | None, seed: int) -> tuple[Candidate, list[str], int]:
     """Climb from ``start`` until a local optimum, ``end_wall`` (``time.time()``), or — with a
     plan budget — that many simulated plans; the candidate reached, the accepted moves, and
     the plans simulated."""
-    from octoplan.tuner.search import _Clock, _Search  # the search imports this module lazily
-
     evaluator: Evaluator = _worker["evaluator"]
     before = evaluator.evaluations
-    clock = _Clock(max(end_wall - time.time(), 1e-6), max_plans=plan_budget, plans=lambda: evaluator.evaluations - before)
-    search = _Search(evaluator, replace(_worker["opts"], seed=seed), None, clock=clock)
+    clock = Clock(max(end_wall - time.time(), 1e-6), max_plans=plan_budget, plans=lambda: evaluator.evaluations - before)
+    search = Search(evaluator, replace(_worker["opts"], seed=seed), None, clock=clock,
+                    neighbourhoods=_worker["neighbourhoods"])
     final = search.climb(start, deadline=clock.limit_s)
     return final, search.accepted_moves, evaluator.evaluations - before
 
@@ -79,7 +80,7 @@ def climb_in_parallel(search, profile: Profile, cluster: Cluster, opts, climbs: 
     started = 0
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
-                             initargs=(profile, cluster, opts)) as pool:
+                             initargs=(profile, cluster, opts, search.neighbourhoods)) as pool:
         running: dict[Future, int | None] = {}  # each running climb's plan budget
         while queue or running:
             while queue and len(running) < workers:

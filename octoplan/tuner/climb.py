@@ -1,0 +1,276 @@
+"""The search's state and its one climb loop: first-improvement hill climbing over the
+neighbourhoods of :mod:`octoplan.tuner.neighbourhoods`.
+
+A :class:`Search` holds what every step of ``tune`` shares: the evaluator (the one judge of a
+candidate), the best plan so far and the best of each configuration, the seeded
+``random.Random`` that breaks ties, and the :class:`Clock`. :meth:`Search.climb` simulates the
+current candidate, walks its neighbourhoods in their fixed order (each yields moved candidates
+lazily, so a neighbourhood further down costs nothing until the ones before it are spent) and
+takes the first move that is faster (or, while nothing fits, leaner); at a local optimum it
+stops. The climb knows no kind of move: a new one is a new neighbourhood, not a branch here.
+
+Restarts (:meth:`Search.restart`, :class:`Restarts`) climb again from the first seeds on layer
+times shaken by :data:`RESTART_NOISE`, and :meth:`Search.polish` rebuilds the best plan's order
+at the end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+from octoplan.simulator import DeadlockError
+from octoplan.tuner.frameworks import Frameworks
+from octoplan.tuner.space import Candidate, Config, Evaluator, Scored
+
+if TYPE_CHECKING:
+    from octoplan.tuner.neighbourhoods import Neighbourhood
+    from octoplan.tuner.search import TuneOptions
+
+__all__ = ["Clock", "Search", "Restarts", "ProgressFn", "better_enough", "DEFAULT_CHUNKS", "RESTART_NOISE",
+           "RESTART_PATIENCE", "REORDER_S_PER_UNIT"]
+
+log = logging.getLogger("octoplan.tuner")
+
+ProgressFn = Callable[[Scored, int, float], None]  # best so far, evaluations, elapsed seconds
+
+# Without --chunks-max: the layouts the search builds hold at most DEFAULT_CHUNKS stages per
+# rank (a search-space bound: each more allowed widens every climb's neighbourhood), while the
+# baselines have interleaved 1F1B with every chunk count the layers allow, up to
+# MAX_BASELINE_CHUNKS (:mod:`octoplan.tuner.seeds.baselines`).
+DEFAULT_CHUNKS = 3
+# restarts: climbs again from the first seeds on layer times scaled by 1 + RESTART_NOISE x
+# N(0, 1) (Search.restart), until RESTART_PATIENCE rounds over those seeds in a row find nothing
+RESTART_NOISE = 1e-3
+RESTART_PATIENCE = 3
+# The shifting-bottleneck reordering's cost per op x rank^2 before one is measured, its two
+# variants and their justifications together: 2-3.3e-6 s on this project's 2-core machine
+# (5 s for gemma3-27b's 6,144 ops on 16 ranks, 27 s for deepseek-v3's 12,288 on 32)
+REORDER_S_PER_UNIT = 2.5e-6
+
+
+class Clock:
+    """Progress of the search in seconds of its budget: wall seconds, or — with a plan budget —
+    the share of plans simulated so far, scaled to the time limit (deterministic)."""
+
+    def __init__(self, limit_s: float, *, max_plans: int | None = None, plans: Callable[[], int] = lambda: 0):
+        self.start = time.perf_counter()
+        self.limit_s = limit_s
+        self.max_plans = max_plans
+        self.plans = plans
+
+    def elapsed(self) -> float:
+        if self.max_plans:
+            return self.plans() / self.max_plans * self.limit_s
+        return time.perf_counter() - self.start
+
+    def out(self) -> bool:
+        return self.elapsed() >= self.limit_s
+
+
+def better_enough(new: tuple[int, float], old: tuple[int, float]) -> bool:
+    """Whether score ``new`` beats ``old`` by more than a rounding error (the same times summed
+    in another order): a relative 1e-9 of the iteration time."""
+    if new[0] != old[0]:
+        return new[0] < old[0]
+    return new[1] < old[1] - 1e-9 * max(1.0, abs(old[1]))
+
+
+class Search:
+    """The state the steps of ``tune`` share, and the climb loop.
+
+    ``neighbourhoods``: the moves a climb tries, in order (default
+    :data:`octoplan.tuner.neighbourhoods.NEIGHBOURHOODS`); those whose dimensions the options
+    do not tune are left out."""
+
+    def __init__(self, evaluator: Evaluator, opts: TuneOptions, progress: ProgressFn | None, *,
+                 clock: Clock | None = None, quiet: bool = False,
+                 neighbourhoods: Sequence[Neighbourhood] | None = None):
+        from octoplan.tuner import neighbourhoods as registry  # the neighbourhoods import this module
+
+        self.ev = evaluator
+        # the search's own bound on stages per rank (tune() has already capped it at the layers)
+        self.opts = opts if opts.chunks_max is not None else replace(opts, chunks_max=DEFAULT_CHUNKS)
+        self.progress = progress
+        self.quiet = quiet  # a restart's climb on shaken times: its bests are not the search's (DEBUG log only)
+        self.extra_plans = 0  # plans simulated by worker processes (:mod:`octoplan.tuner.pool`)
+        self.restarts = 0
+        self.restart_plans = 0  # plans the restarts simulated on shaken times
+        self.shaken: Evaluator | None = None  # the evaluator of the restart climbing now
+        self.clock = clock or Clock(opts.time_limit_s, max_plans=opts.max_plans, plans=self.plans_simulated)
+        self.rng = random.Random(opts.seed)
+        self.frameworks = Frameworks(evaluator.profile)
+        self.best: Candidate | None = None
+        self.best_scored: Scored | None = None
+        self.accepted_moves: list[str] = []
+        # the best allowed candidate of each configuration, on the true times: what the
+        # configuration table (:mod:`octoplan.tuner.configs`) compares the winner against
+        self.config_best: dict[Config, tuple[Candidate, Scored]] = {}
+        self.neighbourhoods = tuple(registry.NEIGHBOURHOODS if neighbourhoods is None else neighbourhoods)
+        tuned = set(self.opts.dimensions)
+        self._active = tuple(n for n in self.neighbourhoods if set(n.dimensions) <= tuned)
+        self._reordered: set[Candidate] = set()  # candidates whose order was rebuilt already
+        self._reorder_s_per_unit = REORDER_S_PER_UNIT  # the last rebuild's seconds per op x rank^2
+
+    def plans_simulated(self) -> int:
+        return (self.ev.evaluations + self.extra_plans + self.restart_plans
+                + (self.shaken.evaluations if self.shaken else 0))
+
+    def allowed(self, cand: Candidate) -> bool:
+        """Whether ``cand`` is a plan the search may return (``--runs-on``)."""
+        return self.frameworks.allows(cand, self.opts.runs_on)
+
+    def offer(self, cand: Candidate) -> Scored:
+        """``cand`` priced, and kept as the best (overall and of its configuration) if it is."""
+        scored = self.ev.score(cand)
+        # every candidate is priced (a baseline row is, whatever runs it), only allowed ones win
+        if not self.quiet and self.allowed(cand):
+            held = self.config_best.get(cand.config)
+            if held is None or scored.score < held[1].score:
+                self.config_best[cand.config] = (cand, scored)
+        if (self.best_scored is None or scored.score < self.best_scored.score) and self.allowed(cand):
+            self.best, self.best_scored = cand, scored
+            (log.debug if self.quiet else log.info)("best %.4f ms (fits=%s, bubble %.3f) from %s [%s]",
+                                                    scored.iteration_ms, scored.fits, scored.bubble_ratio,
+                                                    cand.origin, cand.config.label())
+            if self.progress:
+                self.progress(scored, self.clock.plans(), self.clock.elapsed())
+        return scored
+
+    def climb(self, start: Candidate, *, deadline: float) -> Candidate:
+        """First-improvement hill climbing from ``start`` until no move helps or ``deadline``
+        (seconds since the start of tuning) passes."""
+        current = start
+        current_score = self.offer(current).score
+        while self.clock.elapsed() < deadline:
+            step = self._first_better(current, current_score, deadline)
+            if step is None:
+                log.debug("climb %s: %.4f ms", "out of time" if self.clock.elapsed() >= deadline else "at a local optimum",
+                          current_score[1])
+                break
+            current, current_score = step
+            self.accepted_moves.append(current.origin)
+        return current
+
+    def _first_better(self, current: Candidate, current_score: tuple[int, float],
+                      deadline: float) -> tuple[Candidate, tuple[int, float]] | None:
+        """The first move of the neighbourhoods, in their order, that beats ``current``; None at
+        a local optimum or once ``deadline`` passes."""
+        timeline = self.ev.timeline(current)
+        # lazily: a neighbourhood is asked for its moves only once the ones before it are spent
+        moves = itertools.chain.from_iterable(n.moves(self, current, timeline, deadline) for n in self._active)
+        for moved in moves:
+            if self.clock.elapsed() >= deadline:
+                return None
+            if not self.allowed(moved):  # --runs-on: a placement or order the framework cannot run
+                continue
+            try:
+                scored = self.offer(moved)
+            except (ValueError, DeadlockError) as exc:  # a move that breaks a rule or the order: skip it
+                log.debug("move %s rejected: %s", moved.origin, exc)
+                continue
+            if scored.score < current_score and better_enough(scored.score, current_score):
+                return moved, scored.score
+        return None
+
+    # Services the seed families and neighbourhoods share -------------------------------
+
+    def justified(self, cand: Candidate) -> list[Candidate]:
+        """``cand``'s order justified (:meth:`Evaluator.justified`); none where its dataflow has
+        a cycle."""
+        try:
+            return self.ev.justified(cand)
+        except (ValueError, DeadlockError) as exc:  # an order whose dataflow has a cycle
+            log.debug("justifying %s failed: %s", cand.origin, exc)
+            return []
+
+    def rebuilt_orders(self, cand: Candidate, deadline: float) -> Iterator[Candidate]:
+        """``cand``'s order rebuilt by the shifting-bottleneck procedure (once per candidate),
+        unless it would not end before ``deadline``. The pace of the rebuilds so far is the
+        search's (a restart's climber inherits it and hands it back)."""
+        if cand in self._reordered:
+            return
+        # its cost grows with the ops times the square of the ranks: estimated at the last
+        # rebuild's pace (or a cautious default before the first)
+        size = max(1, cand.num_ops * cand.config.pp ** 2)
+        if not self.opts.max_plans and self.clock.elapsed() + self._reorder_s_per_unit * size > deadline:
+            return
+        self._reordered.add(cand)
+        started = time.perf_counter()
+        try:
+            found = self.ev.reordered(cand)
+        except (ValueError, DeadlockError) as exc:
+            log.debug("reordering %s failed: %s", cand.origin, exc)
+            return
+        self._reorder_s_per_unit = (time.perf_counter() - started) / size
+        yield from found
+
+    # Restarts and the final polish --------------------------------------------------------
+
+    def restart(self, start: Candidate, *, deadline: float) -> bool:
+        """One more climb from ``start``, on the layer times shaken anew by :data:`RESTART_NOISE`
+        (the draw: the seed and the restart's number); its end is judged on the true times and,
+        if it is the best plan so far, climbed from on them. Whether it found a better plan.
+
+        A first-improvement climb's path turns on near-ties: which of two moves 0.01% apart
+        comes out faster decides where it ends, and the local optima one seed leads to differ
+        by percents (llama3-8b: 1497.0 against 1514.9 ms, from times shaken by 0.1%)."""
+        self.restarts += 1
+        draw = self.opts.seed * 1_000_003 + self.restarts
+        self.shaken = Evaluator(self.ev.profile.shaken(RESTART_NOISE, draw), self.ev.cluster)
+        climber = Search(self.shaken, replace(self.opts, seed=draw), None, clock=self.clock, quiet=True,
+                         neighbourhoods=self.neighbourhoods)
+        # the pace of the order rebuilds measured so far, so the restart's do not overrun the deadline
+        climber._reorder_s_per_unit = self._reorder_s_per_unit
+        try:
+            final = climber.climb(start, deadline=deadline)
+        finally:
+            self.restart_plans += self.shaken.evaluations
+            self.shaken = None
+            self._reorder_s_per_unit = climber._reorder_s_per_unit
+        before = self.best_scored.score
+        scored = self.offer(final)
+        log.debug("restart %d from %s: %.4f ms on the true times", self.restarts, start.origin, scored.iteration_ms)
+        # a win by a rounding error (the same times summed in another order) is no win: it
+        # would keep the restarts from ever stopping
+        if not better_enough(scored.score, before):
+            return False
+        self.accepted_moves.extend(climber.accepted_moves)
+        self.climb(final, deadline=deadline)
+        return True
+
+    def polish(self) -> None:
+        """The best plan's order rebuilt by the shifting-bottleneck procedure, if that should
+        end within the time limit, and a climb from it if that is faster. The climbs rebuild
+        the orders of their local optima, but a climb cut short by its deadline has none."""
+        if self.best is None:
+            return
+        before = self.best_scored.score
+        for cand in self.rebuilt_orders(self.best, self.opts.time_limit_s):
+            self.offer(cand)
+        if self.best_scored.score < before:
+            self.climb(self.best, deadline=self.opts.time_limit_s - min(2.0, 0.05 * self.opts.time_limit_s))
+
+
+class Restarts:
+    """Restarts (:meth:`Search.restart`) from the first seeds, one after another in turn, until
+    :data:`RESTART_PATIENCE` rounds over them in a row find no better plan."""
+
+    def __init__(self, search: Search, starts: Sequence[Candidate]):
+        self.search = search
+        self.starts = list(starts)
+        self.fruitless = 0  # restarts in a row that found no better plan
+
+    @property
+    def done(self) -> bool:
+        return not self.starts or self.fruitless >= RESTART_PATIENCE * len(self.starts)
+
+    def next(self, end_s: float) -> None:
+        if self.done or self.search.clock.elapsed() >= end_s:
+            return
+        start = self.starts[self.search.restarts % len(self.starts)]
+        self.fruitless = 0 if self.search.restart(start, deadline=end_s) else self.fruitless + 1

@@ -1,0 +1,28 @@
+"""The climbs' neighbourhoods: every kind of move a hill climb tries, in the order it tries them.
+
+A neighbourhood (:class:`Neighbourhood`) turns the current candidate and its simulated timeline
+into moved candidates, most promising first and lazily; the one climb loop
+(:meth:`octoplan.tuner.climb.Search.climb`) walks :data:`NEIGHBOURHOODS` in order and takes
+the first move that is faster. So the cheap, many moves come first, and those that cost a pass
+over every op (a justification, a rebuilt order) only at a local optimum of the ones before.
+
+A new kind of move is a new module here: a subclass of :class:`Neighbourhood` with its
+``dimensions`` and ``moves``, added to :data:`NEIGHBOURHOODS` where it should be tried
+(``tune(..., neighbourhoods=...)`` takes another list, for an experiment).
+"""
+
+from octoplan.tuner.neighbourhoods.base import Neighbourhood
+from octoplan.tuner.neighbourhoods.basic import BasicMoves
+from octoplan.tuner.neighbourhoods.compound import COMPOUND_SHIFTS, PEELS, PeeledAndJustified, ShiftedAndJustified
+from octoplan.tuner.neighbourhoods.orders import BottleneckOrder, JustifiedOrder
+
+__all__ = ["Neighbourhood", "NEIGHBOURHOODS", "BasicMoves", "JustifiedOrder", "BottleneckOrder",
+           "ShiftedAndJustified", "PeeledAndJustified", "COMPOUND_SHIFTS", "PEELS"]
+
+NEIGHBOURHOODS: tuple[Neighbourhood, ...] = (
+    BasicMoves(),  # boundaries, stages, placement, policy knobs, recomputation, op edits at bubbles
+    JustifiedOrder(),  # at a local optimum of those: the whole order justified
+    BottleneckOrder(),  # rebuilt by the shifting-bottleneck procedure
+    ShiftedAndJustified(COMPOUND_SHIFTS),  # a layer off a hot rank, the order justified around it
+    PeeledAndJustified(PEELS),  # a layer peeled into a new stage, the order carried and justified
+)
