@@ -50,7 +50,9 @@ from octoplan.plan import Cluster
 from octoplan.tuner import TuneOptions
 from octoplan.tuner.configs import tune_global_batch
 from octoplan.tuner.frameworks import Frameworks
-from octoplan.tuner.search import _baseline_candidates, _fewest_recomputed_layers, _Search, configs_for
+from octoplan.tuner.climb import Search
+from octoplan.tuner.search import configs_for
+from octoplan.tuner.seeds.baselines import baseline_candidates, fewest_recomputed_layers
 from octoplan.tuner.space import Evaluator
 
 
@@ -109,11 +111,11 @@ def megatron_grid(profile, cluster: Cluster, pipeline_gpus: int, global_batch: i
         configs = configs_for(profile, opts)
     except Exception:  # the batch does not split at this size
         return math.inf, "", 0
-    search = _Search(Evaluator(profile, cluster), opts, None)
+    search = Search(Evaluator(profile, cluster), opts, None)
     frameworks = Frameworks(profile)
     best, label, priced = math.inf, "", 0
     for config in configs:
-        for name, cand in _baseline_candidates(profile, cluster, config, 32):
+        for name, cand in baseline_candidates(profile, cluster, config, 32):
             if not name.endswith("/uniform") or not (name.startswith("1f1b/") or name.startswith("interleaved-1f1b")):
                 continue
             # where Megatron-LM's layout letters name every layer, only the layouts and orders it
@@ -124,7 +126,7 @@ def megatron_grid(profile, cluster: Cluster, pipeline_gpus: int, global_batch: i
             priced += 1
             what = name
             if not scored.fits:
-                cand = _fewest_recomputed_layers(search, cand, f"{name}+recompute")
+                cand = fewest_recomputed_layers(search, cand, f"{name}+recompute")
                 scored = search.offer(cand)
                 what = f"{name}+recompute({max((k for _, k in cand.recompute_layers), default='all')})"
             if scored.fits and scored.iteration_ms < best:

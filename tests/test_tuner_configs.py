@@ -37,9 +37,9 @@ def test_a_data_parallel_configuration_splits_into_compute_and_its_all_reduce_ta
     profile = two_layers()
     ev = Evaluator(profile, cluster())
     config = Config(1, 2, 2)
-    from octoplan.tuner.search import _policy_seeds
+    from octoplan.tuner.seeds.policy import policy_seeds
 
-    cand = _policy_seeds(profile, config, 1)[0]
+    cand = policy_seeds(profile, config, 1)[0]
     parts, cross = time_parts(ev, cand)
     assert allreduce_ms(cluster(), Parallel(pp=1, dp=2, microbatches=2), 0, 2 * PARAMS) == pytest.approx(2.0)
     assert parts == pytest.approx({"compute": 12.0, "recompute": 0.0, "bubbles": 0.0, "transfers": 0.0, "allreduce": 2.0})
