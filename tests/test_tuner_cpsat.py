@@ -118,3 +118,29 @@ def test_one_stage_per_rank_gets_a_third_of_the_limit():
     assert [(row["max_per_rank"], row["limit_s"]) for row in both] == [(1, 0.5), (3, 1.5)]
     _, alone = cpsat_seeds(evaluator, config, chunks_max=1, time_limit_s=1.5)
     assert [(row["max_per_rank"], row["limit_s"]) for row in alone] == [(1, 1.5)]
+
+
+def test_the_partition_model_weighs_a_cheaper_fused_backward_as_the_simulator_does():
+    from dataclasses import replace
+
+    # layer 0: I + W = 6 but B measured at 3, so its backward weighs 3 (I 2 and W 1 in the
+    # proportion of its I and W); layer 1: B = 8 is dearer than I + W = 6, which stays
+    profile = make_profile([(1, 4, 2), (1, 4, 2)])
+    layers = (replace(profile.layers[0], backward_ms=3.0), replace(profile.layers[1], backward_ms=8.0))
+    profile = profile.with_layers(layers)
+    problem = problem_for(Evaluator(profile, Cluster(gpus=2)), Config(2, 1, 4), 2)
+    assert problem.backward_input == (2000, 4000) and problem.backward_weight == (1000, 2000)
+
+
+
+def test_start_aware_moves_weigh_a_stage_by_the_backward_its_order_runs():
+    from octoplan.ops import Kind, Op
+    from octoplan.schedules.policy import default_policies
+    from octoplan.tuner.neighbourhoods.basic import _fused_stages
+    from octoplan.tuner.space import Candidate
+
+    config = Config(2, 1, 1)
+    fixed = ((Op(0, Kind.F, 0), Op(0, Kind.B, 0)), (Op(1, Kind.F, 0), Op(1, Kind.I, 0), Op(1, Kind.W, 0)))
+    assert _fused_stages(Candidate(config, (0, 1, 2), (0, 1), None, fixed, "", "x")) == {0}
+    policies = (default_policies((0, 1), 2, 1, split=False)[0], default_policies((0, 1), 2, 1, split=True)[1])
+    assert _fused_stages(Candidate(config, (0, 1, 2), (0, 1), policies)) == {0}
