@@ -144,3 +144,24 @@ def test_start_aware_moves_weigh_a_stage_by_the_backward_its_order_runs():
     assert _fused_stages(Candidate(config, (0, 1, 2), (0, 1), None, fixed, "", "x")) == {0}
     policies = (default_policies((0, 1), 2, 1, split=False)[0], default_policies((0, 1), 2, 1, split=True)[1])
     assert _fused_stages(Candidate(config, (0, 1, 2), (0, 1), policies)) == {0}
+
+
+def test_a_plan_budget_widens_cp_sats_wall_clock_net(monkeypatch):
+    # --max-plans promises the same plan at any load: CP-SAT's deterministic limit must end
+    # its solves, not a wall-clock net that a loaded machine reaches first
+    import octoplan.tuner.cpsat as cpsat
+    from octoplan.tuner import TuneOptions, tune
+    from tests.conftest import free_cluster
+
+    seen = []
+    real = cpsat.cpsat_seeds
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["wall_factor"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpsat, "cpsat_seeds", spy)
+    profile = make_profile([(1, 1, 1)] * 6)
+    tune(profile, free_cluster(2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=50))
+    tune(profile, free_cluster(2), TuneOptions(gpus=2, pp=2, microbatches=4, time_limit_s=2))
+    assert seen == [cpsat.DETERMINISTIC_WALL_FACTOR, cpsat.WALL_FACTOR]

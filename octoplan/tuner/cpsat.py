@@ -88,6 +88,13 @@ class PartitionSolution:
                 "max_load_ticks": self.max_load}
 
 
+# The wall-clock safety net of a solve, in multiples of its deterministic limit. A tune that
+# asks for the same plan at any load (--max-plans) gets the wider one: a loaded machine takes
+# several wall seconds per deterministic second, and a net that cut a solve short would change
+# its seeds.
+WALL_FACTOR = 4.0
+DETERMINISTIC_WALL_FACTOR = 40.0
+
 def inflight_estimate(position: float, num_ranks: int, microbatches: int) -> int:
     """Microbatches a layer holds at once under 1F1B-like warm-up: the ranks still ahead of
     it, for a layer ``position`` (0..1) of the way through the model."""
@@ -102,6 +109,7 @@ def solve_partition(
     time_limit_s: float = 5.0,
     seed: int = 0,
     exact_stages: bool = False,
+    wall_factor: float = WALL_FACTOR,
 ) -> PartitionSolution | None:
     """The CP-SAT optimum (or best found in the time limit); None when infeasible.
 
@@ -236,7 +244,7 @@ def solve_partition(
         # a busy machine as on an idle one; the wall-clock limit is only a safety net
         solver.parameters.num_workers = 1
         solver.parameters.max_deterministic_time = time_limit_s
-        solver.parameters.max_time_in_seconds = 4 * time_limit_s
+        solver.parameters.max_time_in_seconds = wall_factor * time_limit_s
         solver.parameters.random_seed = seed
         solver.parameters.fix_variables_to_their_hinted_value = fix_hint
         solver.parameters.catch_sigint_signal = False  # Ctrl-C ends the command, not just this solve
@@ -340,7 +348,8 @@ def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_pe
 
 
 def cpsat_seeds(evaluator: Evaluator, config: Config, *, chunks_max: int, time_limit_s: float,
-                seed: int = 0, recompute: bool = False) -> tuple[list[Candidate], list[dict]]:
+                seed: int = 0, recompute: bool = False, wall_factor: float = WALL_FACTOR
+                ) -> tuple[list[Candidate], list[dict]]:
     """Candidates from CP-SAT with at most 1 and at most ``chunks_max`` stages per rank, each
     with policy-scheduler knobs (I/W split at two warm-up depths, and plain B). With
     ``recompute``, a stage count whose problem has no solution within memory is solved again
@@ -361,7 +370,7 @@ def cpsat_seeds(evaluator: Evaluator, config: Config, *, chunks_max: int, time_l
         hint = (bounds_of(balanced_partition(profile, hint_stages)), loop_placement(config.pp, hint_stages))
         for recomputing in (False, True) if recompute else (False,):
             problem = problem_for(evaluator, config, num_stages, max_per_rank=cap, recompute=recomputing)
-            solution = solve_partition(problem, hint=hint, time_limit_s=limit, seed=seed)
+            solution = solve_partition(problem, hint=hint, time_limit_s=limit, seed=seed, wall_factor=wall_factor)
             if solution is not None:
                 break
         if solution is None:
