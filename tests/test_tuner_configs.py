@@ -127,3 +127,16 @@ def test_cli_tunes_several_sizes_and_says_which_configuration_won(profile_file, 
     assert refused.exit_code == 2 and "--global-batch" in refused.output
     same = runner.invoke(app, ["compare", str(small), str(small), "--gpus", "2", "--global-batch", "8", *net])
     assert same.exit_code == 2 and "microbatch_size" in same.output
+
+
+def test_plans_priced_once_are_not_simulated_again():
+    from octoplan.tuner import compare_baselines, tune
+
+    profile, opts = two_layers(), TuneOptions(gpus=2, global_batch=4, max_plans=100)
+    ev = Evaluator(profile, cluster())
+    first = compare_baselines(profile, cluster(), opts, evaluator=ev)
+    priced = ev.evaluations
+    assert priced > 0
+    assert compare_baselines(profile, cluster(), opts, evaluator=ev) == first and ev.evaluations == priced
+    with pytest.raises(ValueError, match="another profile or cluster"):
+        tune(profile, cluster(4), replace(opts, gpus=4), evaluator=ev)

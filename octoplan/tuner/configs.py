@@ -167,10 +167,13 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
     refusals: list[InputError] = []
     leads: list[tuple[Path | None, Profile, float]] = []  # each size's best fitting baseline (ms)
     priced: dict[int, list[BaselineRow]] = {}  # each size's baselines, for the sizes left untuned
+    # each size's priced plans, kept for its tune: its baselines are not simulated twice
+    evaluators: dict[int, Evaluator] = {}
     if len(ordered) > 1:
         for path, profile in ordered:
+            evaluators[profile.microbatch_size] = Evaluator(profile, Cluster(**{**cluster.to_dict(), "gpus": opts.gpus}))
             try:
-                rows = compare_baselines(profile, cluster, opts)
+                rows = compare_baselines(profile, cluster, opts, evaluator=evaluators[profile.microbatch_size])
             except InputError as exc:
                 refusals.append(exc)  # the batch does not split into this size's microbatches
                 continue
@@ -185,8 +188,8 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
         ordered = kept
     else:
         untuned = []
-    # the pricing above comes out of the time limit (not out of --max-plans, which counts the
-    # tunes' plans: the same result at any load), and every tune keeps at least a tenth of it
+    # the pricing above comes out of the time limit, and every tune keeps at least a tenth of it;
+    # under --max-plans a size's pricing counts among its tune's plans (its evaluator's)
     left_s = max(opts.time_limit_s / 10, opts.time_limit_s - (time.perf_counter() - started))
     shares = max(1, len(ordered))
     share = replace(opts, time_limit_s=left_s / shares,
@@ -194,7 +197,8 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
     tuned: list[tuple[Path | None, Profile, TuneResult]] = []
     for path, profile in ordered:
         try:
-            tuned.append((path, profile, tune(profile, cluster, share, profile_path=path, progress=progress)))
+            tuned.append((path, profile, tune(profile, cluster, share, profile_path=path, progress=progress,
+                                              evaluator=evaluators.get(profile.microbatch_size))))
         except InputError as exc:
             if len(profiles) == 1:
                 raise

@@ -187,13 +187,27 @@ def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
     return out
 
 
-def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions) -> list[BaselineRow]:
-    """The baselines alone (``octoplan compare`` adds the tuned plan to them)."""
+def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions, *,
+                      evaluator: Evaluator | None = None) -> list[BaselineRow]:
+    """The baselines alone (``octoplan compare`` adds the tuned plan to them). ``evaluator``:
+    one to price them with and keep them in (see :func:`tune`)."""
     configs = configs_for(profile, opts)
-    if cluster.gpus != opts.gpus:
-        cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
-    search = Search(Evaluator(profile, cluster), opts, None)
+    cluster = _with_gpus(cluster, opts.gpus)
+    search = Search(_evaluator_for(profile, cluster, evaluator), opts, None)
     return collect_baselines(profile, cluster, configs, opts, search)
+
+
+def _with_gpus(cluster: Cluster, gpus: int) -> Cluster:
+    return cluster if cluster.gpus == gpus else Cluster(**{**cluster.to_dict(), "gpus": gpus})
+
+
+def _evaluator_for(profile: Profile, cluster: Cluster, given: Evaluator | None) -> Evaluator:
+    """``given`` where it prices this profile on this cluster, a new one where none is given."""
+    if given is None:
+        return Evaluator(profile, cluster)
+    if given.profile is not profile or given.cluster != cluster:
+        raise ValueError("the evaluator given prices another profile or cluster")
+    return given
 
 
 def tune(
@@ -205,17 +219,19 @@ def tune(
     progress: ProgressFn | None = None,
     seed_families: Sequence[SeedFamily] | None = None,
     neighbourhoods: Sequence[Neighbourhood] | None = None,
+    evaluator: Evaluator | None = None,
 ) -> TuneResult:
     """The fastest plan the search finds that fits memory; ``InputError`` if none fits.
     ``seed_families`` and ``neighbourhoods`` replace :data:`~octoplan.tuner.seeds.SEED_FAMILIES`
-    and :data:`~octoplan.tuner.neighbourhoods.NEIGHBOURHOODS` (in order)."""
+    and :data:`~octoplan.tuner.neighbourhoods.NEIGHBOURHOODS` (in order). ``evaluator``: one that
+    priced plans of this profile and cluster (its ``gpus`` set to ``opts.gpus``) before, such as
+    :func:`compare_baselines`'s, so they cost nothing again; its plans count as the search's."""
     opts = _checked(profile, opts, profile_path)
     configs = configs_for(profile, opts)
-    if cluster.gpus != opts.gpus:
-        cluster = Cluster(**{**cluster.to_dict(), "gpus": opts.gpus})
+    cluster = _with_gpus(cluster, opts.gpus)
     # the search's own bound on stages per rank: no rank can hold more stages than there are
     # layers, so a larger --chunks-max changes nothing (the baselines read the bound as given)
-    search = Search(Evaluator(profile, cluster),
+    search = Search(_evaluator_for(profile, cluster, evaluator),
                     replace(opts, chunks_max=min(opts.chunks_max or DEFAULT_CHUNKS, profile.num_layers)),
                     progress, neighbourhoods=neighbourhoods)
     baselines = collect_baselines(profile, cluster, configs, opts, search) if opts.baselines else []
