@@ -25,6 +25,11 @@ the saved-tensor boxes octorun records every forward into (the profiler times wh
 
 Run: .venv/bin/python benchmarks/bench_profiler.py overhead [--rounds 60]
 
+``estimators``: which figure of a layer's repeats keeps its share steadiest from one profile to
+the next: the median, the median of the faster half, or the least (the profiler's).
+
+Run: .venv/bin/python benchmarks/bench_profiler.py estimators [--profiles 3] [--repeat 10]
+
 ``--in-process`` profiles in this one process instead: on a CPU the difference between the two
 is what depends on where a process's tensors happen to lie in memory (caches, pages), which
 stays fixed within a process and which no order of repeats can even out.
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import json
 import shlex
 import statistics
 import subprocess
@@ -238,6 +244,48 @@ def overhead(args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
 
+# one profile with a chosen estimator of the in-sequence repeats, run as its own process; prints
+# each layer's share of the layers' F + B as JSON
+_ESTIMATOR_RUN = """
+import json, statistics, sys
+import octoplan.sequence_timing as timing
+from octoplan.profiler import profile_model_file
+def faster_half(samples):
+    ordered = sorted(samples)
+    return statistics.median(ordered[: max(1, len(ordered) // 2)])
+timing.least = {"median": statistics.median, "least": min, "faster-half median": faster_half}[sys.argv[1]]
+profile = profile_model_file(sys.argv[2], device="cpu", repeat=int(sys.argv[3]))
+total = sum(layer.forward_ms + layer.b_ms for layer in profile.layers)
+print(json.dumps([(layer.forward_ms + layer.b_ms) / total for layer in profile.layers]))
+"""
+ESTIMATORS = ("median", "faster-half median", "least")
+
+
+def estimators(args: argparse.Namespace) -> None:
+    """Per example model, ``--profiles`` rounds; in each round one profile per estimator of a
+    layer's in-sequence repeats, each its own process, the estimators interleaved so load hits
+    them alike. Prints, per model and estimator, the largest (max - min) / min of a layer's share
+    over the rounds (layers holding >= 5% of the sum), and the largest move in points."""
+    print(f"{datetime.datetime.now().isoformat(timespec='minutes')}, load average at the start: "
+          f"{Path('/proc/loadavg').read_text().split()[:3]}")
+    shares: dict[tuple[str, str], list[list[float]]] = {}
+    for _ in range(args.profiles):
+        for name in MODELS:
+            for estimator in ESTIMATORS:
+                done = subprocess.run([sys.executable, "-c", _ESTIMATOR_RUN, estimator, str(EXAMPLES / f"{name}.py"),
+                                       str(args.repeat)], capture_output=True, text=True, check=True)
+                shares.setdefault((name, estimator), []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"\n| model | estimator | largest share move, layers >= 5% | all layers, points |\n|---|---|---:|---:|")
+    for name in MODELS:
+        for estimator in ESTIMATORS:
+            runs = shares[(name, estimator)]
+            per_layer = list(zip(*runs))
+            rel = max(((max(v) - min(v)) / min(v) for v in per_layer if min(v) >= 0.05), default=0.0)
+            points = max(100 * (max(v) - min(v)) for v in per_layer)
+            print(f"| {name} | {estimator} | {rel:.1%} | {points:.2f} |")
+    print(f"\nload average at the end: {Path('/proc/loadavg').read_text().split()[:3]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -257,7 +305,14 @@ def main() -> None:
     boxes = commands.add_parser("overhead", help="the in-sequence pass against the whole model, with and without "
                                                  "saved-tensor boxes (CPU)")
     boxes.add_argument("--rounds", type=int, default=60)
+    choose = commands.add_parser("estimators", help="the median, the faster half's median and the least repeat, "
+                                                    "side by side: which keeps a layer's share steadiest")
+    choose.add_argument("--profiles", type=int, default=3, help="rounds of one profile per estimator")
+    choose.add_argument("--repeat", type=int, default=10)
     args = parser.parse_args()
+    if args.command == "estimators":
+        estimators(args)
+        return
     if args.command == "repeatability":
         repeatability(args)
         return

@@ -11,7 +11,8 @@ the previous layer's and finds the caches as that layer left them: timed alone, 
 12-46% off on an H200, and the layers summed to 0.84-1.26x the whole model on a CPU. Each timed repeat
 runs, in turn, F then B over all layers, F then I then W over all layers, and the whole model;
 repeat r of every layer comes before repeat r + 1 of any, so a drift in the machine's speed moves
-all layers alike. Per layer, medians over ``repeat`` repeats after ``warmup`` untimed ones:
+all layers alike. Per layer, the least of ``repeat`` repeats after ``warmup`` untimed ones
+(:func:`~octoplan.sequence_timing.least`: noise only adds to a repeat):
 
 - ``forward_ms``: the layer's forward with autograd recording (the last layer's includes
   ``loss_fn``);
@@ -20,7 +21,7 @@ all layers alike. Per layer, medians over ``repeat`` repeats after ``warmup`` un
 - ``backward_weight_ms``: :func:`backward_weight`, the gradient w.r.t. the layer's parameters;
 - ``backward_ms``: both in one ``torch.autograd.grad`` pass, which is what a B op runs. A layer
   with no floating inputs (the first) has no I, so its W and B are one pass and carry one figure,
-  the median of both measurements' samples.
+  the least of both measurements' samples.
 
 The profile also records each layer's spread over the repeats (``relative_spread``), the
 whole model's time from the same run against the layers' sum, and, as a cross-check, each layer
@@ -66,7 +67,7 @@ from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.precision import DEFAULT_PRECISION, PROFILE_DTYPE, autocast, check_precision
 from octoplan.profile import MAX_MICROBATCH_SIZE, Layer, LayerTimes, ModelRef, Profile, TiedParameter, WholeModelCheck
 from octoplan.splitgrad import PendingWeightGrads, SavedTensors, backward_input, backward_weight
-from octoplan.sequence_timing import SPREAD_WARNING, Chain, in_sequence_times, relative_spread, time_in_sequence
+from octoplan.sequence_timing import SPREAD_WARNING, Chain, in_sequence_times, least, relative_spread, time_in_sequence
 from octoplan.yamlio import read_yaml_value
 
 __all__ = [
@@ -691,10 +692,10 @@ def profile_model_file(
         log.info("layer %d/%d %s: F %.3f ms, I %.3f ms, W %.3f ms, B %.3f ms in sequence (alone: F %.3f, B %.3f); spread %.1f%%",
                  index + 1, total, alone.name, times.forward_ms, times.backward_input_ms, times.backward_weight_ms,
                  times.backward_ms, alone.forward_ms, alone.b_ms, 100 * layers[-1].spread)
-    whole_ms = statistics.median(samples.whole)
+    whole_ms = least(samples.whole)  # as the layers' times: the least repeat
     whole_model = WholeModelCheck(
         ms=whole_ms, layers_sum_ms=sum(layer.forward_ms + layer.b_ms for layer in layers),
-        in_sequence_ms=statistics.median(samples.passes),
+        in_sequence_ms=least(samples.passes),
         isolated_sum_ms=sum(layer.isolated.f_plus_b_ms for layer in layers),
     ) if whole_ms > 0 else None
     # Kept in the profile (FORMATS.md section 2 allows extra fields): timings mean little without them.

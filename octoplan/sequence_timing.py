@@ -22,7 +22,7 @@ from octoplan.precision import autocast
 from octoplan.profile import LayerTimes
 from octoplan.splitgrad import PendingWeightGrads, SavedTensors, backward_input, backward_weight, root_edge
 
-__all__ = ["SPREAD_WARNING", "relative_spread", "Chain", "SequenceSamples", "time_in_sequence", "in_sequence_times"]
+__all__ = ["SPREAD_WARNING", "least", "relative_spread", "Chain", "SequenceSamples", "time_in_sequence", "in_sequence_times"]
 
 # (layer index, layer name, the last layer's outputs, targets) -> the loss, as the profiler computes it
 LossFn = Callable[[int, str, Any, Any], torch.Tensor]
@@ -285,19 +285,32 @@ def time_in_sequence(chain: Chain, *, clock: _Clock, repeat: int, warmup: int) -
     return SequenceSamples(forward, fused, inputs, weight, f_plus_b, passes, whole, *shape)
 
 
+def least(samples: Sequence[float]) -> float:
+    """The time a profile keeps of a layer's repeats: the least.
+
+    A repeat runs a fixed amount of work, and whatever else shares the machine (another
+    process, a clock that slows, a cache another job emptied) only ever adds to it, so the
+    least repeat is the closest to the work itself. It is also the figure that repeats: three
+    back-to-back profiles of each example model on this project's shared CPU moved a layer's
+    share of the sum by 3.4-6.6% with the least repeat, against 12.3-22.4% with the median
+    (docs/BENCHMARKS.md, "Profiler accuracy"). The spread (:func:`relative_spread`) still says how
+    far the repeats fell apart."""
+    return min(samples)
+
+
 def in_sequence_times(samples: SequenceSamples, index: int) -> LayerTimes:
-    """A layer's F, I, W and B, medians of its in-sequence samples, by the rules of the
-    isolated timing: no I without floating inputs (the first layer's are data), no W without
-    parameters, no backward where the output carries no gradient; and where there is no I, W
-    and B are one autograd pass and get one figure, the median of both passes' samples."""
+    """A layer's F, I, W and B, the least of its in-sequence samples (:func:`least`), by the
+    rules of the isolated timing: no I without floating inputs (the first layer's are data), no
+    W without parameters, no backward where the output carries no gradient; and where there is
+    no I, W and B are one autograd pass and get one figure, the least of both passes' samples."""
     backward = samples.has_roots[index]
     has_inputs, has_params = samples.has_inputs[index] and backward, samples.has_params[index] and backward
-    forward_ms = statistics.median(samples.forward[index])
-    input_ms = statistics.median(samples.input[index]) if has_inputs else 0.0
-    weight_ms = statistics.median(samples.weight[index]) if has_params else 0.0
-    fused_ms = statistics.median(samples.fused[index]) if has_inputs or has_params else 0.0
+    forward_ms = least(samples.forward[index])
+    input_ms = least(samples.input[index]) if has_inputs else 0.0
+    weight_ms = least(samples.weight[index]) if has_params else 0.0
+    fused_ms = least(samples.fused[index]) if has_inputs or has_params else 0.0
     if has_params and not has_inputs:
-        weight_ms = fused_ms = statistics.median(samples.weight[index] + samples.fused[index])
+        weight_ms = fused_ms = least(samples.weight[index] + samples.fused[index])
     return LayerTimes(forward_ms, input_ms, weight_ms, fused_ms)
 
 

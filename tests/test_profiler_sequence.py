@@ -147,7 +147,7 @@ def test_the_sum_of_the_layers_is_the_sum_the_profile_reports(tmp_path):
                                                       for layer in profile.layers))
     assert check.ratio == pytest.approx(check.layers_sum_ms / check.ms)
     # the pass the layers' times come from, start to end: the sum of its marks, so near the
-    # layers' sum (a median of sums against a sum of medians)
+    # layers' sum (the least sum against a sum of least times)
     assert check.in_sequence_ms == pytest.approx(check.layers_sum_ms, rel=0.1)
     assert profile.extra["profiler"]["layer_times"] == "in-sequence"
 
@@ -356,3 +356,17 @@ def test_cuda_in_sequence_times_come_from_events(tmp_path):
     for layer, (f_ms, i_ms, w_ms) in zip(profile.layers, SPIN_COSTS):
         assert layer.forward_ms >= 0.9 * f_ms and layer.backward_ms >= 0.9 * (i_ms + w_ms)
     assert 0.8 <= profile.whole_model.ratio <= 1.25
+
+
+def test_a_layers_time_is_its_least_repeat_as_noise_only_adds():
+    from octoplan.sequence_timing import SequenceSamples, in_sequence_times
+
+    # two layers: the first has no floating inputs (data), so its W and B are one figure, the
+    # least of both passes' samples; the second's F, I, W and B each their least repeat
+    samples = SequenceSamples(
+        forward=[[2.0, 1.5, 3.0, 1.6], [4.0, 4.4, 3.9, 5.0]], fused=[[6.0, 5.0], [7.0, 6.5]],
+        input=[[9.0, 9.0], [3.0, 2.5]], weight=[[5.5, 4.5], [4.0, 4.1]], f_plus_b=[[], []],
+        passes=[], whole=[], has_inputs=[False, True], has_params=[True, True], has_roots=[True, True])
+    first, second = in_sequence_times(samples, 0), in_sequence_times(samples, 1)
+    assert (first.forward_ms, first.backward_input_ms, first.backward_weight_ms, first.backward_ms) == (1.5, 0.0, 4.5, 4.5)
+    assert (second.forward_ms, second.backward_input_ms, second.backward_weight_ms, second.backward_ms) == (3.9, 2.5, 4.0, 6.5)
