@@ -180,6 +180,11 @@ class SimResult:
     def num_ranks(self) -> int:
         return len(self._schedule)
 
+    @property
+    def busiest_rank(self) -> int:
+        """The rank that computes longest (the lowest such rank on a tie)."""
+        return max(range(self.num_ranks), key=lambda r: (self.busy_ms[r], -r))
+
     def _op(self, key: int) -> Op:
         code, mb = divmod(key, self._num_mb)
         stage, kind = divmod(code, 4)

@@ -85,12 +85,9 @@ def time_parts(evaluator: Evaluator, cand: Candidate) -> tuple[dict[str, float],
     GPUs' work (bubbles) and on the wire (transfers), and the all-reduce's tail after the last op
     of any GPU. And whether a wire wait was on a link between nodes."""
     timeline = evaluator.timeline(cand)
-    busiest = max(range(cand.config.pp), key=lambda r: (timeline.busy_ms[r], -r))
-    again = 0.0
-    for span in timeline.spans(busiest):
-        if span.op.kind in (Kind.I, Kind.B) and span.op.stage in cand.recompute:
-            start = cand.bounds[span.op.stage]
-            again += evaluator.table.stage(start, start + cand.recomputed_layers(span.op.stage)).forward_ms
+    busiest = timeline.busiest_rank
+    again = sum(evaluator.recomputed_forward_ms(cand, span.op.stage) for span in timeline.spans(busiest)
+                if span.op.kind in (Kind.I, Kind.B))
     last_op_end = max((span.end_ms for span in timeline.spans()), default=0.0)
     tail = max(0.0, timeline.iteration_ms - last_op_end)
     wire = 0.0
@@ -182,10 +179,10 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
             leads.append((path, profile, min(fitting, default=math.inf)))
         fastest = min((ms for _, _, ms in leads), default=math.inf)
         # every size where nothing fits stays in (recomputing stages may fit), as do sizes close enough
-        kept = [(path, profile) for path, profile, ms in leads
-                if not math.isfinite(fastest) or not math.isfinite(ms) or ms <= MAX_TUNER_GAIN * fastest]
-        untuned = [(path, profile) for path, profile, _ in leads if (path, profile) not in kept]
-        ordered = kept
+        close = [not math.isfinite(fastest) or not math.isfinite(ms) or ms <= MAX_TUNER_GAIN * fastest
+                 for _, _, ms in leads]
+        ordered = [(path, profile) for (path, profile, _), keep in zip(leads, close) if keep]
+        untuned = [(path, profile) for (path, profile, _), keep in zip(leads, close) if not keep]
     else:
         untuned = []
     # the pricing above comes out of the time limit, and every tune keeps at least a tenth of it;
@@ -207,12 +204,12 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
         raise refusals[0]
     rows: list[ConfigRow] = []
     for path, profile, result in tuned:
-        evaluator = Evaluator(profile, result.plan.cluster)
+        evaluator = evaluators.get(profile.microbatch_size) or Evaluator(profile, result.plan.cluster)
         for cand, scored in result.configs:
             parts, cross = time_parts(evaluator, cand)
             rows.append(ConfigRow(profile.microbatch_size, cand, scored, parts, cross))
     for path, profile in untuned:  # their configurations as the baselines priced them
-        evaluator = Evaluator(profile, Cluster(**{**cluster.to_dict(), "gpus": opts.gpus}))
+        evaluator = evaluators[profile.microbatch_size]
         best: dict[Config, BaselineRow] = {}
         for row in priced[profile.microbatch_size]:
             if row.config not in best or row.scored.score < best[row.config].scored.score:

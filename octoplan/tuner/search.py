@@ -418,7 +418,7 @@ def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs
     # work is to FORMATS.md section 7's lower bound) x schedule (how little that rank idles), and
     # when it idles: a warm-up says it needs less work, waits between ops a lighter neighbour
     timeline = evaluator.timeline(best)
-    busiest = max(range(best.config.pp), key=lambda r: (timeline.busy_ms[r], -r))
+    busiest = timeline.busiest_rank
     warm_up, between, drain = timeline.idle_parts(busiest)
     stats = {
         "seed": opts.seed,
@@ -441,7 +441,7 @@ def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs
         "busiest_rank": busiest,
         "busiest_busy_ms": round(timeline.busy_ms[busiest], 4),
         # of which the forwards that recomputing stages run again in their I and B ops
-        "busiest_recompute_ms": round(sum(_again_ms(evaluator, best, op.stage) for op in plan.schedule[busiest]
+        "busiest_recompute_ms": round(sum(evaluator.recomputed_forward_ms(best, op.stage) for op in plan.schedule[busiest]
                                           if op.kind in (Kind.I, Kind.B)), 4),
         "lower_bound_ms": round(timeline.lower_bound_ms, 4),
         # a profile of layers that take no time makes every plan perfect: 1, not a division by 0
@@ -456,13 +456,6 @@ def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs
         stats["policies"] = [p.to_dict() for p in best.policies]
     stats["runs_on"] = opts.runs_on
     return stats
-
-
-def _again_ms(evaluator: Evaluator, cand: Candidate, stage: int) -> float:
-    """The forward time ``stage``'s first backward op runs again: its recomputed layers' (0
-    where the stage does not recompute)."""
-    start = cand.bounds[stage]
-    return evaluator.table.stage(start, start + cand.recomputed_layers(stage)).forward_ms
 
 
 def _final_plan(evaluator: Evaluator, cand: Candidate, *, profile_path: str | Path | None) -> Plan:

@@ -140,6 +140,12 @@ class Evaluator:
             cost = self._stage_cache[key] = self.table.stage(start, end, recompute=key[2] > 0, recompute_layers=key[2] or None)
         return cost
 
+    def recomputed_forward_ms(self, cand: Candidate, stage: int) -> float:
+        """The forward time ``stage``'s first backward op runs again: its recomputed layers' (0
+        where the stage does not recompute)."""
+        start = cand.bounds[stage]
+        return self.table.stage(start, start + cand.recomputed_layers(stage)).forward_ms
+
     def costs(self, cand: Candidate) -> list[StageCost]:
         return [self.stage_cost(cand.bounds[i], cand.bounds[i + 1], cand.recomputed_layers(i)) for i in range(cand.num_stages)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar, Iterator
 
 from octoplan.simulator import SimResult
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["Neighbourhood"]
 
 
-class Neighbourhood:
+class Neighbourhood(ABC):
     """One kind of move. A climb asks each neighbourhood in turn, at every step, for the
     candidates one move away from the current one, and takes the first that is faster; so a
     neighbourhood yields its most promising moves first, and lazily: the climb stops reading
@@ -26,9 +27,9 @@ class Neighbourhood:
     name: ClassVar[str] = ""
     dimensions: ClassVar[tuple[str, ...]] = ()
 
+    @abstractmethod
     def moves(self, search: Search, cand: Candidate, timeline: SimResult, deadline: float) -> Iterator[Candidate]:
         """The candidates one move from ``cand``, whose simulated ``timeline`` is given; the
         search's clock must not pass ``deadline`` (seconds since tuning began) for a move
         that costs more than a simulation. Moves may repeat or break a rule: the climb skips
         what the evaluator rejects and what ``--runs-on`` does not allow."""
-        raise NotImplementedError
