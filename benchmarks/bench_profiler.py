@@ -18,7 +18,8 @@ the whole model timed in the same run, and how far each layer's share of the sum
 the layers' F + B) moved between the three. Targets: the sum within 5% of the whole model, the
 shares within 3% of themselves.
 
-Run: .venv/bin/python benchmarks/bench_profiler.py repeatability [--profiles 3] [--device cpu] [--repeat N] [--in-process]
+Run: .venv/bin/python benchmarks/bench_profiler.py repeatability [--profiles 3] [--device cpu|cuda] [--size small|large]
+     [--repeat N] [--in-process]
 
 ``overhead``: the pass the layers are timed in against the plain whole model, with and without
 the saved-tensor boxes octorun records every forward into (the profiler times what octorun runs).
@@ -130,6 +131,8 @@ def repeatability(args: argparse.Namespace) -> None:
     command = [*_octoplan(), "profile", "MODEL", "--device", args.device, "-o", "OUT.yaml"]
     if args.repeat is not None:
         command[-2:-2] = ["--repeat", str(args.repeat)]
+    print(f"size: {args.size}" + (" (GPU-sized layers: each model's LARGE config as --config options)"
+                                  if args.size == "large" else ""))
     started = datetime.datetime.now().isoformat(timespec="minutes")
     print(f"{started}, load average at the start: {Path('/proc/loadavg').read_text().split()[:3]}")
     if args.in_process:
@@ -150,12 +153,15 @@ def repeatability(args: argparse.Namespace) -> None:
         for model in models:
             profiles = []
             for run in range(args.profiles):
+                config = LARGE[model.stem] if args.size == "large" else None
                 if args.in_process:  # one process: the same memory placement for every profile
                     kwargs = {} if args.repeat is None else {"repeat": args.repeat}
+                    kwargs["config"] = config
                     profiles.append(profile_to_dict(profile_model_file(str(model), device=args.device, **kwargs)))
                     continue
                 out = Path(folder) / f"{model.stem}-{run}.yaml"
                 argv = [str(model) if part == "MODEL" else str(out) if part == "OUT.yaml" else part for part in command]
+                argv += [item for key, value in (config or {}).items() for item in ("--config", f"{key}={value}")]
                 done = subprocess.run(argv, capture_output=True, text=True)
                 if done.returncode != 0:
                     sys.exit(f"{shlex.join(argv)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -298,6 +304,7 @@ def main() -> None:
     repeat = commands.add_parser("repeatability", help="three back-to-back profiles per example model")
     repeat.add_argument("--profiles", type=int, default=3, help="back-to-back profiles per model")
     repeat.add_argument("--device", default="cpu")
+    repeat.add_argument("--size", choices=("small", "large"), default="small", help="large: GPU-sized layers")
     repeat.add_argument("--repeat", type=int, default=None, help="octoplan profile --repeat [default: its own]")
     repeat.add_argument("--in-process", action="store_true",
                         help="the profiles in this process, not one command each: what stays the same within a process "

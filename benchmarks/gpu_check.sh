@@ -26,8 +26,12 @@
 #      schedule, --activation-memory against the bf16 profile's prediction), saving a checkpoint
 #      after step 2 (torch.distributed.checkpoint from CUDA tensors); then resumed from that
 #      checkpoint, whose steps 2 and 3 must repeat the first run's losses bit for bit.
+#   6. the profiler's repeatability: PROFILES (3) back-to-back `octoplan profile` commands per
+#      example model at each size, each profile's layers' F + B against the whole model timed in
+#      the same run, and how far each layer's share moved between them
+#      (benchmarks/bench_profiler.py repeatability).
 # BF16_MODELS="tiny_gpt" runs step 5 on that model only.
-# STEPS="1 3" runs only those steps (step 4 needs step 3 and the small size); SIZES="small"
+# STEPS="6 5 1" runs only those steps (step 4 needs step 3 and the small size); SIZES="small"
 # skips the GPU-sized models.
 set -euo pipefail
 DEVICE="${DEVICE:-cuda}"
@@ -40,7 +44,7 @@ trap 'tar -czf "$OUT/models.tar.gz" -C "$WORK" . 2>/dev/null; rm -rf "$WORK"' EX
 export COLUMNS=200 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ROUNDS="${ROUNDS:-3}"
 if [ "$DEVICE" = cuda ]; then SIZES="${SIZES:-small large}"; else SIZES="${SIZES:-small}"; fi
-STEPS="${STEPS:-1 2 3 4 5}"  # which of the steps below to run
+STEPS="${STEPS:-1 2 3 4 5 6}"  # which of the steps below to run
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 if step 4 && ! step 3; then echo "gpu_check.sh: STEPS=\"$STEPS\": step 4 trains on step 3's profiles; add 3" >&2; exit 2; fi
 if step 4 && [[ " $SIZES " != *" small "* ]]; then echo "gpu_check.sh: SIZES=\"$SIZES\": step 4 uses the small models; add small" >&2; exit 2; fi
@@ -133,4 +137,11 @@ print(f"{sys.argv[3]} bf16: losses {[round(w['loss'], 6) for w in whole]}, itera
 PY
     done
 fi
-echo "== done: $OUT (profiler.md, models.tar.gz: each model's profile, plan, metrics and trace)"
+if step 6; then
+    for size in $SIZES; do
+        echo "== 6. the profiler's repeatability on $DEVICE, $size layers: ${PROFILES:-3} back-to-back profiles per model"
+        "$PY" benchmarks/bench_profiler.py repeatability --device "$DEVICE" --size "$size" --profiles "${PROFILES:-3}" \
+            | tee -a "$OUT/repeatability.md"
+    done
+fi
+echo "== done: $OUT (profiler.md, repeatability.md, models.tar.gz: each model's profile, plan, metrics and trace)"

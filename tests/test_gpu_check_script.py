@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_gpu_check_script_runs_on_the_cpu(tmp_path):
     env = {**os.environ, "DEVICE": "cpu", "PY": sys.executable, "OUT": str(tmp_path), "ROUNDS": "1", "PYTEST": "0",
-           "BF16_MODELS": "tiny_gpt"}
+           "BF16_MODELS": "tiny_gpt", "PROFILES": "2"}
     done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["models.tar.gz", "profiler.md"]  # within the device tool's 8 files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models.tar.gz", "profiler.md", "repeatability.md"]  # within the device tool's 8 files
     table = (tmp_path / "profiler.md").read_text().splitlines()
     assert [row.split("|")[1].strip() for row in table[2:]] == ["tiny_gpt", "vlm", "hybrid"]
+    repeats = [row for row in (tmp_path / "repeatability.md").read_text().splitlines() if row.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in repeats[1:]] == ["hybrid", "tiny_gpt", "vlm"]  # step 6, a row per model
     with tarfile.open(tmp_path / "models.tar.gz") as archive:
         archive.extractall(tmp_path / "models", filter="data")
     for model in ("tiny_gpt", "vlm", "hybrid"):
