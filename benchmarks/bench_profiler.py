@@ -152,8 +152,8 @@ def repeatability(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as folder:
         for model in models:
             profiles = []
+            config = LARGE[model.stem] if args.size == "large" else None
             for run in range(args.profiles):
-                config = LARGE[model.stem] if args.size == "large" else None
                 if args.in_process:  # one process: the same memory placement for every profile
                     kwargs = {} if args.repeat is None else {"repeat": args.repeat}
                     kwargs["config"] = config

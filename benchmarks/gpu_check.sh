@@ -31,7 +31,7 @@
 #      the same run, and how far each layer's share moved between them
 #      (benchmarks/bench_profiler.py repeatability).
 # BF16_MODELS="tiny_gpt" runs step 5 on that model only.
-# STEPS="6 5 1" runs only those steps (step 4 needs step 3 and the small size); SIZES="small"
+# STEPS="1 6" runs only those steps, in the order below (step 4 needs step 3 and the small size); SIZES="small"
 # skips the GPU-sized models.
 set -euo pipefail
 DEVICE="${DEVICE:-cuda}"
