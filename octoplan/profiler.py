@@ -63,6 +63,7 @@ import torch
 import yaml
 
 from octoplan.errors import InputError
+from octoplan.host_malloc import steady_malloc
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.precision import DEFAULT_PRECISION, PROFILE_DTYPE, autocast, check_precision
 from octoplan.profile import MAX_MICROBATCH_SIZE, Layer, LayerTimes, ModelRef, Profile, TiedParameter, WholeModelCheck
@@ -631,6 +632,7 @@ def profile_model_file(
     _check_positive(repeat, "--repeat", 1)
     _check_positive(warmup, "--warmup", 0)
     dev = _resolve_device(device)
+    malloc = steady_malloc()  # before the model's tensors: each process allocates alike
     mf = load_model_file(path, config, seed=seed)
     tied = _tied_parameters(mf)
     with _Threads(dev, threads) as used_threads:
@@ -702,6 +704,7 @@ def profile_model_file(
     settings: dict[str, Any] = {"repeat": repeat, "warmup": warmup, "seed": seed, "clock": timer.kind}
     if dev.type == "cpu":
         settings["threads"] = used_threads
+    settings["malloc"] = malloc  # octoplan.host_malloc
     settings["torch"] = str(torch.__version__)
     settings["split_backward"] = "boundary-capture"  # how I and W were separated (module docstring)
     settings["layer_times"] = "in-sequence"  # how F, I, W and B were timed (module docstring)
@@ -742,6 +745,7 @@ def measure_whole_model_ms(
     _check_positive(microbatch_size, "--microbatch-size", 1, MAX_MICROBATCH_SIZE)
     _check_positive(repeat, "--repeat", 1)
     dev = _resolve_device(device)
+    steady_malloc()  # as the profile's own (octoplan.host_malloc)
     mf = load_model_file(path, config, seed=seed)
     with _Threads(dev, threads) as used_threads:
         total = mf.num_layers()

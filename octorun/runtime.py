@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from octoplan.costs import LayerTable, op_ms, plan_stage_costs
 from octoplan.errors import InputError
+from octoplan.host_malloc import steady_malloc
 from octoplan.modelfile import ModelFile, as_args, load_model_file, microbatch_seed
 from octoplan.ops import Kind, Op
 from octoplan.outputs import StreamedOutput, check_distinct, check_writable, partial_path, write_text
@@ -1101,6 +1102,7 @@ def run(config: RunConfig) -> RunResult:
     Raises :class:`InputError` for bad input found before training starts. Failures once the job
     runs end the process (and the job) through the watchdog, never with a hang.
     """
+    steady_malloc()  # host allocations as the profiler's (octoplan.host_malloc)
     prepared = prepare(config)
     plan = prepared.plan
     _ensure_env()
