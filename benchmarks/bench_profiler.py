@@ -31,11 +31,6 @@ the next: the median, the median of the faster half, or the least (the profiler'
 
 Run: .venv/bin/python benchmarks/bench_profiler.py estimators [--profiles 3] [--repeat 10]
 
-``malloc``: glibc's malloc as it is (``OCTOPIPE_MALLOC=as-is``) against its thresholds fixed
-(octoplan.host_malloc, the default): page faults per repeat, the sum, the shares' moves.
-
-Run: .venv/bin/python benchmarks/bench_profiler.py malloc [--profiles 6] [--repeat 10]
-
 ``--in-process`` profiles in this one process instead: on a CPU the difference between the two
 is what depends on where a process's tensors happen to lie in memory (caches, pages), which
 stays fixed within a process and which no order of repeats can even out.
@@ -302,56 +297,6 @@ def estimators(args: argparse.Namespace) -> None:
     print(f"\nload average at the end: {Path('/proc/loadavg').read_text().split()[:3]}")
 
 
-_MALLOC_RUN = """
-import json, resource, sys
-import octoplan.profiler as profiler
-from octoplan.host_malloc import steady_malloc
-timed = profiler.time_in_sequence
-faults = []
-def counted(chain, *, clock, repeat, warmup):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    samples = timed(chain, clock=clock, repeat=repeat, warmup=warmup)
-    faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (repeat + warmup))
-    return samples
-profiler.time_in_sequence = counted
-profile = profiler.profile_model_file(sys.argv[1], device="cpu", repeat=int(sys.argv[2]))
-times = [layer.forward_ms + layer.b_ms for layer in profile.layers]
-print(json.dumps({"malloc": steady_malloc(), "faults": faults[0], "ratio": profile.whole_model.ratio, "times": times}))
-"""
-MALLOC_SETTINGS = ("as-is", "steady")
-
-
-def malloc(args: argparse.Namespace) -> None:
-    """glibc's malloc as it is against its thresholds fixed (octoplan.host_malloc): per example
-    model, ``--profiles`` rounds, each with one profile per setting (``OCTOPIPE_MALLOC``), each
-    its own process, the settings interleaved so load hits them alike. Prints the page faults
-    per in-sequence repeat (the mechanism), the layers' sum over the whole model, and how far the
-    layers' shares moved over the rounds."""
-    import os
-
-    print(f"{datetime.datetime.now().isoformat(timespec='minutes')}, load average at the start: "
-          f"{Path('/proc/loadavg').read_text().split()[:3]}")
-    runs: dict[tuple[str, str], list[dict]] = {}
-    for _ in range(args.profiles):
-        for name in MODELS:
-            for setting in MALLOC_SETTINGS:
-                env = {**os.environ, "OCTOPIPE_MALLOC": setting}
-                done = subprocess.run([sys.executable, "-c", _MALLOC_RUN, str(EXAMPLES / f"{name}.py"), str(args.repeat)],
-                                      capture_output=True, text=True, check=True, env=env)
-                runs.setdefault((name, setting), []).append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"\n{args.profiles} profiles per model and setting, --repeat {args.repeat}\n")
-    print("| model | malloc | minor page faults per in-sequence repeat (median) | layers' F + B / whole model "
-          "| largest share move, layers >= 5% | all layers, points |\n|---|---|---:|---|---:|---:|")
-    for name in MODELS:
-        for setting in MALLOC_SETTINGS:
-            found = runs[(name, setting)]
-            assert all(r["malloc"] == setting for r in found), found  # the process did as it was told
-            relative, points, _ = _share_moves([r["times"] for r in found])
-            print(f"| {name} | {setting} | {statistics.median(r['faults'] for r in found):.0f} | "
-                  f"{min(r['ratio'] for r in found):.3f}-{max(r['ratio'] for r in found):.3f} | {relative:.1%} | {points:.2f} |")
-    print(f"\nload average at the end: {Path('/proc/loadavg').read_text().split()[:3]}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -376,13 +321,7 @@ def main() -> None:
                                                     "side by side: which keeps a layer's share steadiest")
     choose.add_argument("--profiles", type=int, default=3, help="rounds of one profile per estimator")
     choose.add_argument("--repeat", type=int, default=10)
-    heap = commands.add_parser("malloc", help="glibc's malloc as it is against its thresholds fixed, side by side")
-    heap.add_argument("--profiles", type=int, default=6, help="rounds of one profile per setting")
-    heap.add_argument("--repeat", type=int, default=10)
     args = parser.parse_args()
-    if args.command == "malloc":
-        malloc(args)
-        return
     if args.command == "estimators":
         estimators(args)
         return
