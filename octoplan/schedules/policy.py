@@ -286,17 +286,30 @@ def _list_schedule(rank_of_stage: Sequence[int], stages_of: Sequence[Sequence[in
     deep_first = [p.deep_first for p in policies]
     w_fits_gap = [p.w_fits_gap for p in policies]
     last_stage = num_stages - 1
+    heappush, heappop = heapq.heappush, heapq.heappop
+    F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
 
-    def ready_ops(r: int) -> tuple[float, list]:
-        """The earliest time rank r can start something, and its candidates (ready_time, kind, stage, mb)."""
+    def push(r: int) -> None:
+        """Find rank r's candidates (ready_time, kind, stage, mb) anew, and queue the rank at the
+        earliest time it can start one of them (none: not queued, until a message comes)."""
+        version[r] += 1
         t = free[r]
-        found = [(t, 2, -1, -1)] if pending_w[r] else []
+        if pending_w[r]:
+            found = [(t, 2, -1, -1)]
+            when = t
+        else:
+            found = []
+            when = _INF
         for s in desc[r]:
             m = next_b[s]
             if m < next_f[s]:
                 a = t if s == last_stage else bwd_arrive[s + 1][m]  # -1: not sent yet
                 if a >= 0.0:
-                    found.append((a if a > t else t, 1, s, m))
+                    if a < t:
+                        a = t
+                    found.append((a, 1, s, m))
+                    if a < when:
+                        when = a
         first_r = first[r]
         for s in fwd_order[r]:
             m = next_f[s]
@@ -320,8 +333,14 @@ def _list_schedule(rank_of_stage: Sequence[int], stages_of: Sequence[Sequence[in
                             room -= act[s2] * (m - next_f[s2])
                 if room < 0.0 and m != oldest_with_ops(r):
                     continue
-            found.append((a if a > t else t, 0, s, m))
-        return (min(found)[0] if found else _INF), found
+            if a < t:
+                a = t
+            found.append((a, 0, s, m))
+            if a < when:
+                when = a
+        cached[r] = found
+        if when < _INF:
+            heappush(heap, (when, r, version[r]))
 
     def oldest_with_ops(r: int) -> int:
         m = oldest[r]
@@ -330,12 +349,6 @@ def _list_schedule(rank_of_stage: Sequence[int], stages_of: Sequence[Sequence[in
             m += 1
         oldest[r] = m
         return m
-
-    def push(r: int) -> None:
-        version[r] += 1
-        when, cached[r] = ready_ops(r)
-        if when < _INF:
-            heapq.heappush(heap, (when, r, version[r]))
 
     def send(r: int, dst: int, end: float, wire: float) -> float:
         key = (r, dst)
@@ -351,7 +364,7 @@ def _list_schedule(rank_of_stage: Sequence[int], stages_of: Sequence[Sequence[in
     while remaining:
         if not heap:
             raise RuntimeError("policy scheduler stalled; this is a bug (every order it builds should run)")
-        when, r, ver = heapq.heappop(heap)
+        when, r, ver = heappop(heap)
         if ver != version[r]:
             continue
         # a deferred W first when too many wait, or when Is that leave more than they found have
@@ -384,7 +397,7 @@ def _list_schedule(rank_of_stage: Sequence[int], stages_of: Sequence[Sequence[in
                     arriving = min((c[0] for c in cached[r] if c[1] != 2 and c[0] > when), default=_INF)
                     if arriving < when + w_ms[pending_w[r][0][0]]:
                         version[r] += 1
-                        heapq.heappush(heap, (arriving, r, version[r]))
+                        heappush(heap, (arriving, r, version[r]))
                         continue
                 choice = (2, -1, -1)
         kind, s, m = choice
@@ -396,11 +409,11 @@ def _list_schedule(rank_of_stage: Sequence[int], stages_of: Sequence[Sequence[in
         touched = -1
         if kind == 2:
             s, m = pending_w[r].pop(0)
-            out[r].append(Op(s, Kind.W, m))
+            out[r].append(Op(s, W, m))
             end = start + w_ms[s]
             tape[r] -= until_w[s]
         elif kind == 0:
-            out[r].append(Op(s, Kind.F, m))
+            out[r].append(Op(s, F, m))
             end = start + f_ms[s]
             next_f[s] += 1
             if s == first[r]:
@@ -417,12 +430,12 @@ def _list_schedule(rank_of_stage: Sequence[int], stages_of: Sequence[Sequence[in
                 touched = dst
         else:
             if split[s]:
-                out[r].append(Op(s, Kind.I, m))
+                out[r].append(Op(s, I, m))
                 end = start + i_ms[s]
                 pending_w[r].append((s, m))
                 tape[r] += after_i[s]
             else:
-                out[r].append(Op(s, Kind.B, m))
+                out[r].append(Op(s, B, m))
                 end = start + b_ms[s]
                 tape[r] -= act[s]
             next_b[s] += 1
