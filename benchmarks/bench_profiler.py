@@ -202,11 +202,10 @@ def overhead(args: argparse.Namespace) -> None:
     import torch
 
     from octoplan import profiler
+    from octoplan.host_malloc import steady_malloc
     from octoplan.modelfile import load_model_file
     from octoplan.sequence_timing import Chain, Marks
     from octoplan.splitgrad import SavedTensors
-
-    from octoplan.host_malloc import steady_malloc
 
     malloc = steady_malloc()  # as a profile's (OCTOPIPE_MALLOC=as-is: glibc's own)
     torch.set_num_threads(1)
