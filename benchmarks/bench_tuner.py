@@ -2,7 +2,7 @@
 and tuning time at 64 and 1024 GPUs.
 
     .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME] [--split-blocks] [--order-bound S] [--halve-layers]
-    .venv/bin/python benchmarks/bench_tuner.py caps
+    .venv/bin/python benchmarks/bench_tuner.py caps [--v-cut]
     .venv/bin/python benchmarks/bench_tuner.py scale --gpus 64 --time-limit 60
     .venv/bin/python benchmarks/bench_tuner.py spread --only gemma3-27b --perturb 1e-3 --seeds 1 2 3 [--workers 2]
 
@@ -21,7 +21,8 @@ the summary line also gives the speedup over the best without them. Efficiency =
 still measured on whole blocks (it cannot cut a block), and the best baseline is the fastest of
 both granularities' baselines. ``caps`` prints, per workload and granularity, the best balance
 any assignment of whole layers to pp ranks allows (a CP-SAT bin packing): an upper bound on the
-efficiency of every plan, whatever its schedule. ``--order-bound S`` bounds, for each tuned plan,
+efficiency of every plan, whatever its schedule; ``--v-cut`` adds, on split blocks, the best
+balance of a V layout (two stages per rank, r and 2 pp - 1 - r). ``--order-bound S`` bounds, for each tuned plan,
 every op order of its stages and placement (``octoplan bound --unbounded-in-flight``: CP-SAT for
 S seconds and the one-machine relaxation): how much of the gap is the order's.
 
@@ -268,7 +269,58 @@ def balance_cap(profile, pp: int, *, time_limit_s: float = 10.0) -> tuple[float,
     return bound_ms / (solver.ObjectiveValue() / 1000), bound_ms / (max(solver.BestObjectiveBound(), 1) / 1000)
 
 
+def v_cut_balance(profile, pp: int, *, time_limit_s: float = 10.0) -> tuple[float, float]:
+    """(best balance found, proven upper bound) of a V layout: the layers cut in order into
+    2 x pp stages, rank r holding stages r and 2 pp - 1 - r (interleaved 1F1B's V shape, which
+    starts and ends every microbatch on rank 0). The same balance as ``balance_cap``, over
+    these layouts only; CP-SAT over the 2 pp - 1 cut points (each stage's work read off the
+    prefix sums), in microseconds."""
+    from ortools.sat.python import cp_model
+
+    work = [round(1000 * (l.forward_ms + l.backward_input_ms + l.backward_weight_ms)) for l in profile.layers]
+    stages = 2 * pp
+    if len(work) < stages:
+        return float("nan"), float("nan")
+    bound_ms = max(sum(work) / pp, max(work)) / 1000
+    prefix = [0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+    model = cp_model.CpModel()
+    # stage s holds layers [start[s], start[s + 1]); done[s] = the work of the layers before it
+    start = [model.NewConstant(0)] + [model.NewIntVar(s, len(work) - stages + s, f"start{s}") for s in range(1, stages)]
+    start.append(model.NewConstant(len(work)))
+    done = []
+    for earlier, later in zip(start, start[1:]):
+        model.Add(later >= earlier + 1)  # no stage is empty
+    for s, first in enumerate(start):
+        done.append(model.NewIntVar(0, prefix[-1], f"done{s}"))
+        model.AddElement(first, prefix, done[-1])
+    stage_work = [done[s + 1] - done[s] for s in range(stages)]
+    busiest = model.NewIntVar(0, sum(work), "busiest")
+    for r in range(pp):
+        model.Add(stage_work[r] + stage_work[stages - 1 - r] <= busiest)
+    model.Minimize(busiest)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return float("nan"), float("nan")
+    return bound_ms / (solver.ObjectiveValue() / 1000), bound_ms / (max(solver.BestObjectiveBound(), 1) / 1000)
+
+
 def caps(args) -> None:
+    if args.v_cut:
+        print("| workload | pp | layers, split | balance cap, split blocks | best V cut, split blocks |")
+        print("|---|---|---|---|---|")
+        for w in SUITE:
+            profile, _ = _profile_and_cluster(w, split_blocks=True)
+            cells = [f"{found:.3f}" + ("" if proven - found < 5e-4 else f" (<= {proven:.3f})")
+                     for found, proven in (balance_cap(profile, w.pp, time_limit_s=args.time_limit),
+                                           v_cut_balance(profile, w.pp, time_limit_s=args.time_limit))]
+            print(f"| {w.name} | {w.pp} | {profile.num_layers} | " + " | ".join(cells) + " |", flush=True)
+        return
     print("| workload | pp | layers | balance cap, whole blocks | layers, split | balance cap, split blocks |")
     print("|---|---|---|---|---|---|")
     for w in SUITE:
@@ -326,6 +378,8 @@ def main() -> None:
     p.set_defaults(fn=spread)
     p = sub.add_parser("caps")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per workload and granularity")
+    p.add_argument("--v-cut", action="store_true",
+                   help="on split blocks, also the best balance of a V layout (stages r and 2 pp - 1 - r on rank r)")
     p.set_defaults(fn=caps)
     p = sub.add_parser("scale")
     p.add_argument("--gpus", type=int, default=64)
