@@ -2,7 +2,8 @@
 and tuning time at 64 and 1024 GPUs.
 
     .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME] [--split-blocks] [--order-bound S] [--halve-layers]
-    .venv/bin/python benchmarks/bench_tuner.py caps [--v-cut]
+        [--max-plans N] [--without-seeds FAMILY ...]
+    .venv/bin/python benchmarks/bench_tuner.py caps [--two-per-rank]
     .venv/bin/python benchmarks/bench_tuner.py scale --gpus 64 --time-limit 60
     .venv/bin/python benchmarks/bench_tuner.py spread --only gemma3-27b --perturb 1e-3 --seeds 1 2 3 [--workers 2]
 
@@ -21,9 +22,9 @@ the summary line also gives the speedup over the best without them. Efficiency =
 still measured on whole blocks (it cannot cut a block), and the best baseline is the fastest of
 both granularities' baselines. ``caps`` prints, per workload and granularity, the best balance
 any assignment of whole layers to pp ranks allows (a CP-SAT bin packing): an upper bound on the
-efficiency of every plan, whatever its schedule; ``--v-cut`` adds, on split blocks, the best
-balance of a V layout (two stages per rank, r and 2 pp - 1 - r). ``--order-bound S`` bounds, for each tuned plan,
-every op order of its stages and placement (``octoplan bound --unbounded-in-flight``: CP-SAT for
+efficiency of every plan, whatever its schedule; ``--two-per-rank`` adds, on split blocks, the
+best balance of two stages per rank in a loop (r and pp + r) and in a V (r and 2 pp - 1 - r).
+``--order-bound S`` bounds, for each tuned plan, every op order of its stages and placement (``octoplan bound --unbounded-in-flight``: CP-SAT for
 S seconds and the one-machine relaxation): how much of the gap is the order's.
 
 ``--halve-layers`` is a what-if: the tuned profile's layers (all but the embedding and the
@@ -42,11 +43,13 @@ import json
 import math
 import time
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from octoplan.arch import analytic_profile
 from octoplan.plan import Cluster
 from octoplan.simulator import simulate
 from octoplan.tuner import TuneOptions, compare_baselines, tune
+from octoplan.tuner.seeds import SEED_FAMILIES
 
 
 @dataclass(frozen=True)
@@ -102,13 +105,15 @@ def _halved(profile):
 
 def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placement", "schedule"), seed: int = 0,
             split_blocks: bool = False, chunks_max: int | None = None, order_bound_s: float = 0.0, workers: int = 1,
-            halve: bool = False) -> dict:
+            halve: bool = False, max_plans: int | None = None, without_seeds: Sequence[str] = ()) -> dict:
     profile, cluster = _profile_and_cluster(w, split_blocks=split_blocks, halve=halve)
     opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=time_limit, seed=seed,
-                       dimensions=tuple(dimensions), chunks_max=chunks_max, workers=workers)
+                       dimensions=tuple(dimensions), chunks_max=chunks_max, workers=workers, max_plans=max_plans)
+    families = [family for family in SEED_FAMILIES if family.name not in without_seeds]
     start = time.perf_counter()
     found: list[float] = [0.0]  # when the search last found a better plan (seconds into the tune)
-    result = tune(profile, cluster, opts, progress=lambda _best, _plans, elapsed: found.append(elapsed))
+    result = tune(profile, cluster, opts, progress=lambda _best, _plans, elapsed: found.append(elapsed),
+                  seed_families=families)
     wall = time.perf_counter() - start
     baselines = list(result.baselines)
     if split_blocks:  # the whole-block baselines too: Megatron-LM's, and any that beat the split ones
@@ -192,11 +197,16 @@ def _speedups(results, ms) -> str:
 
 
 def suite(args) -> None:
+    unknown = set(args.without_seeds) - {family.name for family in SEED_FAMILIES}
+    if unknown:
+        raise SystemExit(f"bench_tuner.py: --without-seeds {', '.join(sorted(unknown))}: no such seed family; "
+                         f"use one of: {', '.join(repr(f.name) for f in SEED_FAMILIES)}")
     chosen = [w for w in SUITE if not args.only or w.name in args.only]
     results = []
     for w in chosen:
         r = run_one(w, time_limit=args.time_limit, seed=args.seed, split_blocks=args.split_blocks, chunks_max=args.chunks_max,
-                    order_bound_s=args.order_bound, workers=args.workers, halve=args.halve_layers)
+                    order_bound_s=args.order_bound, workers=args.workers, halve=args.halve_layers,
+                    max_plans=args.max_plans, without_seeds=args.without_seeds)
         results.append(r)
         print(json.dumps(r), flush=True)
     print()
@@ -269,57 +279,29 @@ def balance_cap(profile, pp: int, *, time_limit_s: float = 10.0) -> tuple[float,
     return bound_ms / (solver.ObjectiveValue() / 1000), bound_ms / (max(solver.BestObjectiveBound(), 1) / 1000)
 
 
-def v_cut_balance(profile, pp: int, *, time_limit_s: float = 10.0) -> tuple[float, float]:
-    """(best balance found, proven upper bound) of a V layout: the layers cut in order into
-    2 x pp stages, rank r holding stages r and 2 pp - 1 - r (interleaved 1F1B's V shape, which
-    starts and ends every microbatch on rank 0). The same balance as ``balance_cap``, over
-    these layouts only; CP-SAT over the 2 pp - 1 cut points (each stage's work read off the
-    prefix sums), in microseconds."""
-    from ortools.sat.python import cp_model
+def two_per_rank_balance(profile, pp: int) -> tuple[float, float]:
+    """The best balance of two stages per rank in a loop (rank r holds stages r and pp + r) and
+    in a V (stages r and 2 pp - 1 - r), each exact (:mod:`octoplan.tuner.placed_cuts`): the same
+    balance as ``balance_cap``, over those layouts only."""
+    from octoplan.costs import to_ticks
+    from octoplan.tuner.placed_cuts import loop_cuts, v_cuts
 
-    work = [round(1000 * (l.forward_ms + l.backward_input_ms + l.backward_weight_ms)) for l in profile.layers]
-    stages = 2 * pp
-    if len(work) < stages:
-        return float("nan"), float("nan")
-    bound_ms = max(sum(work) / pp, max(work)) / 1000
-    prefix = [0]
-    for w in work:
-        prefix.append(prefix[-1] + w)
-    model = cp_model.CpModel()
-    # stage s holds layers [start[s], start[s + 1]); done[s] = the work of the layers before it
-    start = [model.NewConstant(0)] + [model.NewIntVar(s, len(work) - stages + s, f"start{s}") for s in range(1, stages)]
-    start.append(model.NewConstant(len(work)))
-    done = []
-    for earlier, later in zip(start, start[1:]):
-        model.Add(later >= earlier + 1)  # no stage is empty
-    for s, first in enumerate(start):
-        done.append(model.NewIntVar(0, prefix[-1], f"done{s}"))
-        model.AddElement(first, prefix, done[-1])
-    stage_work = [done[s + 1] - done[s] for s in range(stages)]
-    busiest = model.NewIntVar(0, sum(work), "busiest")
-    for r in range(pp):
-        model.Add(stage_work[r] + stage_work[stages - 1 - r] <= busiest)
-    model.Minimize(busiest)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = 0
-    status = solver.Solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return float("nan"), float("nan")
-    return bound_ms / (solver.ObjectiveValue() / 1000), bound_ms / (max(solver.BestObjectiveBound(), 1) / 1000)
+    work = [to_ticks(l.forward_ms + l.backward_input_ms + l.backward_weight_ms) for l in profile.layers]
+    ideal = max(sum(work) / pp, max(work))
+    found = [cut(work, pp) for cut in (loop_cuts, v_cuts)]
+    return tuple(float("nan") if f is None else ideal / f.busiest for f in found)
 
 
 def caps(args) -> None:
-    if args.v_cut:
-        print("| workload | pp | layers, split | balance cap, split blocks | best V cut, split blocks |")
-        print("|---|---|---|---|---|")
+    if args.two_per_rank:
+        print("| workload | pp | layers, split | balance cap, split blocks | best loop x2 cut | best V cut |")
+        print("|---|---|---|---|---|---|")
         for w in SUITE:
             profile, _ = _profile_and_cluster(w, split_blocks=True)
-            cells = [f"{found:.3f}" + ("" if proven - found < 5e-4 else f" (<= {proven:.3f})")
-                     for found, proven in (balance_cap(profile, w.pp, time_limit_s=args.time_limit),
-                                           v_cut_balance(profile, w.pp, time_limit_s=args.time_limit))]
-            print(f"| {w.name} | {w.pp} | {profile.num_layers} | " + " | ".join(cells) + " |", flush=True)
+            found, proven = balance_cap(profile, w.pp, time_limit_s=args.time_limit)
+            loop, v = two_per_rank_balance(profile, w.pp)
+            print(f"| {w.name} | {w.pp} | {profile.num_layers} | {found:.3f}" + ("" if proven - found < 5e-4 else f" (<= {proven:.3f})")
+                  + f" | {loop:.3f} | {v:.3f} |", flush=True)
         return
     print("| workload | pp | layers | balance cap, whole blocks | layers, split | balance cap, split blocks |")
     print("|---|---|---|---|---|---|")
@@ -368,6 +350,9 @@ def main() -> None:
     p.add_argument("--halve-layers", action="store_true",
                    help="what-if: tune on every layer but the embedding and head cut in two equal halves (the "
                         "baselines of that granularity too; Megatron-LM stays on whole blocks with --split-blocks)")
+    p.add_argument("--max-plans", type=int, default=None, help="octoplan tune --max-plans: deterministic, at any load")
+    p.add_argument("--without-seeds", nargs="*", default=[], metavar="FAMILY",
+                   help="tune without these seed families, by name (octoplan.tuner.seeds), to see what one buys")
     p.set_defaults(fn=suite)
     p = sub.add_parser("spread")
     p.add_argument("--time-limit", type=float, default=60.0)
@@ -378,8 +363,8 @@ def main() -> None:
     p.set_defaults(fn=spread)
     p = sub.add_parser("caps")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per workload and granularity")
-    p.add_argument("--v-cut", action="store_true",
-                   help="on split blocks, also the best balance of a V layout (stages r and 2 pp - 1 - r on rank r)")
+    p.add_argument("--two-per-rank", action="store_true",
+                   help="on split blocks, also the best balance of two stages per rank in a loop and in a V")
     p.set_defaults(fn=caps)
     p = sub.add_parser("scale")
     p.add_argument("--gpus", type=int, default=64)

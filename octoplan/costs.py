@@ -27,6 +27,7 @@ __all__ = [
     "lower_bound_ms",
     "to_ticks",
     "TICKS_PER_MS",
+    "cheaper_backward",
 ]
 
 TICKS_PER_MS = 1000  # CP-SAT works in integers: one tick is a microsecond
@@ -262,6 +263,18 @@ def lower_bound_ms(profile: Profile, *, pp: int, microbatches: int, op_overhead_
     totals = [layer.forward_ms + min(layer.backward_input_ms + layer.backward_weight_ms, layer.b_ms)
               for layer in profile.layers]
     return microbatches * (max(sum(totals) / pp, max(totals)) + 2 * op_overhead_ms)
+
+
+def cheaper_backward(layer) -> tuple[float, float]:
+    """A layer's I and W as the model weighs them: scaled to add up to the cheaper of I + W and
+    the fused B, as the simulator prices a rank that runs whichever its order holds and the
+    lower bound counts (docs/FORMATS.md section 7). Where the profile measured a B cheaper than
+    I + W, a partition balanced on I + W would overload the ranks that run B."""
+    split = layer.backward_input_ms + layer.backward_weight_ms
+    if split <= 0 or layer.b_ms >= split:
+        return layer.backward_input_ms, layer.backward_weight_ms
+    scale = layer.b_ms / split
+    return layer.backward_input_ms * scale, layer.backward_weight_ms * scale
 
 
 def to_ticks(ms: float) -> int:

@@ -32,7 +32,7 @@ from typing import Sequence
 
 from ortools.sat.python import cp_model
 
-from octoplan.costs import to_ticks, transfer_ms
+from octoplan.costs import cheaper_backward, to_ticks, transfer_ms
 from octoplan.memory import static_bytes
 from octoplan.partition import balanced_partition
 from octoplan.plan import Cluster
@@ -295,18 +295,6 @@ def _rank_classes(cluster: Cluster, config: Config) -> tuple[int, ...]:
     return tuple(index.setdefault(k, len(index)) for k in keys)
 
 
-def _cheaper_backward(layer) -> tuple[float, float]:
-    """A layer's I and W as the model weighs them: scaled to add up to the cheaper of I + W and
-    the fused B, as the simulator prices a rank that runs whichever its order holds and the
-    lower bound counts (docs/FORMATS.md section 7). Where the profile measured a B cheaper than
-    I + W, a partition balanced on I + W would overload the ranks that run B."""
-    split = layer.backward_input_ms + layer.backward_weight_ms
-    if split <= 0 or layer.b_ms >= split:
-        return layer.backward_input_ms, layer.backward_weight_ms
-    scale = layer.b_ms / split
-    return layer.backward_input_ms * scale, layer.backward_weight_ms * scale
-
-
 def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_per_rank: int = 3,
                 recompute: bool = False) -> PartitionProblem:
     """The partition and placement problem of ``config``. With ``recompute``, every stage
@@ -327,7 +315,7 @@ def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_pe
         intra.append(to_ticks(transfer_ms(cluster, parallel, *same, layer.output_bytes)) if same else 0)
         inter.append(to_ticks(transfer_ms(cluster, parallel, *diff, layer.output_bytes)) if diff else intra[-1])
     dtype = profile.param_dtype_bytes  # a tied tensor counts once per member here: a bound on the safe side
-    backwards = [_cheaper_backward(layer) for layer in layers]
+    backwards = [cheaper_backward(layer) for layer in layers]
     return PartitionProblem(
         forward=tuple(to_ticks(l.forward_ms) for l in layers),
         backward_input=tuple(to_ticks(i + (l.forward_ms if recompute else 0.0)) for l, (i, _) in zip(layers, backwards)),

@@ -17,15 +17,17 @@ from octoplan.tuner.seeds.cpsat import CpsatSeeds
 from octoplan.tuner.seeds.justified import JUSTIFIED_SEEDS, JustifiedSeeds
 from octoplan.tuner.seeds.megatron import MegatronSeeds
 from octoplan.tuner.seeds.policy import PolicySeeds
+from octoplan.tuner.seeds.rank_balanced import RankBalancedSeeds
 from octoplan.tuner.seeds.recompute import RECOMPUTE_SEEDS, RecomputingCopies
 from octoplan.tuner.seeds.start_aware import StartAwareSeeds
 
-__all__ = ["SeedFamily", "SeedContext", "Ranked", "SEED_FAMILIES", "MegatronSeeds", "PolicySeeds", "CpsatSeeds",
+__all__ = ["SeedFamily", "SeedContext", "Ranked", "SEED_FAMILIES", "MegatronSeeds", "PolicySeeds", "RankBalancedSeeds", "CpsatSeeds",
            "StartAwareSeeds", "RecomputingCopies", "JustifiedSeeds", "JUSTIFIED_SEEDS", "RECOMPUTE_SEEDS"]
 
 SEED_FAMILIES: tuple[SeedFamily, ...] = (
     MegatronSeeds(),  # --runs-on megatron: Megatron-LM's own orders, partitions snapped to its layers
     PolicySeeds(),  # balanced partitions, loop and V placements, the policy scheduler's knobs
+    RankBalancedSeeds(),  # loop and V cut for the busiest rank's least work
     CpsatSeeds(),  # CP-SAT's partition + placement
     StartAwareSeeds(),  # the seeds so far re-placed so late-starting ranks carry less
     RecomputingCopies(),  # from the ranked seeds: the best copied with every stage recomputing

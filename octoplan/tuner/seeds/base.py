@@ -7,17 +7,33 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Sequence
 
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
+from octoplan.schedules.policy import default_policies
 from octoplan.tuner.space import Candidate, Config, Evaluator
 
 if TYPE_CHECKING:
     from octoplan.tuner.climb import Search
     from octoplan.tuner.search import TuneOptions
 
-__all__ = ["SeedContext", "SeedFamily", "Ranked"]
+__all__ = ["SeedContext", "SeedFamily", "Ranked", "SPLIT_SETTINGS", "with_policies"]
 
 # a ranked seed: (its score, the index of the seed it was made from, the candidate); ranked by
 # the first two, so a seed made from another sits right after it among equals
 Ranked = tuple[tuple[int, float], int, Candidate]
+
+
+# the policy knobs (split backward, warm-up depth, warm-up gap) a new layout is tried at: I and W
+# apart, warm-ups of the pipeline's depth and of twice it, with and without the gap
+SPLIT_SETTINGS = ((True, 1.0, False), (True, 2.0, False), (True, 2.0, True))
+
+
+def with_policies(config: Config, bounds: tuple[int, ...], ranks: tuple[int, ...], origin: str,
+                  settings=SPLIT_SETTINGS) -> list[Candidate]:
+    """The layout (``bounds``, ``ranks``) of ``config`` once per policy setting, each candidate's
+    origin ``origin`` with its setting appended."""
+    return [Candidate(config, bounds, ranks,
+                      default_policies(ranks, config.pp, config.microbatches, split=split, depth=depth, warmup_gap=gap),
+                      None, f"{origin}, split={split}, depth={depth:g}, warm-up gap={gap}")
+            for split, depth, gap in settings]
 
 
 @dataclass

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from octoplan.schedules.policy import default_policies
 from octoplan.tuner.arrange import start_aware
-from octoplan.tuner.seeds.base import SeedContext, SeedFamily
+from octoplan.tuner.seeds.base import SeedContext, SeedFamily, with_policies
 from octoplan.tuner.space import Candidate, Config, Evaluator
 
 __all__ = ["StartAwareSeeds", "start_aware_seeds"]
@@ -34,10 +33,7 @@ def start_aware_seeds(evaluator: Evaluator, seeds: Sequence[Candidate], config: 
         if ranks == cand.ranks or (cand.bounds, ranks) in done:
             continue
         done.add((cand.bounds, ranks))
-        for split, depth, gap in ((True, 1.0, False), (True, 2.0, False), (True, 2.0, True)):
-            policies = default_policies(ranks, config.pp, config.microbatches, split=split, depth=depth, warmup_gap=gap)
-            out.append(Candidate(config, cand.bounds, ranks, policies, None,
-                                 f"start-aware placement of {cand.origin}, split={split}, depth={depth:g}, warm-up gap={gap}"))
+        out += with_policies(config, cand.bounds, ranks, f"start-aware placement of {cand.origin}")
     return out
 
 
