@@ -131,7 +131,7 @@ def loop_cuts(work: Sequence[int], num_ranks: int) -> PlacedCuts | None:
     if limits is None:
         return None
     prefix, lowest, highest = limits
-    L, p, total = len(work), num_ranks, int(limits[0][-1])
+    L, p, total = len(work), num_ranks, int(prefix[-1])
 
     def halves(T: int, c: int) -> list | None:
         a_sums, b_sums = prefix[:c + 1, None], prefix[None, c:]  # rows a in [0, c], columns b in [c, L]

@@ -9,8 +9,7 @@ from typing import Sequence
 from octoplan.partition import balanced_partition
 from octoplan.profile import Profile
 from octoplan.schedules import loop_placement, v_placement
-from octoplan.schedules.policy import default_policies
-from octoplan.tuner.seeds.base import SeedContext, SeedFamily
+from octoplan.tuner.seeds.base import SPLIT_SETTINGS, SeedContext, SeedFamily, with_policies
 from octoplan.tuner.space import Candidate, Config, bounds_of
 
 __all__ = ["PolicySeeds", "policy_seeds"]
@@ -19,8 +18,8 @@ __all__ = ["PolicySeeds", "policy_seeds"]
 def policy_seeds(profile: Profile, config: Config, chunks_max: int) -> list[Candidate]:
     """A balanced partition into 1..``chunks_max`` stages per rank, in a loop (and a V at 2 per
     rank), each with four settings of the policy knobs."""
-    out = []
-    pp, num_mb = config.pp, config.microbatches
+    out: list[Candidate] = []
+    pp = config.pp
     for per_rank in range(1, max(1, chunks_max) + 1):
         num_stages = per_rank * pp
         if num_stages > profile.num_layers:
@@ -30,10 +29,8 @@ def policy_seeds(profile: Profile, config: Config, chunks_max: int) -> list[Cand
         if per_rank == 2:
             placements.append(("V", tuple(v_placement(pp, num_stages))))
         for name, ranks in placements:
-            for split, depth, gap in ((False, 1.0, False), (True, 1.0, False), (True, 2.0, False), (True, 2.0, True)):
-                policies = default_policies(ranks, pp, num_mb, split=split, depth=depth, warmup_gap=gap)
-                origin = f"policy seed: balanced, {name} x{per_rank}, split={split}, depth={depth:g}, warm-up gap={gap}"
-                out.append(Candidate(config, bounds, ranks, policies, None, origin))
+            out += with_policies(config, bounds, ranks, f"policy seed: balanced, {name} x{per_rank}",
+                                 settings=((False, 1.0, False), *SPLIT_SETTINGS))
     return out
 
 
