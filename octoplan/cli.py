@@ -657,13 +657,13 @@ def main() -> None:
 
         problems.append(TyperException)
     except ImportError:
-        pass
+        pass  # an older typer without its own exception: click's below covers it
     try:
         from click import ClickException
 
         problems.append(ClickException)
     except ImportError:
-        pass
+        pass  # a typer built without click: no usage error of that kind can be raised
     UsageProblem = tuple(problems)
     try:
         # without standalone mode, click turns Ctrl-C into a returned 130 instead of raising

@@ -320,7 +320,7 @@ class Watchdog:
                     sys.stderr.write(f"octorun: rank {self.global_rank}: killed global rank {rank} (pid {pid}), "
                                      f"which did not leave within {_GRACE_S:g} s of the job's failure\n")
                 except ProcessLookupError:
-                    pass
+                    pass  # it left between the liveness check and the kill: nothing to reap
         except Exception as exc:  # the store may be gone with its host; leave all the same
             log.debug("could not reap hung peers: %s", exc)
 
