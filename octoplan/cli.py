@@ -60,7 +60,7 @@ def profile(
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel degree (analytic) [default: 1]"),
     split_blocks: bool = typer.Option(False, "--split-blocks",
                                       help="one layer per block's mixer and per its MLP/MoE (analytic): finer stage boundaries"),
-    repeat: Optional[int] = typer.Option(None, "--repeat", help="timed repeats per layer; the median is kept [default: 10]"),
+    repeat: Optional[int] = typer.Option(None, "--repeat", help="timed repeats per layer, round-robin; each time is the least of them [default: 10]"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)"),
     clock: Optional[str] = typer.Option(None, "--clock",
                                         help="auto, wall or cpu (thread CPU time; wall for models that sleep) [default: auto]"),
