@@ -487,6 +487,8 @@ def bound(
             "best_found_model_ms": result.best_ms, "lower_bound_ms": result.lower_bound_ms,
             "relaxation_ms": result.relaxation_ms, "gap": result.gap, "status": result.status,
             "in_flight": "any" if unbounded else "plan's", "wall_s": result.wall_s,
+            "relaxation_by_rank": [{"rank": b.rank, "bound_ms": b.bound_ms, "first_start_ms": b.first_start_ms,
+                                    "busy_ms": b.busy_ms} for b in result.by_rank],
         }))
         return
     table = Table(title=f"op orders of {plan_path}'s stages and placement")
@@ -505,11 +507,27 @@ def bound(
     else:
         console.print(f"a better order could save at most {result.gap:.2%} of PLAN's {result.given_ms:.3f} ms "
                       f"among {memory} (bound by {proof}; CP-SAT {result.status}, {result.wall_s:.1f} s)")
+    if result.by_rank:
+        console.print(_binding_ranks(result.by_rank), soft_wrap=True)
     if result.status == "UNKNOWN":
         console.print(f"CP-SAT returned no order in {time_limit:g} s ({sum(map(len, plan.schedule))} ops); "
                       "a longer --time-limit may let it search, the bound above holds either way")
     if output is not None:
         console.print(f"{'the best order found' if better else 'PLAN (no faster order that fits)'} -> {output}")
+
+
+def _binding_ranks(by_rank) -> str:
+    """Which rank the one-machine relaxation's bound is, and what it is made of: a late first
+    op asks for less work on that rank or an earlier stage, a long forced wait for other orders
+    of the ranks around it. The next two ranks say how much moving that rank's work would buy,
+    and the rank furthest under it where that work could go."""
+    worst = sorted(by_rank, key=lambda b: (-b.bound_ms, b.rank))
+    top, room = worst[0], worst[-1]
+    following = ", ".join(f"rank {b.rank} {b.bound_ms:.3f} ms" for b in worst[1:3])
+    return (f"the one-machine relaxation's {top.bound_ms:.3f} ms is rank {top.rank}'s: its first op cannot start "
+            f"before {top.first_start_ms:.3f} ms, it runs {top.busy_ms:.3f} ms of ops, and the dataflow forces "
+            f"{top.forced_wait_ms:.3f} ms of waiting on it" + (f"; next: {following}" if following else "")
+            + (f"; most room: rank {room.rank}, {top.bound_ms - room.bound_ms:.3f} ms under it" if len(worst) > 1 else ""))
 
 
 @app.command()

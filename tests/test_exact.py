@@ -11,7 +11,7 @@ from octoplan.baseline import make_baseline
 from octoplan.costs import LayerTable, stage_costs
 from octoplan.ops import parse_ops
 from octoplan.plan import Cluster, Parallel, Stage, check_structure
-from octoplan.schedules.exact import one_machine_bound, order_bound
+from octoplan.schedules.exact import one_machine_bound, order_bound, rank_bounds
 from octoplan.schedules.justify import justify
 from octoplan.schedules.opgraph import OpGraph, most_in_flight
 from octoplan.simulator import simulate, simulate_costs
@@ -104,6 +104,10 @@ def test_cli_bound_reports_and_writes_the_best_order(profile_file, tmp_path):
     said = " ".join(result.output.split())  # rich wraps its lines
     assert ("could save at most 10.53% of PLAN's 95.000 ms among any order (bound by the one-machine relaxation; "
             "CP-SAT OPTIMAL") in said
+    # which rank the bound is, and where there is room (the per-rank figures of the test below)
+    assert ("the one-machine relaxation's 85.000 ms is rank 0's: its first op cannot start before 0.000 ms, it runs "
+            "80.000 ms of ops, and the dataflow forces 5.000 ms of waiting on it; next: rank 3 85.000 ms, rank 2 83.000 "
+            "ms; most room: rank 1, 4.000 ms under it") in said
     assert load_plan(best).predicted["iteration_ms"] == 85.0
     assert runner.invoke(app, ["validate", str(best)]).exit_code == 0
     as_json = runner.invoke(app, ["bound", str(zbv), "--json"])
@@ -111,6 +115,10 @@ def test_cli_bound_reports_and_writes_the_best_order(profile_file, tmp_path):
     figures = json.loads(as_json.output)
     assert (figures["iteration_ms"], figures["best_found_iteration_ms"], figures["lower_bound_ms"]) == (95.0, 88.0, 88.0)
     assert (figures["status"], figures["in_flight"], figures["relaxation_ms"]) == ("OPTIMAL", "plan's", 88.0)
+    by_rank = figures["relaxation_by_rank"]
+    assert [row["rank"] for row in by_rank] == [0, 1, 2, 3]
+    assert max(row["bound_ms"] for row in by_rank) == figures["relaxation_ms"]
+    assert [row["busy_ms"] for row in by_rank] == [80.0] * 4  # each rank's F + I + W, whatever the memory
     again = runner.invoke(app, ["bound", str(best), "--unbounded-in-flight"])
     said = " ".join(again.output.split())
     assert again.exit_code == 0 and "PLAN's order is optimal among any order (proven by the one-machine relaxation" in said
@@ -131,6 +139,12 @@ def test_the_one_machine_relaxation_gives_the_hand_computed_bounds():
     costs = stage_costs(base.stages, LayerTable(profile))
     graph = OpGraph(base.schedule, [s.rank for s in base.stages], costs, base.cluster, base.parallel, keep_memory=False)
     assert one_machine_bound(graph, 4) == 33.0
+    # per rank: rank r's first F comes after r forwards; its 8 F run back to back (released one
+    # a ms), then its 8 B, and its last B has r more B of 2 ms after it on the ranks before it.
+    # Rank 0 instead idles from 8 to 10 ms: its first B comes back after 3 F and 3 B elsewhere.
+    assert [(b.rank, b.first_start_ms, b.busy_ms, b.bound_ms) for b in rank_bounds(graph, 4)] == [
+        (0, 0.0, 24.0, 26.0), (1, 1.0, 24.0, 27.0), (2, 2.0, 24.0, 30.0), (3, 3.0, 24.0, 33.0)]
+    assert [b.forced_wait_ms for b in rank_bounds(graph, 4)] == [2.0, 2.0, 4.0, 6.0]
     # the heavy-head ZB-V: rank 0's head forwards are released at 13, when only 8 ms of its
     # embedding forwards can have run: 85; with the in-flight limits as edges, 88
     profile, zbv = heavy_head_zbv()
@@ -138,6 +152,10 @@ def test_the_one_machine_relaxation_gives_the_hand_computed_bounds():
     ranks = [s.rank for s in zbv.stages]
     for keep, bound in ((False, 85.0), (True, 88.0)):
         assert one_machine_bound(OpGraph(zbv.schedule, ranks, costs, zbv.cluster, zbv.parallel, keep), 4) == bound
+    # without the limits the bound is rank 0's (its head forwards) and rank 3's alike
+    unlimited = rank_bounds(OpGraph(zbv.schedule, ranks, costs, zbv.cluster, zbv.parallel, False), 4)
+    assert [(b.bound_ms, b.first_start_ms, b.busy_ms) for b in unlimited] == [
+        (85.0, 0.0, 80.0), (81.0, 1.0, 80.0), (83.0, 3.0, 80.0), (85.0, 5.0, 80.0)]
     # so these bounds need no search: with 1 ms for CP-SAT the bound still proves the order optimal
     result = order_bound(zbv.schedule, ranks, costs, cluster=zbv.cluster, parallel=zbv.parallel, keep_memory=False,
                          time_limit_s=1e-3)

@@ -38,7 +38,26 @@ from octoplan.ops import Op
 from octoplan.plan import Cluster, Parallel
 from octoplan.schedules.opgraph import OpGraph, heads_and_tails, serial_schedule
 
-__all__ = ["OrderBound", "order_bound", "one_machine_bound", "relaxation_bound"]
+__all__ = ["OrderBound", "RankBound", "order_bound", "one_machine_bound", "rank_bounds", "relaxation_bound"]
+
+
+@dataclass(frozen=True)
+class RankBound:
+    """One rank's part of the one-machine relaxation: no order of the layout finishes before
+    ``bound_ms``, because the rank cannot start before ``first_start_ms`` (the dataflow's
+    longest path to its earliest op: the first microbatch's way to its first stage), has
+    ``busy_ms`` of ops to run, and the rest, ``bound_ms - first_start_ms - busy_ms``, is waiting
+    the dataflow forces on it (between its ops, or after its last one while other ranks finish
+    what depends on it). Which of the three dominates says what a better layout must change."""
+
+    rank: int
+    bound_ms: float
+    first_start_ms: float
+    busy_ms: float
+
+    @property
+    def forced_wait_ms(self) -> float:
+        return max(0.0, self.bound_ms - self.first_start_ms - self.busy_ms)
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,7 @@ class OrderBound:
     relaxation_ms: float  # the one-machine relaxation's (which needs no search)
     order: tuple[tuple[Op, ...], ...]  # the best order found, per rank
     wall_s: float
+    by_rank: tuple[RankBound, ...] = ()  # the relaxation per rank, by rank: relaxation_ms is their largest
 
     @property
     def by_relaxation(self) -> bool:
@@ -73,13 +93,19 @@ def _ticks_down(ms: float) -> int:
 def one_machine_bound(graph: OpGraph, num_ranks: int) -> float:
     """The largest over ranks of the optimal preemptive makespan of the rank's ops alone, with
     heads and tails (Jackson's preemptive schedule): a lower bound on every order's makespan."""
+    return max((b.bound_ms for b in rank_bounds(graph, num_ranks)), default=0.0)
+
+
+def rank_bounds(graph: OpGraph, num_ranks: int) -> list[RankBound]:
+    """:func:`one_machine_bound`'s figure for each rank, with what makes it up (:class:`RankBound`)."""
     head, tail, _ = heads_and_tails(graph)
     by_rank: list[list[tuple[float, int]]] = [[] for _ in range(num_ranks)]
     for i, r in enumerate(graph.rank):
         by_rank[r].append((head[i], i))
-    best = 0.0
-    for ops in by_rank:
+    out = []
+    for rank, ops in enumerate(by_rank):
         ops.sort()
+        best = 0.0
         ready: list[tuple[float, int, float]] = []  # (-tail, op, time left), most tail first
         t, k = 0.0, 0
         while k < len(ops) or ready:
@@ -98,7 +124,8 @@ def one_machine_bound(graph: OpGraph, num_ranks: int) -> float:
             else:
                 heapq.heappush(ready, (neg_tail, i, left - (until - t)))
                 t = until
-    return best
+        out.append(RankBound(rank, best, ops[0][0] if ops else 0.0, sum(graph.dur[i] for _, i in ops)))
+    return out
 
 
 def relaxation_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], costs: Sequence[StageCost], *,
@@ -124,10 +151,11 @@ def order_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], 
     n = len(graph.ops)
     num_ranks = parallel.pp
     given_ms = graph.makespan(graph.order_times())
-    relaxation = one_machine_bound(graph, num_ranks)
+    by_rank = tuple(rank_bounds(graph, num_ranks))
+    relaxation = max((b.bound_ms for b in by_rank), default=0.0)
     if relaxation >= given_ms - 1e-9 * max(1.0, given_ms):  # the order is optimal: nothing to search
         return OrderBound("OPTIMAL", given_ms, given_ms, given_ms, relaxation, tuple(tuple(ops) for ops in schedule),
-                          time.perf_counter() - started)
+                          time.perf_counter() - started, by_rank)
 
     def in_ticks(edges: list[list[tuple[int, float]]]) -> list[list[tuple[int, int]]]:
         return [[(a, _ticks_down(lag)) for a, lag in row] for row in edges]
@@ -187,4 +215,5 @@ def order_bound(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], 
         if best_ms >= given_ms:
             order, best_ms = tuple(tuple(ops) for ops in schedule), given_ms
     lower = min(max(bound_ticks / TICKS_PER_MS, relaxation), best_ms)
-    return OrderBound(solver.StatusName(status), given_ms, best_ms, lower, relaxation, order, time.perf_counter() - started)
+    return OrderBound(solver.StatusName(status), given_ms, best_ms, lower, relaxation, order, time.perf_counter() - started,
+                      by_rank)
