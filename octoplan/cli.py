@@ -517,10 +517,11 @@ def bound(
 
 
 def _binding_ranks(by_rank) -> str:
-    """Which rank the one-machine relaxation's bound is, and what it is made of: a late first
-    op asks for less work on that rank or an earlier stage, a long forced wait for other orders
-    of the ranks around it. The next two ranks say how much moving that rank's work would buy,
-    and the rank furthest under it where that work could go."""
+    """The rank whose bound is the one-machine relaxation's, and what that bound is made of. No
+    order changes it: a late first op asks for less work on that rank or an earlier first
+    stage, a long forced wait for stages whose dataflow leaves the rank less to wait on. The
+    next two ranks say how much moving that rank's work could buy, and the rank furthest under
+    it is where that work could go."""
     worst = sorted(by_rank, key=lambda b: (-b.bound_ms, b.rank))
     top, room = worst[0], worst[-1]
     following = ", ".join(f"rank {b.rank} {b.bound_ms:.3f} ms" for b in worst[1:3])
