@@ -62,6 +62,11 @@ def _megatron(console: Console, plan: Plan, profile: Profile, *, plan_path: Path
               output: Path, options: FrameworkOptions) -> None:
     from octoplan.export_megatron import LayerLetters, export_megatron, megatron_problem, parse_kind_letters
 
+    from octoplan.tuner.search import TuneOptions, check_options
+
+    # the search's options are checked whether or not this plan needs the search: a bad value
+    # must not pass only because the plan happened to fit Megatron-LM
+    check_options(TuneOptions(gpus=plan.pp * plan.parallel.dp, time_limit_s=options.time_limit_s, max_plans=options.max_plans))
     letters = parse_kind_letters(options.kind_letters)
     problem = megatron_problem(plan, LayerLetters(profile, letters=letters, file=str(profile_path or plan_path)))
     chosen, title = plan, f"Megatron-LM arguments for {plan_path} (octoplan export --format megatron)"

@@ -372,8 +372,8 @@ def _unwritable(root: Path, exc: OSError) -> InputError:
 
 
 def _failed(folder: Path, verb: str, exc: CheckpointException) -> Exception:
-    """One error for a DCP failure: an InputError naming the file for a filesystem's refusal,
-    else a RuntimeError with every failed rank's reason."""
+    """One error for a DCP failure: an InputError naming the file for a filesystem's refusal or
+    for damaged bytes found on reading, else a RuntimeError with every failed rank's reason."""
     reasons = []
     for rank, failure in sorted(exc.failures.items()):
         error = failure[0] if isinstance(failure, tuple) else failure
@@ -381,6 +381,12 @@ def _failed(folder: Path, verb: str, exc: CheckpointException) -> Exception:
             name = Path(error.filename).name if error.filename else None
             return InputError(str(folder), name, f"could not be {verb} by rank {rank}: {error.strerror or error}",
                               "check the folder's files, space and permissions")
+        if verb == "read":
+            # the files passed the check (present, their sizes those the index names), so a
+            # read that still fails to decode them means their bytes are damaged: bad input
+            return InputError(str(folder), None, f"could not be read by rank {rank}: a file is damaged "
+                              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
+                              "resume from another checkpoint (--resume DIR), or from the one before it")
         reasons.append(f"rank {rank}: {type(error).__name__}: {error}")
     return RuntimeError(f"the checkpoint {folder} could not be {verb}: {'; '.join(reasons)}")
 

@@ -104,9 +104,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         result = run(config)
     except InputError as exc:
-        # every process reads the same files and fails the same way: one of them speaks; but
-        # each has its own launch variables, and the bad one may not be rank 0's
-        if os.environ.get("RANK", "0") == "0" or exc.field in LAUNCH_VARIABLES:
+        # every process reads the same files and fails the same way: one per node speaks (each
+        # node's log is its own, and another node's files may be the bad ones); but each has its
+        # own launch variables, and the bad one may not be that process's
+        if _speaks_for_its_node() or exc.field in LAUNCH_VARIABLES:
             sys.stderr.write(f"octorun: {exc.line()}\n")
         sys.exit(2)
     except OSError as exc:
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise
         # a path the job reads or writes that the file system refuses (too long a name, no
         # permission): bad input, as octoplan treats it
-        if os.environ.get("RANK", "0") == "0":
+        if _speaks_for_its_node():
             sys.stderr.write(f"octorun: {InputError(str(exc.filename), None, exc.strerror or str(exc), 'check the path').line()}\n")
         sys.exit(2)
     except LaunchError as exc:
@@ -139,6 +140,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.stderr.flush()
         os._exit(0)
     sys.exit(0)
+
+
+def _speaks_for_its_node() -> bool:
+    """Whether this process reports the bad input all of its node's processes found: the node's
+    first (LOCAL_RANK 0), or the only one when no launcher set the variables."""
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
 
 
 def _mib(values) -> str:

@@ -458,6 +458,17 @@ def test_a_file_vanishing_during_the_read_is_named(saved, monkeypatch):
     assert "could not be read by rank 0" in caught.value.problem
 
 
+
+def test_damaged_bytes_of_the_right_size_are_bad_input(saved):
+    """A shard overwritten with noise keeps its size, so only the read finds it: still one
+    InputError naming the folder and the way out, not a failure of the run."""
+    data = saved / "__0_0.distcp"
+    data.write_bytes(bytes(range(256)) * (data.stat().st_size // 256) + b"\0" * (data.stat().st_size % 256))
+    with pytest.raises(InputError) as caught:
+        checkpoint.load(saved, blank(expected([0])), group=None)
+    assert caught.value.file == str(saved) and "a file is damaged" in caught.value.problem
+    assert "--resume" in caught.value.fix
+
 def test_another_models_keys_and_shapes_are_named(saved):
     state = blank(expected([0, 1, 2, 3]))
     error = _load_error(saved, state)

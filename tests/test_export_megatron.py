@@ -289,3 +289,15 @@ def test_cli_refuses_in_one_line_and_writes_nothing(tmp_path):
                 "--kind-letter", "attention=t", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "'Ett|tL'" in (tmp_path / "out.sh").read_text()
+
+
+@pytest.mark.parametrize("option", [("--max-plans", "0"), ("--max-plans", "-1"), ("--time-limit", "-5")])
+def test_cli_checks_the_search_options_for_a_plan_megatron_runs_as_is(tmp_path, option):
+    # the interleaved plan needs no search, yet a bad search option is still an error
+    save_profile(_profile(), tmp_path / "p.yaml")
+    save_plan(make_baseline(_profile(), schedule="interleaved-1f1b", gpus=2, microbatches=4, chunks=2,
+                            profile_path=tmp_path / "p.yaml"), tmp_path / "il.yaml")
+    done = _cli("export", "il.yaml", "--format", "megatron", "-o", "il.sh", *option, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and f"{option[0]}: is {option[1]} " in done.stderr
+    assert not (tmp_path / "il.sh").exists()

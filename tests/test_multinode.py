@@ -74,3 +74,27 @@ def test_a_launch_of_other_nodes_than_the_plans_exits_2(tmp_path):
     assert lines, [err for _, _, err in results]
     assert all("cluster.gpus_per_node" in line and "4 GPUs per node" in line and "started 2" in line for line in lines), lines
     assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_a_node_whose_own_plan_is_missing_says_so_and_the_other_ends_too(tmp_path):
+    model_path, config = h.model_spec("tiny", tmp_path)
+    plan = h.baseline_plan("1f1b", model_path, config, tmp_path, gpus=2, pp=2, microbatches=2)
+    plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, gpus_per_node=1))
+    save_plan(plan, tmp_path / "plan.yaml")
+    plan = tmp_path / "plan.yaml"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env["OMP_NUM_THREADS"] = "1"
+    port = h.free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "octopipe-test", "-m", "octorun",
+         str(plan if node == 0 else tmp_path / "nope.yaml"), "--steps", "1", "--init-timeout", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=h.ROOT, env=env) for node in (0, 1)]
+    (_, err0), (_, err1) = [p.communicate(timeout=120) for p in procs]
+    code0, code1 = procs[0].returncode, procs[1].returncode
+    # whichever global rank the rendezvous gives it, the node with the bad path names the file
+    said = [line for line in err1.splitlines() if line.startswith("octorun:")]
+    assert said == [f"octorun: {tmp_path / 'nope.yaml'}: no such plan file (check the path)"], err1
+    # the other node ends too: at --init-timeout, or sooner when the node that left hosted the
+    # rendezvous store (which node binds the endpoint first is a race)
+    assert code1 != 0 and code0 != 0, err0

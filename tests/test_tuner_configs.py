@@ -110,6 +110,16 @@ def test_profiles_of_different_models_or_the_same_size_are_refused():
         tune_global_batch([(None, one), (None, two_layers(2.0, size=2))], cluster(), replace(opts, global_batch=None))
 
 
+
+@pytest.mark.parametrize("bad, shown", [({"max_plans": 0}, "--max-plans: is 0"), ({"max_plans": -1}, "--max-plans: is -1"),
+                                        ({"time_limit_s": -1.0}, "--time-limit: is -1 ")])
+def test_the_options_are_checked_as_given_before_the_budget_is_shared(bad, shown):
+    # the budget is divided among sizes and configurations: a value checked after that would
+    # slip through (--max-plans 0 became 1 plan) or be shown as a tenth of what was typed
+    with pytest.raises(InputError) as refused:
+        tune_global_batch([(None, two_layers())], cluster(), TuneOptions(gpus=2, global_batch=4, **bad))
+    assert shown in str(refused.value) + " "
+
 def test_cli_tunes_several_sizes_and_says_which_configuration_won(profile_file, tmp_path):
     small = profile_file(two_layers(1.0, size=1), "m1.yaml")
     quick = profile_file(two_layers(1.2, size=2), "m2.yaml")

@@ -26,7 +26,7 @@ from octoplan.errors import InputError
 from octoplan.ops import Kind
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
-from octoplan.tuner.search import BaselineRow, ProgressFn, TuneOptions, TuneResult, compare_baselines, tune
+from octoplan.tuner.search import BaselineRow, ProgressFn, TuneOptions, TuneResult, check_options, compare_baselines, tune
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored
 
 __all__ = ["ConfigRow", "BatchResult", "TIME_PARTS", "time_parts", "why_slower", "tune_global_batch", "check_same_model"]
@@ -154,6 +154,7 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
     global batch does not split into (for any dp) are skipped; ``InputError`` if none is left.
     With several sizes, each size's baselines are priced first, and a size more than
     :data:`MAX_TUNER_GAIN` behind the best one is left untuned: its rows are its baselines'."""
+    check_options(opts)  # before the budget is shared out, so an error shows what was given
     check_same_model(profiles)
     if len(profiles) > 1 and opts.global_batch is None:
         raise InputError(None, "--global-batch", "is needed with several profiles: plans of different microbatch sizes "

@@ -1,7 +1,7 @@
 """The tuner: co-optimize partition, placement and schedule (``octoplan tune``).
 
 :func:`tune` runs these steps, each a function below:
-1. Check the options (:func:`_checked`) and enumerate the outer choices (:class:`Config`):
+1. Check the options (:func:`check_options`, :func:`_checked`) and enumerate the outer choices (:class:`Config`):
    every pp dividing the GPU count (``pp`` pins it) with the microbatch count a global batch
    implies, and both global rank orders when dp > 1 (:func:`configs_for`).
 2. Seed (:func:`_seeds`): every baseline of FORMATS.md section 6 that applies
@@ -256,9 +256,9 @@ def tune(
     return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best), configs_best)
 
 
-def _checked(profile: Profile, opts: TuneOptions, profile_path: str | Path | None) -> TuneOptions:
-    """``opts``, checked; under ``--runs-on megatron`` confined to the partition (Megatron runs
-    its own order: boundary shifts keep it, every other move would leave it)."""
+def check_options(opts: TuneOptions) -> None:
+    """``InputError`` for an option no profile makes right, with the value as the user gave it
+    (callers that share the budget out check before they divide it)."""
     if not 0 < opts.time_limit_s < math.inf:
         raise InputError(None, "--time-limit", f"is {opts.time_limit_s:g}",
                          "give the search a positive, finite number of seconds (--max-plans bounds it by work instead)")
@@ -274,6 +274,12 @@ def _checked(profile: Profile, opts: TuneOptions, profile_path: str | Path | Non
         raise InputError(None, "--seed", f"is {opts.seed}", f"use a seed from 0 to {MAX_SEED}")
     if opts.runs_on not in RUNS_ON:
         raise InputError(None, "--runs-on", f"is {opts.runs_on!r}", f"use one of {', '.join(RUNS_ON)}")
+
+
+def _checked(profile: Profile, opts: TuneOptions, profile_path: str | Path | None) -> TuneOptions:
+    """``opts``, checked; under ``--runs-on megatron`` confined to the partition (Megatron runs
+    its own order: boundary shifts keep it, every other move would leave it)."""
+    check_options(opts)
     if opts.runs_on == "megatron":
         reason = Frameworks(profile).megatron_reason
         if reason:
