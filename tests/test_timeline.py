@@ -278,14 +278,17 @@ def test_compare_takes_steps_from_args(zb_trace, tmp_path):
 @pytest.mark.parametrize("change, needle", [
     ("repeat", "op 0F0 appears twice in step 0 on 0/0"),
     ("swap", "but the plan's rank 0 runs"),
+    ("moved", "op 0F0 ran on tid 1, but the plan puts stage 0 on pipeline rank 0"),
 ])
 def test_compare_refuses_a_trace_in_another_order(zb_trace, tmp_path, change, needle):
-    """The trace of another plan with the same ops (or one op twice) is refused, not compared:
-    each rank runs its ops in the plan's order, once a step."""
+    """The trace of another plan with the same ops (or one op twice, or on another rank) is
+    refused, not compared: each rank runs its own ops in the plan's order, once a step."""
     plan, result, path = zb_trace
     ops = sorted((e for e in _load_events(path) if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 0), key=lambda e: e["ts"])
     if change == "repeat":  # rank 0's first op again, before its second, all in step 0
         events = [{**e, "args": {"step": 0}} for e in [ops[0], {**ops[0], "ts": ops[0]["ts"] + 1}, *ops[1:]]]
+    elif change == "moved":  # rank 0's first op reported on rank 1's thread, in its order there
+        events = [{**ops[0], "tid": 1}, *ops[1:]]
     else:  # the first two ops of rank 0 swap places in time
         first, second = ops[0], ops[1]
         events = [{**second, "ts": first["ts"]}, {**first, "ts": first["ts"] + second["dur"]}] + ops[2:]

@@ -228,9 +228,10 @@ def measured_steps(path: Path, plan: Plan) -> list[tuple[int, MeasuredOp]]:
 
 
 def check_order(plan: Plan, stepped: list[tuple[int, MeasuredOp]], file: str) -> None:
-    """Each step's ops on each thread, in the order they started, must come in the order the
-    plan's schedule gives their rank (a trace may miss ops, never reorder or repeat them): the
-    trace of another plan with the same ops in another order is refused, not compared."""
+    """Each op must run on its stage's pipeline rank (the event's tid, as octorun writes it), and
+    each step's ops on each thread, in the order they started, must come in the order the plan's
+    schedule gives their rank (a trace may miss ops, never reorder or repeat them): the trace of
+    another plan with the same ops in another order or placement is refused, not compared."""
     position = {op: (rank, index) for rank, ops in enumerate(plan.schedule) for index, op in enumerate(ops)}
     last: dict[tuple[str, int], tuple[MeasuredOp, int]] = {}
     fix = "compare the trace with the plan it was measured with"
@@ -238,6 +239,9 @@ def check_order(plan: Plan, stepped: list[tuple[int, MeasuredOp]], file: str) ->
         if event.op not in position:
             raise InputError(file, "traceEvents", f"op {event.op} is not in the plan's schedule", fix)
         rank, index = position[event.op]
+        if event.lane != repr(rank):  # octorun writes the pipeline rank as the thread (tid)
+            raise InputError(file, "traceEvents", f"op {event.op} ran on tid {event.lane}, but the plan puts stage "
+                             f"{event.op.stage} on pipeline rank {rank}", fix)
         before = last.get((event.thread, step))
         if before is not None and index <= before[1]:
             problem = (f"op {event.op} appears twice in step {step} on {event.thread}" if index == before[1] else
