@@ -89,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="octorun: %(message)s")
     from octoplan.errors import InputError
+    from octorun.agreement import JobStopped
     from octorun.runtime import LAUNCH_VARIABLES, LaunchError, RunConfig, run
 
     config = RunConfig(
@@ -103,10 +104,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     try:
         result = run(config)
+    except JobStopped as exc:  # this process's or a peer's bad input, told once per node
+        if exc.line is not None:
+            sys.stderr.write(f"octorun: {exc.line}\n")
+        sys.exit(2)
     except InputError as exc:
-        # every process reads the same files and fails the same way: one per node speaks (each
-        # node's log is its own, and another node's files may be the bad ones); but each has its
-        # own launch variables, and the bad one may not be that process's
+        # bad input no peer heard of (a process alone, launch variables that name no job, peers
+        # that never came): every process reads the same files and fails the same way, so one
+        # per node speaks; but each has its own launch variables, and the bad one may not be
+        # that process's
         if _speaks_for_its_node() or exc.field in LAUNCH_VARIABLES:
             sys.stderr.write(f"octorun: {exc.line()}\n")
         sys.exit(2)

@@ -47,6 +47,7 @@ from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
 from octorun.native_stderr import native_stderr_held
 from octorun.optim import OPTIMIZERS, OptimizerConfig, build_optimizer, check_optimizer_config, clip_factor, lr_at, squared_norms
 from octorun.tied import TiedGroup, parameter_key, tie_local, tied_groups
+from octorun import agreement
 from octorun.activations import ActivationMeter
 from octorun.stage import StageExecutor, Tape, floating
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
@@ -447,21 +448,113 @@ def _make_groups(prepared: Prepared, *, backend: str, timeout: datetime.timedelt
     return _Groups(outgoing=outgoing, incoming=incoming, dp_group=dp_group, control=control, store=store, tied=tied)
 
 
-def _init_process_group(backend: str, world: int, timeout: datetime.timedelta) -> None:
-    """The default process group, from torchrun's variables.
+def _backend(asked: str) -> str:
+    backend = asked
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise InputError(None, "--backend", f"is {backend!r}", "use auto, gloo or nccl")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise InputError(None, "--backend", "is nccl but this machine has no CUDA device", "use --backend gloo")
+    return backend
 
-    Under torchrun the workers share the launcher's store, which outlives a restart
-    (--max-restarts): the keys of the attempt that failed (its ranks' addresses) would mislead
-    the next one's rendezvous. Each attempt gets keys of its own, under a prefix.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+
+@dataclass(frozen=True)
+class _MeetingPlace:
+    """The store where the job's processes meet: first to agree on their input
+    (octorun.agreement), then to form the process group."""
+
+    store: Any
+    rank: int
+    world: int
+    wait_s: float  # how long this process waits for the others
+
+
+# How long a process whose own input is bad waits for its peers to hear of it, when no torchrun
+# launcher vouches that they were started (a manual launch of one rank must not sit out
+# --init-timeout to report a typo). Under torchrun the peers exist: it waits --init-timeout.
+UNVOUCHED_PEERS_WAIT_S = 5.0
+
+
+def _meeting_place(owns_group: bool, error: InputError | None, init_timeout_s: float) -> _MeetingPlace | None:
+    """Where this process meets its peers; None for a process alone, or one whose launch
+    variables name no job to meet (its own error says which)."""
+    if not owns_group:  # a group formed by the caller (tests run several jobs in one)
+        if dist.get_world_size() == 1:
+            return None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # private API: without it, a peer's bad input ends this one at --init-timeout
+            return None
+        return _MeetingPlace(store=store, rank=dist.get_rank(), world=dist.get_world_size(), wait_s=init_timeout_s)
+    launch = _launch_of_env()
+    if launch is None:
+        return None
+    rank, world, address, port = launch
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    wait_s = init_timeout_s if error is None or agent_store else min(init_timeout_s, UNVOUCHED_PEERS_WAIT_S)
+    timeout = datetime.timedelta(seconds=wait_s)
+    try:
+        with native_stderr_held():
+            if agent_store:
+                # Under torchrun the workers share the launcher's store, which outlives a restart
+                # (--max-restarts): the keys of the attempt that failed (its ranks' addresses)
+                # would mislead the next one's rendezvous. Each attempt gets keys of its own.
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                store = dist.PrefixStore(f"octorun/attempt{attempt}/",
+                                         dist.TCPStore(address, port, world, is_master=False, timeout=timeout))
+            else:  # rank 0 hosts it, as torch's env:// rendezvous does
+                store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    except Exception as exc:
+        if error is not None:  # no peer will hear of it: this process says it, whatever its rank
+            raise agreement.JobStopped(error.line()) from None
+        raise _not_formed(world, init_timeout_s, gist(exc)) from None
+    return _MeetingPlace(store=store, rank=rank, world=world, wait_s=wait_s)
+
+
+def _launch_of_env() -> tuple[int, int, str, int] | None:
+    """(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) when the variables are all there and sound;
+    :func:`_check_env` says what is wrong with them otherwise."""
+    try:
+        rank, world, port = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+        address = os.environ["MASTER_ADDR"]
+    except (KeyError, ValueError):
+        return None
+    if not (1 <= world <= MAX_GPUS and 0 <= rank < world and 1 <= port <= 65535 and address):
+        return None
+    return rank, world, address, port
+
+
+def _agree(place: _MeetingPlace, config: RunConfig, error: InputError | None, prepared: Prepared | None,
+           *, backend: str | None) -> None:
+    """Every process learns whether any process's input is bad, or differs from rank 0's
+    (octorun.agreement): all go on, or all stop."""
+    parts = None
+    if prepared is not None and backend is not None:
+        parts = agreement.identity(config, prepared.plan, prepared.model.path, backend)
+    try:
+        with native_stderr_held():
+            agreement.agree(agreement.meeting_store(place.store), rank=place.rank, world=place.world, error=error, parts=parts,
+                            plan_path=config.plan_path, model_path=None if prepared is None else prepared.model.path,
+                            timeout=datetime.timedelta(seconds=place.wait_s),
+                            speaks_alone=error is not None and error.field in LAUNCH_VARIABLES)
+    except agreement.NotAllCame as exc:
+        if error is not None:  # the peers did not come to hear it: this process says it, whatever its rank
+            raise agreement.JobStopped(error.line()) from None
+        raise _not_formed(place.world, place.wait_s, str(exc)) from None
+
+
+def _not_formed(world: int, seconds: float, why: str) -> LaunchError:
+    return LaunchError(f"the {world} processes did not form a group within --init-timeout {seconds:g} s: {why}")
+
+
+def _init_process_group(backend: str, world: int, timeout: datetime.timedelta, place: _MeetingPlace | None) -> None:
+    """The default process group, formed on the store where the processes met."""
+    if place is None:
         dist.init_process_group(backend, timeout=timeout)
         return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"octorun/attempt{attempt}/", store),
-                            rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore("group/", place.store), rank=place.rank, world_size=world,
+                            timeout=timeout)
 
 
 def _stage_of_layer(plan: Plan, layer: int) -> int:
@@ -1099,37 +1192,49 @@ def _write_trace(path: str, records: list[dict[str, Any]]) -> None:
 def run(config: RunConfig) -> RunResult:
     """Train ``config.steps`` steps of the plan on this process's share of the job.
 
-    Raises :class:`InputError` for bad input found before training starts. Failures once the job
+    Raises :class:`agreement.JobStopped` for bad input found before training starts, on this
+    process or a peer (:class:`InputError` where no peer could hear of it). Failures once the job
     runs end the process (and the job) through the watchdog, never with a hang.
     """
     steady_malloc()  # host allocations as the profiler's (octoplan.host_malloc)
-    prepared = prepare(config)
-    plan = prepared.plan
-    _ensure_env()
-    world = _check_env(plan, config.plan_path, replay=config.replay_time_scale is not None)
-    backend = config.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise InputError(None, "--backend", f"is {backend!r}", "use auto, gloo or nccl")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise InputError(None, "--backend", "is nccl but this machine has no CUDA device", "use --backend gloo")
+    error: InputError | None = None
+    try:
+        prepared = prepare(config)
+        plan = prepared.plan
+        _ensure_env()
+        world = _check_env(plan, config.plan_path, replay=config.replay_time_scale is not None)
+        backend = _backend(config.backend)
+    except InputError as exc:  # told to the peers first: they stop too, rather than wait for this process
+        error = exc
+    except OSError as exc:
+        if exc.filename is None:  # not a path's: a failure of the run itself
+            raise
+        # a path the job reads or writes that the file system refuses (too long a name, no
+        # permission): bad input, as octoplan treats it
+        error = InputError(str(exc.filename), None, exc.strerror or str(exc), "check the path")
     # two deadlines, as torchtitan has: a generous one until the first step ends (the process
     # group forms, stages build, a checkpoint loads, step 0 sends every layout), --timeout after
     init_timeout_s = config.first_timeout_s
+    if not (math.isfinite(init_timeout_s) and init_timeout_s > 0):  # bad input (prepare said so): meet with the default
+        init_timeout_s = 300.0
+    owns_group = not dist.is_initialized()
+    place = _meeting_place(owns_group, error, init_timeout_s)
+    if place is not None and place.world > 1:
+        _agree(place, config, error, None if error is not None else prepared,
+               backend=None if error is not None else backend)
+    if error is not None:
+        raise error
     timeout = datetime.timedelta(seconds=init_timeout_s)
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    owns_group = not dist.is_initialized()
     if owns_group:
         try:
             with native_stderr_held():
-                _init_process_group(backend, world, timeout)
+                _init_process_group(backend, world, timeout, place)
         except Exception as exc:  # peers that never came, an address in use: one line, not a trace
-            raise LaunchError(f"the {world} processes did not form a group within --init-timeout {init_timeout_s:g} s: "
-                              f"{gist(exc)}") from None
+            raise _not_formed(world, init_timeout_s, gist(exc)) from None
     elif dist.get_world_size() != world:
         raise InputError(config.plan_path, "cluster.gpus", "does not match the running process group", "launch a matching job")
     me = dist.get_rank()

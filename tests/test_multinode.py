@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -76,25 +78,76 @@ def test_a_launch_of_other_nodes_than_the_plans_exits_2(tmp_path):
     assert not (tmp_path / "m.jsonl").exists()
 
 
-def test_a_node_whose_own_plan_is_missing_says_so_and_the_other_ends_too(tmp_path):
-    model_path, config = h.model_spec("tiny", tmp_path)
-    plan = h.baseline_plan("1f1b", model_path, config, tmp_path, gpus=2, pp=2, microbatches=2)
-    plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, gpus_per_node=1))
-    save_plan(plan, tmp_path / "plan.yaml")
-    plan = tmp_path / "plan.yaml"
+def _one_process_nodes(args: list[list[str]]) -> list[tuple[int, list[str]]]:
+    """Two launchers of one process each; node i runs ``octorun *args[i]``. Returns each
+    launcher's exit code and the `octorun:` lines of its log. The job's --init-timeout is the
+    default 300 s: a node still waiting for its peer to form the group would outlast the
+    deadline here."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env["OMP_NUM_THREADS"] = "1"
     port = h.free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "octopipe-test", "-m", "octorun",
-         str(plan if node == 0 else tmp_path / "nope.yaml"), "--steps", "1", "--init-timeout", "10"],
+         *args[node]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=h.ROOT, env=env) for node in (0, 1)]
-    (_, err0), (_, err1) = [p.communicate(timeout=120) for p in procs]
-    code0, code1 = procs[0].returncode, procs[1].returncode
+    results = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=150)
+        results.append((proc.returncode, [line for line in err.splitlines() if line.startswith("octorun:")]))
+    return results
+
+
+def _pp2_plan(folder: Path, name: str = "plan.yaml", schedule: str = "1f1b") -> Path:
+    model_path, config = h.model_spec("tiny", folder)
+    plan = h.baseline_plan(schedule, model_path, config, folder, gpus=2, pp=2, microbatches=2)
+    plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, gpus_per_node=1))
+    save_plan(plan, folder / name)
+    return folder / name
+
+
+_HOST = re.escape(socket.gethostname())
+
+
+def test_a_node_whose_own_plan_is_missing_says_so_and_the_other_stops_at_once_saying_why(tmp_path):
+    plan, nope = _pp2_plan(tmp_path), tmp_path / "nope.yaml"
+    (code0, said0), (code1, said1) = _one_process_nodes([[str(plan), "--steps", "1"], [str(nope), "--steps", "1"]])
     # whichever global rank the rendezvous gives it, the node with the bad path names the file
-    said = [line for line in err1.splitlines() if line.startswith("octorun:")]
-    assert said == [f"octorun: {tmp_path / 'nope.yaml'}: no such plan file (check the path)"], err1
-    # the other node ends too: at --init-timeout, or sooner when the node that left hosted the
-    # rendezvous store (which node binds the endpoint first is a race)
-    assert code1 != 0 and code0 != 0, err0
+    line = f"{nope}: no such plan file (check the path)"
+    assert said1 == [f"octorun: {line}"], said1
+    # the other node heard of it when the processes met, before any group formed: it ends at
+    # once (not at --init-timeout), and its log names the node and the cause
+    assert len(said0) == 1 and re.fullmatch(rf"octorun: rank [01] \(node 1, host {_HOST}\): {re.escape(line)}", said0[0]), said0
+    assert code0 != 0 and code1 != 0
+
+
+@pytest.mark.parametrize("differs", ["plan", "--steps"])
+def test_nodes_launched_with_another_plan_or_options_stop_before_training(tmp_path, differs):
+    plan = _pp2_plan(tmp_path)
+    if differs == "plan":
+        other = _pp2_plan(tmp_path, "other.yaml", schedule="gpipe")
+        args = [[str(plan), "--steps", "1"], [str(other), "--steps", "1"]]
+    else:
+        args = [[str(plan), "--steps", "1"], [str(plan), "--steps", "2"]]
+    results = _one_process_nodes(args)
+    assert all(code != 0 for code, _ in results)
+    # rank 0 (the rendezvous's choice of node) is the reference: the other node is the one that
+    # differs, names itself and rank 0 in its own log, and the first node repeats it, naming it
+    ranks = {}
+    for node, (_, said) in enumerate(results):
+        assert len(said) == 1, said
+        own = re.fullmatch(r"octorun: (?!rank )(.*)", said[0])
+        if own:
+            ranks["bad"] = node, own.group(1)
+    assert "bad" in ranks, results
+    bad, line = ranks["bad"]
+    good = 1 - bad
+    me, them = rf"rank 1 \(node {bad}, host {_HOST}\)", rf"rank 0\S* \(node {good}, host {_HOST}\)"
+    if differs == "plan":
+        expected = (rf"{re.escape(args[bad][0])}: given to {me} is another plan than {them} "
+                    r"\(give every node the same plan file\)")
+    else:
+        expected = (rf"--steps: is {bad + 1} on {me} but {good + 1} on {them} "
+                    r"\(launch every process with the same plan, model file and options\)")
+    assert re.fullmatch(expected, line), line
+    assert results[good][1] == [f"octorun: rank 1 (node {bad}, host {socket.gethostname()}): {line}"]

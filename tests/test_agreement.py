@@ -1,0 +1,142 @@
+"""octorun.agreement: the processes of a job meet on a store before the process group forms, and
+all go on or all stop, each node's log saying why once. Here threads stand in for processes,
+each with its own client of one store, and name their nodes themselves."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import runtime_helpers as h
+
+from octoplan.errors import InputError
+from octorun import agreement
+from octorun.runtime import RunConfig
+
+FAST = datetime.timedelta(seconds=20)
+
+
+def _meet(verdicts: list[dict], *, timeout: datetime.timedelta = FAST) -> list[object]:
+    """Each verdict (rank i's: error, parts, node) meets the others; what each rank's agree()
+    returned (None) or raised."""
+    world = len(verdicts)
+    host = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
+    outcomes: list[object] = [None] * world
+
+    def one(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", host.port, world, is_master=False, timeout=timeout)
+        verdict = verdicts[rank]
+        try:
+            agreement.agree(dist.PrefixStore("test/", store), rank=rank, world=world, error=verdict.get("error"),
+                            parts=verdict.get("parts", {"plan": "p", "--steps": "4"}), plan_path=f"plan{rank}.yaml",
+                            model_path="model.py", timeout=timeout, node=verdict["node"],
+                            speaks_alone=verdict.get("alone", False))
+        except Exception as exc:  # what the test checks
+            outcomes[rank] = exc
+
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    return outcomes
+
+
+def _lines(outcomes: list[object]) -> list[str | None]:
+    assert all(isinstance(o, agreement.JobStopped) for o in outcomes), outcomes
+    return [o.line for o in outcomes]
+
+
+def test_good_input_everywhere_goes_on():
+    assert _meet([{"node": "node 0"}, {"node": "node 0"}, {"node": "node 1"}, {"node": "node 1"}]) == [None] * 4
+
+
+def test_bad_input_on_one_process_stops_all_and_each_node_says_why_once():
+    missing = InputError("plan.yaml", None, "no such plan file", "check the path")
+    verdicts = [{"node": "node 0"}, {"node": "node 0"}, {"node": "node 1"}, {"node": "node 1", "error": missing, "parts": None}]
+    lines = _lines(_meet(verdicts))
+    # node 1: its own error, once (by rank 3 if it spoke first, else by rank 2 naming rank 3)
+    assert sorted(line for line in lines[2:] if line) in (["plan.yaml: no such plan file (check the path)"],
+                                                         ["rank 3: plan.yaml: no such plan file (check the path)"])
+    assert sum(line is not None for line in lines[2:]) == 1
+    # node 0: the node and process that stopped the job, once
+    assert [line for line in lines[:2] if line] == ["rank 3 (node 1): plan.yaml: no such plan file (check the path)"]
+
+
+def test_another_plan_or_option_than_rank_0s_is_bad_input_of_the_process_that_differs():
+    verdicts = [{"node": "node 0"}, {"node": "node 1", "parts": {"plan": "p", "--steps": "5"}},
+                {"node": "node 2", "parts": {"plan": "q", "--steps": "4"}}]
+    lines = _lines(_meet(verdicts))
+    assert lines[1] == ("--steps: is 5 on rank 1 (node 1) but 4 on rank 0 (node 0) "
+                        "(launch every process with the same plan, model file and options)")
+    assert lines[2] == "plan2.yaml: given to rank 2 (node 2) is another plan than rank 0's (node 0) (give every node the same plan file)"
+    # rank 0's node repeats the first to have said it (either of the two)
+    assert lines[0] in (f"rank 1 (node 1): {lines[1]}", f"rank 2 (node 2): {lines[2]}")
+
+
+def test_a_launch_variable_of_one_process_is_said_by_that_process_and_its_node_speaker_too():
+    bad = InputError(None, "LOCAL_RANK", "is 7, outside 0..1", "launch with torchrun")
+    verdicts = [{"node": "node 0"}, {"node": "node 0", "error": bad, "parts": None, "alone": True}]
+    lines = _lines(_meet(verdicts))
+    assert lines[1] == "LOCAL_RANK: is 7, outside 0..1 (launch with torchrun)"
+    assert lines[0] in (None, "rank 1: LOCAL_RANK: is 7, outside 0..1 (launch with torchrun)")
+
+
+def test_a_process_that_never_comes_ends_the_meeting_at_the_deadline():
+    world = 2
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=FAST)
+    with pytest.raises(agreement.NotAllCame, match="timeout"):
+        agreement.agree(dist.PrefixStore("alone/", store), rank=0, world=world, error=None, parts={"plan": "p"},
+                        plan_path="plan.yaml", model_path="model.py", timeout=datetime.timedelta(seconds=1), node="node 0")
+
+
+def test_identity_holds_the_plan_the_model_file_and_every_shared_option_but_no_path(tmp_path):
+    model_path, config = h.model_spec("tiny", tmp_path)
+    plan = h.baseline_plan("1f1b", model_path, config, tmp_path, gpus=2, pp=2, microbatches=2)
+    base = RunConfig(plan_path="a/plan.yaml")
+    parts = agreement.identity(base, plan, model_path, "gloo")
+    assert set(parts) == {"plan", "model file", "--backend", *agreement.AGREED_OPTIONS.values(),
+                          *agreement.GIVEN_OR_NOT.values()}
+    # paths and deadlines are each node's own
+    elsewhere = dataclasses.replace(base, plan_path="b/plan.yaml", metrics_path="m.jsonl", trace_path="t.json",
+                                    timeout_s=60.0, init_timeout_s=900.0)
+    assert agreement.identity(elsewhere, plan, model_path, "gloo") == parts
+    # each option that must agree is told apart, alone
+    changed = {"steps": 2, "seed": 1, "optimizer": "adamw", "lr": 0.5, "weight_decay": 0.1, "betas": (0.8, 0.9),
+               "grad_clip": 1.0, "lr_schedule": "cosine", "warmup_steps": 1, "min_lr": 1e-5, "decay_steps": 3,
+               "skip_nonfinite": True, "precision": "bf16", "replay_time_scale": 1.0, "dynamic_shapes": True,
+               "activation_memory": True, "data_dtype": "uint16", "save_every": 1, "keep": 3,
+               "save_dir": "ckpt", "data_path": "tokens.bin", "resume": "auto"}
+    assert set(changed) == set(agreement.AGREED_OPTIONS) | set(agreement.GIVEN_OR_NOT)
+    for name, value in changed.items():
+        other = agreement.identity(dataclasses.replace(base, **{name: value}), plan, model_path, "gloo")
+        flag = {**agreement.AGREED_OPTIONS, **agreement.GIVEN_OR_NOT}[name]
+        assert [key for key in parts if parts[key] != other[key]] == [flag], name
+        error = agreement.mismatch(other, parts, "node 0", rank=1, node="node 1", plan_path="p.yaml", model_path="m.py")
+        assert error is not None and error.field == flag
+    assert agreement.identity(base, plan, model_path, "nccl")["--backend"] == "nccl"
+    other_plan = dataclasses.replace(plan, schedule=plan.schedule[::-1])
+    assert [k for k, v in agreement.identity(base, other_plan, model_path, "gloo").items() if parts[k] != v] == ["plan"]
+    Path(model_path).write_text(Path(model_path).read_text() + "\n# edited on one node\n")
+    assert [k for k, v in agreement.identity(base, plan, model_path, "gloo").items() if parts[k] != v] == ["model file"]
+
+
+@pytest.mark.slow  # a fresh interpreter, and the seconds it gives peers to come
+def test_a_lone_process_of_a_manual_launch_reports_its_bad_input_whatever_its_rank(tmp_path):
+    """Rank 1 of 2, started by hand with no rank 0 and a plan path that does not exist: nobody
+    hears of its error, so it says it itself (no node's first process is there to)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
+    env.update(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(h.free_port()),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "octorun", str(tmp_path / "nope.yaml")], capture_output=True, text=True,
+                          cwd=h.ROOT, env=env, timeout=120)
+    assert (done.returncode, done.stderr) == (2, f"octorun: {tmp_path / 'nope.yaml'}: no such plan file (check the path)\n")
