@@ -67,6 +67,13 @@ def parse_kind_letters(pairs: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _kind_and_block(kind: str, name: str) -> tuple[str, str | None]:
+    """A layer's kind for the letters, and the block it is part of (None: a whole layer): the
+    parts of a split block ("block.mixer", "block.ffn") are one Megatron layer of their base kind."""
+    base, _, part = kind.rpartition(".")
+    return (base, name.rpartition(".")[0]) if part in _SPLIT_PARTS and base else (kind, None)
+
+
 class LayerLetters:
     """A profile's layers as Megatron layout letters: which letter each layer stands for, where
     a stage may start (never inside a split block), and where the MTP layers are."""
@@ -78,9 +85,15 @@ class LayerLetters:
         self.letter: list[str] = []
         self.cuts: set[int] = {0, profile.num_layers}  # layer indices a stage may start at
         previous_block = None
-        for index, layer in enumerate(profile.layers):
-            base, _, part = layer.kind.rpartition(".")
-            kind, block = (base, layer.name.rpartition(".")[0]) if part in _SPLIT_PARTS and base else (layer.kind, None)
+        kinds_blocks = [_kind_and_block(layer.kind, layer.name) for layer in profile.layers]
+        # a mapping for no layer's kind is a misspelt kind: the layer it meant would go unmapped
+        # (or keep its default letter) without a word
+        kinds = {kind for kind, _ in kinds_blocks}
+        for kind in letters or {}:
+            if kind not in kinds:
+                raise InputError(None, "--kind-letter", f"maps {kind!r}, a kind no layer of the profile has",
+                                 f"map one of the profile's kinds: {', '.join(sorted(kinds))}")
+        for index, (layer, (kind, block)) in enumerate(zip(profile.layers, kinds_blocks)):
             if kind not in table:
                 known = ", ".join(sorted(table))
                 raise InputError(file, f"layers.{index}.kind",

@@ -188,6 +188,10 @@ def test_hybrid_kinds_are_refused_unless_mapped():
     with pytest.raises(InputError, match="'mamba'"):
         LayerLetters(profile)
     assert "".join(LayerLetters(profile, letters={"mamba": "t", "attention": "t"}).letter) == "EtttL"
+    # a misspelt kind is refused, naming the kinds there are, before the one it meant goes unmapped
+    with pytest.raises(InputError, match=r"--kind-letter: maps 'mambaa', a kind no layer of the profile has "
+                                         r"\(map one of the profile's kinds: attention, embedding, head, mamba\)"):
+        LayerLetters(profile, letters={"mambaa": "t", "attention": "t"})
 
 
 @pytest.mark.parametrize("pairs", [["block"], ["block=x"], ["=t"], ["block=tt"]])

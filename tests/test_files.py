@@ -752,3 +752,18 @@ def test_profile_extension_fields_are_kept_or_passed_over(tmp_path):
     path = tmp_path / "ext.yaml"
     path.write_text(yaml.safe_dump(data))
     assert load_profile(path).extra == {"cost_model": {"gpu": "h100"}}
+
+
+@pytest.mark.parametrize("spelled, read", [("4", 4), ("4.0", 4), ("4e0", 4), ("4.5", None), ("true", None), ('"4"', None)])
+def test_a_count_is_any_spelling_of_a_whole_number_and_nothing_else(baseline_files, spelled, read):
+    """docs/FORMATS.md section 2: numeric tools write counts as floats; a fraction, a boolean or a
+    string is not a count."""
+    _, path = baseline_files
+    text = path.read_text()
+    assert "\n  microbatches: 4\n" in text
+    path.write_text(text.replace("\n  microbatches: 4\n", f"\n  microbatches: {spelled}\n"))
+    if read is not None:
+        assert load_plan(path).microbatches == read
+    else:
+        with pytest.raises(InputError, match="parallel.microbatches: must be a whole number"):
+            load_plan(path)
