@@ -30,7 +30,7 @@ from octorun.watchdog import gist
 
 # The options every process must run with alike (RunConfig field: its flag). --timeout and the
 # output paths may differ from node to node; --save, --data and --resume must at least be given
-# on every node or on none (their paths are each node's own).
+# on every node or on none (their paths are each node's own), and --data's files must match.
 AGREED_OPTIONS = {
     "steps": "--steps", "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "weight_decay": "--weight-decay",
     "betas": "--betas", "grad_clip": "--grad-clip", "lr_schedule": "--lr-schedule", "warmup_steps": "--warmup-steps",
@@ -68,9 +68,10 @@ def where() -> str:
     return f"node {group}, host {host}" if group is not None else f"host {host}"
 
 
-def identity(config: Any, plan: Plan, model_path: str, backend: str) -> dict[str, str]:
+def identity(config: Any, plan: Plan, model_path: str, backend: str, data: Any = None) -> dict[str, str]:
     """What every process must share, by name: the plan's contents, the model file's bytes (a
-    digest of each) and the training options, as they would be printed."""
+    digest of each), the training options as they would be printed, and the token file
+    (``data``, octorun.data.TokenData: its fingerprint; each node may read its own copy)."""
     parts = {
         "plan": _digest(json.dumps(plan_to_dict(plan), sort_keys=True, default=str).encode()),
         # a Hugging Face model ("hf:FOLDER") is its folder, which the plan's source names
@@ -82,6 +83,8 @@ def identity(config: Any, plan: Plan, model_path: str, backend: str) -> dict[str
         parts[flag] = " ".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
     for name, flag in GIVEN_OR_NOT.items():
         parts[flag] = "given" if getattr(config, name) is not None else "not given"
+    if data is not None:
+        parts["--data"] = data.fingerprint()
     return parts
 
 

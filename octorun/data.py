@@ -18,6 +18,7 @@ in the order of a permutation seeded by (seed, e): no window repeats before all 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,16 @@ class TokenData:
         self._tokens = tokens
         self._vocab = vocab
         self._orders: dict[int, torch.Tensor] = {}
+
+    # tokens read from each end of the file for its fingerprint: a stale or cut copy on one
+    # node differs there, and reading the whole file would cost a pass over terabytes
+    FINGERPRINT_TOKENS = 1 << 16
+
+    def fingerprint(self) -> str:
+        """The file as the nodes of one job compare it (octorun.agreement): its length, token
+        type and a digest of its first and last tokens."""
+        ends = self._tokens[:self.FINGERPRINT_TOKENS].tobytes() + self._tokens[-self.FINGERPRINT_TOKENS:].tobytes()
+        return f"a file of {self.num_tokens} {self.dtype} tokens (digest {hashlib.sha256(ends).hexdigest()[:12]})"
 
     @classmethod
     def open(cls, path: str, model: "ModelFile", *, seed: int, dtype: str | None = None) -> "TokenData":

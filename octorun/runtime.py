@@ -531,7 +531,7 @@ def _agree(place: _MeetingPlace, config: RunConfig, error: InputError | None, pr
     (octorun.agreement): all go on, or all stop."""
     parts = None
     if prepared is not None and backend is not None:
-        parts = agreement.identity(config, prepared.plan, prepared.model.path, backend)
+        parts = agreement.identity(config, prepared.plan, prepared.model.path, backend, prepared.data)
     try:
         with native_stderr_held():
             agreement.agree(agreement.meeting_store(place.store), rank=place.rank, world=place.world, error=error, parts=parts,

@@ -287,3 +287,19 @@ def test_the_demo_corpus_trains_the_hybrid_example():
     assert model.tokens_per_sample() == model.config["seq"] + 1
     ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype("<u2")
     assert int(ids.max()) < model.config["vocab"]
+
+
+def test_copies_of_a_token_file_agree_and_a_stale_or_cut_copy_does_not(tmp_path):
+    """What the nodes of a job compare before training (octorun.agreement): each may read its
+    own copy of the token file, and a copy that differs at either end is another file."""
+    model = _model(tmp_path)
+    values = list(range(1000))
+
+    def fingerprint(name, tokens):
+        return TokenData.open(_tokens(tmp_path / name, tokens), model, seed=0).fingerprint()
+
+    first = fingerprint("a.bin", values)
+    assert first.startswith("a file of 1000 uint16 tokens (digest ") and first == fingerprint("copy.bin", values)
+    assert fingerprint("cut.bin", values[:-1]).startswith("a file of 999 uint16 tokens")
+    assert fingerprint("last.bin", values[:-1] + [7]) != first
+    assert fingerprint("first.bin", [7] + values[1:]) != first
