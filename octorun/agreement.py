@@ -30,14 +30,14 @@ from octorun.watchdog import gist
 
 # The options every process must run with alike (RunConfig field: its flag). --timeout and the
 # output paths may differ from node to node; --save, --data and --resume must at least be given
-# on every node or on none (their paths are each node's own), and --data's files must match.
+# on every node or on none (their paths are each node's own), and --data's files must match
+# (their fingerprint holds the token type, which --data-dtype may name or leave to the file).
 AGREED_OPTIONS = {
     "steps": "--steps", "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "weight_decay": "--weight-decay",
     "betas": "--betas", "grad_clip": "--grad-clip", "lr_schedule": "--lr-schedule", "warmup_steps": "--warmup-steps",
     "min_lr": "--min-lr", "decay_steps": "--decay-steps", "skip_nonfinite": "--skip-nonfinite",
     "precision": "--precision", "replay_time_scale": "--replay", "dynamic_shapes": "--dynamic-shapes",
-    "activation_memory": "--activation-memory", "data_dtype": "--data-dtype", "save_every": "--save-every",
-    "keep": "--keep",
+    "activation_memory": "--activation-memory", "save_every": "--save-every", "keep": "--keep",
 }
 GIVEN_OR_NOT = {"save_dir": "--save", "data_path": "--data", "resume": "--resume"}
 SAME_EVERYWHERE_FIX = "launch every process with the same plan, model file and options"

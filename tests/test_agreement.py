@@ -114,7 +114,7 @@ def test_identity_holds_the_plan_the_model_file_and_every_shared_option_but_no_p
     changed = {"steps": 2, "seed": 1, "optimizer": "adamw", "lr": 0.5, "weight_decay": 0.1, "betas": (0.8, 0.9),
                "grad_clip": 1.0, "lr_schedule": "cosine", "warmup_steps": 1, "min_lr": 1e-5, "decay_steps": 3,
                "skip_nonfinite": True, "precision": "bf16", "replay_time_scale": 1.0, "dynamic_shapes": True,
-               "activation_memory": True, "data_dtype": "uint16", "save_every": 1, "keep": 3,
+               "activation_memory": True, "save_every": 1, "keep": 3,
                "save_dir": "ckpt", "data_path": "tokens.bin", "resume": "auto"}
     assert set(changed) == set(agreement.AGREED_OPTIONS) | set(agreement.GIVEN_OR_NOT)
     for name, value in changed.items():
