@@ -26,6 +26,7 @@ from typing import Any
 
 from octoplan.errors import InputError
 from octoplan.plan import Plan, plan_to_dict
+from octoplan.yamlio import file_sha256
 from octorun.watchdog import gist
 
 # The options every process must run with alike (RunConfig field: its flag). --timeout and the
@@ -75,7 +76,7 @@ def identity(config: Any, plan: Plan, model_path: str, backend: str, data: Any =
     parts = {
         "plan": _digest(json.dumps(plan_to_dict(plan), sort_keys=True, default=str).encode()),
         # a Hugging Face model ("hf:FOLDER") is its folder, which the plan's source names
-        "model file": _digest(Path(model_path).read_bytes()) if Path(model_path).is_file() else model_path,
+        "model file": file_sha256(model_path) if Path(model_path).is_file() else model_path,
         "--backend": backend,
     }
     for name, flag in AGREED_OPTIONS.items():
