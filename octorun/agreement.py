@@ -94,7 +94,7 @@ def mismatch(mine: dict[str, str], first: dict[str, str], first_where: str, *, r
     """How this process's identity differs from rank 0's, as the error this process reports
     (any process of its node may print it, so it names the rank)."""
     here = f"rank {rank} ({node})"
-    there = f"rank 0's ({first_where})"
+    there = f"rank 0's ({first_where})"  # "another plan than rank 0's", "differs from rank 0's"
     for name, value in mine.items():
         theirs = first.get(name)
         if theirs == value:
@@ -103,7 +103,7 @@ def mismatch(mine: dict[str, str], first: dict[str, str], first_where: str, *, r
             return InputError(plan_path, None, f"given to {here} is another plan than {there}",
                               "give every node the same plan file")
         if name == "model file":
-            return InputError(model_path, None, f"run by {here} differs from the model file of {there}",
+            return InputError(model_path, None, f"run by {here} differs from {there}",
                               "give every node the same model file")
         return InputError(None, name, f"is {value} on {here} but {theirs} on rank 0 ({first_where})", SAME_EVERYWHERE_FIX)
     return None
@@ -132,39 +132,78 @@ def agree(store: Any, *, rank: int, world: int, error: InputError | None, parts:
     keys = store
     try:
         if rank == 0:
-            keys.set("rank0", json.dumps({"where": node, "parts": parts}))
-        first = json.loads(keys.get("rank0"))  # waits for rank 0 (the store's deadline)
-        if error is None and rank != 0 and parts is not None and first["parts"] is not None:
+            keys.set("rank0", json.dumps({"where": node, "parts": parts, "world": world}))
+        try:
+            first = json.loads(keys.get("rank0"))  # waits for rank 0 (the store's deadline)
+        except Exception as exc:
+            raise _not_all_came(exc, "rank 0 did not come") from None
+        job_world = first.get("world", world)
+        # a line that names this rank and node already (a mismatch) is not prefixed with them again
+        names_itself = False
+        if error is None and world != job_world:
+            # the job cannot form; rank 0's count is the one every process waits for
+            error = InputError(None, "WORLD_SIZE", f"is {world} on rank {rank} ({node}) but {job_world} on rank 0 "
+                               f"({first['where']})", SAME_EVERYWHERE_FIX)
+            speaks_alone = names_itself = True
+        elif error is None and rank != 0 and parts is not None and first["parts"] is not None:
             error = mismatch(parts, first["parts"], first["where"], rank=rank, node=node, plan_path=plan_path,
                              model_path=model_path or "")
+            names_itself = error is not None
         speaker = keys.compare_set(f"speaker/{node}", "", str(rank)) == str(rank).encode()
         if error is not None:
-            keys.compare_set(f"bad/{node}", "", f"rank {rank}: {error.line()}")
-            keys.compare_set("bad", "", f"rank {rank} ({node}): {error.line()}")
-        _all_reach(keys, "arrived", world, timeout)
+            # a process that speaks alone has put its line in its node's log itself: its node's
+            # speaker is told so (an empty line), not handed the same line to print again
+            keys.compare_set(f"bad/{node}", "", "" if speaks_alone else _said_by(f"rank {rank}", error, names_itself))
+            keys.compare_set("bad", "", _said_by(f"rank {rank} ({node})", error, names_itself))
+        # where worlds differ, fewer processes may come than rank 0 waits for: this one opens the
+        # meeting for those that did
+        _all_reach(keys, "arrived", job_world, timeout, who="processes", open_anyway=world != job_world)
         if not keys.check(["bad"]):
             return
         own_node = keys.get(f"bad/{node}").decode() if keys.check([f"bad/{node}"]) else None
         first_bad = keys.get("bad").decode()
+        came = int(keys.add("arrived", 0))
+    except NotAllCame:
+        raise
     except Exception as exc:
         raise NotAllCame(gist(exc)) from None
-    # nobody leaves before all have read: the store may live in a process that leaves. A
-    # failure here only ends the wait: this process read what it needs
+    # nobody leaves before all that came have read: the store may live in a process that leaves.
+    # A failure here only ends the wait: this process read what it needs
     with contextlib.suppress(Exception):
-        _all_reach(keys, "read", world, timeout)
+        _all_reach(keys, "read", came, timeout, who="processes")
     if error is not None and (speaks_alone or speaker):
         raise JobStopped(error.line())
     if not speaker:
         raise JobStopped(None)
-    # the speaker's own input was good: its node's first bad process, else the job's first
-    raise JobStopped(own_node if own_node is not None else first_bad)
+    # the speaker's own input was good: its node's first bad process (none to print when that
+    # process spoke for itself), else the job's first
+    if own_node is not None:
+        raise JobStopped(own_node or None)
+    raise JobStopped(first_bad)
 
 
-def _all_reach(keys: Any, point: str, world: int, timeout: datetime.timedelta) -> None:
-    """A barrier on the store: the last process to reach ``point`` opens it for all."""
-    if keys.add(point, 1) == world:
+def _said_by(who: str, error: InputError, names_itself: bool) -> str:
+    return error.line() if names_itself else f"{who}: {error.line()}"
+
+
+def _all_reach(keys: Any, point: str, count: int, timeout: datetime.timedelta, *, who: str,
+               open_anyway: bool = False) -> None:
+    """A barrier on the store: the process that makes ``count`` at ``point`` opens it for all
+    (``>=``: a late process, or one that waits for fewer, may count past it). A process that
+    knows the count will not be reached opens it once it has counted itself, so that whoever
+    reads the count after passing counts it."""
+    if keys.add(point, 1) >= count or open_anyway:
         keys.set(f"{point}/all", "1")
-    keys.wait([f"{point}/all"], timeout)
+    try:
+        keys.wait([f"{point}/all"], timeout)
+    except Exception as exc:
+        raise _not_all_came(exc, f"{int(keys.add(point, 0))} of {count} {who} came") from None
+
+
+def _not_all_came(exc: Exception, late: str) -> NotAllCame:
+    """``late`` where the store's wait ran out (its message names internal keys, which tell a
+    user nothing); the store's own error where it failed otherwise (a peer that hosted it left)."""
+    return NotAllCame(late if "timeout" in str(exc).lower() else f"the store they meet on failed: {gist(exc)}")
 
 
 def _digest(data: bytes) -> str:

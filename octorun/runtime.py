@@ -495,7 +495,7 @@ def _meeting_place(owns_group: bool, error: InputError | None, init_timeout_s: f
     wait_s = init_timeout_s if error is None or agent_store else min(init_timeout_s, UNVOUCHED_PEERS_WAIT_S)
     timeout = datetime.timedelta(seconds=wait_s)
     try:
-        with native_stderr_held():
+        with native_stderr_held(replay=False):  # c10d's retries while the store's host was not up yet
             if agent_store:
                 # Under torchrun the workers share the launcher's store, which outlives a restart
                 # (--max-restarts): the keys of the attempt that failed (its ranks' addresses)

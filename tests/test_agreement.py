@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import runtime_helpers as h
 
 from octoplan.errors import InputError
+from octoplan.plan import save_plan
 from octorun import agreement
 from octorun.runtime import RunConfig
 
@@ -25,8 +27,8 @@ FAST = datetime.timedelta(seconds=20)
 
 
 def _meet(verdicts: list[dict], *, timeout: datetime.timedelta = FAST) -> list[object]:
-    """Each verdict (rank i's: error, parts, node) meets the others; what each rank's agree()
-    returned (None) or raised."""
+    """Each verdict (rank i's: error, parts, node, and the world it was launched with, if not
+    the number of verdicts) meets the others; what each rank's agree() returned (None) or raised."""
     world = len(verdicts)
     host = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
     outcomes: list[object] = [None] * world
@@ -35,7 +37,8 @@ def _meet(verdicts: list[dict], *, timeout: datetime.timedelta = FAST) -> list[o
         store = dist.TCPStore("127.0.0.1", host.port, world, is_master=False, timeout=timeout)
         verdict = verdicts[rank]
         try:
-            agreement.agree(dist.PrefixStore("test/", store), rank=rank, world=world, error=verdict.get("error"),
+            agreement.agree(dist.PrefixStore("test/", store), rank=rank, world=verdict.get("world", world),
+                            error=verdict.get("error"),
                             parts=verdict.get("parts", {"plan": "p", "--steps": "4"}), plan_path=f"plan{rank}.yaml",
                             model_path="model.py", timeout=timeout, node=verdict["node"],
                             speaks_alone=verdict.get("alone", False))
@@ -79,22 +82,39 @@ def test_another_plan_or_option_than_rank_0s_is_bad_input_of_the_process_that_di
     assert lines[1] == ("--steps: is 5 on rank 1 (node 1) but 4 on rank 0 (node 0) "
                         "(launch every process with the same plan, model file and options)")
     assert lines[2] == "plan2.yaml: given to rank 2 (node 2) is another plan than rank 0's (node 0) (give every node the same plan file)"
-    # rank 0's node repeats the first to have said it (either of the two)
-    assert lines[0] in (f"rank 1 (node 1): {lines[1]}", f"rank 2 (node 2): {lines[2]}")
+    # rank 0's node repeats the first to have said it (either of the two), which names its rank
+    # and node already
+    assert lines[0] in lines[1:]
 
 
-def test_a_launch_variable_of_one_process_is_said_by_that_process_and_its_node_speaker_too():
+def test_a_launch_variable_of_one_process_is_said_by_that_process_alone():
     bad = InputError(None, "LOCAL_RANK", "is 7, outside 0..1", "launch with torchrun")
-    verdicts = [{"node": "node 0"}, {"node": "node 0", "error": bad, "parts": None, "alone": True}]
+    verdicts = [{"node": "node 0"}, {"node": "node 0", "error": bad, "parts": None, "alone": True},
+                {"node": "node 1"}]
     lines = _lines(_meet(verdicts))
-    assert lines[1] == "LOCAL_RANK: is 7, outside 0..1 (launch with torchrun)"
-    assert lines[0] in (None, "rank 1: LOCAL_RANK: is 7, outside 0..1 (launch with torchrun)")
+    # its own node's log has it once, from itself; the other node's names it
+    assert lines[:2] == [None, "LOCAL_RANK: is 7, outside 0..1 (launch with torchrun)"]
+    assert lines[2] == "rank 1 (node 0): LOCAL_RANK: is 7, outside 0..1 (launch with torchrun)"
+
+
+@pytest.mark.parametrize("worlds", [[2, 3], [3, 2]])
+def test_a_process_launched_with_another_world_size_stops_the_processes_that_came_at_once(worlds):
+    """Rank 1 thinks the job has 3 processes where rank 0 has 2, or the other way round (rank 0
+    then waits for a third that never comes): both stop with rank 1's error, well before the
+    deadline, rank 0's node naming it."""
+    slow = datetime.timedelta(seconds=30)
+    started = time.monotonic()
+    lines = _lines(_meet([{"node": "node 0", "world": worlds[0]}, {"node": "node 1", "world": worlds[1]}], timeout=slow))
+    assert time.monotonic() - started < 10
+    line = (f"WORLD_SIZE: is {worlds[1]} on rank 1 (node 1) but {worlds[0]} on rank 0 (node 0) "
+            "(launch every process with the same plan, model file and options)")
+    assert lines == [line, line]
 
 
 def test_a_process_that_never_comes_ends_the_meeting_at_the_deadline():
     world = 2
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=FAST)
-    with pytest.raises(agreement.NotAllCame, match="timeout"):
+    with pytest.raises(agreement.NotAllCame, match=r"^1 of 2 processes came$"):
         agreement.agree(dist.PrefixStore("alone/", store), rank=0, world=world, error=None, parts={"plan": "p"},
                         plan_path="plan.yaml", model_path="model.py", timeout=datetime.timedelta(seconds=1), node="node 0")
 
@@ -152,3 +172,51 @@ def test_a_lone_process_of_a_manual_launch_reports_its_bad_input_whatever_its_ra
     done = subprocess.run([sys.executable, "-m", "octorun", str(tmp_path / "nope.yaml")], capture_output=True, text=True,
                           cwd=h.ROOT, env=env, timeout=120)
     assert (done.returncode, done.stderr) == (2, f"octorun: {tmp_path / 'nope.yaml'}: no such plan file (check the path)\n")
+
+
+# c10d's TCPStore client logs each failed try to reach the store's host to fd 2 (two lines and
+# a C++ stack) before it tries again; here the store is made to log so, then connect
+_MEET_AFTER_RETRIES = """
+import os
+import torch.distributed as dist
+from octorun import runtime
+real = dist.TCPStore
+def store_after_retries(*args, **kwargs):
+    os.write(2, b"[W c10d] TCP client failed to connect/validate to host - retrying\\n")
+    return real(*args, **kwargs)
+dist.TCPStore = store_after_retries
+place = runtime._meeting_place(True, None, 20.0)
+print("met", place.rank, place.world, flush=True)
+"""
+
+
+def test_a_process_that_reached_the_store_after_retries_says_nothing_of_them():
+    """Once the store is reached, c10d's failed tries before it mean nothing: none of them
+    reaches stderr (a process that started before rank 0 was up printed ~20 lines of them)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(h.free_port()),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", _MEET_AFTER_RETRIES], cwd=h.ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "met 0 2\n", ""), done.stderr[-3000:]
+
+
+@pytest.mark.slow  # two fresh interpreters
+def test_a_manual_launch_whose_ranks_count_other_worlds_stops_both_at_once(tmp_path):
+    """Rank 1 started with WORLD_SIZE 3 beside rank 0's 2 (a plan of 2): rank 0 hosts the store
+    and stays until rank 1 has read the verdict; both stop with exit 2 within seconds, and
+    their host's log has rank 1's error once."""
+    plan = h.baseline_plan("1f1b", *h.model_spec("tiny", tmp_path), tmp_path, gpus=2, pp=2, microbatches=2)
+    save_plan(plan, tmp_path / "plan.yaml")
+    env = {k: v for k, v in os.environ.items() if k not in ("GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(h.free_port()), OMP_NUM_THREADS="1")
+    started = time.monotonic()
+    ranks = [subprocess.Popen([sys.executable, "-m", "octorun", str(tmp_path / "plan.yaml"), "--init-timeout", "60"],
+                              cwd=h.ROOT, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": world},
+                              stderr=subprocess.PIPE, text=True)
+             for rank, world in enumerate(("2", "3"))]
+    said = [process.communicate(timeout=120)[1] for process in ranks]
+    assert [process.returncode for process in ranks] == [2, 2] and time.monotonic() - started < 45, said
+    line = (f"{tmp_path / 'plan.yaml'}: cluster.gpus: the plan needs 2 processes (pp 2 x dp 1) but WORLD_SIZE is 3 "
+            "(launch with torchrun --nproc-per-node 2)")
+    assert sorted(said) in (["", f"octorun: rank 1: {line}\n"], ["", f"octorun: {line}\n"]), said

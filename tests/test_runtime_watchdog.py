@@ -58,16 +58,17 @@ def test_peers_that_never_come_end_in_one_line_without_c10d_stacks(tmp_path):
                         r".*127\.0\.0\.1, \d+\)\.", done.stderr.strip()), done.stderr
 
 
-@pytest.mark.parametrize("fails", [False, True])
-def test_native_stderr_is_dropped_only_when_the_step_fails(fails):
+@pytest.mark.parametrize("fails, replay", [(False, True), (True, True), (False, False)])
+def test_native_stderr_is_dropped_when_the_step_fails_or_the_caller_says(fails, replay):
     # what code writes to fd 2 under the guard: written out as it was after a step that ends
-    # well (after what was written before), dropped with a step that raises
+    # well (after what was written before), dropped with a step that raises, or always when the
+    # caller says it can only be noise
     script = (
         "import os, sys\n"
         "from octorun.native_stderr import native_stderr_held\n"
         "os.write(2, b'before\\n')\n"
         "try:\n"
-        "    with native_stderr_held():\n"
+        f"    with native_stderr_held(replay={replay}):\n"
         "        os.write(2, b'native\\n' * 20000)\n"
         f"        if {fails}: raise RuntimeError('x')\n"
         "except RuntimeError:\n"
@@ -76,7 +77,7 @@ def test_native_stderr_is_dropped_only_when_the_step_fails(fails):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stderr[-500:]
-    middle = [] if fails else ["native"] * 20000
+    middle = ["native"] * 20000 if replay and not fails else []
     assert done.stderr.decode().splitlines() == ["before", *middle, "after"]
 
 
