@@ -20,9 +20,10 @@ import hashlib
 import itertools
 import json
 import os
+import secrets
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from octoplan.errors import InputError
 from octoplan.plan import Plan, plan_to_dict
@@ -118,33 +119,36 @@ def meeting_store(store: Any) -> Any:
 
 def agree(store: Any, *, rank: int, world: int, error: InputError | None, parts: dict[str, str] | None,
           plan_path: str, model_path: str | None, timeout: datetime.timedelta, speaks_alone: bool = False,
-          node: str | None = None) -> None:
+          node: str | None = None, grace: datetime.timedelta = datetime.timedelta(seconds=5)) -> None:
     """Meet every process of the job on ``store`` (:func:`meeting_store`); return when every
     input is good.
 
     ``error`` is this process's own bad input (None: it read everything well) and ``parts`` its
     :func:`identity` (None where its input could not be read). ``speaks_alone``: this process
     reports its own error whatever its node's other processes found (a launch variable of its
-    own); ``node``: this process's node (:func:`where`). Raises :class:`JobStopped` when any
+    own); ``node``: this process's node (:func:`where`). A process launched with another
+    ``world`` than rank 0's waits ``grace`` for the others, then ends the meeting for those that
+    came (rank 0 may count processes that never come). Raises :class:`JobStopped` when any
     process's input is bad, and :class:`NotAllCame` when the processes did not all meet in time.
     """
     node = node or where()
     keys = store
     try:
         if rank == 0:
-            keys.set("rank0", json.dumps({"where": node, "parts": parts, "world": world}))
+            keys.set("rank0", json.dumps({"where": node, "parts": parts, "world": world, "bad": error is not None}))
         try:
             first = json.loads(keys.get("rank0"))  # waits for rank 0 (the store's deadline)
         except Exception as exc:
-            raise _not_all_came(exc, "rank 0 did not come") from None
+            raise _not_all_came(exc, lambda: "rank 0 did not come") from None
         job_world = first.get("world", world)
+        other_world = world != job_world
         # a line that names this rank and node already (a mismatch) is not prefixed with them again
         names_itself = False
-        if error is None and world != job_world:
-            # the job cannot form; rank 0's count is the one every process waits for
+        if error is None and other_world and not first.get("bad"):
+            # (where rank 0's own input is bad, its error says what is wrong: not this process)
             error = InputError(None, "WORLD_SIZE", f"is {world} on rank {rank} ({node}) but {job_world} on rank 0 "
                                f"({first['where']})", SAME_EVERYWHERE_FIX)
-            speaks_alone = names_itself = True
+            names_itself = True
         elif error is None and rank != 0 and parts is not None and first["parts"] is not None:
             error = mismatch(parts, first["parts"], first["where"], rank=rank, node=node, plan_path=plan_path,
                              model_path=model_path or "")
@@ -155,22 +159,28 @@ def agree(store: Any, *, rank: int, world: int, error: InputError | None, parts:
             # speaker is told so (an empty line), not handed the same line to print again
             keys.compare_set(f"bad/{node}", "", "" if speaks_alone else _said_by(f"rank {rank}", error, names_itself))
             keys.compare_set("bad", "", _said_by(f"rank {rank} ({node})", error, names_itself))
-        # where worlds differ, fewer processes may come than rank 0 waits for: this one opens the
-        # meeting for those that did
-        _all_reach(keys, "arrived", job_world, timeout, who="processes", open_anyway=world != job_world)
+        # a process whose input is bad ends the meeting at its deadline for those that came (the
+        # job stops either way): so does rank 0, which may host the store and must not leave first
+        came, counted = _arrive(keys, rank=rank, job_world=job_world, timeout=grace if other_world else timeout,
+                                end_at_deadline=other_world or error is not None)
+        if not counted:
+            # the meeting ended before this process came (or it is a rank rank 0 does not count):
+            # nobody waits for it to read, and the store's host may be gone
+            raise JobStopped(error.line() if error is not None else _late_line(keys))
         if not keys.check(["bad"]):
             return
         own_node = keys.get(f"bad/{node}").decode() if keys.check([f"bad/{node}"]) else None
         first_bad = keys.get("bad").decode()
-        came = int(keys.add("arrived", 0))
-    except NotAllCame:
+    except (NotAllCame, JobStopped):
         raise
     except Exception as exc:
         raise NotAllCame(gist(exc)) from None
     # nobody leaves before all that came have read: the store may live in a process that leaves.
     # A failure here only ends the wait: this process read what it needs
     with contextlib.suppress(Exception):
-        _all_reach(keys, "read", came, timeout, who="processes")
+        if keys.add("read", 1) == came:
+            keys.set("read/all", "1")
+        keys.wait(["read/all"], timeout)
     if error is not None and (speaks_alone or speaker):
         raise JobStopped(error.line())
     if not speaker:
@@ -182,28 +192,57 @@ def agree(store: Any, *, rank: int, world: int, error: InputError | None, parts:
     raise JobStopped(first_bad)
 
 
+# Added to the count of arrivals by the process that ends the meeting, in one atomic step: every
+# arrival counted before it is in, every one after it is late (a count this large never comes)
+_CLOSED = 1 << 40
+
+
+def _arrive(keys: Any, *, rank: int, job_world: int, timeout: datetime.timedelta,
+            end_at_deadline: bool) -> tuple[int, bool]:
+    """Count this process in and wait for the meeting to end: when rank 0's ``job_world``
+    processes have come, or, with ``end_at_deadline`` (this process's world is not rank 0's, or
+    its input is bad), at ``timeout`` for those that came by then. Returns how many came and whether this process
+    is one of them (ranks outside rank 0's world never are)."""
+    arrival = keys.add("arrived", 1) if rank < job_world else None
+    if arrival == job_world:
+        _end_meeting(keys)
+    try:
+        keys.wait(["came"], timeout)
+    except Exception as exc:
+        if not end_at_deadline:
+            raise _not_all_came(exc, lambda: f"{int(keys.add('arrived', 0)) % _CLOSED} of {job_world} processes came") from None
+        _end_meeting(keys)
+    came = int(keys.get("came"))
+    return came, arrival is not None and arrival <= came
+
+
+def _end_meeting(keys: Any) -> None:
+    """Close the count of arrivals (once: whoever calls first) and publish it."""
+    token = secrets.token_hex(8)
+    if keys.compare_set("closing", "", token) != token.encode():
+        return
+    keys.set("came", str(keys.add("arrived", _CLOSED) - _CLOSED))
+
+
+def _late_line(keys: Any) -> str:
+    """What a process that came after the meeting ended says (its own input was good)."""
+    with contextlib.suppress(Exception):
+        if keys.check(["bad"]):
+            return keys.get("bad").decode()
+    return "the other processes stopped before this one came (their launch differed from rank 0's)"
+
+
 def _said_by(who: str, error: InputError, names_itself: bool) -> str:
     return error.line() if names_itself else f"{who}: {error.line()}"
 
 
-def _all_reach(keys: Any, point: str, count: int, timeout: datetime.timedelta, *, who: str,
-               open_anyway: bool = False) -> None:
-    """A barrier on the store: the process that makes ``count`` at ``point`` opens it for all
-    (``>=``: a late process, or one that waits for fewer, may count past it). A process that
-    knows the count will not be reached opens it once it has counted itself, so that whoever
-    reads the count after passing counts it."""
-    if keys.add(point, 1) >= count or open_anyway:
-        keys.set(f"{point}/all", "1")
-    try:
-        keys.wait([f"{point}/all"], timeout)
-    except Exception as exc:
-        raise _not_all_came(exc, f"{int(keys.add(point, 0))} of {count} {who} came") from None
-
-
-def _not_all_came(exc: Exception, late: str) -> NotAllCame:
-    """``late`` where the store's wait ran out (its message names internal keys, which tell a
+def _not_all_came(exc: Exception, late: Callable[[], str]) -> NotAllCame:
+    """``late()`` where the store's wait ran out (its message names internal keys, which tell a
     user nothing); the store's own error where it failed otherwise (a peer that hosted it left)."""
-    return NotAllCame(late if "timeout" in str(exc).lower() else f"the store they meet on failed: {gist(exc)}")
+    if "timeout" in str(exc).lower():
+        with contextlib.suppress(Exception):
+            return NotAllCame(late())
+    return NotAllCame(f"the store they meet on failed: {gist(exc)}")
 
 
 def _digest(data: bytes) -> str:

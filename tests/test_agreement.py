@@ -26,16 +26,20 @@ from octorun.runtime import RunConfig
 FAST = datetime.timedelta(seconds=20)
 
 
-def _meet(verdicts: list[dict], *, timeout: datetime.timedelta = FAST) -> list[object]:
-    """Each verdict (rank i's: error, parts, node, and the world it was launched with, if not
-    the number of verdicts) meets the others; what each rank's agree() returned (None) or raised."""
+def _meet(verdicts: list[dict], *, timeout: datetime.timedelta = FAST, ended: list[float] | None = None) -> list[object]:
+    """Each verdict (rank i's: error, parts, node, the world it was launched with if not the
+    number of verdicts, and the seconds it comes late) meets the others; what each rank's
+    agree() returned (None) or raised; ``ended`` gets the seconds at which each rank's call ended."""
     world = len(verdicts)
     host = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
     outcomes: list[object] = [None] * world
+    ends = [0.0] * world
+    started = time.monotonic()
 
     def one(rank: int) -> None:
         store = dist.TCPStore("127.0.0.1", host.port, world, is_master=False, timeout=timeout)
         verdict = verdicts[rank]
+        time.sleep(verdict.get("late", 0.0))
         try:
             agreement.agree(dist.PrefixStore("test/", store), rank=rank, world=verdict.get("world", world),
                             error=verdict.get("error"),
@@ -44,6 +48,7 @@ def _meet(verdicts: list[dict], *, timeout: datetime.timedelta = FAST) -> list[o
                             speaks_alone=verdict.get("alone", False))
         except Exception as exc:  # what the test checks
             outcomes[rank] = exc
+        ends[rank] = time.monotonic() - started
 
     threads = [threading.Thread(target=one, args=(rank,)) for rank in range(world)]
     for thread in threads:
@@ -51,6 +56,8 @@ def _meet(verdicts: list[dict], *, timeout: datetime.timedelta = FAST) -> list[o
     for thread in threads:
         thread.join(timeout=60)
     assert not any(thread.is_alive() for thread in threads)
+    if ended is not None:
+        ended[:] = ends
     return outcomes
 
 
@@ -109,6 +116,39 @@ def test_a_process_launched_with_another_world_size_stops_the_processes_that_cam
     line = (f"WORLD_SIZE: is {worlds[1]} on rank 1 (node 1) but {worlds[0]} on rank 0 (node 0) "
             "(launch every process with the same plan, model file and options)")
     assert lines == [line, line]
+
+
+def test_a_process_that_rank_0_counts_and_that_comes_after_the_one_with_another_world_still_hears():
+    """Rank 0 and rank 2 count 3 processes, rank 1 counts 2 and comes first; rank 2 comes a
+    second later, within the grace rank 1 gives the others: all three hear rank 1's error, and
+    rank 0 (whose process may host the store) waits until rank 2 has read it."""
+    ended: list[float] = []
+    lines = _lines(_meet([{"node": "node 0", "world": 3}, {"node": "node 1", "world": 2},
+                          {"node": "node 2", "world": 3, "late": 1.0}], ended=ended))
+    assert ended[0] >= 1.0, ended
+    line = ("WORLD_SIZE: is 2 on rank 1 (node 1) but 3 on rank 0 (node 0) "
+            "(launch every process with the same plan, model file and options)")
+    assert lines == [line] * 3
+
+
+def test_a_process_that_comes_after_the_meeting_ended_stops_too():
+    """Past the grace, the process with another world ends the meeting for those that came; one
+    that comes later is not waited for, and stops with the line it finds."""
+    lines = _lines(_meet([{"node": "node 0", "world": 3}, {"node": "node 1", "world": 2},
+                          {"node": "node 2", "world": 3, "late": 7.0}]))
+    assert lines[0] == lines[1] == lines[2] and lines[0].startswith("WORLD_SIZE: is 2 on rank 1 (node 1)"), lines
+
+
+def test_where_rank_0s_own_input_is_bad_a_process_with_another_world_is_not_blamed():
+    """Rank 0 counts 3 processes against a plan of 2 (its own error says so); rank 1 counts the
+    plan's 2: it is right, and its node prints rank 0's error, not a WORLD_SIZE line of its own."""
+    wrong = InputError("plan.yaml", "cluster.gpus", "the plan needs 2 processes but WORLD_SIZE is 3", "launch 2")
+    started = time.monotonic()
+    lines = _lines(_meet([{"node": "node 0", "world": 3, "error": wrong, "parts": None}, {"node": "node 1", "world": 2}],
+                         timeout=datetime.timedelta(seconds=30)))
+    assert time.monotonic() - started < 10
+    assert lines == ["plan.yaml: cluster.gpus: the plan needs 2 processes but WORLD_SIZE is 3 (launch 2)",
+                     "rank 0 (node 0): plan.yaml: cluster.gpus: the plan needs 2 processes but WORLD_SIZE is 3 (launch 2)"]
 
 
 def test_a_process_that_never_comes_ends_the_meeting_at_the_deadline():
@@ -202,10 +242,12 @@ def test_a_process_that_reached_the_store_after_retries_says_nothing_of_them():
 
 
 @pytest.mark.slow  # two fresh interpreters
-def test_a_manual_launch_whose_ranks_count_other_worlds_stops_both_at_once(tmp_path):
-    """Rank 1 started with WORLD_SIZE 3 beside rank 0's 2 (a plan of 2): rank 0 hosts the store
-    and stays until rank 1 has read the verdict; both stop with exit 2 within seconds, and
-    their host's log has rank 1's error once."""
+@pytest.mark.parametrize("worlds", [("2", "3"), ("3", "2")])
+def test_a_manual_launch_whose_ranks_count_other_worlds_stops_both_at_once(tmp_path, worlds):
+    """One rank started with WORLD_SIZE 3 beside the other's 2, for a plan of 2: rank 0 hosts the
+    store and stays until rank 1 has read the verdict; both stop with exit 2 within seconds
+    (rank 0 counting 3 waits for a third for 5 s), and their host's log has the error of the
+    rank with WORLD_SIZE 3 once."""
     plan = h.baseline_plan("1f1b", *h.model_spec("tiny", tmp_path), tmp_path, gpus=2, pp=2, microbatches=2)
     save_plan(plan, tmp_path / "plan.yaml")
     env = {k: v for k, v in os.environ.items() if k not in ("GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
@@ -214,9 +256,10 @@ def test_a_manual_launch_whose_ranks_count_other_worlds_stops_both_at_once(tmp_p
     ranks = [subprocess.Popen([sys.executable, "-m", "octorun", str(tmp_path / "plan.yaml"), "--init-timeout", "60"],
                               cwd=h.ROOT, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": world},
                               stderr=subprocess.PIPE, text=True)
-             for rank, world in enumerate(("2", "3"))]
+             for rank, world in enumerate(worlds)]
     said = [process.communicate(timeout=120)[1] for process in ranks]
     assert [process.returncode for process in ranks] == [2, 2] and time.monotonic() - started < 45, said
     line = (f"{tmp_path / 'plan.yaml'}: cluster.gpus: the plan needs 2 processes (pp 2 x dp 1) but WORLD_SIZE is 3 "
             "(launch with torchrun --nproc-per-node 2)")
-    assert sorted(said) in (["", f"octorun: rank 1: {line}\n"], ["", f"octorun: {line}\n"]), said
+    wrong = worlds.index("3")
+    assert sorted(said) in (["", f"octorun: rank {wrong}: {line}\n"], ["", f"octorun: {line}\n"]), said
