@@ -22,8 +22,9 @@ final name and prunes old checkpoints. Only a folder with its final name, ``.met
 ``octopipe.json`` counts, so a crash at any moment leaves the earlier checkpoints intact; the
 next save removes the ``.partial`` folders it finds.
 
-Assumptions: every rank sees ``ROOT`` at the same path (one node, or a shared filesystem);
-one job saves into a ``ROOT`` at a time. Every function that takes ``group`` is collective over
+Assumptions: every rank sees ``ROOT`` (one node, or a shared filesystem; each node may name it
+by another path), which :func:`check_one_root` checks at a run's start; one job saves into a
+``ROOT`` at a time. Every function that takes ``group`` is collective over
 it (``None``: the default group; without torch.distributed initialized, one process). Errors
 the user must fix raise :class:`InputError` on every rank of the group alike, never on one rank
 alone, which would leave the others waiting in a collective.
@@ -35,9 +36,10 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -552,6 +554,45 @@ def _first_error(folder: Path, verdicts: list[_Check]) -> InputError | None:
 
 
 # -- resuming --------------------------------------------------------------------------------------
+
+def check_one_root(root: str | os.PathLike, *, group: Any) -> None:
+    """Check that every rank of ``group`` saves into one folder; collective. Each node names its
+    own ``root`` (the paths may differ), but a rank whose ``root`` is another folder (a node's
+    local disk) would write its share where the first rank never looks: every checkpoint would
+    lack it, and only a resume would tell. So the group's first rank leaves a marker file in its
+    ``root``, and every rank looks for it in its own. Raises :class:`InputError` on every rank
+    alike, naming the ranks that do not see it."""
+    root = Path(root)
+    marker: list[str] = []
+    created: list[Path] = []  # the folders made for the marker, deepest first: a run stopped by bad input leaves none
+
+    def leave_marker() -> None:
+        name = f".octorun-marker-{secrets.token_hex(8)}"
+        try:
+            created.extend(folder for folder in (root, *root.parents) if not folder.exists())
+            root.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text("every rank of the job looks for this file in its --save folder\n")
+        except OSError as exc:
+            raise _unwritable(root, exc) from None
+        marker.append(name)
+
+    _on_first(group, leave_marker)
+    name = _gather(marker[0] if marker else None, group)[0]
+    me = dist.get_rank() if _distributed() else 0
+    found = _gather((me, (root / name).exists(), str(root)), group)
+    if marker:
+        with suppress(OSError):  # a marker left behind is harmless: it is hidden and tiny
+            (root / name).unlink()
+            for folder in created:  # the first save makes them again
+                folder.rmdir()
+    blind = [(rank, where) for rank, seen, where in found if not seen]
+    if not blind:
+        return
+    ranks = ", ".join(f"rank {rank} ({where})" for rank, where in blind[:4]) + (", ..." if len(blind) > 4 else "")
+    raise InputError(None, "--save", f"is another folder on {ranks} than on rank {found[0][0]} ({found[0][2]}): "
+                     "their shares of every checkpoint would be missing from it",
+                     "give every node the same folder: one node, or a file system all nodes share")
+
 
 def agree(step: int | None, *, group: Any) -> None:
     """Check that every rank of ``group`` resumes the same ``step`` (None: a fresh start);

@@ -15,6 +15,7 @@ parallel all-reduce is a plain SUM.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -1245,6 +1246,18 @@ def run(config: RunConfig) -> RunResult:
     watchdog.open_record()
     watchdog.start()
     _stop_on_sigterm()
+    if config.save_dir is not None or config.resume is not None:
+        from octorun import checkpoint  # DCP: imported by the runs that use it
+    if config.save_dir is not None:
+        try:
+            checkpoint.check_one_root(config.save_dir, group=groups.control)
+        except InputError:
+            # every rank found the same and stops alike: each node says it once (octorun.cli),
+            # with nobody to tell through the watchdog
+            watchdog.stop()
+            watchdog.close_record(keep=False)
+            _leave_together(groups, owns_group)
+            raise
     try:
         interpreter = _Interpreter(prepared, config, groups=groups, watchdog=watchdog, device=device, model=prepared.model)
     except InputError as exc:
@@ -1252,8 +1265,6 @@ def run(config: RunConfig) -> RunResult:
     except Exception as exc:
         watchdog.fail(f"building the stages failed while {watchdog.activity}: {gist(exc)}")
     if config.resume is not None:
-        from octorun import checkpoint
-
         resumed = None if prepared.resume_from is None else int(checkpoint.read_meta(prepared.resume_from)["step"])
         try:
             checkpoint.agree(resumed, group=groups.control)
@@ -1292,6 +1303,16 @@ def run(config: RunConfig) -> RunResult:
         dist.destroy_process_group()
     watchdog.close_record(keep=False)  # the record is for runs that fail
     return result
+
+
+def _leave_together(groups: _Groups, owns_group: bool) -> None:
+    """Meet once more and take the group down, as a run's end does, before every process leaves
+    with the same error: the store may live in one of them. Failing here only ends the wait."""
+    with contextlib.suppress(Exception):
+        dist.barrier(group=groups.control)
+    if owns_group:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 # Set by SIGTERM (what a cluster scheduler sends before preemption): the rank finishes its step;

@@ -313,6 +313,30 @@ def test_agree_names_the_ranks_that_disagree(tmp_path):
     ]
 
 
+def test_ranks_must_save_into_one_folder_whatever_each_calls_it(tmp_path):
+    """Three ranks, each with its own --save path: the same folder (rank 1 through a link) is
+    fine; rank 2's other folder (a node's local disk) is bad input on every rank alike, naming
+    it; nothing is left behind (no marker, nor the folder made for it: the first save makes it)."""
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    (tmp_path / "link").symlink_to(shared, target_is_directory=True)
+
+    def check(rank, world):
+        found = []
+        for roots in ([shared, tmp_path / "link", shared], [shared, tmp_path / "link", local]):
+            try:
+                checkpoint.check_one_root(roots[rank], group=None)
+                found.append(None)
+            except InputError as exc:
+                found.append((exc.field, exc.problem))
+        return found
+
+    results = values(launch(3, check, tmp_path / "check"))
+    assert results[0] == results[1] == results[2]
+    assert results[0] == [None, ("--save", f"is another folder on rank 2 ({local}) than on rank 0 ({shared}): "
+                                           "their shares of every checkpoint would be missing from it")]
+    assert not shared.exists() and not local.exists()
+
+
 # -- one process -----------------------------------------------------------------------------------
 
 def test_objects_round_trip_in_one_process(tmp_path):

@@ -145,3 +145,18 @@ def test_nodes_launched_with_another_plan_or_options_stop_before_training(tmp_pa
         expected = (rf"--steps: is {bad + 1} on {me} but {good + 1} on {them} "
                     r"\(launch every process with the same plan, model file and options\)")
     assert re.fullmatch(f"octorun: {expected}", said[0][0]), said
+
+
+def test_nodes_that_save_into_folders_of_their_own_stop_before_training(tmp_path):
+    """Each node's --save is a folder on its own disk (here two folders of one machine): every
+    checkpoint would lack the other node's shares, and rank 0 would report it saved. Both stop
+    at the start, each log saying why once; nothing is written."""
+    plan = _pp2_plan(tmp_path)
+    results = _one_process_nodes([[str(plan), "--steps", "1", "--save", str(tmp_path / f"disk{node}")] for node in (0, 1)])
+    assert all(code != 0 for code, _ in results)
+    said = [lines for _, lines in results]
+    assert said[0] == said[1] and len(said[0]) == 1, said
+    assert re.fullmatch(rf"octorun: --save: is another folder on rank 1 \({re.escape(str(tmp_path))}/disk[01]\) than on "
+                        rf"rank 0 \({re.escape(str(tmp_path))}/disk[01]\): their shares of every checkpoint would be missing "
+                        r"from it \(give every node the same folder: one node, or a file system all nodes share\)", said[0][0])
+    assert [p.name for p in tmp_path.glob("disk*/*")] == []
