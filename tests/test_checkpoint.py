@@ -291,16 +291,24 @@ def test_errors_are_raised_on_every_rank_alike(tmp_path):
     assert outcomes[0][1] == str(blocker / "ckpt") and "cannot write the checkpoint" in outcomes[0][3]
 
 
-def test_agree_names_the_ranks_that_disagree(tmp_path):
-    def agree(rank, world):
+def _each_rank_finds(check: Callable[[Any], None], cases: list[list[Any]]) -> Callable[[int, int], list]:
+    """A rank's run of ``check`` on its own value of each case: None where it passed, else the
+    error's field and problem."""
+    def run(rank: int, world: int) -> list:
         found = []
-        for steps in ([20, 20, 20], [20, 20, 10], [None, 4, None], [None, None, None]):
+        for case in cases:
             try:
-                checkpoint.agree(steps[rank], group=None)
+                check(case[rank])
                 found.append(None)
             except InputError as exc:
                 found.append((exc.field, exc.problem))
         return found
+    return run
+
+
+def test_agree_names_the_ranks_that_disagree(tmp_path):
+    agree = _each_rank_finds(lambda step: checkpoint.agree(step, group=None),
+                             [[20, 20, 20], [20, 20, 10], [None, 4, None], [None, None, None]])
 
     results = values(launch(3, agree, tmp_path / "agree"))
     assert results[0] == results[1] == results[2]
@@ -320,15 +328,8 @@ def test_ranks_must_save_into_one_folder_whatever_each_calls_it(tmp_path):
     shared, local = tmp_path / "shared", tmp_path / "local"
     (tmp_path / "link").symlink_to(shared, target_is_directory=True)
 
-    def check(rank, world):
-        found = []
-        for roots in ([shared, tmp_path / "link", shared], [shared, tmp_path / "link", local]):
-            try:
-                checkpoint.check_one_root(roots[rank], group=None)
-                found.append(None)
-            except InputError as exc:
-                found.append((exc.field, exc.problem))
-        return found
+    check = _each_rank_finds(lambda root: checkpoint.check_one_root(root, group=None),
+                             [[shared, tmp_path / "link", shared], [shared, tmp_path / "link", local]])
 
     results = values(launch(3, check, tmp_path / "check"))
     assert results[0] == results[1] == results[2]
