@@ -521,7 +521,9 @@ def _launch_of_env() -> tuple[int, int, str, int] | None:
         address = os.environ["MASTER_ADDR"]
     except (KeyError, ValueError):
         return None
-    if not (1 <= world <= MAX_GPUS and 0 <= rank < world and 1 <= port <= 65535 and address):
+    # a RANK past its own WORLD_SIZE still meets the others: rank 0 may count it (its WORLD_SIZE
+    # is the typo), and would otherwise wait for it until --init-timeout
+    if not (1 <= world <= MAX_GPUS and 0 <= rank < MAX_GPUS and 1 <= port <= 65535 and address):
         return None
     return rank, world, address, port
 
@@ -1220,7 +1222,7 @@ def run(config: RunConfig) -> RunResult:
         init_timeout_s = 300.0
     owns_group = not dist.is_initialized()
     place = _meeting_place(owns_group, error, init_timeout_s)
-    if place is not None and place.world > 1:
+    if place is not None and (place.world > 1 or place.rank > 0):  # (not a process alone)
         _agree(place, config, error, None if error is not None else prepared,
                backend=None if error is not None else backend)
     if error is not None:

@@ -242,12 +242,12 @@ def test_a_process_that_reached_the_store_after_retries_says_nothing_of_them():
 
 
 @pytest.mark.slow  # two fresh interpreters
-@pytest.mark.parametrize("worlds", [("2", "3"), ("3", "2")])
+@pytest.mark.parametrize("worlds", [("2", "3"), ("3", "2"), ("2", "1")])
 def test_a_manual_launch_whose_ranks_count_other_worlds_stops_both_at_once(tmp_path, worlds):
-    """One rank started with WORLD_SIZE 3 beside the other's 2, for a plan of 2: rank 0 hosts the
-    store and stays until rank 1 has read the verdict; both stop with exit 2 within seconds
-    (rank 0 counting 3 waits for a third for 5 s), and their host's log has the error of the
-    rank with WORLD_SIZE 3 once."""
+    """One rank started with another WORLD_SIZE than the other's, for a plan of 2 (rank 1 with
+    WORLD_SIZE 1 is past its own world, yet rank 0 counts it): rank 0 hosts the store and stays
+    until rank 1 has read the verdict; both stop with exit 2 within seconds (rank 0 counting 3
+    waits for a third for 5 s), and their host's log has the wrong rank's error once."""
     plan = h.baseline_plan("1f1b", *h.model_spec("tiny", tmp_path), tmp_path, gpus=2, pp=2, microbatches=2)
     save_plan(plan, tmp_path / "plan.yaml")
     env = {k: v for k, v in os.environ.items() if k not in ("GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
@@ -259,7 +259,7 @@ def test_a_manual_launch_whose_ranks_count_other_worlds_stops_both_at_once(tmp_p
              for rank, world in enumerate(worlds)]
     said = [process.communicate(timeout=120)[1] for process in ranks]
     assert [process.returncode for process in ranks] == [2, 2] and time.monotonic() - started < 45, said
-    line = (f"{tmp_path / 'plan.yaml'}: cluster.gpus: the plan needs 2 processes (pp 2 x dp 1) but WORLD_SIZE is 3 "
-            "(launch with torchrun --nproc-per-node 2)")
-    wrong = worlds.index("3")
+    wrong = 1 - worlds.index("2")
+    line = (f"{tmp_path / 'plan.yaml'}: cluster.gpus: the plan needs 2 processes (pp 2 x dp 1) but WORLD_SIZE is "
+            f"{worlds[wrong]} (launch with torchrun --nproc-per-node 2)")
     assert sorted(said) in (["", f"octorun: rank {wrong}: {line}\n"], ["", f"octorun: {line}\n"]), said
