@@ -38,6 +38,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 import warnings
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -564,12 +565,12 @@ def check_one_root(root: str | os.PathLike, *, group: Any) -> None:
     alike, naming the ranks that do not see it."""
     root = Path(root)
     marker: list[str] = []
-    created: list[Path] = []  # the folders made for the marker, deepest first: a run stopped by bad input leaves none
+    created: list[Path] = []  # the folder made for the marker (its parents are left: another job may use them)
 
     def leave_marker() -> None:
         name = f".octorun-marker-{secrets.token_hex(8)}"
         try:
-            created.extend(folder for folder in (root, *root.parents) if not folder.exists())
+            created.extend([root] if not root.exists() else [])
             root.mkdir(parents=True, exist_ok=True)
             (root / name).write_text("every rank of the job looks for this file in its --save folder\n")
         except OSError as exc:
@@ -579,11 +580,12 @@ def check_one_root(root: str | os.PathLike, *, group: Any) -> None:
     _on_first(group, leave_marker)
     name = _gather(marker[0] if marker else None, group)[0]
     me = dist.get_rank() if _distributed() else 0
-    found = _gather((me, (root / name).exists(), str(root)), group)
+    found = _gather((me, _sees(root / name), str(root)), group)
     if marker:
         with suppress(OSError):  # a marker left behind is harmless: it is hidden and tiny
             (root / name).unlink()
-            for folder in created:  # the first save makes them again
+        for folder in created:  # a run stopped by bad input leaves nothing; the first save makes it again
+            with suppress(OSError):
                 folder.rmdir()
     blind = [(rank, where) for rank, seen, where in found if not seen]
     if not blind:
@@ -592,6 +594,25 @@ def check_one_root(root: str | os.PathLike, *, group: Any) -> None:
     raise InputError(None, "--save", f"is another folder on {ranks} than on rank {found[0][0]} ({found[0][2]}): "
                      "their shares of every checkpoint would be missing from it",
                      "give every node the same folder: one node, or a file system all nodes share")
+
+
+def _sees(marker: Path, tries: int = 3) -> bool:
+    """Whether this rank sees ``marker``. A network file system may answer from its cache that a
+    folder it looked at before (prepare checks --save) is still missing: listing the folders
+    again refreshes it, so a miss is retried for a few seconds. A folder this rank may not
+    enter counts as not seen."""
+    for attempt in range(tries):
+        try:
+            if marker.exists():
+                return True
+            for folder in (marker.parent.parent, marker.parent):
+                with suppress(OSError):
+                    os.listdir(folder)
+        except OSError:
+            return False
+        if attempt + 1 < tries:
+            time.sleep(1.0)
+    return False
 
 
 def agree(step: int | None, *, group: Any) -> None:

@@ -1260,6 +1260,8 @@ def run(config: RunConfig) -> RunResult:
             watchdog.close_record(keep=False)
             _leave_together(groups, owns_group)
             raise
+        except Exception as exc:
+            watchdog.fail_on("checking --save", exc)
     try:
         interpreter = _Interpreter(prepared, config, groups=groups, watchdog=watchdog, device=device, model=prepared.model)
     except InputError as exc:
