@@ -22,8 +22,8 @@ final name and prunes old checkpoints. Only a folder with its final name, ``.met
 ``octopipe.json`` counts, so a crash at any moment leaves the earlier checkpoints intact; the
 next save removes the ``.partial`` folders it finds.
 
-Assumptions: every rank sees ``ROOT`` (one node, or a shared filesystem; each node may name it
-by another path), which :func:`check_one_root` checks at a run's start; one job saves into a
+Assumptions: every rank sees ``ROOT`` and can write there (one node, or a shared filesystem;
+each node may name it by another path), which :func:`check_one_root` checks at a run's start; one job saves into a
 ``ROOT`` at a time. Every function that takes ``group`` is collective over
 it (``None``: the default group; without torch.distributed initialized, one process). Errors
 the user must fix raise :class:`InputError` on every rank of the group alike, never on one rank
@@ -561,8 +561,10 @@ def check_one_root(root: str | os.PathLike, *, group: Any) -> None:
     own ``root`` (the paths may differ), but a rank whose ``root`` is another folder (a node's
     local disk) would write its share where the first rank never looks: every checkpoint would
     lack it, and only a resume would tell. So the group's first rank leaves a marker file in its
-    ``root``, and every rank looks for it in its own. Raises :class:`InputError` on every rank
-    alike, naming the ranks that do not see it."""
+    ``root``, and every rank looks for it in its own, then writes and removes a file of its own
+    there: a node that sees the folder through a read-only mount would otherwise fail at the
+    first save, hours into training. Raises :class:`InputError` on every rank alike, naming the
+    ranks that do not see the marker, else those that cannot write."""
     root = Path(root)
     marker: list[str] = []
     created: list[Path] = []  # the folder made for the marker (its parents are left: another job may use them)
@@ -580,20 +582,40 @@ def check_one_root(root: str | os.PathLike, *, group: Any) -> None:
     _on_first(group, leave_marker)
     name = _gather(marker[0] if marker else None, group)[0]
     me = dist.get_rank() if _distributed() else 0
-    found = _gather((me, _sees(root / name), str(root)), group)
+    seen = _sees(root / name)
+    found = _gather((me, seen, str(root), _cannot_write(root) if seen else None), group)
     if marker:
         with suppress(OSError):  # a marker left behind is harmless: it is hidden and tiny
             (root / name).unlink()
         for folder in created:  # a run stopped by bad input leaves nothing; the first save makes it again
             with suppress(OSError):
                 folder.rmdir()
-    blind = [(rank, where) for rank, seen, where in found if not seen]
-    if not blind:
-        return
-    ranks = ", ".join(f"rank {rank} ({where})" for rank, where in blind[:4]) + (", ..." if len(blind) > 4 else "")
-    raise InputError(None, "--save", f"is another folder on {ranks} than on rank {found[0][0]} ({found[0][2]}): "
-                     "their shares of every checkpoint would be missing from it",
-                     "give every node the same folder: one node, or a file system all nodes share")
+    blind = [(rank, where) for rank, seen, where, _ in found if not seen]
+    if blind:
+        raise InputError(None, "--save", f"is another folder on {_listed(blind)} than on rank {found[0][0]} "
+                         f"({found[0][2]}): their shares of every checkpoint would be missing from it",
+                         "give every node the same folder: one node, or a file system all nodes share")
+    refused = [(rank, f"{where}: {why}") for rank, _, where, why in found if why is not None]
+    if refused:
+        raise InputError(None, "--save", f"cannot be written on {_listed(refused)}",
+                         "give every node write access to the folder: a read-write mount of the shared file system")
+
+
+def _listed(ranks: list[tuple[int, str]]) -> str:
+    """``rank 2 (/mnt/ckpt), rank 3 (...)``, the first four."""
+    return ", ".join(f"rank {rank} ({what})" for rank, what in ranks[:4]) + (", ..." if len(ranks) > 4 else "")
+
+
+def _cannot_write(root: Path) -> str | None:
+    """Why this rank cannot create a file in ``root`` (None: it can). The probe file is removed."""
+    probe = root / f".octorun-probe-{secrets.token_hex(8)}"
+    try:
+        probe.write_bytes(b"")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    with suppress(OSError):
+        probe.unlink()
+    return None
 
 
 def _sees(marker: Path, tries: int = 3) -> bool:

@@ -8,6 +8,7 @@ others run the module in one process, as it supports without torch.distributed."
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import multiprocessing
 import os
@@ -17,8 +18,10 @@ import shutil
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -336,6 +339,26 @@ def test_ranks_must_save_into_one_folder_whatever_each_calls_it(tmp_path):
     assert results[0] == [None, ("--save", f"is another folder on rank 2 ({local}) than on rank 0 ({shared}): "
                                            "their shares of every checkpoint would be missing from it")]
     assert not shared.exists() and not local.exists()
+
+
+def test_a_rank_that_cannot_write_the_save_folder_stops_every_rank(tmp_path):
+    """Rank 1 sees the folder but may not write in it (a node with a read-only mount; the tests
+    run as root, who writes anywhere, so that process's file writes are refused instead):
+    every rank stops alike before training, naming it; each probe file is removed (the
+    folder made for the check is gone, so it was empty)."""
+    shared = tmp_path / "shared"
+
+    def check(case: tuple[Path, bool]) -> None:
+        root, read_only = case
+        refused = OSError(errno.EROFS, os.strerror(errno.EROFS))
+        with mock.patch.object(Path, "write_bytes", side_effect=refused) if read_only else nullcontext():
+            checkpoint.check_one_root(root, group=None)
+
+    cases = [[(shared, False)] * 3, [(shared, False), (shared, True), (shared, False)]]
+    results = values(launch(3, _each_rank_finds(check, cases), tmp_path / "check"))
+    assert results[0] == results[1] == results[2]
+    assert results[0] == [None, ("--save", f"cannot be written on rank 1 ({shared}: {os.strerror(errno.EROFS)})")]
+    assert not shared.exists()
 
 
 # -- one process -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ whose nodes disagree with the plan's stops before training, naming both numbers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -160,3 +161,38 @@ def test_nodes_that_save_into_folders_of_their_own_stop_before_training(tmp_path
                         rf"rank 0 \({re.escape(str(tmp_path))}/disk[01]\): their shares of every checkpoint would be missing "
                         r"from it \(give every node the same folder: one node, or a file system all nodes share\)", said[0][0])
     assert [p.name for p in tmp_path.glob("disk*/*")] == []
+
+
+@contextlib.contextmanager
+def _read_only_view(folder: Path, view: Path):
+    """``view``: ``folder`` through a read-only bind mount, as a node whose shared file system is
+    mounted read-only sees it. Skips the test where mounting is not allowed (not root, or no
+    CAP_SYS_ADMIN)."""
+    view.mkdir()
+    if subprocess.run(["mount", "--bind", str(folder), str(view)], capture_output=True).returncode != 0:
+        pytest.skip("needs a bind mount (root with CAP_SYS_ADMIN)")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], capture_output=True).returncode != 0:
+            pytest.skip("needs a read-only remount (root with CAP_SYS_ADMIN)")
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], capture_output=True)
+
+
+def test_a_node_that_sees_the_save_folder_read_only_stops_before_training(tmp_path):
+    """Node 1 sees the shared folder through a read-only mount: without the check the job
+    trains until its first save and fails there, leaving a partial checkpoint; with it both
+    nodes stop at the start with one line naming the rank, and nothing is written."""
+    plan, shared = _pp2_plan(tmp_path), tmp_path / "shared"
+    shared.mkdir()
+    with _read_only_view(shared, tmp_path / "read-only") as view:
+        results = _one_process_nodes([[str(plan), "--steps", "1", "--save", str(folder)] for folder in (shared, view)])
+    assert all(code != 0 for code, _ in results)
+    said = [lines for _, lines in results]
+    assert said[0] == said[1] and len(said[0]) == 1, said
+    # the rendezvous may make node 1 rank 0, which then cannot leave its marker
+    assert said[0][0] == (f"octorun: --save: cannot be written on rank 1 ({view}: Read-only file system) (give every node "
+                          "write access to the folder: a read-write mount of the shared file system)") or re.fullmatch(
+        rf"octorun: {re.escape(str(view))}: cannot write the checkpoint: Read-only file system \({re.escape(str(view))}/"
+        r"\.octorun-marker-[0-9a-f]{16}\) \(give --save a folder this job can write, with room for a checkpoint\)", said[0][0]), said
+    assert list(shared.iterdir()) == []
