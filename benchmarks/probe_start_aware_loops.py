@@ -7,9 +7,10 @@ the first term standing for the rank's wait for the first microbatch and for the
 backward beneath it. Each layout is then ordered by the policy scheduler (warm-up depths 1-3,
 with and without the gap, the best justified), by the shifting-bottleneck procedure, and by a
 list scheduler that runs, on each free rank, the released op with the longest tail (its path to
-the iteration's end), justified; the simulator prices every order, which must fit memory. With
-``--tune`` the layouts and their orders are also given to the tuner as one more seed family,
-beside the same tune without it, both with ``--max-plans``.
+the iteration's end; :mod:`octoplan.schedules.list_order`), justified; the simulator prices
+every order, which must fit memory. With ``--tune`` the layouts and their orders are also given
+to the tuner as one more seed family, beside the same tune without it, both with
+``--max-plans``.
 
     cd benchmarks && ../.venv/bin/python probe_start_aware_loops.py --only jamba-v0.1 deepseek-v3 [--tune 2500]
 """
@@ -17,7 +18,6 @@ beside the same tune without it, both with ``--max-plans``.
 from __future__ import annotations
 
 import argparse
-import heapq
 
 from bench_tuner import SUITE, _profile_and_cluster, run_one
 from ortools.sat.python import cp_model
@@ -25,7 +25,6 @@ from ortools.sat.python import cp_model
 import bench_tuner
 from octoplan.costs import cheaper_backward, to_ticks
 from octoplan.schedules.exact import relaxation_bound
-from octoplan.schedules.opgraph import OpGraph, heads_and_tails
 from octoplan.tuner.seeds import SEED_FAMILIES
 from octoplan.tuner.seeds.base import SeedFamily, with_policies
 from octoplan.tuner.space import Candidate, Config, Evaluator
@@ -72,44 +71,6 @@ def start_aware_cuts(profile, pp: int, microbatches: int, shape: str, chunks: in
     return tuple(solver.Value(c) for c in cut), tuple(rank_of(shape, pp, s) for s in range(num_stages))
 
 
-def longest_tail_first(graph: OpGraph) -> list[list]:
-    """Each rank, whenever free, starts the released op with the longest tail (no memory limit)."""
-    _, tail, _ = heads_and_tails(graph)
-    n, ranks = len(graph.dur), graph.num_ranks
-    missing = [len(p) for p in graph.preds]
-    release = [0.0] * n
-    waiting: list[list] = [[] for _ in range(ranks)]  # (release, op) not yet released
-    ready: list[list] = [[] for _ in range(ranks)]  # (-tail, op) released
-    for i in range(n):
-        if missing[i] == 0:
-            heapq.heappush(waiting[graph.rank[i]], (0.0, i))
-    free = [0.0] * ranks
-    order: list[list] = [[] for _ in range(ranks)]
-    for _ in range(n):
-        best = None
-        for r in range(ranks):
-            while waiting[r] and waiting[r][0][0] <= free[r]:
-                i = heapq.heappop(waiting[r])[1]
-                heapq.heappush(ready[r], (-tail[i], i))
-            if ready[r] or waiting[r]:
-                t = free[r] if ready[r] else waiting[r][0][0]
-                if best is None or t < best[0]:
-                    best = (t, r)
-        t, r = best
-        while waiting[r] and waiting[r][0][0] <= t:
-            i = heapq.heappop(waiting[r])[1]
-            heapq.heappush(ready[r], (-tail[i], i))
-        i = heapq.heappop(ready[r])[1]
-        free[r] = t + graph.dur[i]
-        order[r].append(graph.ops[i])
-        for b, lag in graph.succs[i]:
-            release[b] = max(release[b], free[r] + lag)
-            missing[b] -= 1
-            if missing[b] == 0:
-                heapq.heappush(waiting[graph.rank[b]], (release[b], b))
-    return order
-
-
 def orders(ev: Evaluator, config: Config, bounds, ranks, origin: str) -> list[tuple[str, Candidate]]:
     """The layout's candidates: policy orders, their justified and shifting-bottleneck orders,
     and the longest-tail-first order with its justified ones."""
@@ -117,10 +78,7 @@ def orders(ev: Evaluator, config: Config, bounds, ranks, origin: str) -> list[tu
     best = min(policy, key=lambda c: ev.score(c).score)
     out = [("policy", c) for c in policy] + [("justified", c) for c in ev.justified(best)]
     out += [("shifting bottleneck", c) for c in ev.reordered(best)]
-    graph = OpGraph(ev.schedule(best), list(ranks), ev.costs(best), ev.cluster, config.parallel(), False)
-    listed = Candidate(config, bounds, ranks, None, tuple(tuple(ops) for ops in longest_tail_first(graph)),
-                       f"{origin}, longest tail first", fixed_id="longest-tail")
-    out += [("longest tail first", listed)] + [("longest tail first", c) for c in ev.justified(listed)]
+    out += [("longest tail first", c) for c in ev.reordered(best, "longest-tail-first order")]
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 
 from octoplan.costs import LayerTable, stage_costs
@@ -10,6 +11,7 @@ from octoplan.plan import Parallel, Stage, check_structure
 from octoplan.schedules.bottleneck import bottleneck_order
 from octoplan.schedules.exact import one_machine_bound, order_bound
 from octoplan.schedules.justify import justify
+from octoplan.schedules.list_order import longest_tail_order
 from octoplan.schedules.opgraph import OpGraph, most_in_flight
 from octoplan.schedules.policy import default_policies, policy_schedule
 from octoplan.simulator import simulate, simulate_costs
@@ -74,28 +76,40 @@ def test_the_tuner_offers_the_bottleneck_order_and_its_justified_orders():
     assert evaluator.score(seed).iteration_ms == 28.0
 
 
-def test_a_plan_without_gaps_keeps_its_time():
-    # GPipe's order on equal stages takes (m + p - 1)(F + B) = 33 ms, which no order beats
-    # (test_exact proves it for 1F1B's); the procedure finds an order as short
+def gpipe(backward: str):
+    """4 equal stages (F 1, I 2, W 0) on 4 ranks, 8 microbatches, in GPipe's order: every
+    forward, then every backward as ``backward`` ("B", or "I W": I and W apart). The profile,
+    cluster, parallel degrees, stages, stage costs and the order."""
     profile = make_profile([(1, 2, 0)] * 4)
     cluster, parallel = free_cluster(4), Parallel(pp=4, microbatches=8)
     stages = tuple(Stage(s, s + 1, s) for s in range(4))
     costs = stage_costs(stages, LayerTable(profile))
-    ops = [parse_ops(" ".join(f"{s}F{m}" for m in range(8)) + " " + " ".join(f"{s}B{m}" for m in range(8)))
+    each = {"B": "{s}B{m}", "I W": "{s}I{m} {s}W{m}"}[backward]
+    ops = [parse_ops(" ".join([f"{s}F{m}" for m in range(8)] + [each.format(s=s, m=m) for m in range(8)]))
            for s in range(4)]
+    return profile, cluster, parallel, stages, costs, ops
+
+
+def test_a_plan_without_gaps_keeps_its_time():
+    # GPipe's order on equal stages takes (m + p - 1)(F + B) = 33 ms, which no order beats
+    # (test_exact proves it for 1F1B's); the procedure finds an order as short
+    profile, cluster, parallel, stages, costs, ops = gpipe("B")
     order, span = bottleneck_order(ops, range(4), costs, cluster=cluster, parallel=parallel, keep_memory=False)
     assert span == 33.0
     assert simulate(_plan(profile, cluster, parallel, stages, order), profile).iteration_ms == 33.0
 
 
+@pytest.mark.parametrize("rebuild", [bottleneck_order, longest_tail_order])
 @settings(max_examples=60, deadline=None)
 @given(placements())
-def test_bottleneck_orders_are_valid_and_never_beat_the_bound(case):
+def test_rebuilt_orders_are_valid_and_never_beat_the_bound(rebuild, case):
+    # both rules that build a whole order anew: the shifting-bottleneck procedure and the
+    # longest-tail-first list scheduler (octoplan.schedules.list_order)
     pp, ranks = case[0], case[1]
     profile, cluster, parallel, stages, costs, ops = costly_policy_order(case)
     bound = one_machine_bound(OpGraph(ops, ranks, costs, cluster, parallel, False), pp)
     for keep in (True, False):
-        order, span = bottleneck_order(ops, ranks, costs, cluster=cluster, parallel=parallel, keep_memory=keep)
+        order, span = rebuild(ops, ranks, costs, cluster=cluster, parallel=parallel, keep_memory=keep)
         plan = _plan(profile, cluster, parallel, stages, order)
         check_structure(plan, num_layers=profile.num_layers)  # every op once, on its rank, I before W
         run = simulate_costs(plan, costs).iteration_ms  # raises DeadlockError on a cycle

@@ -109,7 +109,7 @@ def test_a_peel_with_its_order_justified_gets_a_climb_past_a_local_optimum():
 
 
 def test_the_peels_make_a_whole_tune_faster():
-    # the same search on a budget of plans (deterministic), with and without the peels: 97 -> 92 ms
+    # the same search on a budget of plans (deterministic), with and without the peels: 96 -> 92 ms
     from octoplan.tuner import TuneOptions, tune
     from octoplan.tuner.neighbourhoods import NEIGHBOURHOODS, PEELS, PeeledAndJustified
 
@@ -119,7 +119,7 @@ def test_the_peels_make_a_whole_tune_faster():
     for peels in (0, PEELS):
         chosen = [PeeledAndJustified(peels) if isinstance(n, PeeledAndJustified) else n for n in NEIGHBOURHOODS]
         found[peels] = tune(profile, free_cluster(4), opts, neighbourhoods=chosen).scored.iteration_ms
-    assert found == {0: 97.0, PEELS: 92.0}
+    assert found == {0: 96.0, PEELS: 92.0}
 
 
 def test_a_stage_that_fuses_some_backwards_and_splits_others_keeps_each_microbatchs_kinds():

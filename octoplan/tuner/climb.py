@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from octoplan.tuner.search import TuneOptions
 
 __all__ = ["Clock", "Search", "Restarts", "ProgressFn", "better_enough", "DEFAULT_CHUNKS", "RESTART_NOISE",
-           "RESTART_PATIENCE", "REORDER_S_PER_UNIT"]
+           "RESTART_PATIENCE", "REBUILD_S_PER_UNIT"]
 
 log = logging.getLogger("octoplan.tuner")
 
@@ -47,10 +47,17 @@ DEFAULT_CHUNKS = 3
 # N(0, 1) (Search.restart), until RESTART_PATIENCE rounds over those seeds in a row find nothing
 RESTART_NOISE = 1e-3
 RESTART_PATIENCE = 3
-# The shifting-bottleneck reordering's cost per op x rank^2 before one is measured, its two
-# variants and their justifications together: 2-3.3e-6 s on this project's 2-core machine
-# (5 s for gemma3-27b's 6,144 ops on 16 ranks, 27 s for deepseek-v3's 12,288 on 32)
-REORDER_S_PER_UNIT = 2.5e-6
+# What rebuilding a candidate's whole order costs (Evaluator.reordered: both variants, and their
+# justifications), as seconds per unit of size before one is measured, on this project's
+# 2-core machine. The shifting-bottleneck procedure's grows with the ops times the square of
+# the ranks (2-3.3e-6 s: 5 s for gemma3-27b's 6,144 ops on 16 ranks, 27 s for deepseek-v3's
+# 12,288 on 32); the list scheduler's with the ops, its justifications dominating (1e-4 s:
+# 1.8 s for llama3-70b-a100's 18,432 ops).
+REBUILD_SIZE: dict[str, Callable[[Candidate], int]] = {
+    "shifting-bottleneck order": lambda cand: cand.num_ops * cand.config.pp ** 2,
+    "longest-tail-first order": lambda cand: cand.num_ops,
+}
+REBUILD_S_PER_UNIT: dict[str, float] = {"shifting-bottleneck order": 2.5e-6, "longest-tail-first order": 1.2e-4}
 
 
 class Clock:
@@ -113,8 +120,10 @@ class Search:
         self.neighbourhoods = tuple(registry.NEIGHBOURHOODS if neighbourhoods is None else neighbourhoods)
         tuned = set(self.opts.dimensions)
         self._active = tuple(n for n in self.neighbourhoods if set(n.dimensions) <= tuned)
-        self._reordered: set[Candidate] = set()  # candidates whose order was rebuilt already
-        self._reorder_s_per_unit = REORDER_S_PER_UNIT  # the last rebuild's seconds per op x rank^2
+        # per rule of Evaluator.reordered: the candidates whose order it rebuilt already, and
+        # the last rebuild's seconds per unit of REBUILD_SIZE
+        self._rebuilt: dict[str, set[Candidate]] = {rule: set() for rule in REBUILD_SIZE}
+        self._rebuild_pace = dict(REBUILD_S_PER_UNIT)
 
     def plans_simulated(self) -> int:
         return (self.ev.evaluations + self.extra_plans + self.restart_plans
@@ -188,25 +197,26 @@ class Search:
             log.debug("justifying %s failed: %s", cand.origin, exc)
             return []
 
-    def rebuilt_orders(self, cand: Candidate, deadline: float) -> Iterator[Candidate]:
-        """``cand``'s order rebuilt by the shifting-bottleneck procedure (once per candidate),
-        unless it would not end before ``deadline``. The pace of the rebuilds so far is the
-        search's (a restart's climber inherits it and hands it back)."""
-        if cand in self._reordered:
+    def rebuilt_orders(self, cand: Candidate, deadline: float,
+                       rule: str = "shifting-bottleneck order") -> Iterator[Candidate]:
+        """``cand``'s order rebuilt by ``rule`` (:meth:`Evaluator.reordered`; once per candidate
+        and rule), unless it would not end before ``deadline``. The pace of the rebuilds so far
+        is the search's (a restart's climber shares it)."""
+        done = self._rebuilt[rule]
+        if cand in done:
             return
-        # its cost grows with the ops times the square of the ranks: estimated at the last
-        # rebuild's pace (or a cautious default before the first)
-        size = max(1, cand.num_ops * cand.config.pp ** 2)
-        if not self.opts.max_plans and self.clock.elapsed() + self._reorder_s_per_unit * size > deadline:
+        # estimated at the last rebuild's pace (or a cautious default before the first)
+        size = max(1, REBUILD_SIZE[rule](cand))
+        if not self.opts.max_plans and self.clock.elapsed() + self._rebuild_pace[rule] * size > deadline:
             return
-        self._reordered.add(cand)
+        done.add(cand)
         started = time.perf_counter()
         try:
-            found = self.ev.reordered(cand)
+            found = self.ev.reordered(cand, rule)
         except (ValueError, DeadlockError) as exc:
-            log.debug("reordering %s failed: %s", cand.origin, exc)
+            log.debug("reordering %s (%s) failed: %s", cand.origin, rule, exc)
             return
-        self._reorder_s_per_unit = (time.perf_counter() - started) / size
+        self._rebuild_pace[rule] = (time.perf_counter() - started) / size
         yield from found
 
     # Restarts and the final polish --------------------------------------------------------
@@ -224,14 +234,13 @@ class Search:
         self.shaken = Evaluator(self.ev.profile.shaken(RESTART_NOISE, draw), self.ev.cluster)
         climber = Search(self.shaken, replace(self.opts, seed=draw), None, clock=self.clock, quiet=True,
                          neighbourhoods=self.neighbourhoods)
-        # the pace of the order rebuilds measured so far, so the restart's do not overrun the deadline
-        climber._reorder_s_per_unit = self._reorder_s_per_unit
+        # the pace of the order rebuilds, shared, so the restart's do not overrun the deadline
+        climber._rebuild_pace = self._rebuild_pace
         try:
             final = climber.climb(start, deadline=deadline)
         finally:
             self.restart_plans += self.shaken.evaluations
             self.shaken = None
-            self._reorder_s_per_unit = climber._reorder_s_per_unit
         before = self.best_scored.score
         scored = self.offer(final)
         log.debug("restart %d from %s: %.4f ms on the true times", self.restarts, start.origin, scored.iteration_ms)
@@ -244,14 +253,17 @@ class Search:
         return True
 
     def polish(self) -> None:
-        """The best plan's order rebuilt by the shifting-bottleneck procedure, if that should
-        end within the time limit, and a climb from it if that is faster. The climbs rebuild
-        the orders of their local optima, but a climb cut short by its deadline has none."""
+        """The best plan's order rebuilt by the shifting-bottleneck procedure and by the
+        longest-tail-first list scheduler, each if it should end within the time limit; a
+        climb from the fastest if it is faster. The climbs rebuild the orders of their local
+        optima, but a climb cut short by its deadline has none."""
         if self.best is None:
             return
         before = self.best_scored.score
-        for cand in self.rebuilt_orders(self.best, self.opts.time_limit_s):
-            self.offer(cand)
+        best = self.best
+        for rule in REBUILD_SIZE:
+            for cand in self.rebuilt_orders(best, self.opts.time_limit_s, rule):
+                self.offer(cand)
         if self.best_scored.score < before:
             self.climb(self.best, deadline=self.opts.time_limit_s - min(2.0, 0.05 * self.opts.time_limit_s))
 

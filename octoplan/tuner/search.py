@@ -15,9 +15,10 @@
    carry less (:mod:`octoplan.tuner.arrange`).
 3. Rank (:func:`_ranked`): price every seed, best first; then the families add seeds made
    from the best ones, ranked with them: recomputing copies of the fastest that do not fit,
-   and the justified orders of the best layouts (:mod:`octoplan.schedules.justify`: every op
+   the justified orders of the best layouts (:mod:`octoplan.schedules.justify`: every op
    pushed as late, then as early as its dataflow and its rank's gaps allow, which moves Ws
-   into bubbles and forwards ahead of them).
+   into bubbles and forwards ahead of them), and the best layouts' orders rebuilt by the
+   longest-tail-first list scheduler (:mod:`octoplan.schedules.list_order`), justified.
 4. Climb (:func:`_climbs`): hill-climb from the best seed of each kind of plan
    (configuration x stage count x fixed or policy order) with the moves of
    :data:`octoplan.tuner.neighbourhoods.NEIGHBOURHOODS`, tried in order by the one climb
@@ -25,17 +26,19 @@
    the most promising basic moves first (:mod:`octoplan.tuner.moves`), keep the first one
    that is faster (or, while nothing fits, leaner); at a local optimum of those, justify the
    order, rebuild it by the shifting-bottleneck procedure (:mod:`octoplan.schedules.bottleneck`)
-   where the time left allows, then try compound moves, each justified: a layer shifted off
-   a hot rank, and a layer peeled off a rank that finishes last into a new stage on one that
-   finishes first, the order carried over (:mod:`octoplan.tuner.carry`); go on from there if
-   that is faster; until no move helps or time runs out. Time the climbs leave unused goes
+   where the time left allows and by the longest-tail-first list scheduler, then try
+   compound moves, each justified: a layer shifted off a hot rank, and a layer peeled off a
+   rank that finishes last into a new stage on one that finishes first, the order carried
+   over (:mod:`octoplan.tuner.carry`); go on from there if that is faster; until no move
+   helps or time runs out. Time the climbs leave unused goes
    to climbs from the next-best seeds, each followed by a restart: a climb from the first
    seeds again, on layer times shaken by 0.1%, whose end is judged on the true times (a
    climb's path turns on near-ties, and one seed's local optima differ by percents);
    restarts stop after 3 rounds over those seeds find nothing. With ``workers`` > 1 the
    climbs run side by side in that many processes (:mod:`octoplan.tuner.pool`), and the
-   restarts follow in this one. Last, the best plan's order is rebuilt the same way, if that
-   fits in the time left, and climbed from if it is faster (:meth:`~octoplan.tuner.climb.Search.polish`).
+   restarts follow in this one. Last, the best plan's order is rebuilt both ways (the
+   shifting-bottleneck procedure if it fits in the time left), and climbed from if faster
+   (:meth:`~octoplan.tuner.climb.Search.polish`).
 5. Report (:func:`_stats`): the best plan that fits, with where its time goes.
 
 Where to extend: a new source of seeds is a new module in :mod:`octoplan.tuner.seeds`, a

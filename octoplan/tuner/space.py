@@ -24,10 +24,18 @@ from octoplan.plan import Cluster, Parallel, Plan, Stage
 from octoplan.profile import Profile
 from octoplan.schedules.bottleneck import bottleneck_order
 from octoplan.schedules.justify import justify
+from octoplan.schedules.list_order import longest_tail_order
 from octoplan.schedules.policy import RankPolicy, policy_schedule
 from octoplan.simulator import SimResult, simulate_costs
 
-__all__ = ["Config", "Candidate", "Scored", "Evaluator", "bounds_of"]
+__all__ = ["Config", "Candidate", "Scored", "Evaluator", "bounds_of", "ORDER_RULES"]
+
+# the rules that build a layout's whole op order anew (:meth:`Evaluator.reordered`): each its
+# function and the tag its orders carry in a candidate's ``fixed_id``
+ORDER_RULES = {
+    "shifting-bottleneck order": (bottleneck_order, "bottleneck"),
+    "longest-tail-first order": (longest_tail_order, "longest-tail"),
+}
 
 
 @dataclass(frozen=True, order=True)
@@ -184,20 +192,25 @@ class Evaluator:
             _add_fixed(out, cand, schedule, new, "justified", f"{base}, justified" + ("" if keep else " (in flight unbounded)"))
         return out
 
-    def reordered(self, cand: Candidate) -> list[Candidate]:
-        """``cand``'s ops ordered anew by the shifting-bottleneck procedure
-        (:func:`octoplan.schedules.bottleneck.bottleneck_order`), keeping each stage's
+    def reordered(self, cand: Candidate, rule: str = "shifting-bottleneck order") -> list[Candidate]:
+        """``cand``'s ops ordered anew by ``rule``, one of :data:`ORDER_RULES` (the
+        shifting-bottleneck procedure, :func:`octoplan.schedules.bottleneck.bottleneck_order`,
+        or the longest-tail-first list scheduler,
+        :func:`octoplan.schedules.list_order.longest_tail_order`), keeping each stage's
         microbatches in flight and free of that limit, each order followed by its justified
         ones: the orders that differ from ``cand``'s."""
+        orderer, step = ORDER_RULES[rule]
         schedule = tuple(tuple(ops) for ops in self.schedule(cand))
         costs = self.costs(cand)
         out: list[Candidate] = []
+        base = cand.origin.split(", justified")[0]
+        for known in ORDER_RULES:
+            base = base.split(f", {known}")[0]
         for keep in (True, False):
-            new, _ = bottleneck_order(schedule, cand.ranks, costs, cluster=self.cluster,
-                                      parallel=cand.config.parallel(), keep_memory=keep)
-            base = cand.origin.split(", justified")[0].split(", shifting-bottleneck order")[0]
-            fresh = _add_fixed(out, cand, schedule, new, "bottleneck",
-                               f"{base}, shifting-bottleneck order" + ("" if keep else " (in flight unbounded)"))
+            new, _ = orderer(schedule, cand.ranks, costs, cluster=self.cluster,
+                             parallel=cand.config.parallel(), keep_memory=keep)
+            fresh = _add_fixed(out, cand, schedule, new, step,
+                               f"{base}, {rule}" + ("" if keep else " (in flight unbounded)"))
             if fresh is not None:
                 out.extend(c for c in self.justified(fresh) if all(c.fixed != o.fixed for o in out))
         return out

@@ -14,15 +14,16 @@ A new kind of move is a new module here: a subclass of :class:`Neighbourhood` wi
 from octoplan.tuner.neighbourhoods.base import Neighbourhood
 from octoplan.tuner.neighbourhoods.basic import BasicMoves
 from octoplan.tuner.neighbourhoods.compound import COMPOUND_SHIFTS, PEELS, PeeledAndJustified, ShiftedAndJustified
-from octoplan.tuner.neighbourhoods.orders import BottleneckOrder, JustifiedOrder
+from octoplan.tuner.neighbourhoods.orders import BottleneckOrder, JustifiedOrder, LongestTailOrder
 
-__all__ = ["Neighbourhood", "NEIGHBOURHOODS", "BasicMoves", "JustifiedOrder", "BottleneckOrder",
+__all__ = ["Neighbourhood", "NEIGHBOURHOODS", "BasicMoves", "JustifiedOrder", "BottleneckOrder", "LongestTailOrder",
            "ShiftedAndJustified", "PeeledAndJustified", "COMPOUND_SHIFTS", "PEELS"]
 
 NEIGHBOURHOODS: tuple[Neighbourhood, ...] = (
     BasicMoves(),  # boundaries, stages, placement, policy knobs, recomputation, op edits at bubbles
     JustifiedOrder(),  # at a local optimum of those: the whole order justified
     BottleneckOrder(),  # rebuilt by the shifting-bottleneck procedure
+    LongestTailOrder(),  # rebuilt by the longest-tail-first list scheduler
     ShiftedAndJustified(COMPOUND_SHIFTS),  # a layer off a hot rank, the order justified around it
     PeeledAndJustified(PEELS),  # a layer peeled into a new stage, the order carried and justified
 )

@@ -13,7 +13,7 @@ from octoplan.tuner.space import Candidate
 if TYPE_CHECKING:
     from octoplan.tuner.climb import Search
 
-__all__ = ["JustifiedOrder", "BottleneckOrder"]
+__all__ = ["JustifiedOrder", "BottleneckOrder", "LongestTailOrder"]
 
 
 class JustifiedOrder(Neighbourhood):
@@ -38,3 +38,16 @@ class BottleneckOrder(Neighbourhood):
 
     def moves(self, search: Search, cand: Candidate, timeline: SimResult, deadline: float) -> Iterator[Candidate]:
         yield from search.rebuilt_orders(cand, deadline)
+
+
+class LongestTailOrder(Neighbourhood):
+    """The order rebuilt by the longest-tail-first list scheduler
+    (:mod:`octoplan.schedules.list_order`), once per candidate, where it should end before the
+    deadline: every rank at once runs the arrived op on the longest remaining chain, which
+    starts a pipeline's drain early where the policy knobs and the per-rank rebuild do not."""
+
+    name = "longest-tail-first order"
+    dimensions = ("schedule",)
+
+    def moves(self, search: Search, cand: Candidate, timeline: SimResult, deadline: float) -> Iterator[Candidate]:
+        yield from search.rebuilt_orders(cand, deadline, self.name)

@@ -14,7 +14,7 @@ should rank among equals (``tune(..., seed_families=...)`` takes another list, f
 
 from octoplan.tuner.seeds.base import Ranked, SeedContext, SeedFamily
 from octoplan.tuner.seeds.cpsat import CpsatSeeds
-from octoplan.tuner.seeds.justified import JUSTIFIED_SEEDS, JustifiedSeeds
+from octoplan.tuner.seeds.justified import JUSTIFIED_SEEDS, LIST_ORDERED_SEEDS, JustifiedSeeds, ListOrderedSeeds
 from octoplan.tuner.seeds.megatron import MegatronSeeds
 from octoplan.tuner.seeds.policy import PolicySeeds
 from octoplan.tuner.seeds.rank_balanced import RankBalancedSeeds
@@ -22,7 +22,8 @@ from octoplan.tuner.seeds.recompute import RECOMPUTE_SEEDS, RecomputingCopies
 from octoplan.tuner.seeds.start_aware import StartAwareSeeds
 
 __all__ = ["SeedFamily", "SeedContext", "Ranked", "SEED_FAMILIES", "MegatronSeeds", "PolicySeeds", "RankBalancedSeeds", "CpsatSeeds",
-           "StartAwareSeeds", "RecomputingCopies", "JustifiedSeeds", "JUSTIFIED_SEEDS", "RECOMPUTE_SEEDS"]
+           "StartAwareSeeds", "RecomputingCopies", "JustifiedSeeds", "JUSTIFIED_SEEDS", "ListOrderedSeeds",
+           "LIST_ORDERED_SEEDS", "RECOMPUTE_SEEDS"]
 
 SEED_FAMILIES: tuple[SeedFamily, ...] = (
     MegatronSeeds(),  # --runs-on megatron: Megatron-LM's own orders, partitions snapped to its layers
@@ -32,4 +33,5 @@ SEED_FAMILIES: tuple[SeedFamily, ...] = (
     StartAwareSeeds(),  # the seeds so far re-placed so late-starting ranks carry less
     RecomputingCopies(),  # from the ranked seeds: the best copied with every stage recomputing
     JustifiedSeeds(),  # from the ranked seeds: the best layouts' orders justified
+    ListOrderedSeeds(),  # from the ranked seeds: the best layouts list-ordered, longest tail first
 )

@@ -1,25 +1,36 @@
-"""Justified orders of the best seeds (:mod:`octoplan.schedules.justify`). Justification often
-closes most of a list scheduler's bubbles on uneven or irregular layouts, so the climbs should
-start from the justified plans."""
+"""New orders for the best seeds' layouts, made before the climbs: justified
+(:mod:`octoplan.schedules.justify`), and rebuilt by the longest-tail-first list scheduler
+(:mod:`octoplan.schedules.list_order`), justified. Justification often closes most of a list
+scheduler's bubbles on uneven or irregular layouts; where the policy scheduler's knobs do not
+fit a layout (stages that differ), a scheduler that follows the longest remaining chain can
+start from a better order than justification reaches from the policy's. So the climbs should
+start from these plans."""
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from octoplan.tuner.seeds.base import Ranked, SeedContext, SeedFamily
 from octoplan.tuner.space import Candidate
 
-__all__ = ["JustifiedSeeds", "JUSTIFIED_SEEDS"]
+if TYPE_CHECKING:
+    from octoplan.tuner.climb import Search
+
+__all__ = ["JustifiedSeeds", "ListOrderedSeeds", "JUSTIFIED_SEEDS", "LIST_ORDERED_SEEDS"]
 
 JUSTIFIED_SEEDS = 8  # the best seeds whose orders are justified before the climbs
+LIST_ORDERED_SEEDS = 8  # the best seeds whose layouts are list-ordered before the climbs
 
 
-class JustifiedSeeds(SeedFamily):
-    """The justified orders of the best :data:`JUSTIFIED_SEEDS` layouts. A count, not a share
-    of the time, bounds the work, so which seeds are justified does not depend on the
-    machine's speed."""
+class _BestLayoutsReordered(SeedFamily):
+    """New orders of the best ``count`` layouts, one seed per layout. A count, not a share of
+    the time, bounds the work, so which seeds are reordered does not depend on the machine's
+    speed."""
 
-    name = "justified orders"
+    count: int = 0
+
+    def reorder(self, search: Search, cand: Candidate) -> Iterable[Candidate]:
+        raise NotImplementedError
 
     def applies(self, ctx: SeedContext) -> bool:
         return "schedule" in ctx.opts.dimensions
@@ -28,11 +39,32 @@ class JustifiedSeeds(SeedFamily):
         search = ctx.search
         layouts: set = set()
         for _, index, cand in ranked:
-            if len(layouts) >= JUSTIFIED_SEEDS or search.clock.out():
+            if len(layouts) >= self.count or search.clock.out():
                 return
             layout = (cand.config, cand.bounds, cand.ranks)
             if layout in layouts:
                 continue
             layouts.add(layout)
-            for moved in search.justified(cand):
+            for moved in self.reorder(search, cand):
                 yield index, moved
+
+
+class JustifiedSeeds(_BestLayoutsReordered):
+    """The justified orders of the best :data:`JUSTIFIED_SEEDS` layouts."""
+
+    name = "justified orders"
+    count = JUSTIFIED_SEEDS
+
+    def reorder(self, search: Search, cand: Candidate) -> Iterable[Candidate]:
+        return search.justified(cand)
+
+
+class ListOrderedSeeds(_BestLayoutsReordered):
+    """The longest-tail-first orders of the best :data:`LIST_ORDERED_SEEDS` layouts, each with
+    its justified orders."""
+
+    name = "longest-tail-first orders"
+    count = LIST_ORDERED_SEEDS
+
+    def reorder(self, search: Search, cand: Candidate) -> Iterable[Candidate]:
+        return search.rebuilt_orders(cand, search.opts.time_limit_s, "longest-tail-first order")
