@@ -87,4 +87,4 @@ def test_a_tune_with_the_seeds_is_faster():
     for with_family in (False, True):
         families = [f for f in SEED_FAMILIES if with_family or not isinstance(f, RankBalancedSeeds)]
         found[with_family] = tune(profile, free_cluster(4), opts, seed_families=families).scored.iteration_ms
-    assert found == {False: 94.0, True: 92.0}
+    assert found == {False: 95.0, True: 92.0}

@@ -397,9 +397,10 @@ def test_the_climb_recomputes_fewer_of_a_stages_layers_where_keeping_all_would_n
 
 def test_the_tuner_recomputes_part_of_a_stage_where_that_is_what_fits():
     # at 45 GB the tuner recomputes every stage but the last (192 ms); at 65 GB it keeps some
-    # of the recomputing stages' layers and is faster
+    # of the recomputing stages' layers and is faster (188.5 ms, found within 800 plans: the
+    # seeds' rebuilt orders take some of them)
     profile = _sixteen_layers()
-    opts = TuneOptions(gpus=2, pp=2, microbatches=8, max_plans=600, chunks_max=2)
+    opts = TuneOptions(gpus=2, pp=2, microbatches=8, max_plans=800, chunks_max=2)
     lean = tune(profile, free_cluster(2, memory_gb=45), opts)
     roomier = tune(profile, free_cluster(2, memory_gb=65), opts)
     assert lean.scored.fits and roomier.scored.fits
