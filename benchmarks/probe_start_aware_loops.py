@@ -27,7 +27,7 @@ from octoplan.costs import cheaper_backward, to_ticks
 from octoplan.schedules.exact import relaxation_bound
 from octoplan.tuner.seeds import SEED_FAMILIES
 from octoplan.tuner.seeds.base import SeedFamily, with_policies
-from octoplan.tuner.space import Candidate, Config, Evaluator
+from octoplan.tuner.space import LONGEST_TAIL, Candidate, Config, Evaluator
 
 SETTINGS = [(True, depth, gap) for depth in (1.0, 2.0, 3.0) for gap in (False, True)]
 SPECS = [("loop", 3, 1.0), ("loop", 3, 0.75), ("zigzag", 3, 1.0), ("loop", 2, 1.0), ("zigzag", 2, 1.0)]
@@ -78,7 +78,7 @@ def orders(ev: Evaluator, config: Config, bounds, ranks, origin: str) -> list[tu
     best = min(policy, key=lambda c: ev.score(c).score)
     out = [("policy", c) for c in policy] + [("justified", c) for c in ev.justified(best)]
     out += [("shifting bottleneck", c) for c in ev.reordered(best)]
-    out += [("longest tail first", c) for c in ev.reordered(best, "longest-tail-first order")]
+    out += [("longest tail first", c) for c in ev.reordered(best, LONGEST_TAIL)]
     return out
 
 

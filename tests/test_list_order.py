@@ -7,7 +7,7 @@ from octoplan.schedules.list_order import longest_tail_order
 from octoplan.schedules.opgraph import most_in_flight
 from octoplan.schedules.policy import default_policies
 from octoplan.simulator import simulate
-from octoplan.tuner.space import Candidate, Config, Evaluator
+from octoplan.tuner.space import LONGEST_TAIL, Candidate, Config, Evaluator
 from tests.conftest import free_cluster, make_profile
 from tests.test_bottleneck import gpipe, uneven_v
 from tests.test_justify import _plan
@@ -90,7 +90,7 @@ def test_polish_takes_the_list_order_where_it_beats_the_bottleneck_order():
     assert evaluator.score(seed).iteration_ms == 48.0
     assert evaluator.justified(seed) == []  # no order it can reach differs
     assert min(evaluator.score(c).iteration_ms for c in evaluator.reordered(seed)) == 46.0
-    listed = evaluator.reordered(seed, "longest-tail-first order")
+    listed = evaluator.reordered(seed, LONGEST_TAIL)
     assert [evaluator.score(c).iteration_ms for c in listed[:2]] == [45.0, 45.0]
     assert " ".join(map(str, listed[0].fixed[0])) == "0F0 0F1 2F0 0F2 2F1 2I0 2W0 2F2 2I1 2W1 0I0 0W0 2I2 0I1 0W1 0I2 2W2 0W2"
     for keep in (True, False):

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from octoplan.simulator import DeadlockError
 from octoplan.tuner.frameworks import Frameworks
-from octoplan.tuner.space import Candidate, Config, Evaluator, Scored
+from octoplan.tuner.space import BOTTLENECK, ORDER_RULES, Candidate, Config, Evaluator, OrderRule, Scored
 
 if TYPE_CHECKING:
     from octoplan.tuner.neighbourhoods import Neighbourhood
     from octoplan.tuner.search import TuneOptions
 
 __all__ = ["Clock", "Search", "Restarts", "ProgressFn", "better_enough", "DEFAULT_CHUNKS", "RESTART_NOISE",
-           "RESTART_PATIENCE", "REBUILD_S_PER_UNIT"]
+           "RESTART_PATIENCE"]
 
 log = logging.getLogger("octoplan.tuner")
 
@@ -47,17 +47,6 @@ DEFAULT_CHUNKS = 3
 # N(0, 1) (Search.restart), until RESTART_PATIENCE rounds over those seeds in a row find nothing
 RESTART_NOISE = 1e-3
 RESTART_PATIENCE = 3
-# What rebuilding a candidate's whole order costs (Evaluator.reordered: both variants, and their
-# justifications), as seconds per unit of size before one is measured, on this project's
-# 2-core machine. The shifting-bottleneck procedure's grows with the ops times the square of
-# the ranks (2-3.3e-6 s: 5 s for gemma3-27b's 6,144 ops on 16 ranks, 27 s for deepseek-v3's
-# 12,288 on 32); the list scheduler's with the ops, its justifications dominating (1e-4 s:
-# 1.8 s for llama3-70b-a100's 18,432 ops).
-REBUILD_SIZE: dict[str, Callable[[Candidate], int]] = {
-    "shifting-bottleneck order": lambda cand: cand.num_ops * cand.config.pp ** 2,
-    "longest-tail-first order": lambda cand: cand.num_ops,
-}
-REBUILD_S_PER_UNIT: dict[str, float] = {"shifting-bottleneck order": 2.5e-6, "longest-tail-first order": 1.2e-4}
 
 
 class Clock:
@@ -121,9 +110,9 @@ class Search:
         tuned = set(self.opts.dimensions)
         self._active = tuple(n for n in self.neighbourhoods if set(n.dimensions) <= tuned)
         # per rule of Evaluator.reordered: the candidates whose order it rebuilt already, and
-        # the last rebuild's seconds per unit of REBUILD_SIZE
-        self._rebuilt: dict[str, set[Candidate]] = {rule: set() for rule in REBUILD_SIZE}
-        self._rebuild_pace = dict(REBUILD_S_PER_UNIT)
+        # the last rebuild's seconds per unit of the rule's size
+        self._rebuilt: dict[OrderRule, set[Candidate]] = {rule: set() for rule in ORDER_RULES}
+        self._rebuild_pace = {rule: rule.s_per_unit for rule in ORDER_RULES}
 
     def plans_simulated(self) -> int:
         return (self.ev.evaluations + self.extra_plans + self.restart_plans
@@ -197,8 +186,7 @@ class Search:
             log.debug("justifying %s failed: %s", cand.origin, exc)
             return []
 
-    def rebuilt_orders(self, cand: Candidate, deadline: float,
-                       rule: str = "shifting-bottleneck order") -> Iterator[Candidate]:
+    def rebuilt_orders(self, cand: Candidate, deadline: float, rule: OrderRule = BOTTLENECK) -> Iterator[Candidate]:
         """``cand``'s order rebuilt by ``rule`` (:meth:`Evaluator.reordered`; once per candidate
         and rule), unless it would not end before ``deadline``. The pace of the rebuilds so far
         is the search's (a restart's climber shares it)."""
@@ -206,7 +194,7 @@ class Search:
         if cand in done:
             return
         # estimated at the last rebuild's pace (or a cautious default before the first)
-        size = max(1, REBUILD_SIZE[rule](cand))
+        size = max(1, rule.size(cand))
         if not self.opts.max_plans and self.clock.elapsed() + self._rebuild_pace[rule] * size > deadline:
             return
         done.add(cand)
@@ -214,7 +202,7 @@ class Search:
         try:
             found = self.ev.reordered(cand, rule)
         except (ValueError, DeadlockError) as exc:
-            log.debug("reordering %s (%s) failed: %s", cand.origin, rule, exc)
+            log.debug("reordering %s (%s) failed: %s", cand.origin, rule.name, exc)
             return
         self._rebuild_pace[rule] = (time.perf_counter() - started) / size
         yield from found
@@ -261,7 +249,7 @@ class Search:
             return
         before = self.best_scored.score
         best = self.best
-        for rule in REBUILD_SIZE:
+        for rule in ORDER_RULES:
             for cand in self.rebuilt_orders(best, self.opts.time_limit_s, rule):
                 self.offer(cand)
         if self.best_scored.score < before:

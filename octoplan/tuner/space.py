@@ -15,7 +15,7 @@ costs nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from octoplan.costs import LayerTable, StageCost, lower_bound_ms
 from octoplan.memory import static_bytes
@@ -28,14 +28,32 @@ from octoplan.schedules.list_order import longest_tail_order
 from octoplan.schedules.policy import RankPolicy, policy_schedule
 from octoplan.simulator import SimResult, simulate_costs
 
-__all__ = ["Config", "Candidate", "Scored", "Evaluator", "bounds_of", "ORDER_RULES"]
+__all__ = ["Config", "Candidate", "Scored", "Evaluator", "bounds_of", "OrderRule", "BOTTLENECK", "LONGEST_TAIL",
+           "ORDER_RULES"]
 
-# the rules that build a layout's whole op order anew (:meth:`Evaluator.reordered`): each its
-# function and the tag its orders carry in a candidate's ``fixed_id``
-ORDER_RULES = {
-    "shifting-bottleneck order": (bottleneck_order, "bottleneck"),
-    "longest-tail-first order": (longest_tail_order, "longest-tail"),
-}
+
+@dataclass(frozen=True)
+class OrderRule:
+    """A rule that builds a layout's whole op order anew (:meth:`Evaluator.reordered`)."""
+
+    name: str  # appended to a rebuilt candidate's origin
+    build: Callable  # (schedule, rank_of_stage, costs, *, cluster, parallel, keep_memory) -> (order, makespan)
+    tag: str  # what its orders carry in a candidate's ``fixed_id``
+    # what a rebuild's cost (both variants and their justifications) grows with, and the seconds
+    # per unit of it before one is measured, on this project's 2-core machine
+    size: Callable[[Candidate], int]
+    s_per_unit: float
+
+
+# the shifting-bottleneck procedure's cost grows with the ops times the square of the ranks
+# (2-3.3e-6 s: 5 s for gemma3-27b's 6,144 ops on 16 ranks, 27 s for deepseek-v3's 12,288 on 32)
+BOTTLENECK = OrderRule("shifting-bottleneck order", bottleneck_order, "bottleneck",
+                       lambda cand: cand.num_ops * cand.config.pp ** 2, 2.5e-6)
+# the list scheduler's with the ops, its justifications dominating (1.8 s for llama3-70b-a100's
+# 18,432 ops)
+LONGEST_TAIL = OrderRule("longest-tail-first order", longest_tail_order, "longest-tail",
+                         lambda cand: cand.num_ops, 1.2e-4)
+ORDER_RULES = (BOTTLENECK, LONGEST_TAIL)
 
 
 @dataclass(frozen=True, order=True)
@@ -192,25 +210,24 @@ class Evaluator:
             _add_fixed(out, cand, schedule, new, "justified", f"{base}, justified" + ("" if keep else " (in flight unbounded)"))
         return out
 
-    def reordered(self, cand: Candidate, rule: str = "shifting-bottleneck order") -> list[Candidate]:
+    def reordered(self, cand: Candidate, rule: OrderRule = BOTTLENECK) -> list[Candidate]:
         """``cand``'s ops ordered anew by ``rule``, one of :data:`ORDER_RULES` (the
         shifting-bottleneck procedure, :func:`octoplan.schedules.bottleneck.bottleneck_order`,
         or the longest-tail-first list scheduler,
         :func:`octoplan.schedules.list_order.longest_tail_order`), keeping each stage's
         microbatches in flight and free of that limit, each order followed by its justified
         ones: the orders that differ from ``cand``'s."""
-        orderer, step = ORDER_RULES[rule]
         schedule = tuple(tuple(ops) for ops in self.schedule(cand))
         costs = self.costs(cand)
         out: list[Candidate] = []
         base = cand.origin.split(", justified")[0]
         for known in ORDER_RULES:
-            base = base.split(f", {known}")[0]
+            base = base.split(f", {known.name}")[0]
         for keep in (True, False):
-            new, _ = orderer(schedule, cand.ranks, costs, cluster=self.cluster,
-                             parallel=cand.config.parallel(), keep_memory=keep)
-            fresh = _add_fixed(out, cand, schedule, new, step,
-                               f"{base}, {rule}" + ("" if keep else " (in flight unbounded)"))
+            new, _ = rule.build(schedule, cand.ranks, costs, cluster=self.cluster,
+                                parallel=cand.config.parallel(), keep_memory=keep)
+            fresh = _add_fixed(out, cand, schedule, new, rule.tag,
+                               f"{base}, {rule.name}" + ("" if keep else " (in flight unbounded)"))
             if fresh is not None:
                 out.extend(c for c in self.justified(fresh) if all(c.fixed != o.fixed for o in out))
         return out

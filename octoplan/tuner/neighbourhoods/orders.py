@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from octoplan.simulator import SimResult
 from octoplan.tuner.neighbourhoods.base import Neighbourhood
-from octoplan.tuner.space import Candidate
+from octoplan.tuner.space import BOTTLENECK, LONGEST_TAIL, Candidate
 
 if TYPE_CHECKING:
     from octoplan.tuner.climb import Search
@@ -33,11 +33,11 @@ class BottleneckOrder(Neighbourhood):
     (:mod:`octoplan.schedules.bottleneck`), once per candidate, where it should end before the
     deadline (:meth:`octoplan.tuner.climb.Search.rebuilt_orders`)."""
 
-    name = "shifting-bottleneck order"
+    name = BOTTLENECK.name
     dimensions = ("schedule",)
 
     def moves(self, search: Search, cand: Candidate, timeline: SimResult, deadline: float) -> Iterator[Candidate]:
-        yield from search.rebuilt_orders(cand, deadline)
+        yield from search.rebuilt_orders(cand, deadline, BOTTLENECK)
 
 
 class LongestTailOrder(Neighbourhood):
@@ -46,8 +46,8 @@ class LongestTailOrder(Neighbourhood):
     deadline: every rank at once runs the arrived op on the longest remaining chain, which
     starts a pipeline's drain early where the policy knobs and the per-rank rebuild do not."""
 
-    name = "longest-tail-first order"
+    name = LONGEST_TAIL.name
     dimensions = ("schedule",)
 
     def moves(self, search: Search, cand: Candidate, timeline: SimResult, deadline: float) -> Iterator[Candidate]:
-        yield from search.rebuilt_orders(cand, deadline, self.name)
+        yield from search.rebuilt_orders(cand, deadline, LONGEST_TAIL)

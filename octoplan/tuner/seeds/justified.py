@@ -8,10 +8,11 @@ start from these plans."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 from octoplan.tuner.seeds.base import Ranked, SeedContext, SeedFamily
-from octoplan.tuner.space import Candidate
+from octoplan.tuner.space import LONGEST_TAIL, Candidate
 
 if TYPE_CHECKING:
     from octoplan.tuner.climb import Search
@@ -22,15 +23,16 @@ JUSTIFIED_SEEDS = 8  # the best seeds whose orders are justified before the clim
 LIST_ORDERED_SEEDS = 8  # the best seeds whose layouts are list-ordered before the climbs
 
 
-class _BestLayoutsReordered(SeedFamily):
+class _BestLayoutsReordered(SeedFamily, ABC):
     """New orders of the best ``count`` layouts, one seed per layout. A count, not a share of
     the time, bounds the work, so which seeds are reordered does not depend on the machine's
     speed."""
 
     count: int = 0
 
+    @abstractmethod
     def reorder(self, search: Search, cand: Candidate) -> Iterable[Candidate]:
-        raise NotImplementedError
+        """The new orders of ``cand``'s layout."""
 
     def applies(self, ctx: SeedContext) -> bool:
         return "schedule" in ctx.opts.dimensions
@@ -67,4 +69,4 @@ class ListOrderedSeeds(_BestLayoutsReordered):
     count = LIST_ORDERED_SEEDS
 
     def reorder(self, search: Search, cand: Candidate) -> Iterable[Candidate]:
-        return search.rebuilt_orders(cand, search.opts.time_limit_s, "longest-tail-first order")
+        return search.rebuilt_orders(cand, search.opts.time_limit_s, LONGEST_TAIL)
