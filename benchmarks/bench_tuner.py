@@ -3,7 +3,7 @@ and tuning time at 64 and 1024 GPUs.
 
     .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME] [--split-blocks] [--order-bound S] [--halve-layers]
         [--max-plans N] [--without-seeds FAMILY ...]
-    .venv/bin/python benchmarks/bench_tuner.py caps [--two-per-rank]
+    .venv/bin/python benchmarks/bench_tuner.py caps [--two-per-rank] [--stages-per-rank K ...]
     .venv/bin/python benchmarks/bench_tuner.py scale --gpus 64 --time-limit 60
     .venv/bin/python benchmarks/bench_tuner.py spread --only gemma3-27b --perturb 1e-3 --seeds 1 2 3 [--workers 2]
 
@@ -23,7 +23,9 @@ still measured on whole blocks (it cannot cut a block), and the best baseline is
 both granularities' baselines. ``caps`` prints, per workload and granularity, the best balance
 any assignment of whole layers to pp ranks allows (a CP-SAT bin packing): an upper bound on the
 efficiency of every plan, whatever its schedule; ``--two-per-rank`` adds, on split blocks, the
-best balance of two stages per rank in a loop (r and pp + r) and in a V (r and 2 pp - 1 - r).
+best balance of two stages per rank in a loop (r and pp + r) and in a V (r and 2 pp - 1 - r);
+``--stages-per-rank K ...`` a cap on the balance of every layout with at most K stages per rank
+(``balance_cap(..., stages_per_rank=K)``, by counting).
 ``--order-bound S`` bounds, for each tuned plan, every op order of its stages and placement
 (``octoplan bound --unbounded-in-flight``: CP-SAT for S seconds and the one-machine
 relaxation): how much of the gap is the order's.
@@ -252,23 +254,46 @@ def suite(args) -> None:
             print(f"| {w.name} | " + " | ".join(cells) + " |", flush=True)
 
 
-def balance_cap(profile, pp: int, *, time_limit_s: float = 10.0) -> tuple[float, float]:
+def balance_cap(profile, pp: int, *, stages_per_rank: int | None = None,
+                time_limit_s: float = 10.0) -> tuple[float, float]:
     """(best balance found, proven upper bound on the balance) of any assignment of the
-    profile's layers to ``pp`` ranks, stages of any shape: balance = FORMATS.md section 7's lower
-    bound / the busiest rank's F + I + W per microbatch. CP-SAT bin packing (makespan), in
-    microseconds."""
+    profile's layers to ``pp`` ranks: balance = FORMATS.md section 7's lower bound / the busiest
+    rank's F + I + W per microbatch, in microseconds. Layers of equal work are one group, and
+    CP-SAT spreads each group's count over the ranks: a bin packing without the symmetry
+    between equal layers that keeps one boolean per layer and rank from proving its optimum.
+
+    ``stages_per_rank``: of the layouts with at most that many stages on each rank only, by
+    counting. A stage is a run of consecutive layers, so it holds as many odd-indexed layers as
+    even-indexed ones, or one more of either, and so does its part inside the first and the
+    last layer (a run too); a rank of k stages holds at most k more of one than of the other,
+    counted both ways. Groups then also part by parity and by end or inside. Contiguity is
+    otherwise relaxed, so the answer caps every such layout's balance and may not be reached
+    by one. On split blocks, where mixers and MLPs alternate, the rules keep a rank from
+    holding many more cheap mixers than costly MLPs; the inside count sees past the embedding
+    and the head."""
     from ortools.sat.python import cp_model
 
     work = [round(1000 * (l.forward_ms + l.backward_input_ms + l.backward_weight_ms)) for l in profile.layers]
     bound_ms = max(sum(work) / pp, max(work)) / 1000
+    last = len(work) - 1
+    groups: dict[tuple[int, bool, int], int] = {}  # (index parity, inside the ends, work in us) -> layers
+    for i, w in enumerate(work):
+        key = (i % 2, 0 < i < last, w) if stages_per_rank is not None else (0, True, w)
+        groups[key] = groups.get(key, 0) + 1
     model = cp_model.CpModel()
-    put = [[model.NewBoolVar(f"l{i}r{r}") for r in range(pp)] for i in range(len(work))]
-    for row in put:
-        model.AddExactlyOne(row)
-    model.Add(put[0][0] == 1)  # ranks are interchangeable
+    held = {g: [model.NewIntVar(0, n, "") for _ in range(pp)] for g, n in groups.items()}
+    for g, n in groups.items():
+        model.Add(sum(held[g]) == n)
     busiest = model.NewIntVar(0, sum(work), "busiest")
     for r in range(pp):
-        model.Add(sum(w * row[r] for w, row in zip(work, put)) <= busiest)
+        model.Add(sum(g[2] * held[g][r] for g in groups) <= busiest)
+    if stages_per_rank is not None:
+        for r in range(pp):
+            for inside_only in (False, True):
+                counted = [g for g in groups if g[1] or not inside_only]
+                surplus = sum(held[g][r] for g in counted if g[0] == 1) - sum(held[g][r] for g in counted if g[0] == 0)
+                model.Add(surplus <= stages_per_rank)
+                model.Add(surplus >= -stages_per_rank)
     model.Minimize(busiest)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -293,7 +318,22 @@ def two_per_rank_balance(profile, pp: int) -> tuple[float, float]:
     return tuple(float("nan") if f is None else ideal / f.busiest for f in found)
 
 
+def _cap_cell(found: float, proven: float) -> str:
+    return f"{found:.3f}" + ("" if proven - found < 5e-4 else f" (<= {proven:.3f})")
+
+
 def caps(args) -> None:
+    if args.stages_per_rank:
+        print("| workload | pp | layers, split | balance cap, split blocks | "
+              + " | ".join(f"at most {k} stages per rank" for k in args.stages_per_rank) + " |")
+        print("|---|---|---|---|" + "---|" * len(args.stages_per_rank))
+        for w in SUITE:
+            profile, _ = _profile_and_cluster(w, split_blocks=True)
+            cells = [_cap_cell(*balance_cap(profile, w.pp, time_limit_s=args.time_limit))]
+            cells += [_cap_cell(*balance_cap(profile, w.pp, stages_per_rank=k, time_limit_s=args.time_limit))
+                      for k in args.stages_per_rank]
+            print(f"| {w.name} | {w.pp} | {profile.num_layers} | " + " | ".join(cells) + " |", flush=True)
+        return
     if args.two_per_rank:
         print("| workload | pp | layers, split | balance cap, split blocks | best loop x2 cut | best V cut | both cuts' s |")
         print("|---|---|---|---|---|---|---|")
@@ -367,6 +407,8 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per workload and granularity")
     p.add_argument("--two-per-rank", action="store_true",
                    help="on split blocks, also the best balance of two stages per rank in a loop and in a V")
+    p.add_argument("--stages-per-rank", type=int, nargs="+", default=[], metavar="K",
+                   help="on split blocks, also the balance cap of layouts with at most K stages per rank (by counting)")
     p.set_defaults(fn=caps)
     p = sub.add_parser("scale")
     p.add_argument("--gpus", type=int, default=64)

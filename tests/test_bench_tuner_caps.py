@@ -1,5 +1,6 @@
 """benchmarks/bench_tuner.py's balance caps: the best balance of any assignment of layers to
-ranks, and of two stages per rank in a loop and in a V, against hand-computed answers."""
+ranks, of two stages per rank in a loop and in a V, and of at most k stages per rank, against
+hand-computed answers."""
 
 from __future__ import annotations
 
@@ -34,3 +35,27 @@ def test_heavy_ends_cap_a_v_but_neither_a_loop_nor_a_free_assignment():
 
 def test_two_per_rank_needs_two_layers_per_rank():
     assert all(math.isnan(b) for b in two_per_rank_balance(_profile([1, 1, 1]), 2))  # 4 stages of 3 layers
+
+
+def test_stages_per_rank_cap_counts_alternating_layers():
+    # layers 1, 10, 1, 10, 1, 10 (three cheap even-indexed, three costly odd-indexed) on 2
+    # ranks, 16.5 each at best. One stage per rank: the cuts give 1 | 32, 11 | 22, 12 | 21,
+    # 22 | 11, 23 | 10, so 21 at best; counting agrees, since a run holds at most one more
+    # costly layer than cheap ones, and no split of the counts does better than (2 costly, 1
+    # cheap) | (1, 2). Two stages per rank may hold two more: {10, 10} | {1, 10, 1, 1} (the
+    # loop [1] [10] [1, 10, 1] [10] on ranks 1 0 1 0), 20, which any assignment also
+    # needs: one rank holds two of the 10s.
+    profile = _profile([1, 10, 1, 10, 1, 10])
+    assert balance_cap(profile, 2, stages_per_rank=1) == pytest.approx((16.5 / 21, 16.5 / 21))
+    assert balance_cap(profile, 2, stages_per_rank=2) == pytest.approx((16.5 / 20, 16.5 / 20))
+    assert balance_cap(profile, 2) == pytest.approx((16.5 / 20, 16.5 / 20))
+
+
+def test_stages_per_rank_cap_is_never_above_the_free_assignment_nor_below_an_exact_cut():
+    # alternating cheap and costly layers as in a split-block model, with a heavy head
+    profile = _profile([1] + [2, 5] * 10 + [9])
+    free_found, free_proven = balance_cap(profile, 4)
+    loop, v = two_per_rank_balance(profile, 4)  # exact for those two layouts
+    found, proven = balance_cap(profile, 4, stages_per_rank=2)
+    assert found == pytest.approx(proven)
+    assert max(loop, v) - 1e-9 <= proven <= free_proven + 1e-9
