@@ -3,8 +3,8 @@ its LM head in two vocabulary shards and each Mamba-style block in two layers
 (examples/models/hybrid.py ``head_shards=2``, ``split_mamba=true``).
 
 For each granularity, on this machine: ``octoplan profile`` (bf16, as ``make demo`` profiles),
-the best balance any assignment of the profile's layers to the ranks allows (bench_tuner's
-``balance_cap``, a CP-SAT bin packing), ``octoplan tune`` with a deterministic budget
+the best balance any assignment of the profile's layers to the ranks allows
+(:func:`octoplan.tuner.caps.balance_cap`, a CP-SAT bin packing), ``octoplan tune`` with a deterministic budget
 (``--max-plans``), and the tuned plan run by octorun with ``--replay`` on torchrun processes (every op
 sleeps its profiled time, as ``make demo`` step 8 does), whose measured step time is the median
 of the steps after the first (as examples/report.py reads it), over ``--rounds`` runs of each.
@@ -39,8 +39,7 @@ from pathlib import Path
 from octoplan.plan import load_plan
 from octoplan.profile import Layer, ModelRef, Profile, load_profile, save_profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tuner import balance_cap  # noqa: E402  (a sibling script, not a package)
+from octoplan.tuner.caps import balance_cap
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "examples" / "models" / "hybrid.py"
@@ -77,7 +76,8 @@ def fb_ms(layer: Layer) -> float:
 
 
 def work_ms(layer: Layer) -> float:
-    """F + I + W: what balance_cap and the planner's lower bound count."""
+    """F + I + W (the cap and the planner's lower bound take the cheaper of I + W and B; on these
+    profiles B is timed as I + W or more)."""
     return layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms
 
 

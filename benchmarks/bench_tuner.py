@@ -21,7 +21,8 @@ the summary line also gives the speedup over the best without them. Efficiency =
 (``analytic_profile(split_blocks=True)``: the same work, finer boundaries). Megatron-LM is then
 still measured on whole blocks (it cannot cut a block), and the best baseline is the fastest of
 both granularities' baselines. ``caps`` prints, per workload and granularity, the best balance
-any assignment of whole layers to pp ranks allows (a CP-SAT bin packing): an upper bound on the
+any assignment of whole layers to pp ranks allows (:func:`octoplan.tuner.caps.balance_cap`, a
+CP-SAT bin packing; ``--time-limit`` in its deterministic seconds): an upper bound on the
 efficiency of every plan, whatever its schedule; ``--two-per-rank`` adds, on split blocks, the
 best balance of two stages per rank in a loop (r and pp + r) and in a V (r and 2 pp - 1 - r);
 ``--stages-per-rank K ...`` a cap on the balance of every layout with at most K stages per rank
@@ -52,6 +53,7 @@ from octoplan.arch import analytic_profile
 from octoplan.plan import Cluster
 from octoplan.simulator import simulate
 from octoplan.tuner import TuneOptions, compare_baselines, tune
+from octoplan.tuner.caps import balance_cap
 from octoplan.tuner.seeds import SEED_FAMILIES
 
 
@@ -254,61 +256,10 @@ def suite(args) -> None:
             print(f"| {w.name} | " + " | ".join(cells) + " |", flush=True)
 
 
-def balance_cap(profile, pp: int, *, stages_per_rank: int | None = None,
-                time_limit_s: float = 10.0) -> tuple[float, float]:
-    """(best balance found, proven upper bound on the balance) of any assignment of the
-    profile's layers to ``pp`` ranks: balance = FORMATS.md section 7's lower bound / the busiest
-    rank's F + I + W per microbatch, in microseconds. Layers of equal work are one group, and
-    CP-SAT spreads each group's count over the ranks: a bin packing without the symmetry
-    between equal layers that keeps one boolean per layer and rank from proving its optimum.
-
-    ``stages_per_rank``: of the layouts with at most that many stages on each rank only, by
-    counting. A stage is a run of consecutive layers, so it holds as many odd-indexed layers as
-    even-indexed ones, or one more of either, and so does its part inside the first and the
-    last layer (a run too); a rank of k stages holds at most k more of one than of the other,
-    counted both ways. Groups then also part by parity and by end or inside. Contiguity is
-    otherwise relaxed, so the answer caps every such layout's balance and may not be reached
-    by one. On split blocks, where mixers and MLPs alternate, the rules keep a rank from
-    holding many more cheap mixers than costly MLPs; the inside count sees past the embedding
-    and the head."""
-    from ortools.sat.python import cp_model
-
-    work = [round(1000 * (l.forward_ms + l.backward_input_ms + l.backward_weight_ms)) for l in profile.layers]
-    bound_ms = max(sum(work) / pp, max(work)) / 1000
-    last = len(work) - 1
-    groups: dict[tuple[int, bool, int], int] = {}  # (index parity, inside the ends, work in us) -> layers
-    for i, w in enumerate(work):
-        key = (i % 2, 0 < i < last, w) if stages_per_rank is not None else (0, True, w)
-        groups[key] = groups.get(key, 0) + 1
-    model = cp_model.CpModel()
-    held = {g: [model.NewIntVar(0, n, "") for _ in range(pp)] for g, n in groups.items()}
-    for g, n in groups.items():
-        model.Add(sum(held[g]) == n)
-    busiest = model.NewIntVar(0, sum(work), "busiest")
-    for r in range(pp):
-        model.Add(sum(g[2] * held[g][r] for g in groups) <= busiest)
-    if stages_per_rank is not None:
-        for r in range(pp):
-            for inside_only in (False, True):
-                counted = [g for g in groups if g[1] or not inside_only]
-                surplus = sum(held[g][r] for g in counted if g[0] == 1) - sum(held[g][r] for g in counted if g[0] == 0)
-                model.Add(surplus <= stages_per_rank)
-                model.Add(surplus >= -stages_per_rank)
-    model.Minimize(busiest)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = 0
-    status = solver.Solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return float("nan"), float("nan")
-    return bound_ms / (solver.ObjectiveValue() / 1000), bound_ms / (max(solver.BestObjectiveBound(), 1) / 1000)
-
-
 def two_per_rank_balance(profile, pp: int) -> tuple[float, float]:
     """The best balance of two stages per rank in a loop (rank r holds stages r and pp + r) and
     in a V (stages r and 2 pp - 1 - r), each exact (:mod:`octoplan.tuner.placed_cuts`): the same
-    balance as ``balance_cap``, over those layouts only."""
+    balance as :func:`octoplan.tuner.caps.balance_cap`, over those layouts only."""
     from octoplan.costs import to_ticks
     from octoplan.tuner.placed_cuts import loop_cuts, v_cuts
 

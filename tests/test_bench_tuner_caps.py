@@ -1,6 +1,6 @@
-"""benchmarks/bench_tuner.py's balance caps: the best balance of any assignment of layers to
-ranks, of two stages per rank in a loop and in a V, and of at most k stages per rank, against
-hand-computed answers."""
+"""Balance caps (octoplan.tuner.caps and benchmarks/bench_tuner.py): the best balance of any
+assignment of layers to ranks, of at most k stages per rank, and of two stages per rank in a
+loop and in a V, against hand-computed answers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from octoplan.profile import Layer, ModelRef, Profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_tuner import balance_cap, two_per_rank_balance  # noqa: E402
+from benchmarks.bench_tuner import two_per_rank_balance  # noqa: E402
+from octoplan.tuner.caps import balance_cap  # noqa: E402
+from octoplan.tuner.cli import _balance_cap_line  # noqa: E402
 
 
 def _profile(work_ms: list[float]) -> Profile:
@@ -59,3 +61,24 @@ def test_stages_per_rank_cap_is_never_above_the_free_assignment_nor_below_an_exa
     found, proven = balance_cap(profile, 4, stages_per_rank=2)
     assert found == pytest.approx(proven)
     assert max(loop, v) - 1e-9 <= proven <= free_proven + 1e-9
+
+
+def test_the_cap_counts_a_layer_at_its_cheaper_backward():
+    # layer b's fused B (1 ms) is cheaper than its I + W (4): the lower bound counts it at
+    # 1 + 1, so the three layers weigh 2 each, 3 per rank at best on 2 ranks, and one rank
+    # holds two of them: 3 / 4. Counted at F + I + W, b alone (5) would set the bound and the
+    # cap would read 1.0.
+    layers = (Layer("a", "block", 1, 0.5, 0.5, 1024, 1024, 1000),
+              Layer("b", "block", 1, 2, 2, 1024, 1024, 1000, backward_ms=1),
+              Layer("c", "block", 1, 0.5, 0.5, 1024, 1024, 1000))
+    profile = Profile(model=ModelRef("caps"), layers=layers, microbatch_size=1)
+    cap = balance_cap(profile, 2)
+    assert tuple(cap) == pytest.approx((0.75, 0.75)) and cap.is_proven
+
+
+def test_tune_says_whether_a_layout_or_only_finer_layers_could_balance_better():
+    profile = _profile([1, 1, 3, 3])  # 4 per rank on 2 ranks: {1, 3} | {1, 3}
+    assert _balance_cap_line(profile, 2, 0.8) == (
+        "no layout of these layers balances 2 ranks better than 1.000 (proven); the tuned plan balances 0.800")
+    assert _balance_cap_line(_profile([1, 1, 1]), 2, 0.75).startswith(  # 1.5 a rank at best, 2 at least
+        "no layout of these layers balances 2 ranks better than 0.750 (proven); the tuned plan is at it, so only finer layers")

@@ -287,6 +287,22 @@ def _where_the_time_goes(stats: dict, efficiency: float) -> str:
             f"after its last)")
 
 
+def _balance_cap_line(profile, pp: int, balance: float) -> str:
+    """How evenly the profile's layers could be spread over ``pp`` ranks at best
+    (:func:`octoplan.tuner.caps.balance_cap`), against the tuned plan's balance: whether a
+    better layout could still gain, or only finer layers could."""
+    from octoplan.tuner.caps import balance_cap
+
+    cap = balance_cap(profile, pp, time_limit_s=1.0)
+    if cap.found != cap.found:  # nan: CP-SAT found no assignment in its time
+        return f"the layers' balance cap on {pp} ranks: not found in 1 s of CP-SAT"
+    bound = f"{cap.proven:.3f} (proven)" if cap.is_proven else f"{cap.proven:.3f} (a layout found reaches {cap.found:.3f})"
+    where = ("the tuned plan is at it, so only finer layers (a finer decomposition in the model file, or "
+             "--split-blocks for an --arch profile) could balance better" if balance >= cap.found - 5e-4 else
+             f"the tuned plan balances {balance:.3f}")
+    return f"no layout of these layers balances {pp} ranks better than {bound}; {where}"
+
+
 def register(app: typer.Typer) -> None:
     """Add ``tune`` and ``compare`` to the planner's command line."""
 
@@ -327,6 +343,8 @@ def register(app: typer.Typer) -> None:
                       f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "
                       f"({result.stats['evaluations']} plans simulated in {result.stats['wall_s']:.1f} s)", soft_wrap=True)
         console.print(_where_the_time_goes(result.stats, plan.predicted["efficiency"]), soft_wrap=True)
+        profile = next((p for _, p in sources if p.microbatch_size == batch.microbatch_size), sources[0][1])
+        console.print(_balance_cap_line(profile, result.candidate.config.pp, result.stats["balance"]), soft_wrap=True)
         bound = result.stats["order_bound_ms"]
         console.print(f"a quick bound (each rank alone, any memory): no op order of these stages and placement beats "
                       f"{bound:.2f} ms, so reordering could save at most "
