@@ -80,5 +80,7 @@ def test_tune_says_whether_a_layout_or_only_finer_layers_could_balance_better():
     profile = _profile([1, 1, 3, 3])  # 4 per rank on 2 ranks: {1, 3} | {1, 3}
     assert _balance_cap_line(profile, 2, 0.8) == (
         "no layout of these layers balances 2 ranks better than 1.000 (proven); the tuned plan balances 0.800")
+    assert _balance_cap_line(profile, 2, 1.0) == (
+        "no layout of these layers balances 2 ranks better than 1.000 (proven); the tuned plan is at it")
     assert _balance_cap_line(_profile([1, 1, 1]), 2, 0.75).startswith(  # 1.5 a rank at best, 2 at least
         "no layout of these layers balances 2 ranks better than 0.750 (proven); the tuned plan is at it, so only finer layers")

@@ -297,9 +297,13 @@ def _balance_cap_line(profile, pp: int, balance: float) -> str:
     if cap.found != cap.found:  # nan: CP-SAT found no assignment in its time
         return f"the layers' balance cap on {pp} ranks: not found in 1 s of CP-SAT"
     bound = f"{cap.proven:.3f} (proven)" if cap.is_proven else f"{cap.proven:.3f} (a layout found reaches {cap.found:.3f})"
-    where = ("the tuned plan is at it, so only finer layers (a finer decomposition in the model file, or "
-             "--split-blocks for an --arch profile) could balance better" if balance >= cap.found - 5e-4 else
-             f"the tuned plan balances {balance:.3f}")
+    if balance < cap.found - 5e-4:
+        where = f"the tuned plan balances {balance:.3f}"
+    elif cap.found < 1 - 5e-4:
+        where = ("the tuned plan is at it, so only finer layers (a finer decomposition in the model file, or "
+                 "--split-blocks for an --arch profile) could balance better")
+    else:
+        where = "the tuned plan is at it"
     return f"no layout of these layers balances {pp} ranks better than {bound}; {where}"
 
 
@@ -343,8 +347,9 @@ def register(app: typer.Typer) -> None:
                       f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "
                       f"({result.stats['evaluations']} plans simulated in {result.stats['wall_s']:.1f} s)", soft_wrap=True)
         console.print(_where_the_time_goes(result.stats, plan.predicted["efficiency"]), soft_wrap=True)
-        profile = next((p for _, p in sources if p.microbatch_size == batch.microbatch_size), sources[0][1])
-        console.print(_balance_cap_line(profile, result.candidate.config.pp, result.stats["balance"]), soft_wrap=True)
+        if result.candidate.config.pp > 1:
+            profile = next((p for _, p in sources if p.microbatch_size == batch.microbatch_size), sources[0][1])
+            console.print(_balance_cap_line(profile, result.candidate.config.pp, result.stats["balance"]), soft_wrap=True)
         bound = result.stats["order_bound_ms"]
         console.print(f"a quick bound (each rank alone, any memory): no op order of these stages and placement beats "
                       f"{bound:.2f} ms, so reordering could save at most "
