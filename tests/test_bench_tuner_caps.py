@@ -84,3 +84,7 @@ def test_tune_says_whether_a_layout_or_only_finer_layers_could_balance_better():
         "no layout of these layers balances 2 ranks better than 1.000 (proven); the tuned plan is at it")
     assert _balance_cap_line(_profile([1, 1, 1]), 2, 0.75).startswith(  # 1.5 a rank at best, 2 at least
         "no layout of these layers balances 2 ranks better than 0.750 (proven); the tuned plan is at it, so only finer layers")
+
+
+def test_layers_of_no_time_balance_perfectly():
+    assert tuple(balance_cap(_profile([0, 0, 0]), 2)) == (1.0, 1.0)

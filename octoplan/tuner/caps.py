@@ -46,6 +46,8 @@ def balance_cap(profile: Profile, pp: int, *, stages_per_rank: int | None = None
 
     work = [to_ticks(l.forward_ms + min(l.backward_input_ms + l.backward_weight_ms, l.b_ms)) for l in profile.layers]
     ideal = max(sum(work) / pp, max(work))
+    if ideal == 0:  # layers of no time (under a tick): nothing to balance
+        return BalanceCap(1.0, 1.0)
     last = len(work) - 1
     groups: dict[tuple[int, bool, int], int] = {}  # (index parity, inside the ends, work) -> layers
     for i, w in enumerate(work):
