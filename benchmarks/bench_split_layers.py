@@ -4,10 +4,11 @@ its LM head in two vocabulary shards and each Mamba-style block in two layers
 
 For each granularity, on this machine: ``octoplan profile`` (bf16, as ``make demo`` profiles),
 the best balance any assignment of the profile's layers to the ranks allows
-(:func:`octoplan.tuner.caps.balance_cap`, a CP-SAT bin packing), ``octoplan tune`` with a deterministic budget
-(``--max-plans``), and the tuned plan run by octorun with ``--replay`` on torchrun processes (every op
-sleeps its profiled time, as ``make demo`` step 8 does), whose measured step time is the median
-of the steps after the first (as examples/report.py reads it), over ``--rounds`` runs of each.
+(:func:`octoplan.tuner.caps.balance_cap`, a CP-SAT bin packing), ``octoplan tune`` with a
+deterministic budget (``--max-plans``), and the tuned plan run by octorun with ``--replay`` on
+torchrun processes (every op sleeps its profiled time, as ``make demo`` step 8 does), whose
+measured step time is the median of the steps after the first (as examples/report.py reads it),
+over ``--rounds`` runs of each.
 
 The two profiles are measured separately, so their total work differs by the machine's noise
 (and by what splitting itself costs or saves): compare iteration times, not only efficiencies.

@@ -53,7 +53,7 @@ from octoplan.arch import analytic_profile
 from octoplan.plan import Cluster
 from octoplan.simulator import simulate
 from octoplan.tuner import TuneOptions, compare_baselines, tune
-from octoplan.tuner.caps import balance_cap
+from octoplan.tuner.caps import BalanceCap, balance_cap
 from octoplan.tuner.seeds import SEED_FAMILIES
 
 
@@ -269,9 +269,9 @@ def two_per_rank_balance(profile, pp: int) -> tuple[float, float]:
     return tuple(float("nan") if f is None else ideal / f.busiest for f in found)
 
 
-def _cap_cell(found: float, proven: float) -> str:
+def _cap_cell(cap: BalanceCap) -> str:
     """A cap as the tables print it: the best found, and the proven bound where it is higher."""
-    return f"{found:.3f}" + ("" if proven - found < 5e-4 else f" (<= {proven:.3f})")
+    return f"{cap.found:.3f}" + ("" if cap.is_proven else f" (<= {cap.proven:.3f})")
 
 
 def caps(args) -> None:
@@ -281,8 +281,8 @@ def caps(args) -> None:
         print("|---|---|---|---|" + "---|" * len(args.stages_per_rank))
         for w in SUITE:
             profile, _ = _profile_and_cluster(w, split_blocks=True)
-            cells = [_cap_cell(*balance_cap(profile, w.pp, time_limit_s=args.time_limit))]
-            cells += [_cap_cell(*balance_cap(profile, w.pp, stages_per_rank=k, time_limit_s=args.time_limit))
+            cells = [_cap_cell(balance_cap(profile, w.pp, time_limit_s=args.time_limit))]
+            cells += [_cap_cell(balance_cap(profile, w.pp, stages_per_rank=k, time_limit_s=args.time_limit))
                       for k in args.stages_per_rank]
             print(f"| {w.name} | {w.pp} | {profile.num_layers} | " + " | ".join(cells) + " |", flush=True)
         return
@@ -291,7 +291,7 @@ def caps(args) -> None:
         print("|---|---|---|---|---|---|---|")
         for w in SUITE:
             profile, _ = _profile_and_cluster(w, split_blocks=True)
-            cap = _cap_cell(*balance_cap(profile, w.pp, time_limit_s=args.time_limit))
+            cap = _cap_cell(balance_cap(profile, w.pp, time_limit_s=args.time_limit))
             start = time.perf_counter()  # what the tuner's rank-balanced seeds spend per pp
             loop, v = two_per_rank_balance(profile, w.pp)
             print(f"| {w.name} | {w.pp} | {profile.num_layers} | {cap} | {loop:.3f} | {v:.3f} | "
@@ -303,7 +303,7 @@ def caps(args) -> None:
         cells = []
         for split in (False, True):
             profile, _ = _profile_and_cluster(w, split_blocks=split)
-            cells += [str(profile.num_layers), _cap_cell(*balance_cap(profile, w.pp, time_limit_s=args.time_limit))]
+            cells += [str(profile.num_layers), _cap_cell(balance_cap(profile, w.pp, time_limit_s=args.time_limit))]
         print(f"| {w.name} | {w.pp} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -58,14 +58,14 @@ def balance_cap(profile: Profile, pp: int, *, stages_per_rank: int | None = None
     for g, n in groups.items():
         model.add(sum(held[g]) == n)
     busiest = model.new_int_var(0, sum(work), "busiest")
+    # the groups each parity rule counts: every layer, and those strictly inside the ends
+    counted = [list(groups), [g for g in groups if g[1]]] if stages_per_rank is not None else []
     for r in range(pp):
         model.add(sum(g[2] * held[g][r] for g in groups) <= busiest)
-        if stages_per_rank is not None:
-            for inside_only in (False, True):
-                counted = [g for g in groups if g[1] or not inside_only]
-                surplus = sum(held[g][r] for g in counted if g[0] == 1) - sum(held[g][r] for g in counted if g[0] == 0)
-                model.add(surplus <= stages_per_rank)
-                model.add(surplus >= -stages_per_rank)
+        for rule in counted:
+            surplus = sum(held[g][r] for g in rule if g[0] == 1) - sum(held[g][r] for g in rule if g[0] == 0)
+            model.add(surplus <= stages_per_rank)
+            model.add(surplus >= -stages_per_rank)
     model.minimize(busiest)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
