@@ -43,7 +43,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +64,7 @@ from octoplan.ops import Kind  # noqa: E402
 from octoplan.plan import Cluster, Plan, load_plan, save_plan  # noqa: E402
 from octoplan.profile import Layer, ModelRef, Profile, load_profile, save_profile  # noqa: E402
 from octoplan.simulator import simulate  # noqa: E402
+from octorun.runtime import free_port  # noqa: E402
 
 __all__ = [
     "REPLAY_MODEL",
@@ -190,7 +190,7 @@ def measure_link(rounds: int = 200) -> Link:
 
     with tempfile.TemporaryDirectory(prefix="octopipe-link-") as tmp:
         result = os.path.join(tmp, "link.json")
-        mp.spawn(_link_worker, args=(_free_port(), rounds, result), nprocs=2, join=True)
+        mp.spawn(_link_worker, args=(free_port(), rounds, result), nprocs=2, join=True)
         times = {int(k): v for k, v in json.loads(Path(result).read_text()).items()}
     small, large = times[_SMALL], times[_LARGE]
     extra_s = max(statistics.median(large) - statistics.median(small), 1e-9)
@@ -293,12 +293,6 @@ def predict(plan: Plan, profile: Profile) -> dict[str, float]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # Scheduling priority of the measured jobs (a nice value; None: leave as is). On a shared
 # machine whose cores other jobs keep busy, a process waking from a sleep waits for a core; a
 # negative nice value (root only) lets the sleeping ranks wake at once, so that the benchmark
@@ -326,7 +320,7 @@ def octorun_command(plan_path: str | Path, *, nprocs: int, steps: int, metrics: 
     """The torchrun command line that runs a plan under octorun (run from the project folder)."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
-        "--master-addr", "127.0.0.1", "--master-port", str(port or _free_port()),
+        "--master-addr", "127.0.0.1", "--master-port", str(port or free_port()),
         "-m", "octorun", str(plan_path), "--steps", str(steps), "--metrics", str(metrics), "--trace", str(trace),
         "--timeout", f"{timeout_s:g}", *extra_args,
     ]

@@ -322,7 +322,7 @@ def run_jobs(world: int, jobs: Sequence[TrainJob], folder: str | Path, *, timeou
     import torch._dynamo  # noqa: F401  (AdamW imports it: seconds per process if each child did it)
     from torch.distributed import TCPStore
 
-    from tests.runtime_helpers import free_port
+    from octorun.runtime import free_port
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -66,6 +65,7 @@ from octoplan.partition import partition  # noqa: E402
 from octoplan.plan import Cluster, Parallel, Plan, Stage, load_plan, resolve_profile_path  # noqa: E402
 from octoplan.profile import Layer, ModelRef, Profile, load_profile, save_profile  # noqa: E402
 from octoplan.schedules.placement import loop_placement, v_placement  # noqa: E402
+from octorun.runtime import free_port  # noqa: E402
 
 __all__ = [
     "TORCH_SCHEDULES",
@@ -264,16 +264,10 @@ def _worker(rank: int, world: int, port: int, job: _Job, result_path: str) -> No
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(job: _Job, nprocs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="octopipe-torch-") as tmp:
         result = os.path.join(tmp, "result.json")
-        torch.multiprocessing.spawn(_worker, args=(nprocs, _free_port(), job, result), nprocs=nprocs, join=True)
+        torch.multiprocessing.spawn(_worker, args=(nprocs, free_port(), job, result), nprocs=nprocs, join=True)
         out = json.loads(Path(result).read_text())
         out["losses"] = json.loads(Path(result + ".loss").read_text())
     return out
@@ -409,7 +403,7 @@ def measure_gloo_latency_ms(rounds: int = 200) -> float:
     milliseconds, not a network one."""
     with tempfile.TemporaryDirectory(prefix="octopipe-ping-") as tmp:
         result = os.path.join(tmp, "ping.json")
-        torch.multiprocessing.spawn(_ping_worker, args=(_free_port(), rounds, result), nprocs=2, join=True)
+        torch.multiprocessing.spawn(_ping_worker, args=(free_port(), rounds, result), nprocs=2, join=True)
         round_trips = json.loads(Path(result).read_text())
     return round(1000.0 * statistics.median(round_trips) / 2, 3)
 

@@ -54,7 +54,7 @@ from octorun.stage import StageExecutor, Tape, floating
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
 
 __all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "summarize_step", "LaunchError", "NonFiniteStep",
-           "LAUNCH_VARIABLES", "OPTIMIZERS"]
+           "LAUNCH_VARIABLES", "OPTIMIZERS", "free_port"]
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +321,8 @@ def _model_path(plan: Plan, plan_path: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now: for a one-machine rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -339,7 +340,7 @@ def _ensure_env() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")

@@ -8,7 +8,8 @@ from typing import Callable, TypeVar
 
 import pytest
 
-from octoplan.plan import Cluster
+from octoplan.ops import parse_ops
+from octoplan.plan import Cluster, Parallel, Plan, Stage
 from octoplan.profile import Layer, ModelRef, Profile, save_profile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,6 +54,18 @@ def uniform_profile(num_layers: int, t: float = 1.0, **kwargs) -> Profile:
 def free_cluster(gpus: int, **kwargs) -> Cluster:
     """No communication cost at all: closed forms hold exactly."""
     return Cluster(gpus=gpus, latency_us=0.0, intra_node_gbps=1e12, inter_node_gbps=1e12, **kwargs)
+
+
+def hand_plan(stages, schedule, *, cluster, microbatches, dp=1) -> Plan:
+    """A plan written out by hand: ``stages`` as (first layer, end layer, rank), ``schedule`` one
+    op string per rank ("F0 F1 B0 B1"), pp as many as the strings."""
+    return Plan(
+        model=ModelRef("t"),
+        cluster=cluster,
+        parallel=Parallel(pp=len(schedule), dp=dp, microbatches=microbatches),
+        stages=tuple(Stage(s, e, r) for s, e, r in stages),
+        schedule=tuple(tuple(parse_ops(text)) for text in schedule),
+    )
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import hashlib
 import multiprocessing
 import os
 import random
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from octoplan.modelfile import as_args, load_model_file
 from octoplan.ops import Kind, Op, parse_ops
 from octoplan.plan import Cluster, Parallel, Plan, Stage
 from octoplan.profile import ModelRef
+from octorun.runtime import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "models"
@@ -345,12 +345,6 @@ def _reference(
 # ---------------------------------------------------------------------------------------------
 # Launching octorun jobs on N gloo processes
 # ---------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

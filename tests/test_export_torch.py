@@ -9,7 +9,6 @@ parameters of a single-process reference built from the same model file and seed
 from __future__ import annotations
 
 import csv
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from octoplan.modelfile import as_args, load_model_file
 from octoplan.ops import Kind, Op
 from octoplan.plan import Cluster, Plan
 from octoplan.profile import Layer, ModelRef, Profile
+from octorun.runtime import free_port
 
 NUM_STEPS = 3
 LR = 0.1
@@ -229,12 +229,6 @@ def _worker(rank: int, world: int, port: int, model_path: str, jobs: list[tuple[
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_torch_runtime_trains_exported_plans_like_the_reference(tmp_path, model_path):
     profile = _profile(model_path)
     plans = {**_baselines(profile), "tuned": _tuned(profile)}
@@ -248,7 +242,7 @@ def test_torch_runtime_trains_exported_plans_like_the_reference(tmp_path, model_
         jobs.append((name, plan, str(path)))
 
     torch.multiprocessing.spawn(
-        _worker, args=(2, _free_port(), str(model_path), jobs, str(tmp_path)), nprocs=2, join=True,
+        _worker, args=(2, free_port(), str(model_path), jobs, str(tmp_path)), nprocs=2, join=True,
     )
     per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     ref_losses, ref_params = _reference(model_path, 4)

@@ -12,22 +12,12 @@ from hypothesis import strategies as st
 
 from octoplan.costs import LayerTable
 from octoplan.memory import static_bytes
-from octoplan.ops import Kind, Op, parse_ops
+from octoplan.ops import Kind, Op
 from octoplan.plan import Cluster, Parallel, Plan, Stage
 from octoplan.profile import Layer, ModelRef, Profile
 from octoplan.simulator import DeadlockError, simulate
 
-from conftest import make_profile
-
-
-def _plan(stages, schedule, *, cluster, microbatches, dp=1) -> Plan:
-    return Plan(
-        model=ModelRef("t"),
-        cluster=cluster,
-        parallel=Parallel(pp=len(schedule), dp=dp, microbatches=microbatches),
-        stages=tuple(Stage(s, e, r) for s, e, r in stages),
-        schedule=tuple(tuple(parse_ops(text)) for text in schedule),
-    )
+from conftest import hand_plan, make_profile
 
 
 def _two_layer_profile(params=(0, 0)) -> Profile:
@@ -44,7 +34,7 @@ SLOW_LINK = dict(gpus_per_node=8, intra_node_gbps=1.0, inter_node_gbps=0.5, late
 
 def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
     profile = _two_layer_profile()
-    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
                  cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
     result = simulate(plan, profile)
     # rank 0: 0F0 [0,2] 0F1 [2,4]; its sends queue on one link: [2,5] then [5,8].
@@ -91,7 +81,7 @@ def test_a_backward_holds_the_gradient_it_reads_until_it_ends():
     # 0B0 ends (the end of rank 0's next op): three 2 MB messages at [9, 11) beside both
     # microbatches' tapes. Were the gradient let go when 0B0 starts, two would be the most.
     profile = _two_layer_profile()
-    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
                  cluster=Cluster(gpus=2, latency_us=0.0, intra_node_gbps=1e12, inter_node_gbps=1e12), microbatches=2)
     result = simulate(plan, profile)
     assert result.op_times()[Op(0, Kind.B, 0)] == pytest.approx((9, 11))
@@ -102,7 +92,7 @@ def test_a_backward_holds_the_gradient_it_reads_until_it_ends():
 def test_a_message_that_waits_in_the_mailbox_counts_beside_the_next_posted_buffer():
     # Rank 1 runs 1F1B's order: 1B0 [6, 10] comes before 1F1, whose input 0F1 lands at 8.
     profile = _two_layer_profile()
-    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"],
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"],
                  cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
     result = simulate(plan, profile)
     assert result.op_times()[Op(1, Kind.F, 1)] == (10, 11) and result.op_times()[Op(0, Kind.B, 1)] == (18, 20)
@@ -204,7 +194,7 @@ def test_random_plans_hold_the_tapes_and_messages_the_rules_give(seed, num_ranks
 def test_a_wait_after_a_first_op_of_no_time_is_between_ops_not_before_the_first():
     a, b = _two_layer_profile().layers
     profile = Profile(model=ModelRef("t"), layers=(replace(a, forward_ms=0.0), b))
-    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0B0", "1F0 1B0"], cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=1)
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], ["0F0 0B0", "1F0 1B0"], cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=1)
     result = simulate(plan, profile)
     # 0F0 [0,0]; its activation [0,3]; 1F0 [3,4] 1B0 [4,8]; the gradient back [8,11]; 0B0 [11,13]
     assert result.op_times()[Op(0, Kind.B, 0)] == (11, 13)
@@ -216,7 +206,7 @@ def test_a_measured_fused_backward_prices_b_while_i_and_w_keep_theirs():
     # As above, with fused backwards measured: layer a's B 1.5 (I + W is 2), layer b's 3 (4).
     a, b = _two_layer_profile().layers
     profile = Profile(model=ModelRef("t"), layers=(replace(a, backward_ms=1.5), replace(b, backward_ms=3.0)))
-    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
                  cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
     # rank 1: 1F0 [5,6] 1F1 [8,9] 1B0 [9,12] 1B1 [12,15]; gradients back [12,15], [15,18];
     # rank 0: 0B0 [15,16.5] 0B1 [18,19.5].
@@ -226,14 +216,14 @@ def test_a_measured_fused_backward_prices_b_while_i_and_w_keep_theirs():
     }
     # the lower bound takes each layer's cheaper backward: 2 x max((3.5 + 4) / 2, 4) = 8 ms
     assert simulate(plan, profile).lower_bound_ms == pytest.approx(8.0)
-    one_rank = _plan([(0, 2, 0)], ["0F0 0B0 0F1 0I1 0W1"], cluster=Cluster(gpus=1, **SLOW_LINK), microbatches=2)
+    one_rank = hand_plan([(0, 2, 0)], ["0F0 0B0 0F1 0I1 0W1"], cluster=Cluster(gpus=1, **SLOW_LINK), microbatches=2)
     # F 3, fused B 4.5, then F 3, I 3, W 3: a split backward still costs I + W.
     assert simulate(one_rank, profile).iteration_ms == pytest.approx(3 + 4.5 + 3 + 3 + 3)
 
 
 def test_same_rank_stages_pass_without_transfer_and_split_backward_frees_at_w():
     profile = _two_layer_profile()
-    plan = _plan([(0, 1, 0), (1, 2, 0)], ["0F0 1F0 1I0 0I0 1W0 0W0"], cluster=Cluster(gpus=1, **SLOW_LINK), microbatches=1)
+    plan = hand_plan([(0, 1, 0), (1, 2, 0)], ["0F0 1F0 1I0 0I0 1W0 0W0"], cluster=Cluster(gpus=1, **SLOW_LINK), microbatches=1)
     result = simulate(plan, profile)
     assert [(str(s.op), s.start_ms, s.end_ms) for s in result.spans()] == [
         ("0F0", 0, 2), ("1F0", 2, 3), ("1I0", 3, 5), ("0I0", 5, 6), ("1W0", 6, 8), ("0W0", 8, 9),
@@ -258,7 +248,7 @@ def test_an_i_frees_what_its_w_does_not_read_and_peaks_while_it_walks_the_layers
     # a adds 20 (peak 20 < 150) and ends at -50
     assert (cost.activation_bytes, cost.w_held_bytes, cost.pending_w_bytes, cost.i_peak_bytes, cost.i_delta_bytes) == \
         (600, 120, 430, 150, -50)
-    plan = _plan([(0, 3, 0)], ["0F0 0I0 0F1 0I1 0W0 0W1"], cluster=Cluster(gpus=1), microbatches=2)
+    plan = hand_plan([(0, 3, 0)], ["0F0 0I0 0F1 0I1 0W0 0W1"], cluster=Cluster(gpus=1), microbatches=2)
     # F0 600; I0 peaks at 750 and leaves 550; F1 1150; I1 peaks at 1300, leaves 1100; Ws free it all
     assert simulate(plan, profile).peak_memory_bytes == (1300,)
     # the same layers without the w_saved figure keep everything until W: 600 + 430, twice
@@ -269,8 +259,8 @@ def test_an_i_frees_what_its_w_does_not_read_and_peaks_while_it_walks_the_layers
 def test_inter_node_links_are_slower():
     profile = _two_layer_profile()
     schedule = ["0F0 0B0", "1F0 1B0"]
-    same = simulate(_plan([(0, 1, 0), (1, 2, 1)], schedule, cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=1), profile)
-    split = simulate(_plan([(0, 1, 0), (1, 2, 1)], schedule,
+    same = simulate(hand_plan([(0, 1, 0), (1, 2, 1)], schedule, cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=1), profile)
+    split = simulate(hand_plan([(0, 1, 0), (1, 2, 1)], schedule,
                            cluster=Cluster(gpus=2, **{**SLOW_LINK, "gpus_per_node": 1}), microbatches=1), profile)
     # 1 + 2 MB / 0.5 GB/s = 5 ms each way instead of 3.
     assert same.iteration_ms == 2 + 3 + 1 + 4 + 3 + 2
@@ -281,7 +271,7 @@ def test_data_parallel_allreduce_after_the_last_backward_counts_in_the_iteration
     # pp 2 x dp 2, 2 GPUs per node, pp-inner: pipeline pairs share a node (intra), each dp
     # group spans both nodes (inter, 0.5 GB/s). Stage 0 holds 4 MB of parameters.
     profile = _two_layer_profile(params=(4_000_000, 0))
-    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"],
                  cluster=Cluster(gpus=4, **{**SLOW_LINK, "gpus_per_node": 2}), microbatches=2, dp=2)
     result = simulate(plan, profile)
     # Compute ends at 22 as with dp 1; the ring: 2(dp-1) latencies + 2(dp-1)/dp * 4 MB / 0.5 GB/s.
@@ -297,7 +287,7 @@ def test_data_parallel_allreduce_after_the_last_backward_counts_in_the_iteration
 
 def test_a_cycle_is_a_deadlock_naming_what_each_rank_waits_for():
     profile = _two_layer_profile()
-    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"], cluster=Cluster(gpus=2), microbatches=2)
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], ["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"], cluster=Cluster(gpus=2), microbatches=2)
     with pytest.raises(DeadlockError) as info:
         simulate(plan, profile)
     assert str(info.value) == "deadlock: rank 0 waits at 0B0 for 1B0 (rank 1); rank 1 waits at 1F1 for 0F1 (rank 0)"
@@ -305,7 +295,7 @@ def test_a_cycle_is_a_deadlock_naming_what_each_rank_waits_for():
 
 def test_efficiency_and_lower_bound_follow_spec_section_7():
     profile = make_profile([(1, 1, 1), (6, 0, 0), (1, 1, 1)])
-    plan = _plan([(0, 2, 0), (2, 3, 1)], ["0F0 0B0", "1F0 1B0"], cluster=Cluster(gpus=2, latency_us=0), microbatches=1)
+    plan = hand_plan([(0, 2, 0), (2, 3, 1)], ["0F0 0B0", "1F0 1B0"], cluster=Cluster(gpus=2, latency_us=0), microbatches=1)
     result = simulate(plan, profile)
     # sum 12 / pp 2 = 6, largest layer 6: bound = 1 microbatch x 6.
     assert result.lower_bound_ms == 6
@@ -394,13 +384,13 @@ def test_op_overhead_is_added_to_every_op_once():
     # (M + p - 1) x (F + B + 2 x 0.5) = 5 x 4.
     profile = make_profile([(1, 1, 1)] * 2)
     cluster = Cluster(gpus=2, latency_us=0, intra_node_gbps=1e12, op_overhead_us=500.0)
-    plan = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"],
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"],
                  cluster=cluster, microbatches=4)
     result = simulate(plan, profile)
     assert result.iteration_ms == pytest.approx(5 * 4)
     # the bound: 4 microbatches x (3 ms of layers per rank + F's and B's 0.5 ms each) = 16 ms
     assert result.lower_bound_ms == pytest.approx(16.0) and result.efficiency == pytest.approx(16 / 20)
-    split = _plan([(0, 1, 0), (1, 2, 1)], ["0F0 0I0 0W0", "1F0 1I0 1W0"], cluster=cluster, microbatches=1)
+    split = hand_plan([(0, 1, 0), (1, 2, 1)], ["0F0 0I0 0W0", "1F0 1I0 1W0"], cluster=cluster, microbatches=1)
     # 0F0 [0, 1.5], 1F0 [1.5, 3], 1I0 [3, 4.5], 1W0 [4.5, 6]
     assert simulate(split, profile).op_times()[Op(1, Kind.W, 0)] == pytest.approx((4.5, 6.0))
 

@@ -14,25 +14,16 @@ from octoplan.costs import tied_allreduce_ms
 from octoplan.errors import InputError
 from octoplan.memory import static_bytes
 from octoplan.modelfile import load_model_file
-from octoplan.ops import parse_ops
-from octoplan.plan import Cluster, Parallel, Plan, Stage
+from octoplan.plan import Cluster, Parallel
 from octoplan.profile import Layer, ModelRef, Profile, TiedParameter, load_profile, profile_from_dict, profile_to_dict, save_profile
 from octoplan.profiler import profile_model_file
 from octoplan.simulator import simulate
 
+from conftest import hand_plan
+
 # 1 ms latency, 1 GB/s inside a node, 0.5 GB/s between nodes
 SLOW_LINK = dict(gpus_per_node=8, intra_node_gbps=1.0, inter_node_gbps=0.5, latency_us=1000.0)
 MB4 = 4_000_000
-
-
-def _plan(stages, schedule, *, cluster, microbatches, dp=1) -> Plan:
-    return Plan(
-        model=ModelRef("t"),
-        cluster=cluster,
-        parallel=Parallel(pp=len(schedule), dp=dp, microbatches=microbatches),
-        stages=tuple(Stage(s, e, r) for s, e, r in stages),
-        schedule=tuple(tuple(parse_ops(text)) for text in schedule),
-    )
 
 
 def _profile(*, tied: bool = True, params=(MB4, MB4)) -> Profile:
@@ -51,7 +42,7 @@ GPIPE = ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"]
 
 
 def test_a_tie_across_two_ranks_adds_its_all_reduce_after_the_last_rank_is_done():
-    plan = _plan([(0, 1, 0), (1, 2, 1)], GPIPE, cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], GPIPE, cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
     untied = simulate(plan, _profile(tied=False))
     tied = simulate(plan, _profile())
     # The ops are those of tests/test_simulator.py's GPipe case: rank 0 ends at 22, rank 1 at 17.
@@ -74,7 +65,7 @@ def test_with_data_parallelism_the_tie_waits_for_each_ranks_gradient_all_reduce(
     # pp 2 x dp 2, 2 GPUs per node, pp-inner: a replica's two pipeline ranks share a node (the
     # tie's ring is intra-node), each dp group spans both nodes (0.5 GB/s).
     cluster = Cluster(gpus=4, **{**SLOW_LINK, "gpus_per_node": 2})
-    plan = _plan([(0, 1, 0), (1, 2, 1)], GPIPE, cluster=cluster, microbatches=2, dp=2)
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], GPIPE, cluster=cluster, microbatches=2, dp=2)
     result = simulate(plan, _profile())
     # dp all-reduces of 4 MB each: 2 x 1 ms + 4 MB / 0.5 GB/s = 10 ms, after each rank's last backward
     assert [(a.rank, a.stage, a.start_ms, a.end_ms) for a in result.allreduces] == [(0, 0, 22, 32), (1, 1, 17, 27)]
@@ -85,7 +76,7 @@ def test_with_data_parallelism_the_tie_waits_for_each_ranks_gradient_all_reduce(
 
 def test_on_one_rank_the_tie_costs_no_time_and_its_tensor_counts_once():
     cluster = Cluster(gpus=1, **SLOW_LINK)
-    plan = _plan([(0, 1, 0), (1, 2, 0)], ["0F0 1F0 1B0 0B0"], cluster=cluster, microbatches=1)
+    plan = hand_plan([(0, 1, 0), (1, 2, 0)], ["0F0 1F0 1B0 0B0"], cluster=cluster, microbatches=1)
     untied, tied = simulate(plan, _profile(tied=False)), simulate(plan, _profile())
     # 0F0 [0,2] 1F0 [2,3] 1B0 [3,7] 0B0 [7,9]: nothing to sum across ranks
     assert tied.iteration_ms == untied.iteration_ms == 9 and tied.tied_allreduces == ()
@@ -102,7 +93,7 @@ def test_one_rank_with_data_parallelism_reduces_the_tied_tensor_once_with_the_la
     # reduces the shared tensor with stage 0 (the later all-reduce), so stage 1 has nothing left
     # to reduce and stage 0 its 4 MB: 2 x 1 ms + 4 MB / 1 GB/s = 6 ms.
     cluster = Cluster(gpus=2, **SLOW_LINK)
-    plan = _plan([(0, 1, 0), (1, 2, 0)], ["0F0 1F0 1B0 0B0"], cluster=cluster, microbatches=1, dp=2)
+    plan = hand_plan([(0, 1, 0), (1, 2, 0)], ["0F0 1F0 1B0 0B0"], cluster=cluster, microbatches=1, dp=2)
     untied, tied = simulate(plan, _profile(tied=False)), simulate(plan, _profile())
     assert [(a.stage, a.start_ms, a.end_ms) for a in untied.allreduces] == [(1, 7, 13), (0, 13, 19)]
     assert [(a.stage, a.start_ms, a.end_ms) for a in tied.allreduces] == [(1, 7, 7), (0, 9, 15)]
@@ -114,7 +105,7 @@ def test_two_groups_run_one_after_the_other_on_the_ranks_they_share():
     profile = Profile(model=ModelRef("t"), layers=tuple(
         Layer(f"l{i}", "layer", 1.0, 1.0, 1.0, MB4, 0, 0) for i in range(3)),
         tied=(TiedParameter(((0, "w"), (2, "w")), MB4), TiedParameter(((1, "v"), (2, "v")), 1_000_000)))
-    plan = _plan([(0, 1, 0), (1, 2, 1), (2, 3, 2)], ["0F0 0B0", "1F0 1B0", "2F0 2B0"],
+    plan = hand_plan([(0, 1, 0), (1, 2, 1), (2, 3, 2)], ["0F0 0B0", "1F0 1B0", "2F0 2B0"],
                  cluster=Cluster(gpus=3, **{**SLOW_LINK, "latency_us": 0.0}), microbatches=1)
     result = simulate(plan, profile)
     # 0F0 [0,1] 1F0 [1,2] 2F0 [2,3] 2B0 [3,5] 1B0 [5,7] 0B0 [7,9] (free transfers: no latency,
@@ -312,7 +303,7 @@ def test_octoplan_simulate_shows_the_tied_all_reduce(tmp_path):
     from octoplan.yamlio import file_sha256
 
     save_profile(_profile(), tmp_path / "p.yaml")
-    plan = _plan([(0, 1, 0), (1, 2, 1)], GPIPE, cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], GPIPE, cluster=Cluster(gpus=2, **SLOW_LINK), microbatches=2)
     save_plan(replace(plan, profile="p.yaml", profile_sha256=file_sha256(tmp_path / "p.yaml")), tmp_path / "plan.yaml")
     runner = CliRunner()
     done = runner.invoke(app, ["simulate", str(tmp_path / "plan.yaml"), "--json"])
