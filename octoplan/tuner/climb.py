@@ -68,6 +68,23 @@ class Clock:
         return self.elapsed() >= self.limit_s
 
 
+def climbs_end_s(limit_s: float) -> float:
+    """When the climbs stop: the rest of the time limit is the polish's (until
+    :func:`polish_end_s`) and the final plan's. A climb step that starts just before its
+    deadline ends after it (a large plan's simulation takes half a second), and so may the
+    polish's last move: each part leaves the next one a margin."""
+    return limit_s - 1.5 * _margin_s(limit_s)
+
+
+def polish_end_s(limit_s: float) -> float:
+    """When the polish's climbs stop: the rest is the final plan's."""
+    return limit_s - _margin_s(limit_s)
+
+
+def _margin_s(limit_s: float) -> float:
+    return min(2.0, 0.05 * limit_s)
+
+
 def better_enough(new: tuple[int, float], old: tuple[int, float]) -> bool:
     """Whether score ``new`` beats ``old`` by more than a rounding error (the same times summed
     in another order): a relative 1e-9 of the iteration time."""
@@ -113,6 +130,9 @@ class Search:
         # the last rebuild's seconds per unit of the rule's size
         self._rebuilt: dict[OrderRule, set[Candidate]] = {rule: set() for rule in ORDER_RULES}
         self._rebuild_pace = {rule: rule.s_per_unit for rule in ORDER_RULES}
+        # seconds per op of the last justified_by (a cautious default before the first: both
+        # justifications of llama3-70b-a100's 18,432 ops took 1.8 s)
+        self._justify_pace = 1.0e-4
 
     def plans_simulated(self) -> int:
         return (self.ev.evaluations + self.extra_plans + self.restart_plans
@@ -139,13 +159,15 @@ class Search:
                 self.progress(scored, self.clock.plans(), self.clock.elapsed())
         return scored
 
-    def climb(self, start: Candidate, *, deadline: float) -> Candidate:
+    def climb(self, start: Candidate, *, deadline: float, only: Sequence[Neighbourhood] | None = None) -> Candidate:
         """First-improvement hill climbing from ``start`` until no move helps or ``deadline``
-        (seconds since the start of tuning) passes."""
+        (seconds since the start of tuning) passes; ``only``: these neighbourhoods instead of
+        every active one."""
         current = start
         current_score = self.offer(current).score
+        active = self._active if only is None else tuple(only)
         while self.clock.elapsed() < deadline:
-            step = self._first_better(current, current_score, deadline)
+            step = self._first_better(current, current_score, deadline, active)
             if step is None:
                 log.debug("climb %s: %.4f ms", "out of time" if self.clock.elapsed() >= deadline else "at a local optimum",
                           current_score[1])
@@ -154,13 +176,13 @@ class Search:
             self.accepted_moves.append(current.origin)
         return current
 
-    def _first_better(self, current: Candidate, current_score: tuple[int, float],
-                      deadline: float) -> tuple[Candidate, tuple[int, float]] | None:
-        """The first move of the neighbourhoods, in their order, that beats ``current``; None at
-        a local optimum or once ``deadline`` passes."""
+    def _first_better(self, current: Candidate, current_score: tuple[int, float], deadline: float,
+                      active: Sequence[Neighbourhood]) -> tuple[Candidate, tuple[int, float]] | None:
+        """The first move of the ``active`` neighbourhoods, in their order, that beats
+        ``current``; None at a local optimum or once ``deadline`` passes."""
         timeline = self.ev.timeline(current)
         # lazily: a neighbourhood is asked for its moves only once the ones before it are spent
-        moves = itertools.chain.from_iterable(n.moves(self, current, timeline, deadline) for n in self._active)
+        moves = itertools.chain.from_iterable(n.moves(self, current, timeline, deadline) for n in active)
         for moved in moves:
             if self.clock.elapsed() >= deadline:
                 return None
@@ -185,6 +207,19 @@ class Search:
         except (ValueError, DeadlockError) as exc:  # an order whose dataflow has a cycle
             log.debug("justifying %s failed: %s", cand.origin, exc)
             return []
+
+    def justified_by(self, cand: Candidate, deadline: float) -> list[Candidate]:
+        """:meth:`justified`, unless at the pace of the last such justification it would not
+        end before ``deadline`` (under a plan budget it always runs): what the climbs' moves
+        use, since one justification of a large plan takes seconds (a climb checks its
+        deadline only between the candidates its moves yield)."""
+        size = max(1, cand.num_ops)
+        if not self.opts.max_plans and self.clock.elapsed() + self._justify_pace * size > deadline:
+            return []
+        started = time.perf_counter()
+        found = self.justified(cand)
+        self._justify_pace = (time.perf_counter() - started) / size
+        return found
 
     def rebuilt_orders(self, cand: Candidate, deadline: float, rule: OrderRule = BOTTLENECK) -> Iterator[Candidate]:
         """``cand``'s order rebuilt by ``rule`` (:meth:`Evaluator.reordered`; once per candidate
@@ -242,9 +277,12 @@ class Search:
 
     def polish(self) -> None:
         """The best plan's order rebuilt by the shifting-bottleneck procedure and by the
-        longest-tail-first list scheduler, each if it should end within the time limit; a
-        climb from the fastest if it is faster. The climbs rebuild the orders of their local
-        optima, but a climb cut short by its deadline has none."""
+        longest-tail-first list scheduler, each if it should end within the time limit; then a
+        climb from the fastest over the neighbourhoods that polish (``Neighbourhood.polish``);
+        and a climb over every neighbourhood if all that found a faster plan; the climbs
+        until :func:`polish_end_s`. The climbs rebuild the orders of their local optima
+        and reach the last neighbourhoods there, but a climb cut short by its deadline has
+        done neither."""
         if self.best is None:
             return
         before = self.best_scored.score
@@ -252,8 +290,11 @@ class Search:
         for rule in ORDER_RULES:
             for cand in self.rebuilt_orders(best, self.opts.time_limit_s, rule):
                 self.offer(cand)
+        polishing = tuple(n for n in self._active if n.polish)
+        if polishing:
+            self.climb(self.best, deadline=polish_end_s(self.opts.time_limit_s), only=polishing)
         if self.best_scored.score < before:
-            self.climb(self.best, deadline=self.opts.time_limit_s - min(2.0, 0.05 * self.opts.time_limit_s))
+            self.climb(self.best, deadline=polish_end_s(self.opts.time_limit_s))
 
 
 class Restarts:

@@ -36,7 +36,7 @@ from octoplan.simulator import SimResult
 from octoplan.tuner.arrange import start_aware
 from octoplan.tuner.space import Candidate
 
-__all__ = ["DIMENSIONS", "neighbours", "shifts_off_hot_ranks", "with_recomputation", "Heat", "heat_of"]
+__all__ = ["DIMENSIONS", "neighbours", "shifts_off_hot_ranks", "with_layout", "with_recomputation", "Heat", "heat_of"]
 
 DIMENSIONS = ("partition", "placement", "schedule")
 
@@ -74,7 +74,7 @@ def heat_of(result: SimResult) -> Heat:
     return Heat(list(result.busy_ms), blame, idle, pairs, list(result.peak_memory_bytes), result.memory_limit_bytes)
 
 
-def _with_layout(cand: Candidate, bounds: tuple[int, ...], ranks: tuple[int, ...], origin: str,
+def with_layout(cand: Candidate, bounds: tuple[int, ...], ranks: tuple[int, ...], origin: str,
                  recompute: tuple[frozenset[int], tuple[tuple[int, int], ...]] | None = None) -> Candidate:
     """A new partition/placement. A fixed order survives only a pure boundary shift; otherwise
     the policy scheduler takes over with the candidate's knobs (or 1F1B-like defaults).
@@ -118,7 +118,7 @@ def _boundary_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tup
             else:
                 gain = heat.heat(giver) - heat.heat(taker)
             bounds = b[:j] + (cut,) + b[j + 1:]
-            out.append((gain, _with_layout(cand, bounds, cand.ranks, f"shift boundary {j} by {delta:+d}")))
+            out.append((gain, with_layout(cand, bounds, cand.ranks, f"shift boundary {j} by {delta:+d}")))
     return out
 
 
@@ -172,7 +172,7 @@ def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[t
                 continue
             ranks = cand.ranks[:s + 1] + (target,) + cand.ranks[s + 1:]
             out.append((heat.heat(hottest) - heat.heat(target),
-                        _with_layout(cand, bounds, ranks, f"split stage {s}", _renumbered(cand, split=s, at=cut))))
+                        with_layout(cand, bounds, ranks, f"split stage {s}", _renumbered(cand, split=s, at=cut))))
     # merge a stage into a neighbour: fewer stages, fewer transfers
     for s in range(cand.num_stages - 1):
         r0, r1 = cand.ranks[s], cand.ranks[s + 1]
@@ -182,7 +182,7 @@ def _stage_count_moves(cand: Candidate, heat: Heat, max_per_rank: int) -> list[t
                 continue
             ranks = cand.ranks[:s] + (keep,) + cand.ranks[s + 2:]
             gain = 1e9 if keep == drop else heat.heat(drop) - heat.heat(keep)
-            out.append((gain, _with_layout(cand, bounds, ranks, f"merge stages {s} and {s + 1}",
+            out.append((gain, with_layout(cand, bounds, ranks, f"merge stages {s} and {s + 1}",
                                            _renumbered(cand, merged=s))))
             if keep == drop:
                 break
@@ -209,11 +209,11 @@ def _placement_moves(cand: Candidate, heat: Heat, rng: random.Random, breadth: i
                 # move a stage off a rank that holds several, onto one with room for it
                 if counts[h] > 1 and counts[c] < max_per_rank:
                     moved = ranks[:a] + (c,) + ranks[a + 1:]
-                    out.append((gap, _with_layout(cand, cand.bounds, moved, f"move stage {a} to rank {c}")))
+                    out.append((gap, with_layout(cand, cand.bounds, moved, f"move stage {a} to rank {c}")))
                 for s in cand.stages_of(c):
                     swapped = list(ranks)
                     swapped[a], swapped[s] = c, h
-                    out.append((gap * 0.5, _with_layout(cand, cand.bounds, tuple(swapped), f"swap stages {a} and {s}")))
+                    out.append((gap * 0.5, with_layout(cand, cand.bounds, tuple(swapped), f"swap stages {a} and {s}")))
     # ranks whose transfers stall others: trade a rank's whole contents with one next to its
     # partner, to pull the pair onto one node (or onto the fast side of a node boundary)
     for waiting, sending in heat.transfer_pairs[:breadth]:
@@ -224,7 +224,7 @@ def _placement_moves(cand: Candidate, heat: Heat, rng: random.Random, breadth: i
                     perm[moving], perm[partner] = partner, moving
                     swapped = tuple(perm[r] for r in ranks)
                     # a rank's contents move whole; its stages keep their recomputation
-                    out.append((heat.idle[waiting], _with_layout(cand, cand.bounds, swapped, f"swap ranks {moving} and {partner}")))
+                    out.append((heat.idle[waiting], with_layout(cand, cand.bounds, swapped, f"swap ranks {moving} and {partner}")))
     rng.shuffle(out)  # ties break by seed, then the stable sort below keeps that order
     return out
 
@@ -238,7 +238,7 @@ def _start_aware_moves(cand: Candidate, work: tuple, max_per_rank: int) -> list[
     if ranks == cand.ranks:
         return []
     # tried right after the turn to the policy scheduler: one move that may fix many bubbles
-    return [(1e8, _with_layout(cand, cand.bounds, ranks, "start-aware placement"))]
+    return [(1e8, with_layout(cand, cand.bounds, ranks, "start-aware placement"))]
 
 
 def _schedule_moves(cand: Candidate, heat: Heat, memory_first: bool) -> list[tuple[float, Candidate]]:

@@ -66,7 +66,7 @@ from octoplan.errors import InputError
 from octoplan.ops import Kind
 from octoplan.plan import MAX_MICROBATCHES, Cluster, Plan, check_structure
 from octoplan.profile import Profile
-from octoplan.tuner.climb import DEFAULT_CHUNKS, ProgressFn, Restarts, Search
+from octoplan.tuner.climb import DEFAULT_CHUNKS, ProgressFn, Restarts, Search, climbs_end_s
 from octoplan.tuner.frameworks import RUNS_ON, Frameworks
 from octoplan.tuner.moves import DIMENSIONS
 from octoplan.tuner.neighbourhoods import Neighbourhood
@@ -366,7 +366,7 @@ def _climbs(search: Search, starts: Sequence[Candidate], later: Sequence[Candida
     """The climbs from ``starts``, then from ``later`` each followed by a restart, then restarts
     alone while they pay, and the polish; how many climbs ran (restarts aside)."""
     opts = search.opts
-    end_s = opts.time_limit_s - min(2.0, 0.05 * opts.time_limit_s)  # the rest is the polish's and the final plan's
+    end_s = climbs_end_s(opts.time_limit_s)  # the rest is the polish's and the final plan's
     restarts = Restarts(search, starts)
     if opts.workers > 1:
         from octoplan.tuner.pool import Climb, climb_in_parallel

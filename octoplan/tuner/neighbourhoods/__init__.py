@@ -13,11 +13,13 @@ A new kind of move is a new module here: a subclass of :class:`Neighbourhood` wi
 
 from octoplan.tuner.neighbourhoods.base import Neighbourhood
 from octoplan.tuner.neighbourhoods.basic import BasicMoves
+from octoplan.tuner.neighbourhoods.chains import CHAIN_SHIFTS, ChainShifts
 from octoplan.tuner.neighbourhoods.compound import COMPOUND_SHIFTS, PEELS, PeeledAndJustified, ShiftedAndJustified
 from octoplan.tuner.neighbourhoods.orders import BottleneckOrder, JustifiedOrder, LongestTailOrder
 
 __all__ = ["Neighbourhood", "NEIGHBOURHOODS", "BasicMoves", "JustifiedOrder", "BottleneckOrder", "LongestTailOrder",
-           "ShiftedAndJustified", "PeeledAndJustified", "COMPOUND_SHIFTS", "PEELS"]
+           "ShiftedAndJustified", "PeeledAndJustified", "ChainShifts", "COMPOUND_SHIFTS", "PEELS",
+           "CHAIN_SHIFTS"]
 
 NEIGHBOURHOODS: tuple[Neighbourhood, ...] = (
     BasicMoves(),  # boundaries, stages, placement, policy knobs, recomputation, op edits at bubbles
@@ -26,4 +28,5 @@ NEIGHBOURHOODS: tuple[Neighbourhood, ...] = (
     LongestTailOrder(),  # rebuilt by the longest-tail-first list scheduler
     ShiftedAndJustified(COMPOUND_SHIFTS),  # a layer off a hot rank, the order justified around it
     PeeledAndJustified(PEELS),  # a layer peeled into a new stage, the order carried and justified
+    ChainShifts(CHAIN_SHIFTS),  # a layer passed along a run of stages, the order kept and justified
 )

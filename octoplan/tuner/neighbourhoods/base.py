@@ -26,6 +26,10 @@ class Neighbourhood(ABC):
 
     name: ClassVar[str] = ""
     dimensions: ClassVar[tuple[str, ...]] = ()
+    # whether the search's final polish climbs over it too, from the best plan: for moves a
+    # climb reaches only at a local optimum of every neighbourhood before, which a climb cut
+    # short by its deadline never reaches
+    polish: ClassVar[bool] = False
 
     @abstractmethod
     def moves(self, search: Search, cand: Candidate, timeline: SimResult, deadline: float) -> Iterator[Candidate]:

@@ -34,7 +34,7 @@ class ShiftedAndJustified(Neighbourhood):
 
     def moves(self, search: Search, cand: Candidate, timeline: SimResult, deadline: float) -> Iterator[Candidate]:
         for shifted in shifts_off_hot_ranks(cand, timeline, limit=self.limit):
-            yield from search.justified(shifted)
+            yield from search.justified_by(shifted, deadline)
 
 
 class PeeledAndJustified(Neighbourhood):
@@ -57,4 +57,4 @@ class PeeledAndJustified(Neighbourhood):
             moved = carry(bounds, ranks, origin)
             if moved is not None:
                 yield moved
-                yield from search.justified(moved)
+                yield from search.justified_by(moved, deadline)

@@ -24,8 +24,9 @@ class JustifiedOrder(Neighbourhood):
     dimensions = ("schedule",)
 
     def moves(self, search: Search, cand: Candidate, timeline: SimResult, deadline: float) -> Iterator[Candidate]:
-        # a generator: the pass over every op is paid only if the climb gets this far
-        yield from search.justified(cand)
+        # a generator: the pass over every op is paid only if the climb gets this far, and only
+        # if it should end before the deadline
+        yield from search.justified_by(cand, deadline)
 
 
 class BottleneckOrder(Neighbourhood):
