@@ -54,6 +54,7 @@ from octoplan.plan import Cluster
 from octoplan.simulator import simulate
 from octoplan.tuner import TuneOptions, compare_baselines, tune
 from octoplan.tuner.caps import BalanceCap, balance_cap
+from octoplan.tuner.neighbourhoods import NEIGHBOURHOODS
 from octoplan.tuner.seeds import SEED_FAMILIES
 
 
@@ -110,15 +111,17 @@ def _halved(profile):
 
 def run_one(w: Workload, *, time_limit: float, dimensions=("partition", "placement", "schedule"), seed: int = 0,
             split_blocks: bool = False, chunks_max: int | None = None, order_bound_s: float = 0.0, workers: int = 1,
-            halve: bool = False, max_plans: int | None = None, without_seeds: Sequence[str] = ()) -> dict:
+            halve: bool = False, max_plans: int | None = None, without_seeds: Sequence[str] = (),
+            without_moves: Sequence[str] = ()) -> dict:
     profile, cluster = _profile_and_cluster(w, split_blocks=split_blocks, halve=halve)
     opts = TuneOptions(gpus=w.gpus, pp=w.pp, microbatches=w.microbatches, time_limit_s=time_limit, seed=seed,
                        dimensions=tuple(dimensions), chunks_max=chunks_max, workers=workers, max_plans=max_plans)
     families = [family for family in SEED_FAMILIES if family.name not in without_seeds]
+    moves = [n for n in NEIGHBOURHOODS if n.name not in without_moves]
     start = time.perf_counter()
     found: list[float] = [0.0]  # when the search last found a better plan (seconds into the tune)
     result = tune(profile, cluster, opts, progress=lambda _best, _plans, elapsed: found.append(elapsed),
-                  seed_families=families)
+                  seed_families=families, neighbourhoods=moves)
     wall = time.perf_counter() - start
     baselines = list(result.baselines)
     if split_blocks:  # the whole-block baselines too: Megatron-LM's, and any that beat the split ones
@@ -206,12 +209,16 @@ def suite(args) -> None:
     if unknown:
         raise SystemExit(f"bench_tuner.py: --without-seeds {', '.join(sorted(unknown))}: no such seed family; "
                          f"use one of: {', '.join(repr(f.name) for f in SEED_FAMILIES)}")
+    unknown = set(args.without_moves) - {n.name for n in NEIGHBOURHOODS}
+    if unknown:
+        raise SystemExit(f"bench_tuner.py: --without-moves {', '.join(sorted(unknown))}: no such neighbourhood; "
+                         f"use one of: {', '.join(repr(n.name) for n in NEIGHBOURHOODS)}")
     chosen = [w for w in SUITE if not args.only or w.name in args.only]
     results = []
     for w in chosen:
         r = run_one(w, time_limit=args.time_limit, seed=args.seed, split_blocks=args.split_blocks, chunks_max=args.chunks_max,
                     order_bound_s=args.order_bound, workers=args.workers, halve=args.halve_layers,
-                    max_plans=args.max_plans, without_seeds=args.without_seeds)
+                    max_plans=args.max_plans, without_seeds=args.without_seeds, without_moves=args.without_moves)
         results.append(r)
         print(json.dumps(r), flush=True)
     print()
@@ -346,6 +353,8 @@ def main() -> None:
     p.add_argument("--max-plans", type=int, default=None, help="octoplan tune --max-plans: deterministic, at any load")
     p.add_argument("--without-seeds", nargs="*", default=[], metavar="FAMILY",
                    help="tune without these seed families, by name (octoplan.tuner.seeds), to see what one buys")
+    p.add_argument("--without-moves", nargs="*", default=[], metavar="NEIGHBOURHOOD",
+                   help="tune without these neighbourhoods, by name (octoplan.tuner.neighbourhoods), to see what one buys")
     p.set_defaults(fn=suite)
     p = sub.add_parser("spread")
     p.add_argument("--time-limit", type=float, default=60.0)

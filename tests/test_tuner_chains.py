@@ -3,6 +3,11 @@ the final polish that climbs over them; the pacing of the climbs' justifications
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import pytest
+
 from octoplan.ops import parse_ops
 from octoplan.tuner import TuneOptions
 from octoplan.tuner.climb import Search
@@ -133,3 +138,16 @@ def test_the_polish_climbs_over_the_chain_shifts_from_the_best_plan():
     # from it, since the polish found a faster plan
     assert search.accepted_moves[0] == "chain: stage 0's last layer to stage 2, justified (in flight unbounded)"
     assert search.best_scored.iteration_ms == 107.0
+
+
+def test_the_suite_benchmark_names_the_neighbourhoods_it_can_leave_out(monkeypatch):
+    # `bench_tuner.py suite --without-moves "chain shifts"` is how docs/BENCHMARKS.md measures
+    # what the move buys; a name that is no neighbourhood stops before any tune, listing them
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks import bench_tuner
+
+    monkeypatch.setattr(sys, "argv", ["bench_tuner.py", "suite", "--without-moves", "chains"])
+    with pytest.raises(SystemExit) as stop:
+        bench_tuner.main()
+    assert str(stop.value).startswith("bench_tuner.py: --without-moves chains: no such neighbourhood; use one of: ")
+    assert "'chain shifts'" in str(stop.value)

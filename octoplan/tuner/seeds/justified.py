@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
+from octoplan.tuner.climb import climbs_end_s
 from octoplan.tuner.seeds.base import Ranked, SeedContext, SeedFamily
 from octoplan.tuner.space import LONGEST_TAIL, Candidate
 
@@ -69,4 +70,5 @@ class ListOrderedSeeds(_BestLayoutsReordered):
     count = LIST_ORDERED_SEEDS
 
     def reorder(self, search: Search, cand: Candidate) -> Iterable[Candidate]:
-        return search.rebuilt_orders(cand, search.opts.time_limit_s, LONGEST_TAIL)
+        # within the climbs' time: the rest of the limit is the polish's and the final plan's
+        return search.rebuilt_orders(cand, climbs_end_s(search.opts.time_limit_s), LONGEST_TAIL)
