@@ -83,12 +83,11 @@ def test_a_peel_with_its_order_justified_gets_a_climb_past_a_local_optimum():
     # 7 uneven layers on 3 ranks, 6 microbatches, from 1F1B (found by a seeded random search
     # over small cases): the climb's other moves, the compound shifts included, stop at 120 ms;
     # with the peels (PEELS = 6) it goes on to 106 ms through two of them. The shifting-
-    # bottleneck reordering and the chain shifts (which reach 115 ms here:
-    # tests/test_tuner_chains.py) are off, as in the compound-shift test, to isolate the move.
+    # bottleneck reordering is off, as in the compound-shift test, to isolate the move.
     from octoplan.baseline import make_baseline
     from octoplan.tuner import TuneOptions
     from octoplan.tuner.climb import Search
-    from octoplan.tuner.neighbourhoods import NEIGHBOURHOODS, PEELS, BottleneckOrder, ChainShifts, PeeledAndJustified
+    from octoplan.tuner.neighbourhoods import NEIGHBOURHOODS, PEELS, BottleneckOrder, PeeledAndJustified
 
     profile, cluster = make_profile([(1, 4, 1), (2, 2, 3), (1, 4, 2), (3, 3, 3), (4, 3, 1), (2, 3, 1), (1, 1, 2)]), free_cluster(3)
     base = make_baseline(profile, schedule="1f1b", gpus=3, microbatches=6, cluster=cluster)
@@ -97,7 +96,7 @@ def test_a_peel_with_its_order_justified_gets_a_climb_past_a_local_optimum():
     ends = {}
     for peels in (0, PEELS):
         chosen = [PeeledAndJustified(peels) if isinstance(n, PeeledAndJustified) else n
-                  for n in NEIGHBOURHOODS if not isinstance(n, (BottleneckOrder, ChainShifts))]
+                  for n in NEIGHBOURHOODS if not isinstance(n, BottleneckOrder)]
         evaluator = Evaluator(profile, cluster)
         climber = Search(evaluator, TuneOptions(gpus=3, pp=3, microbatches=6, time_limit_s=600), None,
                          neighbourhoods=chosen)

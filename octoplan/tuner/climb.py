@@ -125,7 +125,9 @@ class Search:
         self.config_best: dict[Config, tuple[Candidate, Scored]] = {}
         self.neighbourhoods = tuple(registry.NEIGHBOURHOODS if neighbourhoods is None else neighbourhoods)
         tuned = set(self.opts.dimensions)
-        self._active = tuple(n for n in self.neighbourhoods if set(n.dimensions) <= tuned)
+        usable = tuple(n for n in self.neighbourhoods if set(n.dimensions) <= tuned)
+        self._active = tuple(n for n in usable if n.climbs)  # what every climb tries
+        self._polishing = tuple(n for n in usable if n.polish)  # what the polish climbs over first
         # per rule of Evaluator.reordered: the candidates whose order it rebuilt already, and
         # the last rebuild's seconds per unit of the rule's size
         self._rebuilt: dict[OrderRule, set[Candidate]] = {rule: set() for rule in ORDER_RULES}
@@ -278,7 +280,8 @@ class Search:
     def polish(self) -> None:
         """The best plan's order rebuilt by the shifting-bottleneck procedure and by the
         longest-tail-first list scheduler, each if it should end within the time limit; then a
-        climb from the fastest over the neighbourhoods that polish (``Neighbourhood.polish``);
+        climb from the fastest over the neighbourhoods that polish (``Neighbourhood.polish``:
+        the chain shifts, which no other climb tries);
         and a climb over every neighbourhood if all that found a faster plan; the climbs
         until :func:`polish_end_s`. The climbs rebuild the orders of their local optima
         and reach the last neighbourhoods there, but a climb cut short by its deadline has
@@ -290,9 +293,8 @@ class Search:
         for rule in ORDER_RULES:
             for cand in self.rebuilt_orders(best, self.opts.time_limit_s, rule):
                 self.offer(cand)
-        polishing = tuple(n for n in self._active if n.polish)
-        if polishing:
-            self.climb(self.best, deadline=polish_end_s(self.opts.time_limit_s), only=polishing)
+        if self._polishing:
+            self.climb(self.best, deadline=polish_end_s(self.opts.time_limit_s), only=self._polishing)
         if self.best_scored.score < before:
             self.climb(self.best, deadline=polish_end_s(self.opts.time_limit_s))
 

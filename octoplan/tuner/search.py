@@ -36,9 +36,13 @@
    climb's path turns on near-ties, and one seed's local optima differ by percents);
    restarts stop after 3 rounds over those seeds find nothing. With ``workers`` > 1 the
    climbs run side by side in that many processes (:mod:`octoplan.tuner.pool`), and the
-   restarts follow in this one. Last, the best plan's order is rebuilt both ways (the
-   shifting-bottleneck procedure if it fits in the time left), and climbed from if faster
-   (:meth:`~octoplan.tuner.climb.Search.polish`).
+   restarts follow in this one. The climbs end 1.5 margins before the time limit (a margin:
+   2 s, or 5% of a shorter limit). Last, the polish (:meth:`~octoplan.tuner.climb.Search.polish`):
+   the best plan's order rebuilt both ways (the shifting-bottleneck procedure if it fits in
+   the time left), a climb from the fastest over chain shifts alone (a layer passed along a
+   run of stages off the rank that finishes last, every boundary of the run moved by one:
+   :mod:`octoplan.tuner.neighbourhoods.chains`), and a climb over every move if that found
+   a faster plan, until one margin before the limit; the rest is the final plan's.
 5. Report (:func:`_stats`): the best plan that fits, with where its time goes.
 
 Where to extend: a new source of seeds is a new module in :mod:`octoplan.tuner.seeds`, a

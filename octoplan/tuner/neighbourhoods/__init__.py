@@ -5,6 +5,8 @@ into moved candidates, most promising first and lazily; the one climb loop
 (:meth:`octoplan.tuner.climb.Search.climb`) walks :data:`NEIGHBOURHOODS` in order and takes
 the first move that is faster. So the cheap, many moves come first, and those that cost a pass
 over every op (a justification, a rebuilt order) only at a local optimum of the ones before.
+A neighbourhood may instead be the final polish's alone (``climbs`` false, ``polish`` true):
+the polish climbs over those from the best plan the climbs found.
 
 A new kind of move is a new module here: a subclass of :class:`Neighbourhood` with its
 ``dimensions`` and ``moves``, added to :data:`NEIGHBOURHOODS` where it should be tried
@@ -28,5 +30,5 @@ NEIGHBOURHOODS: tuple[Neighbourhood, ...] = (
     LongestTailOrder(),  # rebuilt by the longest-tail-first list scheduler
     ShiftedAndJustified(COMPOUND_SHIFTS),  # a layer off a hot rank, the order justified around it
     PeeledAndJustified(PEELS),  # a layer peeled into a new stage, the order carried and justified
-    ChainShifts(CHAIN_SHIFTS),  # a layer passed along a run of stages, the order kept and justified
+    ChainShifts(CHAIN_SHIFTS),  # the polish's only: a layer passed along a run of stages, the order justified
 )

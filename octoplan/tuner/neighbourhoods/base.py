@@ -26,9 +26,11 @@ class Neighbourhood(ABC):
 
     name: ClassVar[str] = ""
     dimensions: ClassVar[tuple[str, ...]] = ()
-    # whether the search's final polish climbs over it too, from the best plan: for moves a
-    # climb reaches only at a local optimum of every neighbourhood before, which a climb cut
-    # short by its deadline never reaches
+    # whether every climb tries it, and whether the search's final polish climbs over it from
+    # the best plan (before a climb over every neighbourhood, if that found a faster plan): a
+    # move that pays on the best plan but steers climbs from other plans to worse local optima
+    # is the polish's alone
+    climbs: ClassVar[bool] = True
     polish: ClassVar[bool] = False
 
     @abstractmethod

@@ -67,10 +67,14 @@ def _non_empty(bounds: tuple[int, ...]) -> bool:
 
 class ChainShifts(Neighbourhood):
     """A layer passed along a run of stages off the rank that finishes last (the ``limit`` most
-    promising chain shifts), the order kept and justified around the new layout."""
+    promising chain shifts), the order kept and justified around the new layout; tried by the
+    search's final polish, from the best plan."""
 
     name = "chain shifts"
     dimensions = ("schedule", "partition")
+    # The polish's alone: tried in every climb, they took internvl2-8b's climbs to a local
+    # optimum of 1411.1 ms instead of 1402.0 (docs/BENCHMARKS.md, "Tuner suite")
+    climbs = False
     polish = True
 
     def __init__(self, limit: int = CHAIN_SHIFTS):
