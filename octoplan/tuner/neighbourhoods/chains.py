@@ -72,8 +72,9 @@ class ChainShifts(Neighbourhood):
 
     name = "chain shifts"
     dimensions = ("schedule", "partition")
-    # The polish's alone: tried in every climb, they took internvl2-8b's climbs to a local
-    # optimum of 1411.1 ms instead of 1402.0 (docs/BENCHMARKS.md, "Tuner suite")
+    # The polish's alone: on the best plan is where they pay (deepseek-v3, docs/BENCHMARKS.md
+    # "Tuner suite"); at every climb's local optimum each would cost a simulation and two
+    # justifications, time the climbs spend better elsewhere
     climbs = False
     polish = True
 
