@@ -58,7 +58,7 @@ def free_cluster(gpus: int, **kwargs) -> Cluster:
 
 def hand_plan(stages, schedule, *, cluster, microbatches, dp=1) -> Plan:
     """A plan written out by hand: ``stages`` as (first layer, end layer, rank), ``schedule`` one
-    op string per rank ("F0 F1 B0 B1"), pp as many as the strings."""
+    op string per rank ("0F0 0F1 0B0 0B1": stage, kind, microbatch), pp as many as the strings."""
     return Plan(
         model=ModelRef("t"),
         cluster=cluster,

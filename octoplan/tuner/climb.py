@@ -281,11 +281,10 @@ class Search:
         """The best plan's order rebuilt by the shifting-bottleneck procedure and by the
         longest-tail-first list scheduler, each if it should end within the time limit; then a
         climb from the fastest over the neighbourhoods that polish (``Neighbourhood.polish``:
-        the chain shifts, which no other climb tries);
-        and a climb over every neighbourhood if all that found a faster plan; the climbs
-        until :func:`polish_end_s`. The climbs rebuild the orders of their local optima
-        and reach the last neighbourhoods there, but a climb cut short by its deadline has
-        done neither."""
+        the chain shifts, which no other climb tries); then, if all that found a faster plan,
+        a climb over every neighbourhood. Both climbs stop at :func:`polish_end_s`. The climbs
+        rebuild the orders of their local optima, but a climb cut short by its deadline has
+        none."""
         if self.best is None:
             return
         before = self.best_scored.score

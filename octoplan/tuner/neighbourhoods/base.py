@@ -28,8 +28,7 @@ class Neighbourhood(ABC):
     dimensions: ClassVar[tuple[str, ...]] = ()
     # whether every climb tries it, and whether the search's final polish climbs over it from
     # the best plan (before a climb over every neighbourhood, if that found a faster plan): a
-    # move that pays on the best plan but steers climbs from other plans to worse local optima
-    # is the polish's alone
+    # move worth its cost only on the best plan is the polish's alone
     climbs: ClassVar[bool] = True
     polish: ClassVar[bool] = False
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ChainShifts", "CHAIN_SHIFTS", "chain_shifts"]
 
-CHAIN_SHIFTS = 8  # at a climb's local optimum, the chain shifts tried with a justification each
+CHAIN_SHIFTS = 8  # per step of the polish's climb, the chain shifts tried, each with its justifications
 
 
 def chain_shifts(cand: Candidate, timeline: SimResult) -> list[tuple[tuple[int, ...], str]]:
@@ -41,28 +41,23 @@ def chain_shifts(cand: Candidate, timeline: SimResult) -> list[tuple[tuple[int, 
     num_stages = len(ranks)
     last = min(range(timeline.num_ranks), key=lambda r: (timeline.idle_parts(r)[2], r))
     heat = heat_of(timeline)
-    found: list[tuple[tuple[float, int, int], tuple[int, ...], str]] = []
+    found: list[tuple[tuple[float, int], tuple[int, ...], str]] = []
     for s in (s for s in range(num_stages) if ranks[s] == last):
         if bounds[s + 1] - bounds[s] < 2:  # a stage keeps at least one layer
             continue
+        # (every stage of the run keeps its layer count, so no stage can end up empty)
         # its first layer back to stage i - 1: boundaries i..s each one layer later
         for i in range(s, 0, -1):
-            moved = bounds[:i] + tuple(b + 1 for b in bounds[i:s + 1]) + bounds[s + 1:]
-            taker = ranks[i - 1]
-            if taker != last and _non_empty(moved):
-                found.append(((heat.heat(taker), s - i, len(found)), moved, f"chain: stage {s}'s first layer to stage {i - 1}"))
+            if ranks[i - 1] != last:
+                moved = bounds[:i] + tuple(b + 1 for b in bounds[i:s + 1]) + bounds[s + 1:]
+                found.append(((heat.heat(ranks[i - 1]), s - i), moved, f"chain: stage {s}'s first layer to stage {i - 1}"))
         # its last layer on to stage j: boundaries s+1..j each one layer earlier
         for j in range(s + 1, num_stages):
-            moved = bounds[:s + 1] + tuple(b - 1 for b in bounds[s + 1:j + 1]) + bounds[j + 1:]
-            taker = ranks[j]
-            if taker != last and _non_empty(moved):
-                found.append(((heat.heat(taker), j - s, len(found)), moved, f"chain: stage {s}'s last layer to stage {j}"))
-    found.sort(key=lambda item: item[0])
+            if ranks[j] != last:
+                moved = bounds[:s + 1] + tuple(b - 1 for b in bounds[s + 1:j + 1]) + bounds[j + 1:]
+                found.append(((heat.heat(ranks[j]), j - s), moved, f"chain: stage {s}'s last layer to stage {j}"))
+    found.sort(key=lambda item: item[0])  # stable: equals keep the order they were found in
     return [(moved, origin) for _, moved, origin in found]
-
-
-def _non_empty(bounds: tuple[int, ...]) -> bool:
-    return all(a < b for a, b in zip(bounds, bounds[1:]))
 
 
 class ChainShifts(Neighbourhood):
