@@ -3,7 +3,7 @@ and tuning time at 64 and 1024 GPUs.
 
     .venv/bin/python benchmarks/bench_tuner.py suite --time-limit 30 [--ablation] [--only NAME] [--split-blocks] [--order-bound S] [--halve-layers]
         [--max-plans N] [--without-seeds FAMILY ...]
-    .venv/bin/python benchmarks/bench_tuner.py caps [--two-per-rank] [--stages-per-rank K ...]
+    .venv/bin/python benchmarks/bench_tuner.py caps [--two-per-rank] [--stages-per-rank K ...] [--fill [--only NAME ...]]
     .venv/bin/python benchmarks/bench_tuner.py scale --gpus 64 --time-limit 60
     .venv/bin/python benchmarks/bench_tuner.py spread --only gemma3-27b --perturb 1e-3 --seeds 1 2 3 [--workers 2]
 
@@ -26,7 +26,9 @@ CP-SAT bin packing; ``--time-limit`` in its deterministic seconds): an upper bou
 efficiency of every plan, whatever its schedule; ``--two-per-rank`` adds, on split blocks, the
 best balance of two stages per rank in a loop (r and pp + r) and in a V (r and 2 pp - 1 - r);
 ``--stages-per-rank K ...`` a cap on the balance of every layout with at most K stages per rank
-(``balance_cap(..., stages_per_rank=K)``, by counting).
+(``balance_cap(..., stages_per_rank=K)``, by counting); ``--fill`` the least iteration time of
+every V, loop and zigzag layout once the pipeline's fill is counted
+(:func:`octoplan.tuner.fill_caps.fill_cap`), and the efficiency that leaves.
 ``--order-bound S`` bounds, for each tuned plan, every op order of its stages and placement
 (``octoplan bound --unbounded-in-flight``: CP-SAT for S seconds and the one-machine
 relaxation): how much of the gap is the order's.
@@ -50,10 +52,12 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from octoplan.arch import analytic_profile
+from octoplan.costs import lower_bound_ms
 from octoplan.plan import Cluster
 from octoplan.simulator import simulate
 from octoplan.tuner import TuneOptions, compare_baselines, tune
 from octoplan.tuner.caps import BalanceCap, balance_cap
+from octoplan.tuner.fill_caps import fill_cap, shape_ranks
 from octoplan.tuner.neighbourhoods import NEIGHBOURHOODS
 from octoplan.tuner.seeds import SEED_FAMILIES
 
@@ -281,7 +285,39 @@ def _cap_cell(cap: BalanceCap) -> str:
     return f"{cap.found:.3f}" + ("" if cap.is_proven else f" (<= {cap.proven:.3f})")
 
 
+FILL_SHAPES = (("zigzag", 2), ("loop", 2), ("zigzag", 3), ("loop", 3))
+
+
+def fill_caps(args) -> None:
+    """Per workload, the efficiency no layout of each shape can pass once the pipeline's fill is
+    counted (:func:`octoplan.tuner.fill_caps.fill_cap`), beside the balance cap."""
+    print("| workload | pp | microbatches | balance cap, split blocks | "
+          + " | ".join(f"{'V' if (shape, k) == ('zigzag', 2) else f'{shape} x{k}'}: ms, efficiency" for shape, k in FILL_SHAPES)
+          + " | s |")
+    print("|---|---|---|---|" + "---|" * len(FILL_SHAPES) + "---|")
+    for w in SUITE:
+        if args.only and w.name not in args.only:
+            continue
+        profile, cluster = _profile_and_cluster(w, split_blocks=True)
+        bound = lower_bound_ms(profile, pp=w.pp, microbatches=w.microbatches, op_overhead_ms=cluster.op_overhead_us / 1000.0)
+        cells = [_cap_cell(balance_cap(profile, w.pp, time_limit_s=args.time_limit))]
+        start = time.perf_counter()
+        for shape, k in FILL_SHAPES:
+            cap = fill_cap(profile, cluster, microbatches=w.microbatches, ranks=shape_ranks(shape, w.pp, k),
+                           time_limit_s=args.time_limit)
+            if cap is None:
+                cells.append("-")
+                continue
+            found = "" if cap.is_proven else f" (found {cap.found_ms:.1f})"
+            cells.append(f"{cap.proven_ms:.1f}{found}, {bound / cap.proven_ms:.3f}")
+        print(f"| {w.name} | {w.pp} | {w.microbatches} | " + " | ".join(cells)
+              + f" | {time.perf_counter() - start:.0f} |", flush=True)
+
+
 def caps(args) -> None:
+    if args.fill:
+        fill_caps(args)
+        return
     if args.stages_per_rank:
         print("| workload | pp | layers, split | balance cap, split blocks | "
               + " | ".join(f"at most {k} stages per rank" for k in args.stages_per_rank) + " |")
@@ -369,6 +405,10 @@ def main() -> None:
                    help="on split blocks, also the best balance of two stages per rank in a loop and in a V")
     p.add_argument("--stages-per-rank", type=int, nargs="+", default=[], metavar="K",
                    help="on split blocks, also the balance cap of layouts with at most K stages per rank (by counting)")
+    p.add_argument("--fill", action="store_true",
+                   help="on split blocks, the fastest any V, loop or zigzag layout can run once the pipeline's fill is "
+                        "counted (octoplan.tuner.fill_caps), as ms and efficiency")
+    p.add_argument("--only", nargs="*", help="with --fill: these workloads only")
     p.set_defaults(fn=caps)
     p = sub.add_parser("scale")
     p.add_argument("--gpus", type=int, default=64)

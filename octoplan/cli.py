@@ -443,7 +443,9 @@ def justify(
 @guarded
 def bound(
     plan_path: Path = typer.Argument(..., metavar="PLAN"),
-    time_limit: float = typer.Option(30.0, "--time-limit", help="seconds CP-SAT may search"),
+    time_limit: float = typer.Option(30.0, "--time-limit",
+                                     help="seconds CP-SAT may search, for the order (wall) and for the placement's cap "
+                                          "(deterministic)"),
     unbounded: bool = typer.Option(False, "--unbounded-in-flight",
                                    help="bound every order, whatever its memory (default: orders that hold no more "
                                         "microbatches in flight per stage than PLAN)"),
@@ -480,6 +482,7 @@ def bound(
     if output is not None:
         better = _keeps(before, after)
         _save_with_prediction(candidate if better else plan, after if better else before, output)
+    cap = _placement_cap(plan, prof, time_limit)
     if json_out:
         typer.echo(dump_json({
             "iteration_ms": before.iteration_ms, "best_found_iteration_ms": after.iteration_ms,
@@ -489,6 +492,8 @@ def bound(
             "in_flight": "any" if unbounded else "plan's", "wall_s": result.wall_s,
             "relaxation_by_rank": [{"rank": b.rank, "bound_ms": b.bound_ms, "first_start_ms": b.first_start_ms,
                                     "busy_ms": b.busy_ms} for b in result.by_rank],
+            "placement_cap_ms": None if cap is None else cap.proven_ms,
+            "placement_cap_found_ms": None if cap is None else cap.found_ms,
         }))
         return
     table = Table(title=f"op orders of {plan_path}'s stages and placement")
@@ -509,11 +514,43 @@ def bound(
                       f"among {memory} (bound by {proof}; CP-SAT {result.status}, {result.wall_s:.1f} s)")
     if result.by_rank:
         console.print(_binding_ranks(result.by_rank), soft_wrap=True)
+    if cap is not None:
+        console.print(_placement_cap_line(plan, prof, before.iteration_ms, cap), soft_wrap=True)
+    else:
+        console.print(f"CP-SAT found no cut points for PLAN's placement in {time_limit:g} deterministic s; a longer "
+                      "--time-limit gives the least time any layout with that placement can run in")
     if result.status == "UNKNOWN":
         console.print(f"CP-SAT returned no order in {time_limit:g} s ({sum(map(len, plan.schedule))} ops); "
                       "a longer --time-limit may let it search, the bound above holds either way")
     if output is not None:
         console.print(f"{'the best order found' if better else 'PLAN (no faster order that fits)'} -> {output}")
+
+
+def _placement_cap(plan, prof, time_limit: float):
+    """The fill cap of every layout with PLAN's placement, whatever its cut points
+    (:mod:`octoplan.tuner.fill_caps`), CP-SAT for ``time_limit`` of its deterministic seconds
+    from PLAN's own cut points; None where it found none in that time."""
+    from octoplan.tuner.fill_caps import fill_cap
+
+    return fill_cap(prof, plan.cluster, microbatches=plan.parallel.microbatches, ranks=[s.rank for s in plan.stages],
+                    time_limit_s=time_limit, hint=[s.start for s in plan.stages] + [plan.stages[-1].end])
+
+
+def _placement_cap_line(plan, prof, iteration_ms: float, cap) -> str:
+    """What no layout with PLAN's placement can beat: a faster plan may need another placement."""
+    from octoplan.costs import lower_bound_ms
+    from octoplan.tuner.fill_caps import shape_label, shape_of
+
+    ranks = [s.rank for s in plan.stages]
+    shape = shape_of(ranks, plan.parallel.pp)
+    placed = (f"{len(ranks)} stages on {plan.parallel.pp} ranks as PLAN places them" if shape is None
+              else f"{shape_label(*shape)}, as PLAN places its stages")
+    bound = lower_bound_ms(prof, pp=plan.parallel.pp, microbatches=plan.parallel.microbatches,
+                           op_overhead_ms=plan.cluster.op_overhead_us / 1000.0)
+    proof = "proven" if cap.is_proven else f"CP-SAT's bound; the best cut points it found allow {cap.found_ms:.3f}"
+    return (f"no layout of {placed} (any cut points) runs faster than {cap.proven_ms:.3f} ms once the pipeline's "
+            f"fill is counted, an efficiency of at most {bound / cap.proven_ms:.3f} ({proof}); PLAN's "
+            f"{iteration_ms:.3f} ms is {bound / iteration_ms:.3f}")
 
 
 def _binding_ranks(by_rank) -> str:

@@ -108,6 +108,12 @@ def test_cli_bound_reports_and_writes_the_best_order(profile_file, tmp_path):
     assert ("the one-machine relaxation's 85.000 ms is rank 0's: its first op cannot start before 0.000 ms, it runs "
             "80.000 ms of ops, and the dataflow forces 5.000 ms of waiting on it; next: rank 3 85.000 ms, rank 2 83.000 "
             "ms; most room: rank 1, 4.000 ms under it") in said
+    # and what no cut of its V can beat: rank 3 starts after the first 3 layers' forwards (5 ms)
+    # and works 8 x 10; rank 0 waits 13 ms for the head's first input with 8 ms of embedding
+    # forwards to run, then has 8 x 9 left: 85 ms either way, which the order above reaches
+    assert ("no layout of a V of 2 stages per rank, as PLAN places its stages (any cut points) runs faster than "
+            "85.000 ms once the pipeline's fill is counted, an efficiency of at most 0.941 (proven); PLAN's 95.000 ms "
+            "is 0.842") in said
     assert load_plan(best).predicted["iteration_ms"] == 85.0
     assert runner.invoke(app, ["validate", str(best)]).exit_code == 0
     as_json = runner.invoke(app, ["bound", str(zbv), "--json"])
@@ -119,6 +125,7 @@ def test_cli_bound_reports_and_writes_the_best_order(profile_file, tmp_path):
     assert [row["rank"] for row in by_rank] == [0, 1, 2, 3]
     assert max(row["bound_ms"] for row in by_rank) == figures["relaxation_ms"]
     assert [row["busy_ms"] for row in by_rank] == [80.0] * 4  # each rank's F + I + W, whatever the memory
+    assert (figures["placement_cap_ms"], figures["placement_cap_found_ms"]) == (85.0, 85.0)
     again = runner.invoke(app, ["bound", str(best), "--unbounded-in-flight"])
     said = " ".join(again.output.split())
     assert again.exit_code == 0 and "PLAN's order is optimal among any order (proven by the one-machine relaxation" in said
@@ -182,3 +189,25 @@ def test_cp_sat_starts_from_the_given_order_on_a_plan_of_thousands_of_ops():
     assert result.status in ("FEASIBLE", "OPTIMAL")
     assert result.lower_bound_ms <= result.best_ms <= result.given_ms
     assert result.lower_bound_ms < result.given_ms  # not proven optimal without a search
+
+
+def test_cli_bound_says_when_its_time_leaves_the_placement_without_a_cap(profile_file, tmp_path):
+    # jamba-v0.1's ZB-V (32 stages): CP-SAT's presolve of the placement's cut points alone takes
+    # about a deterministic second, so half a second leaves no cap, and bound says so
+    from typer.testing import CliRunner
+
+    from octoplan.cli import app
+
+    runner = CliRunner()
+    path = profile_file(analytic_profile("jamba-v0.1", "h200", tp=2, split_blocks=True))
+    zbv = tmp_path / "zbv.yaml"
+    made = runner.invoke(app, ["baseline", str(path), "--gpus", "16", "--schedule", "zbv", "--microbatches", "16",
+                               "-o", str(zbv)])
+    assert made.exit_code == 0, made.output
+    result = runner.invoke(app, ["bound", str(zbv), "--time-limit", "0.5", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.output)
+    assert figures["placement_cap_ms"] is None and figures["placement_cap_found_ms"] is None
+    said = " ".join(runner.invoke(app, ["bound", str(zbv), "--time-limit", "0.5"]).output.split())
+    assert ("CP-SAT found no cut points for PLAN's placement in 0.5 deterministic s; a longer --time-limit gives the "
+            "least time any layout with that placement can run in") in said

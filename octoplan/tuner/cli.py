@@ -354,7 +354,8 @@ def register(app: typer.Typer) -> None:
         console.print(f"a quick bound (each rank alone, any memory): no op order of these stages and placement beats "
                       f"{bound:.2f} ms, so reordering could save at most "
                       f"{max(0.0, 1 - _ratio(bound, plan.predicted['iteration_ms'])):.1%}; `octoplan bound {escape(str(output))}` "
-                      f"proves a tighter bound with CP-SAT and searches for such an order", soft_wrap=True)
+                      f"proves a tighter bound with CP-SAT, searches for such an order, and says what no layout "
+                      f"of this placement can beat, whatever its cut points", soft_wrap=True)
 
     @app.command()
     @guarded
