@@ -27,7 +27,7 @@ efficiency of every plan, whatever its schedule; ``--two-per-rank`` adds, on spl
 best balance of two stages per rank in a loop (r and pp + r) and in a V (r and 2 pp - 1 - r);
 ``--stages-per-rank K ...`` a cap on the balance of every layout with at most K stages per rank
 (``balance_cap(..., stages_per_rank=K)``, by counting); ``--fill`` the least iteration time of
-every V, loop and zigzag layout once the pipeline's fill is counted
+every V, and of every loop and zigzag of 2 and 3 stages per rank, once the pipeline's fill is counted
 (:func:`octoplan.tuner.fill_caps.fill_cap`), and the efficiency that leaves.
 ``--order-bound S`` bounds, for each tuned plan, every op order of its stages and placement
 (``octoplan bound --unbounded-in-flight``: CP-SAT for S seconds and the one-machine
@@ -406,8 +406,8 @@ def main() -> None:
     p.add_argument("--stages-per-rank", type=int, nargs="+", default=[], metavar="K",
                    help="on split blocks, also the balance cap of layouts with at most K stages per rank (by counting)")
     p.add_argument("--fill", action="store_true",
-                   help="on split blocks, the fastest any V, loop or zigzag layout can run once the pipeline's fill is "
-                        "counted (octoplan.tuner.fill_caps), as ms and efficiency")
+                   help="on split blocks, the fastest any V, or loop or zigzag of 2 and 3 stages per rank, can run once "
+                        "the pipeline's fill is counted (octoplan.tuner.fill_caps), as ms and efficiency")
     p.add_argument("--only", nargs="*", help="with --fill: these workloads only")
     p.set_defaults(fn=caps)
     p = sub.add_parser("scale")

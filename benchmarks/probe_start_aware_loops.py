@@ -82,6 +82,33 @@ def orders(ev: Evaluator, config: Config, bounds, ranks, origin: str) -> list[tu
     return out
 
 
+def workloads(names):
+    """For each suite workload named: (workload, split-block profile, cluster, evaluator, config)."""
+    for w in [w for w in SUITE if w.name in names]:
+        profile, cluster = _profile_and_cluster(w, split_blocks=True)
+        yield w, profile, cluster, Evaluator(profile, cluster), Config(pp=w.pp, dp=w.gpus // w.pp, microbatches=w.microbatches)
+
+
+def best_by_kind(ev: Evaluator, found: list[tuple[str, Candidate]]) -> dict[str, float]:
+    """The fastest iteration of each kind of order in ``found`` (:func:`orders`) that fits memory."""
+    best: dict[str, float] = {}
+    for kind, cand in found:
+        scored = ev.score(cand)
+        if scored.fits:
+            best[kind] = min(best.get(kind, float("inf")), scored.iteration_ms)
+    return best
+
+
+def tune_beside(w, family: SeedFamily, max_plans: int) -> None:
+    """Tune ``w`` on split blocks with ``max_plans``, without and with ``family`` among the seed
+    families (after the first three), and print both."""
+    for label, families in (("without", SEED_FAMILIES), ("with", (*SEED_FAMILIES[:3], family, *SEED_FAMILIES[3:]))):
+        bench_tuner.SEED_FAMILIES = families
+        r = run_one(w, time_limit=3600, split_blocks=True, max_plans=max_plans)
+        print(f"{w.name} tune --max-plans {max_plans} {label} these seeds: {r['tuned_ms']:.1f} ms "
+              f"(efficiency {r['efficiency']:.3f}), from {r['origin']}", flush=True)
+
+
 class StartAwareLoops(SeedFamily):
     name = "start-aware loops (probe)"
 
@@ -99,10 +126,7 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=["jamba-v0.1", "deepseek-v3"])
     p.add_argument("--tune", type=int, default=0, metavar="MAX_PLANS", help="also tune with and without these seeds")
     args = p.parse_args()
-    for w in [w for w in SUITE if w.name in args.only]:
-        profile, cluster = _profile_and_cluster(w, split_blocks=True)
-        ev = Evaluator(profile, cluster)
-        config = Config(pp=w.pp, dp=w.gpus // w.pp, microbatches=w.microbatches)
+    for w, profile, cluster, ev, config in workloads(args.only):
         for shape, chunks, aware in SPECS:
             layout = start_aware_cuts(profile, w.pp, w.microbatches, shape, chunks, aware)
             if layout is None:
@@ -110,19 +134,11 @@ def main() -> None:
             found = orders(ev, config, *layout, shape)
             c0 = found[0][1]
             relax = relaxation_bound(ev.schedule(c0), list(c0.ranks), ev.costs(c0), cluster=cluster, parallel=config.parallel())
-            best: dict[str, float] = {}
-            for kind, c in found:
-                s = ev.score(c)
-                if s.fits:
-                    best[kind] = min(best.get(kind, float("inf")), s.iteration_ms)
+            best = best_by_kind(ev, found)
             print(f"{w.name} {shape} x{chunks} aware {aware}: relaxation {relax:.1f} ms; "
                   + ", ".join(f"{k} {v:.1f}" for k, v in best.items()), flush=True)
         if args.tune:
-            for label, families in (("without", SEED_FAMILIES), ("with", (*SEED_FAMILIES[:3], StartAwareLoops(), *SEED_FAMILIES[3:]))):
-                bench_tuner.SEED_FAMILIES = families
-                r = run_one(w, time_limit=3600, split_blocks=True, max_plans=args.tune)
-                print(f"{w.name} tune --max-plans {args.tune} {label} these seeds: {r['tuned_ms']:.1f} ms "
-                      f"(efficiency {r['efficiency']:.3f}), from {r['origin']}", flush=True)
+            tune_beside(w, StartAwareLoops(), args.tune)
 
 
 if __name__ == "__main__":

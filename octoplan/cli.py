@@ -517,8 +517,8 @@ def bound(
     if cap is not None:
         console.print(_placement_cap_line(plan, prof, before.iteration_ms, cap), soft_wrap=True)
     else:
-        console.print(f"CP-SAT found no cut points for PLAN's placement in {time_limit:g} deterministic s; a longer "
-                      "--time-limit gives the least time any layout with that placement can run in")
+        console.print(f"CP-SAT found no cut points for PLAN's placement within --time-limit ({time_limit:g} "
+                      "deterministic s); a longer one lets it bound every layout with that placement")
     if result.status == "UNKNOWN":
         console.print(f"CP-SAT returned no order in {time_limit:g} s ({sum(map(len, plan.schedule))} ops); "
                       "a longer --time-limit may let it search, the bound above holds either way")

@@ -17,8 +17,8 @@ and backward must still follow its forward there. CP-SAT picks the cut points th
 largest of these times. A V pays for its first rank: that rank holds the first and the last
 stage, and between the first forward and the first microbatch's return it can run only the
 forwards of its first stage; a loop's ranks wait half a pipeline for their second stage
-instead. On jamba-v0.1 at pp 16 with 32 microbatches no V beats 1140.7 ms, an efficiency of
-at most 0.881 (``benchmarks/bench_tuner.py caps --fill``).
+instead. ``benchmarks/bench_tuner.py caps --fill`` gives the suite's caps (docs/BENCHMARKS.md,
+"The fill caps each placement").
 
 Only which stages share a rank matters, not which pp rank holds them, and every hop between
 ranks is priced as the smallest transfer the cluster has: the cap holds for every order of the
@@ -35,7 +35,7 @@ from octoplan.costs import TICKS_PER_MS
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
 
-__all__ = ["FillCap", "SHAPES", "fill_cap", "rank_of_stage", "shape_label", "shape_of", "shape_ranks"]
+__all__ = ["FillCap", "SHAPES", "fill_cap", "shape_label", "shape_of", "shape_ranks"]
 
 SHAPES = ("loop", "zigzag")
 
@@ -47,21 +47,20 @@ class FillCap(NamedTuple):
 
     @property
     def is_proven(self) -> bool:
-        return self.found_ms - self.proven_ms < 0.5 / TICKS_PER_MS
+        return round(self.found_ms * TICKS_PER_MS) <= round(self.proven_ms * TICKS_PER_MS)
 
 
 def shape_ranks(shape: str, pp: int, stages_per_rank: int) -> tuple[int, ...]:
-    """The rank of every stage of ``shape`` (one of :data:`SHAPES`)."""
+    """The rank of every stage of ``shape`` (one of :data:`SHAPES`): a loop gives rank r stages
+    r, pp + r, 2 pp + r, ...; a zigzag runs down the ranks and back up (stages r and
+    2 pp - 1 - r: a V)."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {SHAPES}, not {shape!r}")
-    return tuple(rank_of_stage(shape, pp, s) for s in range(stages_per_rank * pp))
-
-
-def rank_of_stage(shape: str, pp: int, stage: int) -> int:
-    """The rank that holds ``stage`` in ``shape``: a loop gives rank r stages r, pp + r, 2 pp + r,
-    ...; a zigzag runs down the ranks and back up (stages r and 2 pp - 1 - r: a V)."""
-    chunk, i = divmod(stage, pp)
-    return i if shape == "loop" or chunk % 2 == 0 else pp - 1 - i
+    ranks = []
+    for stage in range(stages_per_rank * pp):
+        chunk, i = divmod(stage, pp)
+        ranks.append(i if shape == "loop" or chunk % 2 == 0 else pp - 1 - i)
+    return tuple(ranks)
 
 
 def shape_of(ranks: Sequence[int], pp: int) -> tuple[str, int] | None:
@@ -72,7 +71,7 @@ def shape_of(ranks: Sequence[int], pp: int) -> tuple[str, int] | None:
         return None
     position = {rank: i for i, rank in enumerate(ranks[:pp])}  # the rank's place in the shape
     for shape in SHAPES:
-        if all(position.get(rank) == rank_of_stage(shape, pp, s) for s, rank in enumerate(ranks)):
+        if [position.get(rank) for rank in ranks] == list(shape_ranks(shape, pp, len(ranks) // pp)):
             return shape, len(ranks) // pp
     return None
 
@@ -125,8 +124,8 @@ def _tables(profile: Profile, cluster: Cluster) -> _Tables:
 def _fill_terms(f_at: Sequence, b_at: Sequence, d_at: Sequence, ranks: Sequence[int], m: int, t: _Tables) -> list:
     """The times no order of the layout can end before, one per fact of the module's docstring,
     from the tables' values at each cut point (``f_at[s]``: the forwards of the layers before
-    stage s): CP-SAT's variables in :func:`fill_cap`, whose model minimises the largest; with
-    integers, one layout's figures."""
+    stage s): integers price one layout; :func:`fill_cap` passes CP-SAT's variables, and its
+    model minimises the largest."""
     num_stages = len(ranks)
     hops_before = [0]  # hops on the way to stage s
     for s in range(num_stages - 1):
@@ -192,9 +191,12 @@ def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Se
     for term in _fill_terms(f_at, b_at, d_at, ranks, m, t):
         model.add(top >= term)
     model.minimize(top)
-    # a complete hint (every variable, the objective's too): CP-SAT then has its first answer at
-    # once, where an incomplete one can cost it its whole time limit to complete
+    # a complete hint (every variable, the objective's too): once presolved, CP-SAT starts from
+    # an answer, where an incomplete hint can cost it its whole time limit to complete
     start = list(hint) if hint is not None else _even_cuts(num_layers, num_stages)
+    if len(start) != num_stages + 1 or start[0] != 0 or start[-1] != num_layers or any(
+            a >= b for a, b in zip(start, start[1:])):
+        raise ValueError(f"hint must be {num_stages + 1} rising cut points from 0 to {num_layers}, not {start}")
     for s, c in enumerate(start):
         model.add_hint(cut[s], c)
         for var, table in ((f_at[s], t.fwd), (b_at[s], t.back), (d_at[s], t.down)):
@@ -208,7 +210,8 @@ def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Se
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     found = solver.objective_value / TICKS_PER_MS
-    proven = found if status == cp_model.OPTIMAL else solver.best_objective_bound / TICKS_PER_MS
+    # the objective is in whole ticks, so a fractional bound rounds up
+    proven = found if status == cp_model.OPTIMAL else math.ceil(solver.best_objective_bound - 1e-6) / TICKS_PER_MS
     return FillCap(found, proven, tuple(solver.value(c) for c in cut))
 
 
