@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from bench_tuner import FILL_SHAPES
 from probe_start_aware_loops import best_by_kind, orders, tune_beside, workloads
 
 from octoplan.costs import cheaper_backward, to_ticks
@@ -30,7 +31,6 @@ from octoplan.tuner.placed_cuts import loop_cuts, v_cuts
 from octoplan.tuner.seeds.base import SeedFamily, with_policies
 from octoplan.tuner.space import LONGEST_TAIL, Config
 
-SHAPES = (("zigzag", 2), ("loop", 2), ("zigzag", 3), ("loop", 3))
 ORIGIN = "fill-capped"
 
 
@@ -100,7 +100,7 @@ class FillCapped(SeedFamily):
 
     def seeds(self, ctx, config, earlier):
         out = []
-        for shape, k in SHAPES:
+        for shape, k in FILL_SHAPES:
             found = cut_points(ctx.profile, ctx.cluster, config, shape, k, self.args)
             if found is not None:
                 out += with_policies(config, found[0], shape_ranks(shape, config.pp, k), f"{ORIGIN} {shape} x{k}")
@@ -126,7 +126,7 @@ def main() -> None:
     p.add_argument("--tune", type=int, default=0, metavar="MAX_PLANS", help="also tune with and without these seeds")
     args = p.parse_args()
     for w, profile, cluster, ev, config in workloads(args.only):
-        for shape, k in SHAPES:
+        for shape, k in FILL_SHAPES:
             started = time.perf_counter()
             found = cut_points(profile, cluster, config, shape, k, args)
             if found is None:

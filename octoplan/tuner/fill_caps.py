@@ -170,6 +170,10 @@ def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Se
     num_layers, num_stages, m = profile.num_layers, len(ranks), microbatches
     if not 0 < num_stages <= num_layers:
         return None
+    start = list(hint) if hint is not None else _even_cuts(num_layers, num_stages)
+    if len(start) != num_stages + 1 or start[0] != 0 or start[-1] != num_layers or any(
+            a >= b for a, b in zip(start, start[1:])):
+        raise ValueError(f"hint must be {num_stages + 1} rising cut points from 0 to {num_layers}, not {start}")
     t = _tables(profile, cluster)
     model = cp_model.CpModel()
     cut = [model.new_int_var(0, num_layers, f"cut{s}") for s in range(num_stages + 1)]
@@ -193,10 +197,6 @@ def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Se
     model.minimize(top)
     # a complete hint (every variable, the objective's too): once presolved, CP-SAT starts from
     # an answer, where an incomplete hint can cost it its whole time limit to complete
-    start = list(hint) if hint is not None else _even_cuts(num_layers, num_stages)
-    if len(start) != num_stages + 1 or start[0] != 0 or start[-1] != num_layers or any(
-            a >= b for a, b in zip(start, start[1:])):
-        raise ValueError(f"hint must be {num_stages + 1} rising cut points from 0 to {num_layers}, not {start}")
     for s, c in enumerate(start):
         model.add_hint(cut[s], c)
         for var, table in ((f_at[s], t.fwd), (b_at[s], t.back), (d_at[s], t.down)):
