@@ -77,7 +77,7 @@ def accuracy(args: argparse.Namespace) -> None:
     print("| model | layers | sum of layers F+I+W ms | whole model ms | ratio (median of rounds) | rounds | F+B ratio "
           "| in-profile F+B ratio |")
     print("|---|---:|---:|---:|---:|---|---:|---:|")
-    for name in MODELS:
+    for name in args.models or MODELS:
         path = str(EXAMPLES / f"{name}.py")
         config = LARGE[name] if args.size == "large" else None
         kwargs = dict(config=config, microbatch_size=4, repeat=args.repeat, device=args.device, seed=0)
@@ -141,6 +141,9 @@ def repeatability(args: argparse.Namespace) -> None:
         print(f"per model, {args.profiles} back-to-back: {shlex.join(command)}")
     for skipped in sorted(set(f.stem for f in files) - set(f.stem for f in models)):
         print(f"not measured: {skipped} ({NOT_MEASURED[skipped]})")
+    if args.models:
+        print(f"only: {', '.join(args.models)} (--models)")
+        models = [f for f in models if f.stem in args.models]
     print()
     # The ratio in two parts: the layers' sum over the pass they were timed in (what splitting it
     # into layers does), and that pass over the plain whole model (what running the layers as
@@ -302,6 +305,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (layers timed with CUDA events)")
     parser.add_argument("--size", choices=("small", "large"), default="small", help="large: GPU-sized layers")
+    models_help = "only these example models [default: every one]"
+    parser.add_argument("--models", nargs="+", choices=MODELS, help=models_help)
     parser.add_argument("--config-args", metavar="MODEL", choices=MODELS,
                         help="only print MODEL's large config as octoplan profile options")
     commands = parser.add_subparsers(dest="command")
@@ -310,6 +315,7 @@ def main() -> None:
     repeat.add_argument("--device", default="cpu")
     repeat.add_argument("--size", choices=("small", "large"), default="small", help="large: GPU-sized layers")
     repeat.add_argument("--repeat", type=int, default=None, help="octoplan profile --repeat [default: its own]")
+    repeat.add_argument("--models", nargs="+", choices=MODELS, help=models_help)
     repeat.add_argument("--in-process", action="store_true",
                         help="the profiles in this process, not one command each: what stays the same within a process "
                              "(where its tensors lie in memory) stays out of the comparison")

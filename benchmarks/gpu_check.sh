@@ -30,7 +30,8 @@
 #      example model at each size, each profile's layers' F + B against the whole model timed in
 #      the same run, and how far each layer's share moved between them
 #      (benchmarks/bench_profiler.py repeatability).
-# BF16_MODELS="tiny_gpt" runs step 5 on that model only.
+# MODELS="tiny_gpt" runs every step on that example model only (step 4: its own pipelines), as
+# the suite's short rehearsal on the CPU does; BF16_MODELS="tiny_gpt" narrows step 5 alone.
 # STEPS="1 6" runs only those steps, in the order below (step 4 needs step 3 and the small size); SIZES="small"
 # skips the GPU-sized models.
 set -euo pipefail
@@ -45,7 +46,9 @@ export COLUMNS=200 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH
 ROUNDS="${ROUNDS:-3}"
 if [ "$DEVICE" = cuda ]; then SIZES="${SIZES:-small large}"; else SIZES="${SIZES:-small}"; fi
 STEPS="${STEPS:-1 2 3 4 5 6}"  # which of the steps below to run
+MODELS="${MODELS:-tiny_gpt vlm hybrid}"  # which example models they run on
 step() { [[ " $STEPS " == *" $1 "* ]]; }
+has_model() { [[ " $MODELS " == *" $1 "* ]]; }
 if step 4 && ! step 3; then echo "gpu_check.sh: STEPS=\"$STEPS\": step 4 trains on step 3's profiles; add 3" >&2; exit 2; fi
 if step 4 && [[ " $SIZES " != *" small "* ]]; then echo "gpu_check.sh: SIZES=\"$SIZES\": step 4 uses the small models; add small" >&2; exit 2; fi
 
@@ -55,7 +58,7 @@ echo "== device"
 if step 1; then
     for size in $SIZES; do
         echo "== 1. profiler accuracy on $DEVICE, $size layers (sum of layers against the whole model)"
-        "$PY" benchmarks/bench_profiler.py --device "$DEVICE" --rounds "$ROUNDS" --size "$size" | tee -a "$OUT/profiler.md"
+        "$PY" benchmarks/bench_profiler.py --device "$DEVICE" --rounds "$ROUNDS" --size "$size" --models $MODELS | tee -a "$OUT/profiler.md"
     done
 fi
 
@@ -69,7 +72,7 @@ if step 3; then
     echo "== 3. profile each example model on $DEVICE, then train 3 steps of 1-rank plans of it with octorun:
    1F1B (fused backwards, B) and ZB-H1 (split backwards, I and W)"
     for size in $SIZES; do
-        for model in tiny_gpt vlm hybrid; do
+        for model in $MODELS; do
             name=$model; config=()
             if [ "$size" = large ]; then
                 name=$model-large
@@ -109,17 +112,19 @@ PY
 if step 4; then
     echo "== 4. several processes on one $DEVICE: pipelines of 2 and 4 ranks, losses against the 1-rank run"
     if [ "$DEVICE" = cuda ]; then LAUNCH=(env LOCAL_RANK=0); BACKEND=nccl; else LAUNCH=(); BACKEND=gloo; fi
-    multi tiny_gpt-1f1b-pp2 tiny_gpt 2 4 --schedule 1f1b
-    multi tiny_gpt-interleaved-pp2 tiny_gpt 2 4 --schedule interleaved-1f1b
-    multi tiny_gpt-zbv-pp2 tiny_gpt 2 4 --schedule zbv
-    multi vlm-1f1b-pp2 vlm 2 4 --schedule 1f1b
-    multi hybrid-zbv-pp4 hybrid 4 4 --schedule zbv
-    multi tiny_gpt-1f1b-pp2-dp2 tiny_gpt 4 2 --schedule 1f1b --pp 2
+    if has_model tiny_gpt; then
+        multi tiny_gpt-1f1b-pp2 tiny_gpt 2 4 --schedule 1f1b
+        multi tiny_gpt-interleaved-pp2 tiny_gpt 2 4 --schedule interleaved-1f1b
+        multi tiny_gpt-zbv-pp2 tiny_gpt 2 4 --schedule zbv
+        multi tiny_gpt-1f1b-pp2-dp2 tiny_gpt 4 2 --schedule 1f1b --pp 2
+    fi
+    if has_model vlm; then multi vlm-1f1b-pp2 vlm 2 4 --schedule 1f1b; fi
+    if has_model hybrid; then multi hybrid-zbv-pp4 hybrid 4 4 --schedule zbv; fi
 fi
 if step 5; then
     echo "== 5. bf16 training on $DEVICE: profile --precision bf16, a 1-rank plan, 4 steps saving after step 2, then a resume"
     TRAIN=(--precision bf16 --optimizer adamw --lr 3e-3 --grad-clip 1.0 --lr-schedule cosine --steps 4 --timeout 120)
-    for model in ${BF16_MODELS:-tiny_gpt vlm hybrid}; do
+    for model in ${BF16_MODELS:-$MODELS}; do
         "$PY" -m octoplan.cli profile "examples/models/$model.py" --precision bf16 --device "$DEVICE" --repeat 5 \
             -o "$WORK/$model-bf16.yaml" | tail -1
         "$PY" -m octoplan.cli baseline "$WORK/$model-bf16.yaml" --gpus 1 --schedule 1f1b --microbatches 4 \
@@ -140,7 +145,7 @@ fi
 if step 6; then
     for size in $SIZES; do
         echo "== 6. the profiler's repeatability on $DEVICE, $size layers: ${PROFILES:-3} back-to-back profiles per model"
-        "$PY" benchmarks/bench_profiler.py repeatability --device "$DEVICE" --size "$size" --profiles "${PROFILES:-3}" \
+        "$PY" benchmarks/bench_profiler.py repeatability --device "$DEVICE" --size "$size" --profiles "${PROFILES:-3}" --models $MODELS \
             | tee -a "$OUT/repeatability.md"
     done
 fi

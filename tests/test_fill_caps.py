@@ -4,6 +4,7 @@ every cut of small profiles, and on the suite's jamba-v0.1, whose V it caps belo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import sys
@@ -14,7 +15,7 @@ from octoplan.costs import lower_bound_ms
 from octoplan.plan import Cluster
 from octoplan.schedules.exact import order_bound
 from octoplan.tuner.fill_caps import fill_cap, shape_label, shape_of, shape_ranks
-from octoplan.tuner.seeds.base import with_policies
+from octoplan.tuner.seeds.base import SPLIT_SETTINGS, with_policies
 from octoplan.tuner.space import Config, Evaluator
 from tests.conftest import REPO, free_cluster, make_profile, uniform_profile
 
@@ -40,11 +41,12 @@ def test_a_v_of_four_unit_layers_is_capped_by_hand_and_its_best_order_meets_the_
     assert best == pytest.approx(13.0)
 
 
-def _best_order_ms(profile, cluster, microbatches, bounds, ranks) -> float:
-    """The exact best order of a layout (any in-flight count), by CP-SAT."""
+def _best_order_ms(profile, cluster, microbatches, bounds, ranks, settings=SPLIT_SETTINGS) -> float:
+    """The exact best order of a layout (any in-flight count), by CP-SAT, its backwards split
+    or fused as the first of the policy ``settings`` has them."""
     evaluator = Evaluator(profile, cluster)
     pp = max(ranks) + 1
-    cand = with_policies(Config(pp, 1, microbatches), bounds, ranks, "test")[0]
+    cand = with_policies(Config(pp, 1, microbatches), bounds, ranks, "test", settings)[0]
     found = order_bound(evaluator.schedule(cand), list(ranks), evaluator.costs(cand), cluster=cluster,
                         parallel=cand.config.parallel(), time_limit_s=20.0, keep_memory=False)
     assert found.status == "OPTIMAL"
@@ -68,6 +70,28 @@ def test_no_cut_of_a_shape_has_an_order_faster_than_its_cap(shape, seed):
                   for inner in itertools.combinations(range(1, 6), 3))
     assert cap.proven_ms <= fastest + 1e-6
     assert cap.proven_ms > lower_bound_ms(profile, pp=2, microbatches=microbatches)
+
+
+@pytest.mark.parametrize("shape", ["zigzag", "loop"])
+def test_the_cap_holds_with_a_per_op_overhead_and_a_fused_backward_cheaper_than_i_plus_w(shape):
+    # The cap prices every op's overhead once per stage and op kind, and a rank's backward at
+    # the cheaper of I + W and the fused B. Here every layer's fused B costs 60% of its I + W
+    # and every op pays 0.3 ms: no cut's best order, with its backwards split or fused, beats
+    # the cap, and the overhead shows in it (the cap is above the same profile's without).
+    rng = random.Random(7)
+    plain = make_profile([(rng.randint(1, 4), rng.randint(1, 4), rng.randint(1, 3)) for _ in range(6)], out=1 << 20)
+    profile = dataclasses.replace(plain, layers=tuple(
+        dataclasses.replace(l, backward_ms=0.6 * (l.backward_input_ms + l.backward_weight_ms)) for l in plain.layers))
+    cluster = free_cluster(2, op_overhead_us=300.0)
+    microbatches = 3
+    ranks = shape_ranks(shape, 2, 2)
+    cap = fill_cap(profile, cluster, microbatches=microbatches, ranks=ranks)
+    assert cap is not None and cap.is_proven
+    fused, split = ((False, 1.0, True),), ((True, 2.0, False),)
+    fastest = min(_best_order_ms(profile, cluster, microbatches, (0, *inner, 6), ranks, settings)
+                  for inner in itertools.combinations(range(1, 6), 3) for settings in (fused, split))
+    assert cap.proven_ms <= fastest + 1e-6
+    assert cap.proven_ms > fill_cap(profile, free_cluster(2), microbatches=microbatches, ranks=ranks).proven_ms
 
 
 def test_a_shape_needs_a_layer_for_every_stage():
