@@ -10,7 +10,8 @@ ordered by the policy scheduler, justified, by the shifting-bottleneck procedure
 tail first (:func:`probe_start_aware_loops.orders`), with its one-machine relaxation. With
 ``--tune N`` the layouts are also one more seed family (policy orders, and each layout's best
 rebuilt longest tail first before the climbs) in a tune with ``--max-plans N``, beside the
-same tune without them.
+same tune without them. ``--order-search S`` also gives CP-SAT's order search (in flight
+unbounded) S seconds from each layout's fastest order.
 
     cd benchmarks && ../.venv/bin/python probe_fill_seeds.py --only internvl2-8b jamba-v0.1 [--cuts local] [--tune 2500]
 """
@@ -18,15 +19,16 @@ same tune without them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from bench_tuner import FILL_SHAPES
 from probe_start_aware_loops import best_by_kind, orders, tune_beside, workloads
 
 from octoplan.costs import cheaper_backward, to_ticks
-from octoplan.schedules.exact import relaxation_bound
+from octoplan.schedules.exact import order_bound, relaxation_bound
 from octoplan.tuner.climb import climbs_end_s
-from octoplan.tuner.fill_caps import _even_cuts, _fill_terms, _tables, fill_cap, shape_ranks
+from octoplan.tuner.fill_caps import _even_cuts, _figure, _fill_terms, _tables, fill_cap, shape_ranks
 from octoplan.tuner.placed_cuts import loop_cuts, v_cuts
 from octoplan.tuner.seeds.base import SeedFamily, with_policies
 from octoplan.tuner.space import LONGEST_TAIL, Config
@@ -44,8 +46,8 @@ def local_cut(profile, cluster, microbatches, ranks, start, *, pairs: bool, max_
     def figures(cuts):
         nonlocal trials
         trials += 1
-        return sorted(_fill_terms(*[[table[c] for c in cuts] for table in (t.fwd, t.back, t.down)], ranks,
-                                  microbatches, t), reverse=True)
+        return sorted(_figure(_fill_terms(*[[table[c] for c in cuts] for table in (t.fwd, t.back, t.down)], ranks,
+                                          microbatches, t)), reverse=True)
 
     def legal(cuts):
         return all(a < b for a, b in zip(cuts, cuts[1:]))
@@ -123,6 +125,8 @@ def main() -> None:
     p.add_argument("--cap-time", type=float, default=10.0, help="CP-SAT's deterministic seconds per shape")
     p.add_argument("--pairs", action="store_true", help="--cuts local: move pairs of boundaries too")
     p.add_argument("--rank-balanced", action="store_true", help="--cuts local: start from the rank-balanced cuts too")
+    p.add_argument("--order-search", type=float, default=0, metavar="S",
+                   help="also give CP-SAT's order search S seconds from each layout's fastest order")
     p.add_argument("--tune", type=int, default=0, metavar="MAX_PLANS", help="also tune with and without these seeds")
     args = p.parse_args()
     for w, profile, cluster, ev, config in workloads(args.only):
@@ -140,6 +144,14 @@ def main() -> None:
             best = best_by_kind(ev, made)
             print(f"{w.name} {shape} x{k} ({args.cuts} cuts, {cut_s:.1f} s): fill figure {found[1]:.1f} ms, "
                   f"relaxation {relax:.1f} ms; " + ", ".join(f"{kind} {ms:.1f}" for kind, ms in best.items()), flush=True)
+            if args.order_search:
+                fastest = min((c for _, c in made if ev.score(c).fits), key=lambda c: ev.score(c).iteration_ms)
+                searched = order_bound(ev.schedule(fastest), list(ranks), ev.costs(fastest), cluster=cluster,
+                                       parallel=config.parallel(), time_limit_s=args.order_search, keep_memory=False)
+                scored = ev.score(dataclasses.replace(fastest, fixed=searched.order, fixed_id="order search"))
+                print(f"  CP-SAT's order search from the fastest, {args.order_search:g} s: {searched.status}, "
+                      f"{scored.iteration_ms:.1f} ms simulated (fits: {scored.fits}), no order below "
+                      f"{searched.lower_bound_ms:.1f}", flush=True)
         if args.tune:
             tune_beside(w, FillCapped(args), args.tune)
 

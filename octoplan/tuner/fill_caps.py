@@ -3,21 +3,24 @@ the iteration time of every layout whose stages sit on the ranks as given (a loo
 any other), whatever its cut points, the order of its ranks and its op order.
 
 The balance cap (:mod:`octoplan.tuner.caps`) leaves out that a rank cannot work before work
-reaches it. Here each rank is held to three facts, each true of every order:
+reaches it. Here each rank is held to four facts, each true of every order:
 
 - it cannot start its first stage before the first microbatch's forward has passed every
   layer before that stage (with the smallest transfer between ranks on every hop), and from
   then on it still has all its work to run, M microbatches of F plus the cheaper backward;
 - before the first microbatch reaches one of its later stages, it can run only the forwards of
   its earlier stages: the rest of its work comes after that arrival;
+- and microbatches reach each of its stages no faster than the slowest forward before that
+  stage passes them on: microbatch J arrives J such forwards after the first at the earliest,
+  so a rank behind a thick stage idles while it waits for its next stage;
 - before the first backward reaches its last stage, it can run only forwards.
 
 And every stage runs its M forwards one after another, as the last microbatch's whole forward
-and backward must still follow its forward there. CP-SAT picks the cut points that minimise the
-largest of these times. A V pays for its first rank: that rank holds the first and the last
-stage, and between the first forward and the first microbatch's return it can run only the
-forwards of its first stage; a loop's ranks wait half a pipeline for their second stage
-instead. ``benchmarks/bench_tuner.py caps --fill`` gives the suite's caps (docs/BENCHMARKS.md,
+and backward must still follow its forward there; its M backwards on the way down likewise.
+CP-SAT picks the cut points that minimise the largest of these times. A V pays for its first
+rank: that rank holds the first and the last stage, and between the first forward and the first
+microbatch's return it can run only the forwards of its first stage; a loop's ranks wait half a
+pipeline for their second stage instead. ``benchmarks/bench_tuner.py caps --fill`` gives the suite's caps (docs/BENCHMARKS.md,
 "The fill caps each placement").
 
 Only which stages share a rank matters, not which pp rank holds them, and every hop between
@@ -28,6 +31,7 @@ microseconds), so the cap stays a bound.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple, Sequence
 
@@ -121,16 +125,33 @@ def _tables(profile: Profile, cluster: Cluster) -> _Tables:
     )
 
 
-def _fill_terms(f_at: Sequence, b_at: Sequence, d_at: Sequence, ranks: Sequence[int], m: int, t: _Tables) -> list:
+def _stage_forwards(f_at: Sequence, t: _Tables) -> list:
+    """Each stage's forward op, its overhead included, from the forwards' table at the cut points."""
+    return [f_at[s + 1] - f_at[s] + t.overhead for s in range(len(f_at) - 1)]
+
+
+def _arrival_steps(m: int) -> range:
+    """The microbatches J whose arrival the rate facts price: every one up to 16, then a
+    spread of 16 (each J gives a valid fact; more only tighten the cap a little, at CP-SAT's
+    time)."""
+    return range(1, m, max(1, m // 16))
+
+
+def _fill_terms(f_at: Sequence, b_at: Sequence, d_at: Sequence, ranks: Sequence[int], m: int, t: _Tables,
+                rate: Sequence | None = None) -> list[tuple]:
     """The times no order of the layout can end before, one per fact of the module's docstring,
     from the tables' values at each cut point (``f_at[s]``: the forwards of the layers before
     stage s): integers price one layout; :func:`fill_cap` passes CP-SAT's variables, and its
-    model minimises the largest."""
+    model minimises the largest. Each term is a tuple of alternatives, and the layout cannot end
+    before the least of them. ``rate[s]``: the slowest forward op of stages 0..s (computed here
+    for integers; CP-SAT's model passes its own variables)."""
     num_stages = len(ranks)
     hops_before = [0]  # hops on the way to stage s
     for s in range(num_stages - 1):
         hops_before.append(hops_before[-1] + int(ranks[s] != ranks[s + 1]))
-    stage_f = [f_at[s + 1] - f_at[s] + t.overhead for s in range(num_stages)]
+    stage_f = _stage_forwards(f_at, t)
+    if rate is None:
+        rate = list(itertools.accumulate(stage_f, max))
     stage_b = [b_at[s + 1] - b_at[s] + t.overhead for s in range(num_stages)]
     stage_d = [d_at[s + 1] - d_at[s] + t.overhead for s in range(num_stages)]
     # the first microbatch's forward reaches stage s
@@ -138,22 +159,39 @@ def _fill_terms(f_at: Sequence, b_at: Sequence, d_at: Sequence, ranks: Sequence[
     forward_done = reach[-1] + stage_f[-1]
     total_hops = hops_before[-1]
     whole_backward = sum(stage_d, 0) + total_hops * t.hop
-    terms = []
+    terms: list[tuple] = []
     for r in sorted(set(ranks)):
         mine = [s for s in range(num_stages) if ranks[s] == r]
         for k, s in enumerate(mine):
             # before the first microbatch reaches s, only the earlier stages' forwards can run
-            terms.append(reach[s] + m * (sum(stage_b[j] for j in mine[:k]) + sum(stage_f[j] + stage_b[j] for j in mine[k:])))
+            rest = m * (sum(stage_b[j] for j in mine[:k]) + sum(stage_f[j] + stage_b[j] for j in mine[k:]))
+            terms.append((reach[s] + rest,))
+            if k == 0:
+                continue
+            # and microbatches reach the stage before it no faster than the slowest forward
+            # ahead of it passes them on: microbatch J and every later one not before
+            # J x that forward after the first. So the rank's forwards of microbatches J and
+            # later there, and everything counted above, wait for the earlier of that time and
+            # the first microbatch's arrival at s
+            before = mine[k - 1]
+            for j in _arrival_steps(m):
+                terms.append((reach[before] + j * rate[before] + (m - j) * stage_f[before] + rest, reach[s] + (m - j) * stage_f[before] + rest))
         # before the first backward reaches the rank, only forwards can run
         last = mine[-1]
         back_reaches = forward_done + sum(stage_d[last + 1:], 0) + (total_hops - hops_before[last]) * t.hop
-        terms.append(back_reaches + m * sum(stage_b[j] for j in mine))
+        terms.append((back_reaches + m * sum(stage_b[j] for j in mine),))
     for s in range(num_stages):
         # stage s runs its M forwards one after another, so the last of them ends M - 1 forwards
         # later than the first could; that microbatch's forward through the later stages and its
-        # whole backward still follow
-        terms.append(forward_done + (m - 1) * stage_f[s] + whole_backward)
+        # whole backward still follow. Its M backwards on the way down likewise
+        terms.append((forward_done + (m - 1) * stage_f[s] + whole_backward,))
+        terms.append((forward_done + (m - 1) * stage_d[s] + whole_backward,))
     return terms
+
+
+def _figure(terms: list[tuple]) -> list:
+    """Each term's value for one layout (integers): the least of its alternatives."""
+    return [min(alternatives) for alternatives in terms]
 
 
 def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Sequence[int],
@@ -189,11 +227,24 @@ def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Se
         return out
 
     f_at, b_at, d_at = at(t.fwd, "f"), at(t.back, "b"), at(t.down, "d")
+    stage_f = _stage_forwards(f_at, t)
+    rate = [model.new_int_var(0, t.fwd[-1] + t.overhead, f"rate{s}") for s in range(num_stages)]
+    for s in range(num_stages):
+        model.add_max_equality(rate[s], [stage_f[s]] if s == 0 else [rate[s - 1], stage_f[s]])
     top_max = (m * (t.fwd[-1] + t.back[-1] + 3 * t.overhead * num_stages) + t.fwd[-1] + t.down[-1]
                + 2 * num_stages * (t.overhead + t.hop))
     top = model.new_int_var(0, top_max, "top")
-    for term in _fill_terms(f_at, b_at, d_at, ranks, m, t):
-        model.add(top >= term)
+    # the hinted layout's own terms, to hint which alternative of each bounds it
+    hinted_terms = _fill_terms(*[[table[c] for c in start] for table in (t.fwd, t.back, t.down)], ranks, m, t)
+    earlier = []
+    for alternatives, hinted in zip(_fill_terms(f_at, b_at, d_at, ranks, m, t, rate), hinted_terms):
+        if len(alternatives) == 1:
+            model.add(top >= alternatives[0])
+            continue
+        first = model.new_bool_var(f"earlier{len(earlier)}")  # the first alternative bounds it
+        model.add(top >= alternatives[0]).only_enforce_if(first)
+        model.add(top >= alternatives[1]).only_enforce_if(~first)
+        earlier.append((first, hinted[0] <= hinted[1]))
     model.minimize(top)
     # a complete hint (every variable, the objective's too): once presolved, CP-SAT starts from
     # an answer, where an incomplete hint can cost it its whole time limit to complete
@@ -201,6 +252,10 @@ def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Se
         model.add_hint(cut[s], c)
         for var, table in ((f_at[s], t.fwd), (b_at[s], t.back), (d_at[s], t.down)):
             model.add_hint(var, table[c])
+    for var, value in zip(rate, itertools.accumulate(_stage_forwards([t.fwd[c] for c in start], t), max)):
+        model.add_hint(var, value)
+    for var, value in earlier:
+        model.add_hint(var, value)
     model.add_hint(top, top_max)
 
     solver = cp_model.CpSolver()
