@@ -10,7 +10,7 @@ reaches it. Here each rank is held to four facts, each true of every order:
   then on it still has all its work to run, M microbatches of F plus the cheaper backward;
 - before the first microbatch reaches one of its later stages, it can run only the forwards of
   its earlier stages: the rest of its work comes after that arrival;
-- and microbatches reach each of its stages no faster than the slowest forward before that
+- microbatches reach each of its stages no faster than the slowest forward before that
   stage passes them on: microbatch J arrives J such forwards after the first at the earliest,
   so a rank behind a thick stage idles while it waits for its next stage;
 - before the first backward reaches its last stage, it can run only forwards.
@@ -20,8 +20,8 @@ and backward must still follow its forward there; its M backwards on the way dow
 CP-SAT picks the cut points that minimise the largest of these times. A V pays for its first
 rank: that rank holds the first and the last stage, and between the first forward and the first
 microbatch's return it can run only the forwards of its first stage; a loop's ranks wait half a
-pipeline for their second stage instead. ``benchmarks/bench_tuner.py caps --fill`` gives the suite's caps (docs/BENCHMARKS.md,
-"The fill caps each placement").
+pipeline for their second stage instead. ``benchmarks/bench_tuner.py caps --fill`` gives the
+suite's caps (docs/BENCHMARKS.md, "The fill caps each placement").
 
 Only which stages share a rank matters, not which pp rank holds them, and every hop between
 ranks is priced as the smallest transfer the cluster has: the cap holds for every order of the
@@ -131,9 +131,9 @@ def _stage_forwards(f_at: Sequence, t: _Tables) -> list:
 
 
 def _arrival_steps(m: int) -> range:
-    """The microbatches J whose arrival the rate facts price: every one up to 16, then a
-    spread of 16 (each J gives a valid fact; more only tighten the cap a little, at CP-SAT's
-    time)."""
+    """The microbatches J whose arrival the rate facts price: every one for up to 31
+    microbatches, about 16 spread evenly beyond (each J gives a valid fact; more would tighten
+    the cap a little, at CP-SAT's time)."""
     return range(1, m, max(1, m // 16))
 
 
@@ -175,7 +175,8 @@ def _fill_terms(f_at: Sequence, b_at: Sequence, d_at: Sequence, ranks: Sequence[
             # the first microbatch's arrival at s
             before = mine[k - 1]
             for j in _arrival_steps(m):
-                terms.append((reach[before] + j * rate[before] + (m - j) * stage_f[before] + rest, reach[s] + (m - j) * stage_f[before] + rest))
+                after = (m - j) * stage_f[before] + rest
+                terms.append((reach[before] + j * rate[before] + after, reach[s] + after))
         # before the first backward reaches the rank, only forwards can run
         last = mine[-1]
         back_reaches = forward_done + sum(stage_d[last + 1:], 0) + (total_hops - hops_before[last]) * t.hop
@@ -234,8 +235,10 @@ def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Se
     top_max = (m * (t.fwd[-1] + t.back[-1] + 3 * t.overhead * num_stages) + t.fwd[-1] + t.down[-1]
                + 2 * num_stages * (t.overhead + t.hop))
     top = model.new_int_var(0, top_max, "top")
-    # the hinted layout's own terms, to hint which alternative of each bounds it
-    hinted_terms = _fill_terms(*[[table[c] for c in start] for table in (t.fwd, t.back, t.down)], ranks, m, t)
+    # the hinted layout's tables at its cut points, and its own terms, to hint which
+    # alternative of each bounds it
+    hinted_at = [[table[c] for c in start] for table in (t.fwd, t.back, t.down)]
+    hinted_terms = _fill_terms(*hinted_at, ranks, m, t)
     earlier = []
     for alternatives, hinted in zip(_fill_terms(f_at, b_at, d_at, ranks, m, t, rate), hinted_terms):
         if len(alternatives) == 1:
@@ -250,9 +253,9 @@ def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Se
     # an answer, where an incomplete hint can cost it its whole time limit to complete
     for s, c in enumerate(start):
         model.add_hint(cut[s], c)
-        for var, table in ((f_at[s], t.fwd), (b_at[s], t.back), (d_at[s], t.down)):
-            model.add_hint(var, table[c])
-    for var, value in zip(rate, itertools.accumulate(_stage_forwards([t.fwd[c] for c in start], t), max)):
+        for var, values in zip((f_at[s], b_at[s], d_at[s]), hinted_at):
+            model.add_hint(var, values[s])
+    for var, value in zip(rate, itertools.accumulate(_stage_forwards(hinted_at[0], t), max)):
         model.add_hint(var, value)
     for var, value in earlier:
         model.add_hint(var, value)
