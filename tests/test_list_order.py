@@ -52,6 +52,23 @@ def test_a_plain_pipeline_reaches_its_bound_from_gpipe_order():
         assert simulate(_plan(profile, cluster, parallel, stages, order), profile).iteration_ms == 33.0
 
 
+def test_given_tails_replace_the_dataflow_s():
+    # The same pipeline with priorities that put every forward first (100 against 0): the last
+    # rank's forwards arrive one per ms from t=3, each beats the I waiting beside it, so that
+    # rank runs all 8 forwards before its first I, where the dataflow's tails interleave them
+    # (above). GPipe's order, and its 33 ms: the last I leaves rank 3 at 27 and takes 2 ms per
+    # rank down to rank 0.
+    from octoplan.ops import Kind
+
+    profile, cluster, parallel, stages, costs, ops = gpipe("I W")
+    forwards_first = [100.0 if op.kind is Kind.F else 0.0 for rank_ops in ops for op in rank_ops]
+    order, span = longest_tail_order(ops, range(4), costs, cluster=cluster, parallel=parallel, tail=forwards_first)
+    assert " ".join(map(str, order[3])).startswith("3F0 3F1 3F2 3F3 3F4 3F5 3F6 3F7 3I0")
+    assert span == 33.0
+    default, _ = longest_tail_order(ops, range(4), costs, cluster=cluster, parallel=parallel)
+    assert " ".join(map(str, default[3])).startswith("3F0 3F1 3I0")
+
+
 def test_the_tuner_offers_the_list_order_once_per_candidate():
     # the climb's neighbourhood: the new orders of the policy seed (in-flight bound kept and
     # free of it, each justified), named after the rule, the best at the 26 ms optimum; asked

@@ -33,12 +33,16 @@ __all__ = ["longest_tail_order"]
 
 
 def longest_tail_order(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], costs: Sequence[StageCost], *,
-                       cluster: Cluster, parallel: Parallel, keep_memory: bool = True) -> tuple[list[list[Op]], float]:
+                       cluster: Cluster, parallel: Parallel, keep_memory: bool = True,
+                       tail: Sequence[float] | None = None) -> tuple[list[list[Op]], float]:
     """Per-rank op lists for ``schedule``'s ops on its layout, each rank running, whenever it is
     free, the arrived op with the longest tail; and their makespan in the order model.
-    ``keep_memory``: no stage holds more microbatches in flight than in ``schedule``."""
+    ``keep_memory``: no stage holds more microbatches in flight than in ``schedule``. ``tail``:
+    the priorities to use instead of the dataflow's tails, one per op of ``schedule`` taken rank
+    by rank (``benchmarks/probe_x3_orders.py`` tries tails over an order's rank sequence)."""
     graph = OpGraph(schedule, rank_of_stage, costs, cluster, parallel, keep_memory)
-    _, tail, place = heads_and_tails(graph)
+    _, dataflow_tail, place = heads_and_tails(graph)
+    tail = dataflow_tail if tail is None else tail
     n, num_ranks = len(graph.dur), graph.num_ranks
     missing = [len(p) for p in graph.preds]
     arrival = [0.0] * n  # when the op's last input has arrived (once all its predecessors ran)
