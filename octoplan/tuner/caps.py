@@ -71,6 +71,7 @@ def balance_cap(profile: Profile, pp: int, *, stages_per_rank: int | None = None
     solver.parameters.num_workers = 1
     solver.parameters.max_deterministic_time = time_limit_s
     solver.parameters.random_seed = 0
+    solver.parameters.catch_sigint_signal = False  # Ctrl-C ends the command, not just this solve
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return BalanceCap(float("nan"), float("nan"))

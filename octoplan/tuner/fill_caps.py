@@ -264,6 +264,7 @@ def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Se
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = max(0.01, time_limit_s)
     solver.parameters.num_workers = 1
+    solver.parameters.catch_sigint_signal = False  # Ctrl-C ends the command, not just this solve
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

@@ -10,7 +10,9 @@
    is given), so the answer is never worse than the best baseline that fits; then, per
    configuration, the seeds of every family in :data:`octoplan.tuner.seeds.SEED_FAMILIES`
    that applies: Megatron-LM's orders (``--runs-on megatron``), policy-scheduled seeds
-   (balanced partitions in loop and V placements), the CP-SAT partition + placement
+   (balanced partitions in loop and V placements), loops and Vs cut for the busiest rank's
+   least work and, in tunes of 30 s or more, for the least fill cap
+   (:mod:`octoplan.tuner.seeds.fill_capped`), the CP-SAT partition + placement
    (:mod:`octoplan.tuner.cpsat`), and every seed layout re-placed so that late-starting ranks
    carry less (:mod:`octoplan.tuner.arrange`).
 3. Rank (:func:`_ranked`): price every seed, best first; then the families add seeds made

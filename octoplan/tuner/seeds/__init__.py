@@ -14,6 +14,7 @@ should rank among equals (``tune(..., seed_families=...)`` takes another list, f
 
 from octoplan.tuner.seeds.base import Ranked, SeedContext, SeedFamily
 from octoplan.tuner.seeds.cpsat import CpsatSeeds
+from octoplan.tuner.seeds.fill_capped import FillCappedSeeds
 from octoplan.tuner.seeds.justified import JUSTIFIED_SEEDS, LIST_ORDERED_SEEDS, JustifiedSeeds, ListOrderedSeeds
 from octoplan.tuner.seeds.megatron import MegatronSeeds
 from octoplan.tuner.seeds.policy import PolicySeeds
@@ -21,7 +22,7 @@ from octoplan.tuner.seeds.rank_balanced import RankBalancedSeeds
 from octoplan.tuner.seeds.recompute import RECOMPUTE_SEEDS, RecomputingCopies
 from octoplan.tuner.seeds.start_aware import StartAwareSeeds
 
-__all__ = ["SeedFamily", "SeedContext", "Ranked", "SEED_FAMILIES", "MegatronSeeds", "PolicySeeds", "RankBalancedSeeds", "CpsatSeeds",
+__all__ = ["SeedFamily", "SeedContext", "Ranked", "SEED_FAMILIES", "MegatronSeeds", "PolicySeeds", "RankBalancedSeeds", "FillCappedSeeds", "CpsatSeeds",
            "StartAwareSeeds", "RecomputingCopies", "JustifiedSeeds", "JUSTIFIED_SEEDS", "ListOrderedSeeds",
            "LIST_ORDERED_SEEDS", "RECOMPUTE_SEEDS"]
 
@@ -29,6 +30,7 @@ SEED_FAMILIES: tuple[SeedFamily, ...] = (
     MegatronSeeds(),  # --runs-on megatron: Megatron-LM's own orders, partitions snapped to its layers
     PolicySeeds(),  # balanced partitions, loop and V placements, the policy scheduler's knobs
     RankBalancedSeeds(),  # loop and V cut for the busiest rank's least work
+    FillCappedSeeds(),  # loop and V cut for the least fill cap (CP-SAT, in tunes long enough)
     CpsatSeeds(),  # CP-SAT's partition + placement
     StartAwareSeeds(),  # the seeds so far re-placed so late-starting ranks carry less
     RecomputingCopies(),  # from the ranked seeds: the best copied with every stage recomputing
