@@ -10,7 +10,7 @@ ordered by the policy scheduler, justified, by the shifting-bottleneck procedure
 tail first (:func:`probe_start_aware_loops.orders`), with its one-machine relaxation. With
 ``--tune N`` the layouts are also one more seed family (policy orders, and each layout's best
 rebuilt longest tail first before the climbs) in a tune with ``--max-plans N``, beside the
-same tune without them. ``--order-search S`` also gives CP-SAT's order search (in flight
+same tune without them (and without the tuner's own fill-capped seeds, which these replace). ``--order-search S`` also gives CP-SAT's order search (in flight
 unbounded) S seconds from each layout's fastest order.
 
     cd benchmarks && ../.venv/bin/python probe_fill_seeds.py --only internvl2-8b jamba-v0.1 [--cuts local] [--tune 2500]
@@ -27,14 +27,11 @@ from probe_start_aware_loops import best_by_kind, orders, tune_beside, workloads
 
 from octoplan.costs import cheaper_backward, to_ticks
 from octoplan.schedules.exact import order_bound, relaxation_bound
-from octoplan.tuner.climb import climbs_end_s
 from octoplan.tuner.fill_caps import _even_cuts, _figure, _fill_terms, _tables, fill_cap, shape_ranks
 from octoplan.tuner.placed_cuts import loop_cuts, v_cuts
-from octoplan.tuner.seeds.base import SeedFamily, with_policies
-from octoplan.tuner.space import LONGEST_TAIL, Config
-
-ORIGIN = "fill-capped"
-
+from octoplan.tuner.seeds.base import with_policies
+from octoplan.tuner.seeds.fill_capped import ORIGIN, FillCappedSeeds
+from octoplan.tuner.space import Config
 
 def local_cut(profile, cluster, microbatches, ranks, start, *, pairs: bool, max_trials: int):
     """Cut points whose sorted fill figures are low, by moving runs of consecutive boundaries
@@ -94,8 +91,9 @@ def cut_points(profile, cluster, config: Config, shape: str, k: int, args):
     return min(found, key=lambda item: item[1])
 
 
-class FillCapped(SeedFamily):
-    name = "fill-capped cuts (probe)"
+class FillCapped(FillCappedSeeds):
+    """The tuner's family (:mod:`octoplan.tuner.seeds.fill_capped`), its longest-tail-first
+    rebuilds included, with this probe's cut points and shapes, outside the tune's clock."""
 
     def __init__(self, args):
         self.args = args
@@ -107,15 +105,6 @@ class FillCapped(SeedFamily):
             if found is not None:
                 out += with_policies(config, found[0], shape_ranks(shape, config.pp, k), f"{ORIGIN} {shape} x{k}")
         return out
-
-    def from_ranked(self, ctx, ranked):
-        search, done = ctx.search, set()
-        for _, index, cand in ranked:
-            layout = (cand.config, cand.bounds, cand.ranks)
-            if cand.origin.startswith(ORIGIN) and layout not in done:
-                done.add(layout)
-                for moved in search.rebuilt_orders(cand, climbs_end_s(search.opts.time_limit_s), LONGEST_TAIL):
-                    yield index, moved
 
 
 def main() -> None:

@@ -101,8 +101,10 @@ def best_by_kind(ev: Evaluator, found: list[tuple[str, Candidate]]) -> dict[str,
 
 def tune_beside(w, family: SeedFamily, max_plans: int) -> None:
     """Tune ``w`` on split blocks with ``max_plans``, without and with ``family`` among the seed
-    families (after the first three), and print both."""
-    for label, families in (("without", SEED_FAMILIES), ("with", (*SEED_FAMILIES[:3], family, *SEED_FAMILIES[3:]))):
+    families (after the first three; in place of the tuner's family of the same name, which
+    both tunes go without), and print both."""
+    others = tuple(f for f in SEED_FAMILIES if f.name != family.name)
+    for label, families in (("without", others), ("with", (*others[:3], family, *others[3:]))):
         bench_tuner.SEED_FAMILIES = families
         r = run_one(w, time_limit=3600, split_blocks=True, max_plans=max_plans)
         print(f"{w.name} tune --max-plans {max_plans} {label} these seeds: {r['tuned_ms']:.1f} ms "

@@ -33,6 +33,7 @@ import dataclasses
 import math
 import random
 import time
+from types import SimpleNamespace
 
 from ortools.sat.python import cp_model
 from probe_start_aware_loops import orders, workloads
@@ -40,7 +41,7 @@ from probe_start_aware_loops import orders, workloads
 from octoplan.costs import TICKS_PER_MS
 from octoplan.schedules.exact import order_bound, relaxation_bound
 from octoplan.schedules.list_order import longest_tail_order
-from octoplan.schedules.opgraph import OpGraph, heads_and_tails, serial_schedule
+from octoplan.schedules.opgraph import OpGraph, heads_and_tails
 from octoplan.tuner.fill_caps import fill_cap, shape_ranks
 
 
@@ -48,27 +49,33 @@ def ticks(ms: float) -> int:
     return max(0, math.floor(ms * TICKS_PER_MS + 1e-6))
 
 
-def times_of(graph: OpGraph, order: list[list[int]]) -> tuple[list[float], float]:
-    """Start times of ``order`` (op indices per rank) as early as the dataflow allows, and its makespan."""
-    preds = [list(p) for p in graph.preds]
+def neighbours(order: list[list[int]], n: int) -> tuple[list[int], list[int]]:
+    """Each op's predecessor and successor on its rank in ``order`` (op indices per rank; -1: none)."""
+    prev, nxt = [-1] * n, [-1] * n
     for rank_ops in order:
         for a, b in zip(rank_ops, rank_ops[1:]):
-            preds[b].append((a, 0.0))
-    succs: list[list[tuple[int, float]]] = [[] for _ in preds]
-    for b, edges in enumerate(preds):
-        for a, lag in edges:
-            succs[a].append((b, lag))
-    place = [0.0] * len(preds)
-    for rank_ops in order:
-        for k, i in enumerate(rank_ops):
-            place[i] = k
-    start = serial_schedule(graph.dur, graph.rank, preds, succs, place, graph.num_ranks)
-    return start, graph.makespan(start)
+            prev[b], nxt[a] = a, b
+    return prev, nxt
+
+
+def times_of(graph, order: list[list[int]]) -> tuple[list[float], float]:
+    """Start times of ``order`` as early as the dataflow allows (each op's head over the dataflow
+    and the rank orders), and its makespan."""
+    head, _, _ = heads_and_tails(graph, *neighbours(order, len(graph.dur)))
+    return head, max((h + d for h, d in zip(head, graph.dur)), default=0.0)
+
+
+def in_ticks(graph: OpGraph) -> SimpleNamespace:
+    """``graph``'s durations and lags floored to CP-SAT's integer ticks, for its hint."""
+    return SimpleNamespace(dur=[float(ticks(d)) for d in graph.dur],
+                           preds=[[(a, float(ticks(lag))) for a, lag in edges] for edges in graph.preds],
+                           succs=[[(b, float(ticks(lag))) for b, lag in edges] for edges in graph.succs])
 
 
 def window_lns(graph: OpGraph, order: list[list[int]], *, width_ms: float, per_window_s: float, total_s: float):
     n = len(graph.dur)
     dur = [ticks(d) for d in graph.dur]
+    integer = in_ticks(graph)
     preds = [[(a, ticks(lag)) for a, lag in edges] for edges in graph.preds]
     start, span = times_of(graph, order)
     began, low = time.perf_counter(), 0.0
@@ -105,7 +112,7 @@ def window_lns(graph: OpGraph, order: list[list[int]], *, width_ms: float, per_w
         # the makespan first, then the free ops' ends: weigh the makespan above any sum of ends
         model.minimize(makespan * (len(free) + 1) + sum(s[i] for i in free))
         # the hint: the current order in the integer model (feasible there, as times are floored)
-        hint_times, _ = times_of(_with_dur(graph, dur), order)
+        hint_times, _ = times_of(integer, order)
         for i in range(n):
             model.add_hint(s[i], int(hint_times[i]))
         model.add_hint(makespan, max(int(hint_times[i]) + dur[i] for i in range(n)))
@@ -123,15 +130,6 @@ def window_lns(graph: OpGraph, order: list[list[int]], *, width_ms: float, per_w
     return order, span, f"{windows} windows, {improved} shortened it"
 
 
-def _with_dur(graph: OpGraph, dur: list[int]) -> OpGraph:
-    """``graph`` with integer durations and lags (CP-SAT's model)."""
-    copy = OpGraph.__new__(OpGraph)
-    copy.__dict__.update(graph.__dict__)
-    copy.dur = [float(d) for d in dur]
-    copy.preds = [[(a, float(ticks(lag))) for a, lag in edges] for edges in graph.preds]
-    return copy
-
-
 def sequenced_tails(graph: OpGraph, order: list[list[int]], rounds: int, build, seed: int = 0) -> float:
     """The best makespan of ``rounds`` list orders, each built by ``build(tails)`` (one per op
     of ``graph``) with tails over the previous order's rank sequence, blended with the plain
@@ -142,11 +140,7 @@ def sequenced_tails(graph: OpGraph, order: list[list[int]], rounds: int, build, 
     rng = random.Random(seed)
     current = order
     for _ in range(rounds):
-        prev, nxt = [-1] * n, [-1] * n
-        for rank_ops in current:
-            for a, b in zip(rank_ops, rank_ops[1:]):
-                prev[b], nxt[a] = a, b
-        _, sequenced, _ = heads_and_tails(graph, prev, nxt)
+        _, sequenced, _ = heads_and_tails(graph, *neighbours(current, n))
         weight = rng.random()
         current, span = build([weight * a + (1 - weight) * b for a, b in zip(plain, sequenced)])
         best = min(best, span)

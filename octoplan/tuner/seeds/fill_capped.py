@@ -7,11 +7,11 @@ for microbatches to come at the rate of the slowest forward ahead of it. The fil
 both, and its cut points make layouts whose fill and drain cost less: on internvl2-8b a 60 s
 tune with these seeds ends 2.8% faster (docs/BENCHMARKS.md, "Tuner suite").
 
-CP-SAT gets ``FILL_SEED_TIME_S`` deterministic seconds per shape (about 10 s of wall time on a
-pipeline of 8 ranks here), so the family stays out of short tunes: it solves only in tunes of
-``FILL_SEED_MIN_LIMIT_S`` or more, while less than ``FILL_SEED_SHARE`` of the time limit is
-spent, and each (pp, microbatches) once. The
-solves are deterministic, so the tune stays so.
+CP-SAT gets ``FILL_SEED_TIME_S`` deterministic seconds per shape (each solve's wall time is in
+the plan's tuner stats, under ``fill_capped``), so the family stays out of short tunes: it
+solves only in tunes of ``FILL_SEED_MIN_LIMIT_S`` or more, while less than ``FILL_SEED_SHARE``
+of the time limit is spent, and each (pp, microbatches) once. The solves are deterministic, so
+the tune stays so.
 """
 
 from __future__ import annotations
