@@ -21,8 +21,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
 
+# the slowest tests named at the end, to keep the suite within its 20 minutes on 2 cores
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -180,3 +180,16 @@ def test_no_v_of_jamba_passes_efficiency_0_88():
     assert cap is not None and cap.is_proven
     assert cap.proven_ms == pytest.approx(1145.0, abs=0.1)
     assert bound / cap.proven_ms < 0.88
+
+
+def test_a_solve_cut_short_returns_no_worse_than_its_hint():
+    # CP-SAT's time ends right after presolve, at the hinted answer: its figure is the hinted
+    # layout's own (the objective was once hinted at its upper bound, 2353 ms here, and a short
+    # solve returned that)
+    rng = random.Random(1)
+    profile = make_profile([(rng.randint(1, 6), rng.randint(1, 8), rng.randint(1, 4)) for _ in range(24)])
+    cluster, ranks, hint = free_cluster(4), shape_ranks("zigzag", 4, 2), (0, 1, 2, 3, 4, 5, 6, 7, 24)
+    t = _tables(profile, cluster)
+    hinted_ms = max(_figure(_fill_terms(*[[table[c] for c in hint] for table in (t.fwd, t.back, t.down)], ranks, 8, t))) / 1000
+    cap = fill_cap(profile, cluster, microbatches=8, ranks=ranks, time_limit_s=0.1, hint=hint)
+    assert cap is not None and cap.found_ms <= hinted_ms == 1544.0

@@ -1,8 +1,10 @@
 """Chain shifts (octoplan.tuner.neighbourhoods.chains): a layer passed along a run of stages, and
-the final polish that climbs over them; the pacing of the climbs' justifications."""
+the final polish that climbs over them; the pacing of the justifications, the climbs' and the
+seeds'."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -10,11 +12,13 @@ import pytest
 
 from octoplan.ops import parse_ops
 from octoplan.tuner import TuneOptions
-from octoplan.tuner.climb import Search
+from octoplan.tuner.climb import Search, climbs_end_s, polish_end_s
 from octoplan.tuner.moves import heat_of
 from octoplan.tuner.neighbourhoods import NEIGHBOURHOODS, ChainShifts
 from octoplan.tuner.neighbourhoods.chains import chain_shifts
-from octoplan.tuner.space import Candidate, Config, Evaluator
+from octoplan.tuner.search import _ranked
+from octoplan.tuner.seeds import JustifiedSeeds, RecomputingCopies, SeedContext
+from octoplan.tuner.space import ORDER_RULES, Candidate, Config, Evaluator
 from tests.conftest import free_cluster, make_profile
 
 # 1F1B with split backwards on 3 ranks, 3 microbatches
@@ -71,7 +75,7 @@ def test_a_chain_keeps_the_order_and_the_stages_between_keep_their_load():
 
 
 def _search(evaluator: Evaluator, **opts) -> Search:
-    return Search(evaluator, TuneOptions(gpus=3, pp=3, microbatches=3, time_limit_s=600, **opts), None)
+    return Search(evaluator, TuneOptions(gpus=3, pp=3, microbatches=3, **{"time_limit_s": 600, **opts}), None)
 
 
 def test_justifications_in_a_climb_are_paced_against_its_deadline_unless_plans_are_the_budget():
@@ -85,6 +89,33 @@ def test_justifications_in_a_climb_are_paced_against_its_deadline_unless_plans_a
     budgeted = _search(evaluator, max_plans=100)
     budgeted._justify_pace = 1e6  # a plan budget is measured in plans: it always runs
     assert budgeted.justified_by(cand, deadline=0.0) == search.justified(cand)
+
+
+def test_the_justified_seeds_are_paced_against_the_climbs_end():
+    # a justification started just before the time limit would end after it
+    evaluator, cand = _three_ranks([(1, 1, 1)] * 2 + [(2, 3, 1)] * 2 + [(1, 1, 1)] * 2)
+    search = _search(evaluator)
+    ctx = SeedContext(search, [cand.config], 1)
+    ranked = [(search.offer(cand).score, 0, cand)]
+    justified = search.justified(cand)
+    assert justified
+    search._justify_pace = 1e6
+    assert list(JustifiedSeeds().from_ranked(ctx, ranked)) == []
+    search._justify_pace = 1e-9
+    assert list(JustifiedSeeds().from_ranked(ctx, ranked)) == [(0, c) for c in justified]
+
+
+def test_seeds_are_priced_until_the_climbs_end_and_the_rest_is_the_final_plans(monkeypatch):
+    # 58.5 s into a 60 s tune: past the climbs' end (57 s), before the limit. Only the first
+    # seed is priced (the search needs a best plan), and no recomputing copy is made
+    evaluator, cand = _three_ranks([(1, 1, 1)] * 6)
+    search = _search(evaluator, time_limit_s=60)
+    monkeypatch.setattr(search.clock, "elapsed", lambda: 58.5)
+    assert climbs_end_s(60) == 57.0 and not search.clock.out()
+    ctx = SeedContext(search, [cand.config], 1)
+    other = dataclasses.replace(cand, bounds=(0, 1, 3, 6), origin="other")
+    ranked = _ranked(ctx, [RecomputingCopies()], [cand, other])
+    assert [item[2] for item in ranked] == [cand] and search.ev.evaluations == 1
 
 
 def test_chain_shifts_are_the_polishs_alone():
@@ -137,6 +168,22 @@ def test_the_polish_climbs_over_the_chain_shifts_from_the_best_plan():
     # from it, since the polish found a faster plan
     assert search.accepted_moves[0] == "chain: stage 0's last layer to stage 2, justified (in flight unbounded)"
     assert search.best_scored.iteration_ms == 107.0
+
+
+def test_the_polishs_rebuilds_end_by_its_end_and_leave_the_rest_to_the_final_plan(monkeypatch):
+    # 58.5 s into a 60 s tune, rebuilds estimated to take no time: past the polish's end (58 s),
+    # so none runs (a rebuild's pace, taken from smaller layouts, can be off by half)
+    evaluator, cand = _three_ranks([(1, 1, 1)] * 2 + [(2, 3, 1)] * 2 + [(1, 1, 1)] * 2)
+    search = _search(evaluator, time_limit_s=60)
+    search.offer(cand)
+    search._rebuild_pace = {rule: 1e-12 for rule in ORDER_RULES}
+    monkeypatch.setattr(search.clock, "elapsed", lambda: 58.5)
+    assert polish_end_s(60) == 58.0 and not search.clock.out()
+    search.polish()
+    assert all(not done for done in search._rebuilt.values())
+    monkeypatch.setattr(search.clock, "elapsed", lambda: 57.5)
+    search.polish()
+    assert all(cand in done for done in search._rebuilt.values())
 
 
 def test_the_suite_benchmark_names_the_neighbourhoods_it_can_leave_out(monkeypatch):

@@ -62,3 +62,19 @@ def test_short_tunes_and_fixed_placements_go_without():
     assert "fill_capped" not in short.stats or not short.stats["fill_capped"]
     assert not FillCappedSeeds().applies(_context(60, runs_on="loop"))
     assert not FillCappedSeeds().applies(_context(60, dimensions=("partition", "schedule")))
+
+
+def test_a_solve_starts_only_if_it_should_end_within_the_familys_share(monkeypatch):
+    # 6 s into a 60 s tune, after a solve of another pp that took 10 s: the next would end
+    # after 15 s, a quarter of the limit. Under a plan budget the clock counts plans, which no
+    # solve adds, and it runs
+    for max_plans, solved in ((None, 0), (1000, 2)):
+        ctx = _context(60, max_plans=max_plans)
+        monkeypatch.setattr(ctx.search.clock, "elapsed", lambda: 6.0)
+        ctx.stats["fill_capped"] = [{"pp": 4, "microbatches": 8, "shape": "V", "bounds": None, "wall_s": 10.0}]
+        FillCappedSeeds().seeds(ctx, Config(2, 1, 4), ())
+        assert len(ctx.stats["fill_capped"]) == 1 + solved
+    ctx = _context(60)
+    monkeypatch.setattr(ctx.search.clock, "elapsed", lambda: 6.5)  # 6.5 + 8 s before the first solve
+    FillCappedSeeds().seeds(ctx, Config(2, 1, 4), ())
+    assert [s["shape"] for s in ctx.stats["fill_capped"]] == ["V", "loop x2"]

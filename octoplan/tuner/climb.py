@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from octoplan.simulator import DeadlockError
 from octoplan.tuner.frameworks import Frameworks
-from octoplan.tuner.space import BOTTLENECK, ORDER_RULES, Candidate, Config, Evaluator, OrderRule, Scored
+from octoplan.tuner.space import BOTTLENECK, ORDER_RULES, Candidate, Config, Evaluator, OrderRule, Scored, justification_size
 
 if TYPE_CHECKING:
     from octoplan.tuner.neighbourhoods import Neighbourhood
@@ -132,9 +132,9 @@ class Search:
         # the last rebuild's seconds per unit of the rule's size
         self._rebuilt: dict[OrderRule, set[Candidate]] = {rule: set() for rule in ORDER_RULES}
         self._rebuild_pace = {rule: rule.s_per_unit for rule in ORDER_RULES}
-        # seconds per op of the last justified_by (a cautious default before the first: both
-        # justifications of llama3-70b-a100's 18,432 ops took 1.8 s)
-        self._justify_pace = 1.0e-4
+        # seconds per unit of justification_size of the last justified_by (a cautious default
+        # before the first: both justifications of llama3-70b-a100's 18,432 ops took 1.8 s)
+        self._justify_pace = 7.2e-7
 
     def plans_simulated(self) -> int:
         return (self.ev.evaluations + self.extra_plans + self.restart_plans
@@ -215,7 +215,7 @@ class Search:
         end before ``deadline`` (under a plan budget it always runs): what the climbs' moves
         use, since one justification of a large plan takes seconds (a climb checks its
         deadline only between the candidates its moves yield)."""
-        size = max(1, cand.num_ops)
+        size = max(1.0, justification_size(cand))
         if not self.opts.max_plans and self.clock.elapsed() + self._justify_pace * size > deadline:
             return []
         started = time.perf_counter()
@@ -279,7 +279,7 @@ class Search:
 
     def polish(self) -> None:
         """The best plan's order rebuilt by the shifting-bottleneck procedure and by the
-        longest-tail-first list scheduler, each if it should end within the time limit; then a
+        longest-tail-first list scheduler, each if it should end by :func:`polish_end_s`; then a
         climb from the fastest over the neighbourhoods that polish (``Neighbourhood.polish``:
         the chain shifts, which no other climb tries); then, if all that found a faster plan,
         a climb over every neighbourhood. Both climbs stop at :func:`polish_end_s`. The climbs
@@ -289,8 +289,11 @@ class Search:
             return
         before = self.best_scored.score
         best = self.best
+        # by the polish's end, not the limit's: the final plan and its stats take the rest, and a
+        # rebuild's pace, taken from smaller layouts, can be off by half (llama3-70b-a100's
+        # longest-tail rebuild of 61,440 ops, estimated to end by the limit, ended 1.2 s after it)
         for rule in ORDER_RULES:
-            for cand in self.rebuilt_orders(best, self.opts.time_limit_s, rule):
+            for cand in self.rebuilt_orders(best, polish_end_s(self.opts.time_limit_s), rule):
                 self.offer(cand)
         if self._polishing:
             self.climb(self.best, deadline=polish_end_s(self.opts.time_limit_s), only=self._polishing)

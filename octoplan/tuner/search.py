@@ -317,9 +317,12 @@ def _ranked(ctx: SeedContext, families: Sequence[SeedFamily], seeds: Sequence[Ca
     """``seeds`` priced and ranked (score, then index), with every family's seeds made from the
     ranked ones ranked among them, family by family; only those ``--runs-on`` allows."""
     search = ctx.search
+    # priced until the climbs' end, as every family's rebuilds are: the rest of the limit is the
+    # final plan's (pricing one of llama3-70b-a100's seeds takes up to 0.8 s)
+    end_s = climbs_end_s(search.opts.time_limit_s)
     ranked: list[Ranked] = []
     for index, cand in enumerate(seeds):
-        if search.clock.out() and search.best is not None:
+        if search.clock.elapsed() >= end_s and search.best is not None:
             break
         ranked.append((search.offer(cand).score, index, cand))
     ranked.sort(key=lambda item: (item[0], item[1]))

@@ -89,5 +89,6 @@ class SeedFamily:
     def from_ranked(self, ctx: SeedContext, ranked: Sequence[Ranked]) -> Iterable[tuple[int, Candidate]]:
         """Candidates made from the seeds ranked so far (best first), each with the index of
         the seed it was made from. Each is priced as soon as it is yielded, so a family can
-        stop when ``ctx.search.clock.out()``."""
+        stop by :func:`~octoplan.tuner.climb.climbs_end_s`, as the seeds' pricing does (the
+        rest of the time limit is the polish's and the final plan's)."""
         return ()

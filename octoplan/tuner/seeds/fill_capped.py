@@ -9,8 +9,9 @@ tune with these seeds ends 2.8% faster (docs/BENCHMARKS.md, "Tuner suite").
 
 CP-SAT gets ``FILL_SEED_TIME_S`` deterministic seconds per shape (each solve's wall time is in
 the plan's tuner stats, under ``fill_capped``), so the family stays out of short tunes: it
-solves only in tunes of ``FILL_SEED_MIN_LIMIT_S`` or more, while less than ``FILL_SEED_SHARE``
-of the time limit is spent, and each (pp, microbatches) once. The solves are deterministic, so
+solves only in tunes of ``FILL_SEED_MIN_LIMIT_S`` or more, where the solve should end before
+``FILL_SEED_SHARE`` of the time limit is spent (at the pace of the solves so far), and each
+(pp, microbatches) once. The solves are deterministic, so
 the tune stays so.
 """
 
@@ -31,6 +32,18 @@ FILL_SEED_TIME_S = 8.0  # CP-SAT's deterministic seconds per shape: 4 give no us
 FILL_SEED_SHARE = 0.25  # solve only while less than this share of the time limit is spent
 FILL_SEED_MIN_LIMIT_S = 30.0  # and only in tunes of at least this time limit
 ORIGIN = "fill-capped"
+
+
+def _expected_s(solves: Sequence[dict], max_plans: int | None) -> float:
+    """How long the next solve should take on the search's clock: as long as the longest so far
+    (the same profile, so about the same model), or its deterministic seconds before the
+    first. A solve runs only if it should end within the family's share of the limit:
+    llama3-70b's two took 10-13 s each on this project's 2-core machine, and the second,
+    started just inside the share, took a sixth of a 60 s tune from the climbs. Under a plan
+    budget the clock counts plans, which no solve adds: none."""
+    if max_plans:
+        return 0.0
+    return max((solve["wall_s"] for solve in solves), default=FILL_SEED_TIME_S)
 
 
 class FillCappedSeeds(SeedFamily):
@@ -55,7 +68,8 @@ class FillCappedSeeds(SeedFamily):
             done = next((s for s in solves if (s["pp"], s["microbatches"], s["shape"]) == (pp, m, label)), None)
             if done is None:
                 clock, opts = ctx.search.clock, ctx.opts
-                if opts.time_limit_s < FILL_SEED_MIN_LIMIT_S or clock.elapsed() >= FILL_SEED_SHARE * opts.time_limit_s:
+                if (opts.time_limit_s < FILL_SEED_MIN_LIMIT_S
+                        or clock.elapsed() + _expected_s(solves, opts.max_plans) >= FILL_SEED_SHARE * opts.time_limit_s):
                     continue
                 started = time.perf_counter()
                 cap = fill_cap(ctx.profile, ctx.cluster, microbatches=m, ranks=shape_ranks(shape, pp, k),

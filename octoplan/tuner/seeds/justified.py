@@ -59,7 +59,10 @@ class JustifiedSeeds(_BestLayoutsReordered):
     count = JUSTIFIED_SEEDS
 
     def reorder(self, search: Search, cand: Candidate) -> Iterable[Candidate]:
-        return search.justified(cand)
+        # paced, as the climbs' justifications are: one of a large plan takes seconds
+        # (llama3-70b-a100's, 16 ranks x 128 microbatches: 1.5 s), and one started just before
+        # the limit overran it
+        return search.justified_by(cand, climbs_end_s(search.opts.time_limit_s))
 
 
 class ListOrderedSeeds(_BestLayoutsReordered):

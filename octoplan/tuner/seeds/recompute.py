@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterator, Sequence
 
+from octoplan.tuner.climb import climbs_end_s
 from octoplan.tuner.seeds.base import Ranked, SeedContext, SeedFamily
 from octoplan.tuner.space import Candidate
 
@@ -30,6 +31,6 @@ class RecomputingCopies(SeedFamily):
                        key=lambda item: (search.ev.score(item[2]).iteration_ms, item[1]))
         fitting = [item for item in ranked if item[0][0] == 0 and not item[2].recompute]
         for _, index, cand in short[:RECOMPUTE_SEEDS] + fitting[:RECOMPUTE_SEEDS // 2]:
-            if search.clock.out():
+            if search.clock.elapsed() >= climbs_end_s(search.opts.time_limit_s):
                 return
             yield index, replace(cand, recompute=cand.every_stage, origin=f"{cand.origin}, every rank recomputes")
