@@ -78,3 +78,17 @@ def test_a_solve_starts_only_if_it_should_end_within_the_familys_share(monkeypat
     monkeypatch.setattr(ctx.search.clock, "elapsed", lambda: 6.5)  # 6.5 + 8 s before the first solve
     FillCappedSeeds().seeds(ctx, Config(2, 1, 4), ())
     assert [s["shape"] for s in ctx.stats["fill_capped"]] == ["V", "loop x2"]
+
+
+def test_on_the_clock_a_solve_never_runs_past_the_familys_share(monkeypatch):
+    # 5 s into a 60 s tune, the solves may take what is left of its quarter, 10 s of wall time;
+    # under a plan budget no wall time caps them, so the tune stays deterministic
+    import octoplan.tuner.seeds.fill_capped as module
+
+    for max_plans, expected in ((None, 10.0), (1000, None)):
+        walls = []
+        monkeypatch.setattr(module, "fill_cap", lambda *a, wall_limit_s=None, **k: walls.append(wall_limit_s))
+        ctx = _context(60, max_plans=max_plans)
+        monkeypatch.setattr(ctx.search.clock, "elapsed", lambda: 5.0)
+        FillCappedSeeds().seeds(ctx, Config(2, 1, 4), ())
+        assert walls == [expected, expected]

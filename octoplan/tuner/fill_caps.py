@@ -196,14 +196,16 @@ def _figure(terms: list[tuple]) -> list:
 
 
 def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Sequence[int],
-             time_limit_s: float = 10.0, hint: Sequence[int] | None = None) -> FillCap | None:
+             time_limit_s: float = 10.0, hint: Sequence[int] | None = None,
+             wall_limit_s: float | None = None) -> FillCap | None:
     """The least iteration time of any layout whose stage s is on rank ``ranks[s]`` (any cut
     points; the cap holds for every order of the ranks too), within ``time_limit_s`` of
     CP-SAT's deterministic time on one worker (the same answer on any machine); None where the
     profile has fewer layers than stages. :func:`shape_ranks` gives a loop's or a zigzag's.
     CP-SAT starts from the cut points ``hint`` (a plan's own; by default layers spread evenly
     over the stages); None also where its time ends before its first answer (its presolve alone
-    takes about a deterministic second on a pipeline of 32 stages)."""
+    takes about a deterministic second on a pipeline of 32 stages). ``wall_limit_s``: a
+    wall-clock cap as well, for callers on the clock (the answer then depends on the machine)."""
     from ortools.sat.python import cp_model
 
     num_layers, num_stages, m = profile.num_layers, len(ranks), microbatches
@@ -267,6 +269,8 @@ def fill_cap(profile: Profile, cluster: Cluster, *, microbatches: int, ranks: Se
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = max(0.01, time_limit_s)
     solver.parameters.num_workers = 1
+    if wall_limit_s is not None:
+        solver.parameters.max_time_in_seconds = max(0.01, wall_limit_s)
     solver.parameters.catch_sigint_signal = False  # Ctrl-C ends the command, not just this solve
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -10,9 +10,9 @@ tune with these seeds ends 2.8% faster (docs/BENCHMARKS.md, "Tuner suite").
 CP-SAT gets ``FILL_SEED_TIME_S`` deterministic seconds per shape (each solve's wall time is in
 the plan's tuner stats, under ``fill_capped``), so the family stays out of short tunes: it
 solves only in tunes of ``FILL_SEED_MIN_LIMIT_S`` or more, where the solve should end before
-``FILL_SEED_SHARE`` of the time limit is spent (at the pace of the solves so far), and each
-(pp, microbatches) once. The solves are deterministic, so
-the tune stays so.
+``FILL_SEED_SHARE`` of the time limit is spent (at the pace of the solves so far; it is cut off
+there too), and each (pp, microbatches) once. Under a plan budget (``--max-plans``) no wall
+time cuts a solve off, so the tune stays deterministic.
 """
 
 from __future__ import annotations
@@ -72,8 +72,10 @@ class FillCappedSeeds(SeedFamily):
                         or clock.elapsed() + _expected_s(solves, opts.max_plans) >= FILL_SEED_SHARE * opts.time_limit_s):
                     continue
                 started = time.perf_counter()
+                # on the clock, never past the family's share either (deepseek-v3's V takes 26 s)
+                wall = None if opts.max_plans else FILL_SEED_SHARE * opts.time_limit_s - clock.elapsed()
                 cap = fill_cap(ctx.profile, ctx.cluster, microbatches=m, ranks=shape_ranks(shape, pp, k),
-                               time_limit_s=FILL_SEED_TIME_S)
+                               time_limit_s=FILL_SEED_TIME_S, wall_limit_s=wall)
                 done = {"pp": pp, "microbatches": m, "shape": label,
                         "bounds": list(cap.bounds) if cap else None, "fill_ms": round(cap.found_ms, 4) if cap else None,
                         "wall_s": round(time.perf_counter() - started, 3)}
