@@ -10,8 +10,9 @@ ordered by the policy scheduler, justified, by the shifting-bottleneck procedure
 tail first (:func:`probe_start_aware_loops.orders`), with its one-machine relaxation. With
 ``--tune N`` the layouts are also one more seed family (policy orders, and each layout's best
 rebuilt longest tail first before the climbs) in a tune with ``--max-plans N``, beside the
-same tune without them (and without the tuner's own fill-capped seeds, which these replace). ``--order-search S`` also gives CP-SAT's order search (in flight
-unbounded) S seconds from each layout's fastest order.
+same tune without them (and without the tuner's own fill-capped seeds, which these replace).
+``--order-search S`` also gives CP-SAT's order search (in flight unbounded) S seconds from
+each layout's fastest order.
 
     cd benchmarks && ../.venv/bin/python probe_fill_seeds.py --only internvl2-8b jamba-v0.1 [--cuts local] [--tune 2500]
 """
@@ -32,6 +33,7 @@ from octoplan.tuner.placed_cuts import loop_cuts, v_cuts
 from octoplan.tuner.seeds.base import with_policies
 from octoplan.tuner.seeds.fill_capped import ORIGIN, FillCappedSeeds
 from octoplan.tuner.space import Config
+
 
 def local_cut(profile, cluster, microbatches, ranks, start, *, pairs: bool, max_trials: int):
     """Cut points whose sorted fill figures are low, by moving runs of consecutive boundaries

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from octoplan.simulator import DeadlockError
 from octoplan.tuner.frameworks import Frameworks
-from octoplan.tuner.space import BOTTLENECK, ORDER_RULES, Candidate, Config, Evaluator, OrderRule, Scored, justification_size
+from octoplan.tuner.space import (BOTTLENECK, JUSTIFY_S_PER_UNIT, ORDER_RULES, Candidate, Config, Evaluator, OrderRule,
+                                  Scored, justification_size)
 
 if TYPE_CHECKING:
     from octoplan.tuner.neighbourhoods import Neighbourhood
@@ -132,9 +133,8 @@ class Search:
         # the last rebuild's seconds per unit of the rule's size
         self._rebuilt: dict[OrderRule, set[Candidate]] = {rule: set() for rule in ORDER_RULES}
         self._rebuild_pace = {rule: rule.s_per_unit for rule in ORDER_RULES}
-        # seconds per unit of justification_size of the last justified_by (a cautious default
-        # before the first: both justifications of llama3-70b-a100's 18,432 ops took 1.8 s)
-        self._justify_pace = 7.2e-7
+        # seconds per unit of justification_size of the last justified_by
+        self._justify_pace = JUSTIFY_S_PER_UNIT
 
     def plans_simulated(self) -> int:
         return (self.ev.evaluations + self.extra_plans + self.restart_plans

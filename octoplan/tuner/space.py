@@ -29,7 +29,7 @@ from octoplan.schedules.policy import RankPolicy, policy_schedule
 from octoplan.simulator import SimResult, simulate_costs
 
 __all__ = ["Config", "Candidate", "Scored", "Evaluator", "bounds_of", "OrderRule", "BOTTLENECK", "LONGEST_TAIL",
-           "ORDER_RULES", "justification_size"]
+           "ORDER_RULES", "JUSTIFY_S_PER_UNIT", "justification_size"]
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,13 @@ def justification_size(cand: Candidate) -> float:
     return float(cand.num_ops) ** 1.5
 
 
-# the list scheduler's as its justifications, which dominate (1.8 s for llama3-70b-a100's
-# 18,432 ops)
+# seconds per unit of justification_size before one is measured: cautious, as both
+# justifications of llama3-70b-a100's 18,432 ops took 1.8 s
+JUSTIFY_S_PER_UNIT = 7.2e-7
+
+# the list scheduler's as its justifications, which dominate
 LONGEST_TAIL = OrderRule("longest-tail-first order", longest_tail_order, "longest-tail",
-                         justification_size, 7.2e-7)
+                         justification_size, JUSTIFY_S_PER_UNIT)
 ORDER_RULES = (BOTTLENECK, LONGEST_TAIL)
 
 

@@ -34,15 +34,12 @@ FILL_SEED_MIN_LIMIT_S = 30.0  # and only in tunes of at least this time limit
 ORIGIN = "fill-capped"
 
 
-def _expected_s(solves: Sequence[dict], max_plans: int | None) -> float:
-    """How long the next solve should take on the search's clock: as long as the longest so far
-    (the same profile, so about the same model), or its deterministic seconds before the
-    first. A solve runs only if it should end within the family's share of the limit:
-    llama3-70b's two took 10-13 s each on this project's 2-core machine, and the second,
-    started just inside the share, took a sixth of a 60 s tune from the climbs. Under a plan
-    budget the clock counts plans, which no solve adds: none."""
-    if max_plans:
-        return 0.0
+def _expected_wall_s(solves: Sequence[dict]) -> float:
+    """How long the next solve should take: as long as the longest so far (the same profile, so
+    about the same model), or its deterministic seconds before the first. On the clock a solve
+    runs only if it should end within the family's share of the limit: llama3-70b's two took
+    10-13 s each on this project's 2-core machine, and the second, started just inside the
+    share, took a sixth of a 60 s tune from the climbs."""
     return max((solve["wall_s"] for solve in solves), default=FILL_SEED_TIME_S)
 
 
@@ -67,15 +64,17 @@ class FillCappedSeeds(SeedFamily):
             label = "V" if (shape, k) == ("zigzag", 2) else f"{shape} x{k}"
             done = next((s for s in solves if (s["pp"], s["microbatches"], s["shape"]) == (pp, m, label)), None)
             if done is None:
-                clock, opts = ctx.search.clock, ctx.opts
-                if (opts.time_limit_s < FILL_SEED_MIN_LIMIT_S
-                        or clock.elapsed() + _expected_s(solves, opts.max_plans) >= FILL_SEED_SHARE * opts.time_limit_s):
+                opts = ctx.opts
+                left_s = FILL_SEED_SHARE * opts.time_limit_s - ctx.search.clock.elapsed()
+                # under a plan budget the clock counts plans, which no solve adds: a solve needs
+                # none of the share and no wall time cuts it off, so the tune stays deterministic;
+                # on the clock it is cut off at the share's end (deepseek-v3's V takes 26 s)
+                on_clock = not opts.max_plans
+                if opts.time_limit_s < FILL_SEED_MIN_LIMIT_S or left_s <= (_expected_wall_s(solves) if on_clock else 0.0):
                     continue
                 started = time.perf_counter()
-                # on the clock, never past the family's share either (deepseek-v3's V takes 26 s)
-                wall = None if opts.max_plans else FILL_SEED_SHARE * opts.time_limit_s - clock.elapsed()
                 cap = fill_cap(ctx.profile, ctx.cluster, microbatches=m, ranks=shape_ranks(shape, pp, k),
-                               time_limit_s=FILL_SEED_TIME_S, wall_limit_s=wall)
+                               time_limit_s=FILL_SEED_TIME_S, wall_limit_s=left_s if on_clock else None)
                 done = {"pp": pp, "microbatches": m, "shape": label,
                         "bounds": list(cap.bounds) if cap else None, "fill_ms": round(cap.found_ms, 4) if cap else None,
                         "wall_s": round(time.perf_counter() - started, 3)}
