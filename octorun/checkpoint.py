@@ -244,12 +244,27 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path: str | os.PathLike) -> None:
-    """Raise :class:`InputError` if the checkpoint at ``path`` is of another model than this run's:
-    its ``model`` name or ``num_layers`` differ (a checkpoint lacking a field is not judged on it)."""
+    """Raise :class:`InputError` if the checkpoint at ``path`` is of another model than this run's
+    (its ``model`` name or ``num_layers`` differ), or if both read a token file and the file
+    (``data_fingerprint``) or the seed of its window order (``seed``) differ: the checkpoint's
+    position in the data belongs to its own order. A checkpoint lacking a field is not judged on
+    it, and a run without ``--data`` is not judged on the data."""
     for key, what in (("model", "model"), ("num_layers", "layer count")):
         if key in meta_saved and key in meta_now and meta_saved[key] != meta_now[key]:
             raise InputError(str(path), key, f"the checkpoint's {what} is {meta_saved[key]!r}, this run's is {meta_now[key]!r}",
                              "resume from a checkpoint of this model, or start afresh without --resume")
+    if not meta_saved.get("data") or "data_fingerprint" not in meta_now:
+        return
+    saved_file = meta_saved.get("data_fingerprint")
+    if saved_file is not None and saved_file != meta_now["data_fingerprint"]:
+        raise InputError(str(path), "data_fingerprint",
+                         f"the checkpoint was trained on {saved_file} ({meta_saved['data']}), this run's --data is "
+                         f"{meta_now['data_fingerprint']}",
+                         "give --data the token file the checkpoint was trained on: its position is a place in that file's order")
+    if "seed" in meta_saved and meta_saved["seed"] != meta_now["seed"]:
+        raise InputError(str(path), "seed", f"the checkpoint read its token file in the order of --seed {meta_saved['seed']}, "
+                         f"this run's is --seed {meta_now['seed']}",
+                         f"resume with --seed {meta_saved['seed']}: in another order the run would read some windows twice and skip others")
 
 
 def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:

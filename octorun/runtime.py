@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -249,7 +249,9 @@ def prepare(config: RunConfig) -> Prepared:
 
         resume_from = checkpoint.resolve(config.resume, save_root=config.save_dir)
         if resume_from is not None:
-            checkpoint.check_compatible(checkpoint.read_meta(resume_from), _model_identity(model, num_layers), resume_from)
+            checkpoint.check_compatible(checkpoint.read_meta(resume_from),
+                                        {**_model_identity(model, num_layers), **_data_identity(config.seed, data)},
+                                        resume_from)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model),
                     data=data, resume_from=resume_from)
@@ -275,6 +277,14 @@ def _model_identity(model: ModelFile, num_layers: int) -> dict[str, Any]:
     return {"model": model.name, "num_layers": num_layers}
 
 
+
+
+def _data_identity(seed: int, data: Any) -> dict[str, Any]:
+    """What a checkpoint records of its token file, and what a resume that reads one checks: the
+    file (its fingerprint) and the seed of its window order. ``consumed_samples`` is a position
+    in that order, so under another seed or file the resumed run would read windows the run
+    before it already read, and skip others. Empty without ``--data``."""
+    return {} if data is None else {"seed": seed, "data_fingerprint": data.fingerprint()}
 
 
 def _replay_model(plan: Plan, config: RunConfig) -> ModelFile:
@@ -804,10 +814,11 @@ class _Interpreter:
         deadline = self.watchdog.deadline()
         self.watchdog.doing(f"waiting for the sends of step {step} to complete")
         self._check_sends(step, self.transport.wait_sends, deadline)
-        for work, flat, grads, stage in reductions:
+        for work, flat, params, sent, stage in reductions:
             self._wait_reduction(work, f"gradient all-reduce of stage {stage}, step {step}", deadline)
-            for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                grad.copy_(reduced)
+            *reduced, used = torch._utils._unflatten_dense_tensors(flat, sent)
+            for param, grad, value, replicas_with_grad in zip(params, sent, reduced, used.tolist()):
+                param.grad = grad.copy_(value) if replicas_with_grad else None
         self._reduce_tied(step, deadline)
         # when the last all-reduce was seen done: the simulator's iteration ends there too
         reduced_at = self.timer.mark() if reductions or any(g is not None for g in self.groups.tied) else None
@@ -842,10 +853,15 @@ class _Interpreter:
                 continue
             canonical = parameter_key(*group.canonical)
             param = next(p for p in self.params if self.param_keys[id(p)] == canonical)
-            if param.grad is None:  # a copy no microbatch used still takes part
-                param.grad = torch.zeros_like(param)
-            work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=process_group, async_op=True)
-            self._wait_reduction(work, f"all-reduce of tied group {index} ({canonical}), step {step}", deadline)
+            # a copy no microbatch used still takes part, with zeros; where no copy was used
+            # the gradient stays None (the flag's sum), as for an unused parameter on one process
+            grad = torch.zeros_like(param) if param.grad is None else param.grad
+            used = _used_flags([param], grad)
+            what = f"all-reduce of tied group {index} ({canonical}), step {step}"
+            works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=process_group, async_op=True) for t in (grad, used)]
+            for work in works:
+                self._wait_reduction(work, what, deadline)
+            param.grad = grad if used.item() else None
 
     def _update(self, step: int, state: _StepState) -> dict[str, Any]:
         """The optimizer step, after one all-reduce that tells every rank the global gradient
@@ -966,20 +982,22 @@ class _Interpreter:
             state.grads[(op.stage - 1, op.mb)] = grads
         return grads
 
-    def _start_allreduce(self, stage: int) -> tuple[Any, torch.Tensor, list[torch.Tensor], int] | None:
+    def _start_allreduce(self, stage: int) -> tuple[Any, torch.Tensor, list[torch.nn.Parameter], list[torch.Tensor], int] | None:
         """Start the stage's gradient all-reduce; None for a stage without trainable parameters,
         which has nothing to reduce (every replica holds the same layers, so all skip it alike,
         and the simulator prices it at nothing)."""
-        grads = []
-        for param in self.reduce_params[stage]:
-            if param.grad is None:  # keep the flat layout identical on every replica
-                param.grad = torch.zeros_like(param)
-            grads.append(param.grad)
-        if not grads:
+        params = self.reduce_params[stage]
+        if not params:
             return None
-        flat = torch._utils._flatten_dense_tensors(grads)
+        # A replica without a parameter's gradient sends zeros, so that the flat layout is the
+        # same on every replica, and a flag per parameter says which replicas had one: where
+        # none had, the gradient is None again after the reduce, and the optimizer leaves the
+        # parameter alone (no weight decay, no moment update) as it does on one process.
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        sent = [*grads, _used_flags(params, grads[0])]
+        flat = torch._utils._flatten_dense_tensors(sent)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.dp_group, async_op=True)
-        return work, flat, grads, stage
+        return work, flat, params, sent, stage
 
     # -- the run ------------------------------------------------------------------------------
     def train(self) -> tuple[StepMetrics, ...]:
@@ -1083,6 +1101,7 @@ class _Interpreter:
                             "warmup_steps": self.optim_config.warmup_steps, "min_lr": self.optim_config.min_lr,
                             "steps": self.optim_config.decay_steps or self.config.steps},
             "data": self.config.data_path,
+            "data_fingerprint": None if self.data is None else self.data.fingerprint(),
             "plan": self.config.plan_path,
             "layout": self._layout(),
         }
@@ -1133,6 +1152,12 @@ class _Interpreter:
 
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
         return {i: {k: v.detach().cpu().clone() for k, v in layer.state_dict().items()} for i, layer in self.layers.items()}
+
+
+def _used_flags(params: Sequence[torch.nn.Parameter], like: torch.Tensor) -> torch.Tensor:
+    """1 for each parameter that has a gradient here, 0 for one without, in ``like``'s dtype and
+    device (summed over the replicas, it counts those that had one)."""
+    return torch.tensor([float(p.grad is not None) for p in params], dtype=like.dtype, device=like.device)
 
 
 def _unique_trainable(layers) -> list[torch.nn.Parameter]:

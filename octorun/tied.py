@@ -77,7 +77,9 @@ def tie_local(model_path: str, layers: dict[int, torch.nn.Module], groups: Seque
         if canonical_layer in layers:
             source = _parameter(model_path, layers[canonical_layer], canonical_layer, canonical_name)
         else:  # built only to read it; the global RNG stream stays as the rank's own layers left it
-            with torch.random.fork_rng(devices=[]):
+            # (build_layer's torch.manual_seed reseeds the GPU's generator too: fork that as well)
+            cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+            with torch.random.fork_rng(devices=cuda):
                 source = _parameter(model_path, build_layer(canonical_layer), canonical_layer, canonical_name)
         shared = _parameter(model_path, layers[here[0][0]], *here[0])
         for layer, name in here:

@@ -562,6 +562,31 @@ def test_check_compatible_names_what_differs(tmp_path):
     assert caught.value.field == "num_layers" and "layer count is 4, this run's is 6" in caught.value.problem
 
 
+def test_check_compatible_holds_a_token_files_position_to_its_order(tmp_path):
+    """A checkpoint's consumed_samples is a place in its token file's window order, which the file
+    and the seed fix: a resume that reads a token file must read the same one in the same order.
+    The file may have moved (the path is not judged), a run without --data is not judged on the
+    data, and a checkpoint from before fingerprints were recorded is judged on its seed alone."""
+    file = "a file of 3000 uint16 tokens (digest 0123456789ab)"
+    saved = {"model": "tiny", "num_layers": 4, "seed": 3, "data": "old/place/tokens.bin", "data_fingerprint": file}
+    now = {"model": "tiny", "num_layers": 4, "seed": 3, "data_fingerprint": file}
+    checkpoint.check_compatible(saved, now, tmp_path)
+    checkpoint.check_compatible(saved, {"model": "tiny", "num_layers": 4}, tmp_path)  # no --data now
+    checkpoint.check_compatible({**saved, "data": None, "data_fingerprint": None}, {**now, "seed": 4}, tmp_path)
+    with pytest.raises(InputError) as caught:
+        checkpoint.check_compatible(saved, {**now, "seed": 4}, tmp_path)
+    assert (caught.value.file, caught.value.field) == (str(tmp_path), "seed")
+    assert caught.value.fix.startswith("resume with --seed 3")
+    with pytest.raises(InputError) as caught:
+        checkpoint.check_compatible(saved, {**now, "data_fingerprint": "a file of 2999 uint16 tokens (digest 0123456789ab)"},
+                                    tmp_path)
+    assert caught.value.field == "data_fingerprint" and "old/place/tokens.bin" in caught.value.problem
+    older = {key: value for key, value in saved.items() if key != "data_fingerprint"}
+    checkpoint.check_compatible(older, {**now, "data_fingerprint": "another file"}, tmp_path)
+    with pytest.raises(InputError):
+        checkpoint.check_compatible(older, {**now, "seed": 4}, tmp_path)
+
+
 def test_checkpoint_bytes_lists_every_file(saved):
     sizes = checkpoint.checkpoint_bytes(saved)
     assert sorted(sizes) == [".metadata", "__0_0.distcp", "octopipe.json"]

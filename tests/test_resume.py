@@ -128,10 +128,16 @@ def one_rank(tmp_path_factory) -> tuple[Path, Path]:
         save_plan(plan, folder / f"d{depth}.yaml")
     done = _octorun(str(folder / "d6.yaml"), "--steps", "2", "--save", str(folder / "ck"), cwd=h.ROOT)
     assert done.returncode == 0, done.stderr
+    # one step on a token file, read in the order of --seed 3
+    done = _octorun(str(folder / "d6.yaml"), "--steps", "1", "--save", str(folder / "ck-data"), "--seed", "3",
+                    "--data", str(write_tokens(folder / "tokens.bin")), cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    write_tokens(folder / "other-tokens.bin", seed=6)
     return folder, folder / "ck" / "step_00000002"
 
 
-@pytest.mark.parametrize("case", ["missing", "partial", "other-model", "missing-shard", "auto-without-save"])
+@pytest.mark.parametrize("case", ["missing", "partial", "other-model", "missing-shard", "auto-without-save",
+                                  "other-seed", "other-data"])
 def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     folder, good = one_rank
     plan, resume = folder / "d6.yaml", str(good)
@@ -153,6 +159,10 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
         resume = str(broken)
     elif case == "auto-without-save":
         resume = "auto"
+    elif case in ("other-seed", "other-data"):
+        resume = str(folder / "ck-data" / "step_00000001")
+        extra = ["--data", str(folder / ("tokens.bin" if case == "other-seed" else "other-tokens.bin")), "--seed",
+                 "4" if case == "other-seed" else "3"]
     metrics = tmp_path / "m.jsonl"
     done = _octorun(str(plan), "--steps", "3", "--resume", resume, "--metrics", str(metrics), *extra, cwd=h.ROOT)
     assert done.returncode == 2, done.stderr
@@ -161,5 +171,6 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     assert "Traceback" not in done.stderr
     assert not metrics.exists() and not Path(f"{metrics}.partial").exists()
     expected = {"missing": "nothing-here", "partial": "partial", "other-model": "layers",
-                "missing-shard": ".distcp", "auto-without-save": "--save"}[case]
+                "missing-shard": ".distcp", "auto-without-save": "--save", "other-seed": "resume with --seed 3",
+                "other-data": "trained on a file of 3000 uint16 tokens"}[case]
     assert expected in lines[0], lines[0]

@@ -56,6 +56,7 @@ def jobs(tmp_path_factory) -> Jobs:
     batch.add("data-pp2dp2", "1f1b", pp=2, config={}, microbatches=2, data_path=tokens)
     batch.add("adamw-clip-pp2dp2", "1f1b", pp=2, config={})
     batch.add("adamw-clip-zbv-pp2dp2", "zbv", pp=2, config={})
+    batch.add("unused-pp2dp2", "1f1b", pp=2, config={"unused": True})
     batch.add("tied-1f1b-pp4", "1f1b", pp=4, config={"tie": True})
     batch.add("tied-zbv-pp4", "zbv", pp=4, config={"tie": True, "depth": 10}, microbatches=8)  # embed and head on rank 0
     batch.add("tied-1f1b-pp2dp2", "1f1b", pp=2, config={"tie": True})
@@ -74,7 +75,7 @@ def _merged(replica: dict[int, dict]) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["adamw-clip-pp2dp2", "adamw-clip-zbv-pp2dp2", "tied-1f1b-pp4", "tied-zbv-pp4",
+@pytest.mark.parametrize("name", ["adamw-clip-pp2dp2", "adamw-clip-zbv-pp2dp2", "unused-pp2dp2", "tied-1f1b-pp4", "tied-zbv-pp4",
                                   "tied-1f1b-pp2dp2"])
 def test_optimizer_step_equals_single_process(jobs, name):
     """Losses, the global grad norm (torch's clip_grad_norm_ on the whole model), the lr and the
@@ -88,6 +89,17 @@ def test_optimizer_step_equals_single_process(jobs, name):
     assert [m.lr for m in metrics] == pytest.approx(ref.lrs, rel=1e-12)
     for replica in replicas.values():
         assert h.max_abs_diff(_merged(replica), ref.state) <= TOL
+
+
+@pytest.mark.slow
+def test_a_parameter_no_replica_used_stays_as_it_was(jobs):
+    """A block's parameter that the forward never reads gets no gradient on any replica, so
+    AdamW leaves it alone, as on one process: were it reduced as a zero gradient, weight decay
+    would shrink it by (1 - lr x wd) every step and AdamW would count steps for it."""
+    _, replicas = jobs.results("unused-pp2dp2")
+    spares = [layer["spare"] for replica in replicas.values() for layer in _merged(replica).values() if "spare" in layer]
+    assert len(spares) == 2 * 4  # the 4 blocks of depth 6, on each of the 2 replicas
+    assert all(torch.equal(spare, torch.ones(8, 8)) for spare in spares)
 
 
 @pytest.mark.slow

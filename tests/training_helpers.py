@@ -16,15 +16,16 @@ from octorun.runtime import RunConfig
 STEPS = 4
 TOL = 1e-5
 
-# A chain whose embedding and head may share one matrix (``tie``), and whose layer ``poison``
-# multiplies its output by NaN (a forward that goes non-finite in a known stage).
+# A chain whose embedding and head may share one matrix (``tie``), whose layer ``poison``
+# multiplies its output by NaN (a forward that goes non-finite in a known stage), and whose
+# blocks may hold a parameter the forward never uses (``unused``: it never gets a gradient).
 MODEL = '''
 import torch
 from torch import nn
 
-CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1}
+CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False}
 
-def num_layers(vocab, hidden, depth, seq, tie, poison):
+def num_layers(vocab, hidden, depth, seq, tie, poison, unused):
     return depth
 
 class Embed(nn.Module):
@@ -35,11 +36,13 @@ class Embed(nn.Module):
         return self.emb(ids)
 
 class Block(nn.Module):
-    def __init__(self, hidden, poisoned):
+    def __init__(self, hidden, poisoned, unused):
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         self.lin = nn.Linear(hidden, hidden)
         self.poisoned = poisoned
+        if unused:
+            self.spare = nn.Parameter(torch.ones(hidden, hidden))  # a matrix: weight decay would act on it
     def forward(self, h):
         out = h + torch.tanh(self.lin(self.norm(h)))
         return out * float("nan") if self.poisoned else out
@@ -51,17 +54,17 @@ class Head(nn.Module):
     def forward(self, h):
         return self.out(h)
 
-def build_layer(index, vocab, hidden, depth, seq, tie, poison):
+def build_layer(index, vocab, hidden, depth, seq, tie, poison, unused):
     if index == 0:
         return Embed(vocab, hidden)
     if index == depth - 1:
         return Head(vocab, hidden)
-    return Block(hidden, index == poison)
+    return Block(hidden, index == poison, unused)
 
-def tied_parameters(vocab, hidden, depth, seq, tie, poison):
+def tied_parameters(vocab, hidden, depth, seq, tie, poison, unused):
     return [[(0, "emb.weight"), (depth - 1, "out.weight")]] if tie else []
 
-def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison):
+def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison, unused):
     ids = torch.randint(0, vocab, (mbs, seq + 1), generator=generator)
     return ids[:, :-1], ids[:, 1:]
 
@@ -84,7 +87,7 @@ class Jobs:
 
     def add(self, name: str, schedule: str, *, pp: int, config: dict, microbatches: int = 4,
             optim: OptimizerConfig = ADAMW, precision: str = "fp32", steps: int = STEPS, **run) -> None:
-        full = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, **config}
+        full = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False, **config}
         plan = h.baseline_plan(schedule, self.model, full, self.folder / name, gpus=self.world, pp=pp,
                                microbatches=microbatches)
         path = self.folder / f"{name}.yaml"
