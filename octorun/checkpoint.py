@@ -245,7 +245,8 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path: str | os.PathLike) -> None:
     """Raise :class:`InputError` if the checkpoint at ``path`` is of another model than this run's
-    (its ``model`` name or ``num_layers`` differ), or if both read a token file and the file
+    (its ``model`` name or ``num_layers`` differ) or was trained with another ``optimizer`` (whose
+    state the run cannot take up), or if both read a token file and the file
     (``data_fingerprint``) or the seed of its window order (``seed``) differ: the checkpoint's
     position in the data belongs to its own order. A checkpoint lacking a field is not judged on
     it, and a run without ``--data`` is not judged on the data."""
@@ -253,6 +254,10 @@ def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path:
         if key in meta_saved and key in meta_now and meta_saved[key] != meta_now[key]:
             raise InputError(str(path), key, f"the checkpoint's {what} is {meta_saved[key]!r}, this run's is {meta_now[key]!r}",
                              "resume from a checkpoint of this model, or start afresh without --resume")
+    if "optimizer" in meta_saved and "optimizer" in meta_now and meta_saved["optimizer"] != meta_now["optimizer"]:
+        raise InputError(str(path), "optimizer", f"the checkpoint was trained with {meta_saved['optimizer']}, this run's "
+                         f"--optimizer is {meta_now['optimizer']}",
+                         f"give --optimizer {meta_saved['optimizer']}: the checkpoint holds that optimizer's state")
     if not meta_saved.get("data") or "data_fingerprint" not in meta_now:
         return
     saved_file = meta_saved.get("data_fingerprint")

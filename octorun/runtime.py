@@ -250,7 +250,8 @@ def prepare(config: RunConfig) -> Prepared:
         resume_from = checkpoint.resolve(config.resume, save_root=config.save_dir)
         if resume_from is not None:
             checkpoint.check_compatible(checkpoint.read_meta(resume_from),
-                                        {**_model_identity(model, num_layers), **_data_identity(config.seed, data)},
+                                        {**_model_identity(model, num_layers), "optimizer": config.optimizer,
+                                         **_data_identity(config.seed, data)},
                                         resume_from)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model),

@@ -560,6 +560,11 @@ def test_check_compatible_names_what_differs(tmp_path):
     with pytest.raises(InputError) as caught:
         checkpoint.check_compatible({"model": "tiny", "num_layers": 4}, {"model": "tiny", "num_layers": 6}, tmp_path)
     assert caught.value.field == "num_layers" and "layer count is 4, this run's is 6" in caught.value.problem
+    # the optimizer state is the optimizer's: AdamW's moments mean nothing to SGD, and SGD's
+    # checkpoint has none for AdamW
+    with pytest.raises(InputError) as caught:
+        checkpoint.check_compatible({"model": "tiny", "optimizer": "sgd"}, {"model": "tiny", "optimizer": "adamw"}, tmp_path)
+    assert caught.value.field == "optimizer" and caught.value.fix.startswith("give --optimizer sgd")
 
 
 def test_check_compatible_holds_a_token_files_position_to_its_order(tmp_path):
