@@ -158,6 +158,12 @@ def _complete(root: Path) -> list[tuple[int, Path]]:
     found = []
     for entry in root.iterdir():
         step = _step_of(entry)
+        if step is None and entry.name.endswith(_REPLACED):
+            # a save of the same step cut short between moving the old copy aside and naming the
+            # new one: the moved-aside folder is that step's only complete copy (the next save
+            # gives it back its name)
+            final = root / entry.name.removesuffix(_REPLACED)
+            step = None if final.exists() else _step_of(final)
         if step is not None and _is_complete(entry):
             found.append((step, entry))
     return sorted(found)
@@ -165,7 +171,8 @@ def _complete(root: Path) -> list[tuple[int, Path]]:
 
 def latest(root: str | os.PathLike) -> tuple[int, Path] | None:
     """The newest complete checkpoint in ``root`` as (step, folder); None if there is none
-    (``root`` missing or empty, or holding only ``.partial`` folders)."""
+    (``root`` missing or empty, or holding only ``.partial`` folders). The folder may be a
+    ``.replaced`` one that an interrupted save left as its step's only copy."""
     found = _complete(Path(root))
     return found[-1] if found else None
 

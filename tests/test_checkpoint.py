@@ -402,7 +402,11 @@ def test_a_save_clears_what_interrupted_saves_left(tmp_path):
     (tmp_path / "step_00000009.partial" / "__0_0.distcp").write_bytes(b"junk")
     # a crash between moving a same-step checkpoint aside and renaming its successor
     (tmp_path / "step_00000001").rename(tmp_path / "step_00000001.replaced")
-    assert checkpoint.latest(tmp_path) is None
+    # the moved-aside folder is step 1's only copy: --resume auto takes it
+    assert checkpoint.latest(tmp_path) == (1, tmp_path / "step_00000001.replaced")
+    state = {"x": torch.tensor([0])}
+    checkpoint.load(checkpoint.resolve("auto", save_root=tmp_path), state, group=None)
+    assert state["x"].tolist() == [1]
     (tmp_path / "mine.partial").mkdir()  # not a name a save makes: left alone
     checkpoint.save(tmp_path, 2, {"x": torch.tensor([2])}, meta={}, group=None)
     assert sorted(os.listdir(tmp_path)) == ["mine.partial", "step_00000001", "step_00000002"]
