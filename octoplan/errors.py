@@ -10,7 +10,12 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
-__all__ = ["InputError", "shown"]
+__all__ = ["MODEL_CODE_FAILURES", "InputError", "shown"]
+
+# What a model file's code may raise that is its own failure, to be reported as one: any
+# Exception, and an exit (sys.exit, exit(), argparse's error, GeneratorExit), which would
+# otherwise end the command silently with the model's own status. Ctrl-C is not among them.
+MODEL_CODE_FAILURES = (Exception, SystemExit, GeneratorExit)
 
 
 # A part of the line longer than this is cut in its middle: a bad value echoed back may be a

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from octoplan.errors import InputError, shown
+from octoplan.errors import MODEL_CODE_FAILURES, InputError, shown
 from octoplan.inputs import check_input_file
 
 __all__ = [
@@ -62,7 +62,7 @@ class ModelFile:
             count = self._call("num_layers", **self.config)
         except InputError:
             raise
-        except Exception as exc:  # the first call into a model file: what it raises is the file's fault
+        except MODEL_CODE_FAILURES as exc:  # the first call into a model file: what it raises is the file's fault
             text = " ".join(str(exc).split())[:300]
             raise InputError(self.path, "num_layers", f"raised {type(exc).__name__}{': ' + text if text else ''}",
                              "fix num_layers in the model file") from None

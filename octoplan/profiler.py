@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import yaml
 
-from octoplan.errors import InputError
+from octoplan.errors import MODEL_CODE_FAILURES, InputError
 from octoplan.host_malloc import steady_malloc
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.precision import DEFAULT_PRECISION, PROFILE_DTYPE, autocast, check_precision
@@ -320,7 +320,7 @@ def _optional(mf: ModelFile, name: str, index: int) -> str | None:
         return None
     try:
         value = fn(index, **mf.config)
-    except Exception as exc:
+    except MODEL_CODE_FAILURES as exc:
         raise _fail(mf, f"{name}({index})", "raised", exc, f"fix {name}") from None
     if not isinstance(value, str) or not value:
         raise InputError(mf.path, f"{name}({index})", f"returned {value!r}", "return a non-empty string")
@@ -347,7 +347,7 @@ def _name_and_kind(mf: ModelFile, index: int, total: int, layer: torch.nn.Module
 def _build(mf: ModelFile, index: int, device: torch.device) -> torch.nn.Module:
     try:
         layer = mf.build_layer(index)
-    except Exception as exc:
+    except MODEL_CODE_FAILURES as exc:
         raise _fail(mf, f"build_layer({index})", "raised", exc, "fix build_layer") from None
     return layer.to(device)
 
@@ -355,7 +355,7 @@ def _build(mf: ModelFile, index: int, device: torch.device) -> torch.nn.Module:
 def _first_batch(mf: ModelFile, microbatch_size: int, device: torch.device) -> tuple[Any, Any]:
     try:
         inputs, targets = mf.sample_batch(microbatch_size, step=0, replica=0, mb=0)
-    except Exception as exc:
+    except MODEL_CODE_FAILURES as exc:
         raise _fail(mf, "sample_batch", "raised", exc, "fix sample_batch") from None
     if _tensors(inputs) is None:
         raise InputError(mf.path, "sample_batch", f"inputs are a {_describe(inputs)}", "return a tensor or a tuple of tensors as inputs")
@@ -365,7 +365,7 @@ def _first_batch(mf: ModelFile, microbatch_size: int, device: torch.device) -> t
 def _loss(mf: ModelFile, index: int, name: str, outputs: Any, targets: Any) -> torch.Tensor:
     try:
         loss = mf.loss(outputs, targets)
-    except Exception as exc:
+    except MODEL_CODE_FAILURES as exc:
         raise _fail(mf, "loss_fn", f"failed on the output of layer {index} ({name})", exc, "fix loss_fn") from None
     if not loss.requires_grad:
         raise InputError(mf.path, "loss_fn", "returned a loss that does not depend on the model", "compute it from the outputs")
@@ -417,7 +417,7 @@ class _LayerRun:
         try:
             with saved.recording(), self.region():
                 output = self.layer(*self.args)
-        except Exception as exc:
+        except MODEL_CODE_FAILURES as exc:
             raise self._input_error(exc) from None
         if _tensors(output) is None:
             raise InputError(
@@ -472,10 +472,13 @@ class _LayerRun:
             "output_w_bytes": _storage_bytes(mine(kept), excluded=static),
         }
 
-    def _input_error(self, exc: Exception) -> InputError:
+    def _input_error(self, exc: BaseException) -> InputError:
         if isinstance(exc, InputError):
             return exc.in_file(self.mf.path)
         field_name = f"layer {self.index} ({self.name})"
+        if not isinstance(exc, Exception):  # sys.exit and the like
+            return InputError(self.mf.path, field_name, f"exits in its forward: {_exc_text(exc)}",
+                              "raise an exception instead: an exit would end the whole run")
         if self.index == 0:
             problem = "cannot take the inputs of sample_batch"
             fix = "make sample_batch's inputs match the first layer's forward arguments"
@@ -535,7 +538,7 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
                 weight_ms = fused_ms = statistics.median(weight_samples + fused_samples)
     except InputError:
         raise
-    except Exception as exc:
+    except MODEL_CODE_FAILURES as exc:
         raise InputError(run.mf.path, field_name, f"failed during measurement: {_exc_text(exc)}", "fix the layer") from None
     layer = Layer(
         name=run.name,
@@ -678,7 +681,7 @@ def profile_model_file(
                 samples = time_in_sequence(chain, clock=timer, repeat=repeat, warmup=warmup)
         except InputError:
             raise
-        except Exception as exc:
+        except MODEL_CODE_FAILURES as exc:
             raise InputError(mf.path, f"layer {chain.current} ({names[chain.current]})",
                              f"failed when run in sequence: {_exc_text(exc)}", "fix the layer") from None
         del chain, modules
@@ -769,5 +772,5 @@ def measure_whole_model_ms(
                 return _Clock(dev, threads=used_threads, clock=clock).median_ms(step, repeat=repeat, warmup=warmup)
         except InputError as exc:
             raise exc.in_file(mf.path) from None
-        except Exception as exc:
+        except MODEL_CODE_FAILURES as exc:
             raise InputError(mf.path, None, f"the whole model failed: {_exc_text(exc)}", "profile it for the failing layer") from None

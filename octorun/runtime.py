@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from octoplan.costs import LayerTable, op_ms, plan_stage_costs
-from octoplan.errors import InputError
+from octoplan.errors import MODEL_CODE_FAILURES, InputError
 from octoplan.host_malloc import steady_malloc
 from octoplan.modelfile import ModelFile, as_args, load_model_file, microbatch_seed
 from octoplan.ops import Kind, Op
@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 # Far beyond any run of one octorun job, small enough that a typo is caught (a job of 10**20
 # steps would only ever end by being killed)
 MAX_STEPS = 10**7
+# A wait of more than 11 days is a typo: the process group's store and the launcher's clocks take
+# waits in milliseconds and overflow on values not far above (1e10 s), and would hang that long
+MAX_TIMEOUT_S = 1e6
 # The largest --seed whose every microbatch seed (docs/FORMATS.md section 4) stays a signed 64-bit integer,
 # at the last step, replica and microbatch these limits allow
 MAX_SEED = ((2**63 - 1 - microbatch_seed(seed=0, step=MAX_STEPS - 1, replica=MAX_GPUS - 1, mb=MAX_MICROBATCHES - 1))
@@ -201,8 +204,8 @@ def prepare(config: RunConfig) -> Prepared:
     check_optimizer_config(config.optim, steps=config.steps)
     check_precision(config.precision)
     for flag, value in (("--timeout", config.timeout_s), ("--init-timeout", config.first_timeout_s)):
-        if not (math.isfinite(value) and value > 0):
-            raise InputError(None, flag, f"is {value}", "give a positive number of seconds")
+        if not _valid_timeout(value):
+            raise InputError(None, flag, f"is {value:g}", f"give a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f}")
     _check_checkpoint_flags(config)
     if not 0 <= config.seed <= MAX_SEED:
         raise InputError(None, "--seed", f"is {config.seed}", f"give a seed from 0 to {MAX_SEED}")
@@ -256,6 +259,10 @@ def prepare(config: RunConfig) -> Prepared:
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model),
                     data=data, resume_from=resume_from)
+
+
+def _valid_timeout(seconds: float) -> bool:
+    return math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S
 
 
 def _check_checkpoint_flags(config: RunConfig) -> None:
@@ -1245,7 +1252,7 @@ def run(config: RunConfig) -> RunResult:
     # two deadlines, as torchtitan has: a generous one until the first step ends (the process
     # group forms, stages build, a checkpoint loads, step 0 sends every layout), --timeout after
     init_timeout_s = config.first_timeout_s
-    if not (math.isfinite(init_timeout_s) and init_timeout_s > 0):  # bad input (prepare said so): meet with the default
+    if not _valid_timeout(init_timeout_s):  # bad input (prepare said so): meet with the default
         init_timeout_s = 300.0
     owns_group = not dist.is_initialized()
     place = _meeting_place(owns_group, error, init_timeout_s)
@@ -1293,7 +1300,7 @@ def run(config: RunConfig) -> RunResult:
         interpreter = _Interpreter(prepared, config, groups=groups, watchdog=watchdog, device=device, model=prepared.model)
     except InputError as exc:
         watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
-    except Exception as exc:
+    except MODEL_CODE_FAILURES as exc:
         watchdog.fail(f"building the stages failed while {watchdog.activity}: {gist(exc)}")
     if config.resume is not None:
         resumed = None if prepared.resume_from is None else int(checkpoint.read_meta(prepared.resume_from)["step"])
@@ -1319,7 +1326,7 @@ def run(config: RunConfig) -> RunResult:
         os._exit(1)
     except InputError as exc:  # the model file's fault, found as it runs (sample_batch's return ...)
         watchdog.fail(f"while {watchdog.activity}: {exc.line()}", code=EXIT_BAD_INPUT)
-    except Exception as exc:  # anything unexpected still ends the whole job, with its reason
+    except MODEL_CODE_FAILURES as exc:  # anything unexpected (the model file's exit too) ends the whole job, with its reason
         watchdog.fail_on(f"failed while {watchdog.activity}", exc)
     # Peers that finish may close the store; stop polling it, then meet once more (with a
     # deadline: the control group's timeout) so nobody leaves while another still sends.

@@ -1058,7 +1058,7 @@ def loss_fn(outputs, targets):
 
 # what a layer raises: the exception types model code meets, with messages that may span lines
 _RAISED = st.sampled_from(["ValueError", "RuntimeError", "ZeroDivisionError", "KeyError", "AssertionError", "TypeError",
-                           "IndexError", "NotImplementedError", "OSError", "FloatingPointError"])
+                           "IndexError", "NotImplementedError", "OSError", "FloatingPointError", "SystemExit"])
 _MESSAGES = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40) | st.sampled_from(
     ["line one\nline two", "tab\there", "\r\n", "x" * 5000, "carriage\rreturn", "form\x0cfeed", "sep\u2028line"])
 

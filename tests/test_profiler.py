@@ -420,6 +420,28 @@ BROKEN = {
         None,
         "exits when imported (status 3)",
     ),
+    # a model's own exit (sys.exit, argparse's error) is its failure, named, not a silent end
+    "num_layers_exits": (
+        TWO_LINEAR.replace("return 2 + middle", "raise SystemExit(2)"),
+        "num_layers",
+        "raised SystemExit: 2",
+    ),
+    "build_layer_exits": (
+        TWO_LINEAR.replace("if index == 0:", "if index == 1:\n        raise SystemExit('bye')\n    if index == 0:", 1),
+        "build_layer(1)",
+        "SystemExit: bye",
+    ),
+    "forward_exits": (
+        TWO_LINEAR.replace("return nn.Linear(hidden, 4)", "return Quits()")
+        + "\nclass Quits(nn.Module):\n    def forward(self, x):\n        import sys\n        sys.exit(0)\n",
+        "layer 1 (Quits)",
+        "exits in its forward: SystemExit: 0",
+    ),
+    "loss_exits": (
+        TWO_LINEAR.replace("return torch.nn.functional.mse_loss(outputs, targets)", "raise GeneratorExit('loss broke')"),
+        "loss_fn",
+        "GeneratorExit: loss broke",
+    ),
     "too_many_layers": (
         TWO_LINEAR.replace("return 2 + middle", "return 10**9"),
         "num_layers",

@@ -238,6 +238,22 @@ def test_torchrun_cli_end_to_end(tmp_path):
     assert sorted((e["tid"], e["name"]) for e in events) == sorted((r, str(op)) for r, ops in enumerate(plan.schedule) for op in ops)
 
 
+def test_a_model_that_exits_mid_step_fails_the_run_naming_the_exit(tmp_path):
+    """sys.exit in a model's loss_fn (an argparse error, a stray exit()) is the model's failure:
+    the run fails and says so, rather than ending with the model's own status 0 and no word."""
+    path = h.write_tiny_model(tmp_path)
+    text = path.read_text()
+    path.write_text(text.replace("def loss_fn(logits, targets):\n", "def loss_fn(logits, targets):\n    import sys\n"
+                                 "    sys.exit(0)\n"))
+    plan = h.baseline_plan("1f1b", path, {}, tmp_path, gpus=1, pp=1, microbatches=2)
+    save_plan(plan, tmp_path / "plan.yaml")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-m", "octorun", str(tmp_path / "plan.yaml"), "--steps", "1"],
+                          capture_output=True, text=True, cwd=h.ROOT, env=env, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == "octorun: rank 0: failed while running op 0F0 of step 0: SystemExit: 0"
+
+
 def test_single_process_without_torchrun(tmp_path, monkeypatch):
     """No launcher: a world of one; three stages on the one rank hand values over directly."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -98,6 +98,8 @@ def test_replay_without_the_profile_is_bad_input(tmp_path, profile_file):
 @pytest.mark.parametrize("override,flag", [
     ({"timeout_s": float("nan")}, "--timeout"),
     ({"timeout_s": float("inf")}, "--timeout"),
+    ({"timeout_s": 1e10}, "--timeout"),  # overflowed the store's milliseconds: a traceback
+    ({"timeout_s": 60.0, "init_timeout_s": 1e300}, "--init-timeout"),
     ({"lr": -1.0}, "--lr"),
     ({"lr": float("nan")}, "--lr"),
     ({"seed": 10**20}, "--seed"),
