@@ -261,6 +261,14 @@ def test_bad_input_exits_2_in_one_line(saved, tmp_path):
                      "cannot build Qwen2ForCausalLM")
     _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "no_such_field=1", "-o", str(out)),
                      "no_such_field", "not a field")
+    # a float into an int field (transformers' strict configs raised their own traceback), and
+    # counts below 1 (layers=-3 wrote a profile of no decoder layers)
+    _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "layers=2.5", "-o", str(out)),
+                     "--config layers: is 2.5 but the config holds 4")
+    _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "layers=-3", "-o", str(out)),
+                     "--config layers: is -3", "at least 1")
+    _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "vocab_size=0", "-o", str(out)),
+                     "--config vocab_size: is 0")
     # the safetensors files hold hidden 32, the overridden config says 16
     _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "hidden=16", "--config", "num_attention_heads=2",
                           "--config", "num_key_value_heads=1", "-o", str(out)),

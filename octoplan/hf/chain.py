@@ -79,25 +79,40 @@ def _transformers(source: str):
     return transformers
 
 
-def _set_field(config: Any, key: str, value: Any, source: str) -> None:
-    """``key`` (``a.b`` reaches into a sub-config) of a transformers config set to ``value``."""
+def _is_count(field: str) -> bool:
+    """A field that counts or sizes something (num_hidden_layers, hidden_size, head_dim): 0 or
+    less builds no model, or one with no layers."""
+    return field.startswith("num_") or field.endswith("_size") or field == "head_dim"
+
+
+def _set_field(config: Any, key: str, value: Any, source: str, given_as: str | None = None) -> None:
+    """``key`` (``a.b`` reaches into a sub-config) of a transformers config set to ``value``;
+    errors name ``--config given_as`` (the key the user gave: ``layers`` for num_hidden_layers)."""
+    flag = f"--config {given_as or key}"
     obj = config
     parts = key.split(".")
     for part in parts[:-1]:
         obj = getattr(obj, part, None)
         if obj is None or not hasattr(obj, "to_dict"):
-            raise InputError(source, f"--config {key}", f"{part!r} is not a sub-config of this model",
+            raise InputError(source, flag, f"{part!r} is not a sub-config of this model",
                              "name a field of config.json (a.b for a field of its sub-config a)")
     field = parts[-1]
     if not hasattr(obj, field):
-        raise InputError(source, f"--config {key}", f"is not a field of this model's config ({type(obj).__name__})",
+        raise InputError(source, flag, f"is not a field of this model's config ({type(obj).__name__})",
                          f"name a field of config.json, or one of {', '.join(OWN_KEYS)}")
     old = getattr(obj, field)
+    is_int = isinstance(old, int) and not isinstance(old, bool)
     if isinstance(old, bool) != isinstance(value, bool) or (
-            isinstance(old, (int, float)) and not isinstance(value, (int, float))):
-        raise InputError(source, f"--config {key}", f"is {shown(value)} but the config holds {shown(old)}",
+            isinstance(old, (int, float)) and not isinstance(value, (int, float))) or (is_int and isinstance(value, float)):
+        raise InputError(source, flag, f"is {shown(value)} but the config holds {shown(old)}",
                          "give a value of the field's type")
-    setattr(obj, field, value)
+    if is_int and _is_count(field) and value < 1:
+        raise InputError(source, flag, f"is {shown(value)}", "give a count or size of at least 1")
+    try:
+        setattr(obj, field, value)
+    except Exception as exc:  # transformers' own check of the field
+        raise InputError(source, flag, f"is refused by transformers: {_one_line(exc)}",
+                         "give a value the model's config takes") from None
     if field == "num_hidden_layers" and isinstance(getattr(obj, "layer_types", None), list):
         # a shrunken copy keeps the first layers' pattern of sliding, full and linear attention
         types = obj.layer_types
@@ -134,7 +149,7 @@ class HFChain:
                 continue
             field = {"layers": "num_hidden_layers", "hidden": "hidden_size"}.get(key)
             if field is not None:  # of the language model (get_text_config is the sub-config itself)
-                _set_field(text_config, field, value, source)
+                _set_field(text_config, field, value, source, given_as=key)
             else:
                 _set_field(hf_config, key, value, source)
         self.model_type = hf_config.model_type
