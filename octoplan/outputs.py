@@ -145,13 +145,16 @@ class StreamedOutput:
             raise _cannot(self.partial, flag, exc) from None
 
     def write_line(self, line: str) -> None:
-        self._out.write(line + "\n")
-        self._out.flush()
+        try:
+            self._out.write(line + "\n")
+            self._out.flush()
+        except OSError as exc:  # a disk that fills up, a file size limit: the run's fault is the output's
+            raise _cannot(self.partial, self.flag, exc) from None
 
     def commit(self) -> None:
         """The run ended well: the lines become ``PATH``."""
-        self._out.close()
         try:
+            self._out.close()
             os.chmod(self.partial, _mode_for(self.target))  # the old file's permissions, as write_text keeps them
             os.replace(self.partial, self.target)
         except OSError as exc:
@@ -159,4 +162,7 @@ class StreamedOutput:
 
     def close(self) -> None:
         """Without :meth:`commit`: keep ``PATH.partial`` as it is."""
-        self._out.close()
+        # after a failure, the one the run reports: the flush of what is still buffered may fail
+        # as the write did (a full disk), and must not take that report's place
+        with contextlib.suppress(OSError):
+            self._out.close()

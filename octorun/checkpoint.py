@@ -411,6 +411,12 @@ def _failed(folder: Path, verb: str, exc: CheckpointException) -> Exception:
             name = Path(error.filename).name if error.filename else None
             return InputError(str(folder), name, f"could not be {verb} by rank {rank}: {error.strerror or error}",
                               "check the folder's files, space and permissions")
+        if verb == "written" and "inline_container" in str(error):
+            # torch's file writer reports a refused write (a full disk, a file size limit) as a
+            # RuntimeError from C++ ("failed writing file", "unexpected pos"), its errno lost
+            detail = " ".join(str(error).split()).split("] ", 1)[-1].strip(" .")
+            return InputError(str(folder), None, f"could not be written by rank {rank}: torch's file writer failed "
+                              f"({detail})", "check the folder's free space and its file size limit: ulimit -f")
         if verb == "read":
             # the files passed the check (present, their sizes those the index names), so a
             # read that still fails to decode them means their bytes are damaged: bad input

@@ -511,6 +511,20 @@ def test_a_file_vanishing_during_the_read_is_named(saved, monkeypatch):
 
 
 
+def test_torchs_file_writer_refusing_a_write_is_bad_input(tmp_path):
+    """torch's serializer reports a write the filesystem refused (a full disk, a file size limit)
+    as a RuntimeError from C++ with its errno lost: still the folder's fault, in one line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    refused = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    error = checkpoint._failed(tmp_path, "written", CheckpointException("save failed", {0: refused}))
+    assert isinstance(error, InputError) and error.file == str(tmp_path)
+    assert error.problem == "could not be written by rank 0: torch's file writer failed (unexpected pos 704 vs 598)"
+    # anything else a rank raised while writing stays a failure of the run, with every reason
+    other = checkpoint._failed(tmp_path, "written", CheckpointException("save failed", {1: ValueError("odd")}))
+    assert not isinstance(other, InputError) and "rank 1: ValueError: odd" in str(other)
+
+
 def test_damaged_bytes_of_the_right_size_are_bad_input(saved):
     """A shard overwritten with noise keeps its size, so only the read finds it: still one
     InputError naming the folder and the way out, not a failure of the run."""

@@ -136,6 +136,29 @@ def one_rank(tmp_path_factory) -> tuple[Path, Path]:
     return folder, folder / "ck" / "step_00000002"
 
 
+@pytest.mark.parametrize("output", ["--metrics", "--save"])
+def test_an_output_the_filesystem_stops_taking_is_one_line(one_rank, output, tmp_path):
+    """A full disk, here a file size limit of 1 KiB (ulimit -f 1): the metrics file stops taking
+    lines after a few steps, the checkpoint's data file at once. One line naming the output,
+    exit 2, not an OSError or torch's C++ enforce message (and not the flush that fails again
+    as the file closes, which took the first error's place)."""
+    import resource
+
+    folder, _ = one_rank
+    out = tmp_path / ("m.jsonl" if output == "--metrics" else "ck")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-m", "octorun", str(folder / "d6.yaml"), "--steps", "12", output, str(out)],
+                          capture_output=True, text=True, cwd=h.ROOT, env=env, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024)))
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    if output == "--metrics":
+        assert line.endswith(f"{out}.partial: --metrics cannot be written: File too large (give a writable file path)")
+    else:  # which write fails first decides the words: an OSError's, or torch's file writer's
+        assert f"{out}/step_00000012.partial: could not be written by rank 0: " in line
+        assert "RuntimeError" not in line and "enforce" not in line
+
+
 @pytest.mark.parametrize("case", ["missing", "partial", "other-model", "missing-shard", "auto-without-save",
                                   "other-seed", "other-data"])
 def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
