@@ -344,6 +344,25 @@ def test_the_baselines_have_every_interleaved_chunk_count_the_layers_allow():
     assert "interleaved-1f1b(v=3)/uniform" in capped and not any("(v=4)" in name for name in capped)
 
 
+def test_the_baselines_take_at_most_half_the_budget_the_most_run_first():
+    # the 16 baselines of the test above, one plan each. Under --max-plans 8 the clock counts
+    # plans, and the baselines stop at half of it (4 plans): 1F1B and interleaved 1F1B of 2
+    # chunks, each with both partitions, priced in that order; the other 12 are left out and
+    # counted. (On 4096 microbatches pricing them all took 28 s of a 5 s --time-limit.)
+    from octoplan.schedules import SCHEDULES
+    from octoplan.tuner.seeds.baselines import PRICING_ORDER
+
+    assert sorted(PRICING_ORDER) == sorted(SCHEDULES)  # every schedule has its place
+    profile, cluster = make_profile([(1, 1, 1)] * 8), free_cluster(2)
+    cut = tune(profile, cluster, TuneOptions(gpus=2, pp=2, microbatches=2, max_plans=8))
+    assert [row.name for row in cut.baselines] == ["1f1b/uniform", "1f1b/balanced", "interleaved-1f1b/uniform",
+                                                   "interleaved-1f1b/balanced"]
+    assert cut.stats["baselines_unpriced"] == 12
+    whole = tune(profile, cluster, TuneOptions(gpus=2, pp=2, microbatches=2, max_plans=200))
+    assert len(whole.baselines) == 16 and whole.stats["baselines_unpriced"] == 0
+    assert [row.name for row in whole.baselines][:4] == ["gpipe/uniform", "gpipe/balanced", "1f1b/uniform", "1f1b/balanced"]
+
+
 def test_the_table_shows_the_default_chunk_count_and_the_fastest_other():
     from octoplan.tuner.cli import shown_rows
 

@@ -237,6 +237,11 @@ def _report(batch, memory_gb: float) -> None:
                       f"{MAX_TUNER_GAIN:g}x the best size's (more than the tuner has gained over a baseline)", soft_wrap=True)
     console.print(_table(result, sizes, batch.microbatch_size))
     console.print(_verdict(result, memory_gb), soft_wrap=True)
+    unpriced = result.stats.get("baselines_unpriced", 0)
+    if unpriced:
+        console.print(f"{unpriced} baseline{'s' if unpriced > 1 else ''} (schedule/partition on a configuration) not "
+                      f"priced: the baselines may take half of the time limit ({result.stats['time_limit_s']:.3g} s), and "
+                      "the table leaves these out; a longer --time-limit prices them all", soft_wrap=True)
     for line in _framework_costs(result):
         console.print(line, soft_wrap=True)
 

@@ -77,7 +77,7 @@ from octoplan.tuner.frameworks import RUNS_ON, Frameworks
 from octoplan.tuner.moves import DIMENSIONS
 from octoplan.tuner.neighbourhoods import Neighbourhood
 from octoplan.tuner.seeds import SEED_FAMILIES, Ranked, SeedContext, SeedFamily
-from octoplan.tuner.seeds.baselines import BaselineRow, baseline_chunks, collect_baselines
+from octoplan.tuner.seeds.baselines import BaselineRow, Baselines, baseline_chunks, collect_baselines
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored
 from octoplan.yamlio import file_sha256
 
@@ -96,6 +96,8 @@ log = logging.getLogger("octoplan.tuner")
 DEFAULT_MICROBATCHES_PER_PP = 2  # without --global-batch or --microbatches: 2 per pipeline rank, as `baseline`
 MAX_WORKERS = 1024  # --workers: far above any machine's cores, below where process counts overflow
 MAX_SEED = 2**31 - 1  # --seed: CP-SAT's random_seed is a 32-bit signed int
+# The share of the time limit the baselines may take (they are seeds and the table's rows)
+BASELINES_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,7 @@ def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions, *,
     configs = configs_for(profile, opts)
     cluster = _with_gpus(cluster, opts.gpus)
     search = Search(_evaluator_for(profile, cluster, evaluator), opts, None)
-    return collect_baselines(profile, cluster, configs, opts, search)
+    return collect_baselines(profile, cluster, configs, opts, search).rows
 
 
 def _with_gpus(cluster: Cluster, gpus: int) -> Cluster:
@@ -243,7 +245,11 @@ def tune(
     search = Search(_evaluator_for(profile, cluster, evaluator),
                     replace(opts, chunks_max=min(opts.chunks_max or DEFAULT_CHUNKS, profile.num_layers)),
                     progress, neighbourhoods=neighbourhoods)
-    baselines = collect_baselines(profile, cluster, configs, opts, search) if opts.baselines else []
+    # the baselines may take up to half the time limit: at thousands of microbatches they alone
+    # take longer than a short one (--time-limit 5 on 4096 microbatches: 28 s)
+    collected = (collect_baselines(profile, cluster, configs, opts, search, until_s=BASELINES_SHARE * opts.time_limit_s)
+                 if opts.baselines else Baselines([], 0))
+    baselines = collected.rows
     ctx = SeedContext(search, configs, baseline_chunks(opts))
     families = [family for family in (SEED_FAMILIES if seed_families is None else seed_families) if family.applies(ctx)]
 
@@ -256,7 +262,7 @@ def tune(
     best, best_scored = _best_that_fits(search, profile_path)
     plan = _final_plan(search.ev, best, profile_path=profile_path)
     stats = _stats(search, best, plan, climbed=climbed, configs=len(configs), seeds=len(seeds), seeded_s=seeded_s,
-                   families=ctx.stats)
+                   families=ctx.stats, baselines_unpriced=collected.unpriced)
     plan = replace(plan, extra={"tuner": stats})
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     frameworks = search.frameworks
@@ -424,7 +430,7 @@ def _best_that_fits(search: Search, profile_path: str | Path | None) -> tuple[Ca
 
 
 def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs: int, seeds: int, seeded_s: float,
-           families: dict[str, list]) -> dict:
+           families: dict[str, list], baselines_unpriced: int) -> dict:
     """The plan's ``extra.tuner``: how the search went, and where the best plan's time goes."""
     from octoplan.schedules.exact import relaxation_bound  # OR-Tools only when the tuner runs
 
@@ -452,6 +458,7 @@ def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs
         "plans_in_restarts": search.restart_plans,
         "configs": configs,
         "seeds": seeds,
+        "baselines_unpriced": baselines_unpriced,
         "seeding_s": round(seeded_s, 3),
         "origin": best.origin,
         "moves_accepted": len(search.accepted_moves),

@@ -12,7 +12,7 @@ runs out of memory; all layers where nothing less fits), unless ``--no-recompute
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from octoplan.errors import InputError
 from octoplan.ops import splits_backward
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from octoplan.tuner.climb import Search
     from octoplan.tuner.search import TuneOptions
 
-__all__ = ["BaselineRow", "MAX_BASELINE_CHUNKS", "baseline_chunks", "baseline_candidates", "collect_baselines",
+__all__ = ["BaselineRow", "Baselines", "MAX_BASELINE_CHUNKS", "baseline_chunks", "baseline_candidates", "collect_baselines",
            "fewest_recomputed_layers"]
 
 # The most interleaved-1F1B chunks among the baselines without --chunks-max. Megatron-LM's users
@@ -35,6 +35,11 @@ __all__ = ["BaselineRow", "MAX_BASELINE_CHUNKS", "baseline_chunks", "baseline_ca
 # baseline (llama3-70b on 64 H100s: 11 chunks, 1974.0 ms, against 2102.8 for the best of 2 or
 # 3): the tuned plan must not be slower than that.
 MAX_BASELINE_CHUNKS = 32
+
+
+# The order the baselines are priced in when the time limit may cut them short: the pipelines
+# most run first, GPipe (all forwards, then all backwards: no one's choice at scale) last
+PRICING_ORDER = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "zb-h2", "dualpipev", "gpipe")
 
 
 @dataclass(frozen=True)
@@ -68,58 +73,90 @@ def _baseline_label(schedule: str, partition_method: str, chunks: int) -> str:
     return f"{label}/{partition_method}"
 
 
+def _applies(profile: Profile, config: Config, schedule: str, chunks: int) -> bool:
+    """Whether the schedule can run on ``config`` at all, known before its order is generated."""
+    spec = get_schedule(schedule)
+    # enough microbatches for the schedule, and a layer for every chunk
+    return (config.microbatches >= spec.min_microbatches(config.pp)
+            and spec.num_stages(config.pp, chunks) <= profile.num_layers)
+
+
+def _baseline_candidate(profile: Profile, config: Config, schedule: str, partition_method: str,
+                        chunks: int) -> Candidate | None:
+    """One baseline, built the way ``make_baseline`` builds it (same partition, placement and
+    generated order) but left unsimulated; None where it does not apply to ``config``."""
+    if not _applies(profile, config, schedule, chunks):
+        return None
+    spec = get_schedule(schedule)
+    num_stages = spec.num_stages(config.pp, chunks)
+    order = tuple(tuple(ops) for ops in spec.generate(config.pp, config.microbatches, chunks))
+    try:
+        pairs = partition(profile, num_stages, partition_method, fused_backward=not splits_backward(order))
+    except (InputError, ValueError):
+        return None  # too few layers for the schedule's stages
+    ranks = tuple(spec.placement(config.pp, num_stages))
+    label = _baseline_label(schedule, partition_method, chunks)
+    return Candidate(config, bounds_of(pairs), ranks, None, order, label, label)
+
+
 def baseline_candidates(profile: Profile, cluster: Cluster, config: Config, chunks_max: int) -> list[tuple[str, Candidate]]:
-    """Every baseline that applies, built the way ``make_baseline`` builds it (same partition,
-    placement and generated order) but left unsimulated: the search prices each one once."""
-    out = []
-    for schedule, partition_method, chunks in _baseline_names(chunks_max):
-        spec = get_schedule(schedule)
-        if config.microbatches < spec.min_microbatches(config.pp):
-            continue  # the schedule does not apply here (too few microbatches)
-        num_stages = spec.num_stages(config.pp, chunks)
-        if num_stages > profile.num_layers:
-            continue  # before generating an order: a chunk needs a layer
-        order = tuple(tuple(ops) for ops in spec.generate(config.pp, config.microbatches, chunks))
-        try:
-            pairs = partition(profile, num_stages, partition_method, fused_backward=not splits_backward(order))
-        except (InputError, ValueError):
-            continue  # too few layers for the schedule's stages
-        ranks = tuple(spec.placement(config.pp, num_stages))
-        label = _baseline_label(schedule, partition_method, chunks)
-        out.append((label, Candidate(config, bounds_of(pairs), ranks, None, order, label, label)))
-    return out
+    """Every baseline that applies to ``config``, unsimulated: the search prices each one once."""
+    built = (_baseline_candidate(profile, config, *name) for name in _baseline_names(chunks_max))
+    return [(cand.origin, cand) for cand in built if cand is not None]
+
+
+class Baselines(NamedTuple):
+    rows: list[BaselineRow]
+    unpriced: int  # baselines (schedule/partition x configuration) left out when the time ran out
 
 
 def collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Config], opts: TuneOptions,
-                      search: Search) -> list[BaselineRow]:
+                      search: Search, *, until_s: float | None = None) -> Baselines:
     """Every baseline on every configuration, priced by ``search``; one row per
     schedule/partition, its best configuration, each followed by its ``+recompute`` row where
-    it has one (the module's docstring)."""
+    it has one (the module's docstring).
+
+    ``until_s``: none is built or priced once the search's clock passes it (pricing them all at
+    thousands of microbatches takes longer than a short ``--time-limit``). They are taken in
+    :data:`PRICING_ORDER`, each on every configuration: the schedules of two stages per rank at
+    most, then interleaved 1F1B with 3, 4, ... chunks, then GPipe; the ``+recompute`` rows last.
+    Under ``--max-plans`` the clock counts plans, so which are left out is deterministic."""
     best: dict[str, BaselineRow] = {}
-    order: list[str] = []
+    names = _baseline_names(baseline_chunks(opts))
+    by_priority = sorted(names, key=lambda name: (name[0] == "gpipe", name[2], PRICING_ORDER.index(name[0])))
+    unpriced = 0
+
+    def out_of_time() -> bool:
+        return until_s is not None and search.clock.elapsed() >= until_s
 
     def consider(label: str, config: Config, cand: Candidate) -> None:
         row = BaselineRow(label, config, search.offer(cand), cand)
-        if label not in best:
-            order.append(label)
-            best[label] = row
-        elif row.scored.score < best[label].scored.score:
+        if label not in best or row.scored.score < best[label].scored.score:
             best[label] = row
 
-    candidates = [(config, label, cand) for config in configs
-                  for label, cand in baseline_candidates(profile, cluster, config, baseline_chunks(opts))]
-    for config, label, cand in candidates:
-        consider(label, config, cand)
+    priced: list[tuple[Config, Candidate]] = []
+    for name in by_priority:
+        for config in configs:
+            if out_of_time():
+                unpriced += _applies(profile, config, name[0], name[2])
+                continue
+            cand = _baseline_candidate(profile, config, *name)
+            if cand is not None:
+                consider(cand.origin, config, cand)
+                priced.append((config, cand))
     if opts.recompute:
-        short = {label for label in order if not best[label].scored.fits}
-        for config, label, cand in candidates:
-            if label in short:
-                consider(f"{label}+recompute", config, fewest_recomputed_layers(search, cand, f"{label}+recompute"))
+        short = {label for label, row in best.items() if not row.scored.fits}
+        for config, cand in priced:
+            if cand.origin in short:
+                if out_of_time():
+                    unpriced += 1
+                    continue
+                label = f"{cand.origin}+recompute"
+                consider(label, config, fewest_recomputed_layers(search, cand, label))
     rows = []
-    for label in order:
-        if not label.endswith("+recompute"):
-            rows += [best[name] for name in (label, f"{label}+recompute") if name in best]
-    return rows
+    for label in (_baseline_label(*name) for name in names):  # the table's order: SCHEDULES'
+        rows += [best[key] for key in (label, f"{label}+recompute") if key in best]
+    return Baselines(rows, unpriced)
 
 
 def fewest_recomputed_layers(search: Search, cand: Candidate, origin: str) -> Candidate:
