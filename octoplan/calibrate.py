@@ -223,10 +223,12 @@ class Calibration:
         return " ".join(out)
 
 
-def calibrate(plan: Plan, profile: Profile, trace_path: str | Path) -> Calibration:
-    """The cluster figures the last measured step of ``trace_path`` implies (:func:`calibration_of`)."""
-    if plan.parallel.pp < 2:
-        raise InputError(str(trace_path), "parallel.pp", f"is {plan.parallel.pp}: nothing is sent between ranks",
+def calibrate(plan: Plan, profile: Profile, trace_path: str | Path, *, plan_path: str | Path | None = None) -> Calibration:
+    """The cluster figures the last measured step of ``trace_path`` implies (:func:`calibration_of`).
+    ``plan_path``: where ``plan`` was read, named when the plan itself cannot be calibrated from."""
+    if plan.parallel.pp < 2:  # the plan's fault, whatever its trace holds
+        raise InputError(None if plan_path is None else str(plan_path), "parallel.pp",
+                         f"is {plan.parallel.pp}: nothing is sent between ranks",
                          "calibrate from the trace of a plan with 2 or more pipeline ranks")
     return within_cluster_ranges(calibration_of(split_trace(plan, profile, trace_path)), trace_path)
 

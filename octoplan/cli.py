@@ -582,7 +582,7 @@ def calibrate(
 
     plan, prof = _load_plan_with_profile(plan_path)
     check_runnable(plan, file=str(plan_path))
-    cal = calibrate_trace(plan, prof, trace_path)
+    cal = calibrate_trace(plan, prof, trace_path, plan_path=plan_path)
     if flags:
         typer.echo(cal.flags())
         return

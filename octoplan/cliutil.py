@@ -60,8 +60,11 @@ def guarded(fn: Callable) -> Callable:
         except BrokenPipeError:
             raise SystemExit(0)
         except OSError as exc:  # a path the user gave that cannot be read or written
-            where = exc.filename if exc.filename else None
-            fail(InputError(str(where) if where else None, None, exc.strerror or str(exc), "check the path"))
+            if exc.filename:
+                fail(InputError(str(exc.filename), None, exc.strerror or str(exc), "check the path"))
+            # no file named: the command's own output (stdout redirected to a full disk)
+            fail(InputError("stdout", None, f"cannot be written: {exc.strerror or exc}",
+                            "check where the output goes and its free space"))
         except Exception as exc:  # a failure of ours, not bad input: keep the trace for debugging
             logging.getLogger("octoplan").debug("failure", exc_info=True)
             typer.echo(f"error: {type(exc).__name__}: {exc}", err=True)

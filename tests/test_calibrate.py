@@ -190,5 +190,6 @@ def test_a_single_rank_plan_is_bad_input(tmp_path):
     plan = make_baseline(PROFILE, schedule="1f1b", gpus=1, microbatches=2, cluster=cluster)
     path = tmp_path / "one.json"
     write_trace(plan, simulate(plan, PROFILE), path)
-    with pytest.raises(InputError, match="nothing is sent between ranks"):
-        calibrate(plan, PROFILE, path)
+    with pytest.raises(InputError, match="nothing is sent between ranks") as caught:
+        calibrate(plan, PROFILE, path, plan_path=tmp_path / "one.yaml")
+    assert (caught.value.file, caught.value.field) == (str(tmp_path / "one.yaml"), "parallel.pp")  # the plan's, not the trace's

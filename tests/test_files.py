@@ -141,6 +141,17 @@ def test_simulate_splits_each_ranks_idle_into_warm_up_between_and_drain(baseline
     assert "0.00 / 3.00 / 0.00" in rows["0"] and "3.00 / 0.00 / 0.00" in rows["1"], run.stdout
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_output_to_a_full_disk_is_one_line_naming_stdout(baseline_files):
+    _, path = baseline_files
+    with open("/dev/full", "w") as full:  # every write fails: no space left on the device
+        run = subprocess.run([sys.executable, "-m", "octoplan.cli", "simulate", str(path)], stdout=full,
+                             stderr=subprocess.PIPE, text=True)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "error: stdout: cannot be written: No space left on device (check where the output goes and its free space)"]
+
+
 def test_a_plan_whose_profile_changed_is_refused(baseline_files):
     ppath, path = baseline_files
     ppath.write_text(ppath.read_text().replace("forward_ms: 1.0", "forward_ms: 2.0", 1))
