@@ -26,7 +26,8 @@ from octoplan.errors import InputError
 from octoplan.ops import Kind
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
-from octoplan.tuner.search import BaselineRow, ProgressFn, TuneOptions, TuneResult, check_options, compare_baselines, tune
+from octoplan.tuner.search import (BASELINES_SHARE, BaselineRow, ProgressFn, TuneOptions, TuneResult, check_options,
+                                   compare_baselines, tune)
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored
 
 __all__ = ["ConfigRow", "BatchResult", "TIME_PARTS", "time_parts", "why_slower", "tune_global_batch", "check_same_model"]
@@ -171,7 +172,9 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
         for path, profile in ordered:
             evaluators[profile.microbatch_size] = Evaluator(profile, Cluster(**{**cluster.to_dict(), "gpus": opts.gpus}))
             try:
-                rows = compare_baselines(profile, cluster, opts, evaluator=evaluators[profile.microbatch_size])
+                # each size's share of the half of the limit its tune's baselines would have
+                rows = compare_baselines(profile, cluster, opts, evaluator=evaluators[profile.microbatch_size],
+                                         until_s=BASELINES_SHARE * opts.time_limit_s / len(ordered))
             except InputError as exc:
                 refusals.append(exc)  # the batch does not split into this size's microbatches
                 continue

@@ -199,13 +199,14 @@ def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
 
 
 def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions, *,
-                      evaluator: Evaluator | None = None) -> list[BaselineRow]:
+                      evaluator: Evaluator | None = None, until_s: float | None = None) -> list[BaselineRow]:
     """The baselines alone (``octoplan compare`` adds the tuned plan to them). ``evaluator``:
-    one to price them with and keep them in (see :func:`tune`)."""
+    one to price them with and keep them in (see :func:`tune`). ``until_s``: seconds (of
+    ``opts``' clock) after which no more are priced (:func:`collect_baselines`); None: all."""
     configs = configs_for(profile, opts)
     cluster = _with_gpus(cluster, opts.gpus)
     search = Search(_evaluator_for(profile, cluster, evaluator), opts, None)
-    return collect_baselines(profile, cluster, configs, opts, search).rows
+    return collect_baselines(profile, cluster, configs, opts, search, until_s=until_s).rows
 
 
 def _with_gpus(cluster: Cluster, gpus: int) -> Cluster:
