@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import typer
 from rich.console import Console
@@ -35,13 +35,15 @@ class FrameworkOptions:
 
 
 def megatron_fallback(plan: Plan, profile: Profile, *, profile_path: str | Path | None, time_limit_s: float,
-                      max_plans: int | None = None):
+                      max_plans: int | None = None, letters: Mapping[str, str] | None = None):
     """The best plan Megatron-LM can run on ``plan``'s GPUs, pipeline degree and microbatches:
-    the tuner confined to Megatron's placement and order (``--runs-on megatron``)."""
+    the tuner confined to Megatron's placement and order (``--runs-on megatron``), reading the
+    layers' kinds with ``letters`` (``--kind-letter``) as the export does."""
     from octoplan.tuner.search import TuneOptions, tune
 
     opts = TuneOptions(gpus=plan.pp * plan.parallel.dp, pp=plan.pp, microbatches=plan.microbatches,
-                       time_limit_s=time_limit_s, max_plans=max_plans, runs_on="megatron", baselines=False)
+                       time_limit_s=time_limit_s, max_plans=max_plans, runs_on="megatron", baselines=False,
+                       kind_letters=tuple(sorted((letters or {}).items())))
     return tune(profile, plan.cluster, opts, profile_path=profile_path)
 
 
@@ -78,7 +80,7 @@ def _megatron(console: Console, plan: Plan, profile: Profile, *, plan_path: Path
                       f"plan it can run on the same {plan.pp * plan.parallel.dp} GPUs (pp {plan.pp}, "
                       f"{plan.microbatches} microbatches; {budget}) ...", soft_wrap=True)
         result = megatron_fallback(plan, profile, profile_path=profile_path, time_limit_s=options.time_limit_s,
-                                   max_plans=options.max_plans)
+                                   max_plans=options.max_plans, letters=letters)
         chosen = result.plan
         planned_ms = simulate(plan, profile).iteration_ms
         megatron_ms = result.scored.iteration_ms

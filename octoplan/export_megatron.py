@@ -51,6 +51,9 @@ __all__ = ["KIND_LETTERS", "LayerLetters", "MegatronExport", "megatron_order", "
 KIND_LETTERS: dict[str, str] = {
     "embedding": "E", "head": "L", "mtp": "m",
     "transformer": "t", "transformer-swa": "t", "moe": "t", "decoder": "t",
+    # the decoder layers of hf: profiles whose config lists layer_types (Qwen2/3, Gemma 2/3):
+    # attention over the whole sequence or a window, both a transformer layer to Megatron-LM
+    "full_attention": "t", "sliding_attention": "t",
 }
 LETTERS = "EtmL"
 _SPLIT_PARTS = ("mixer", "ffn")
@@ -379,8 +382,17 @@ def _recompute_arguments(plan: Plan, table: LayerLetters, notes: list[str]) -> l
         notes.append(f"Megatron-LM recomputes the first {n} decoder layers of every stage; the plan's stages "
                      f"{', '.join(differ)} recompute fewer (their embedding or a split block's half counts in the "
                      "plan), so under Megatron-LM they need less memory and a little more time than the plan predicts")
+    names = {"E": "the embedding", "m": "an MTP layer", "L": "the loss head"}
+    kept = {i: sorted({names[c] for c in table.letter[s.start:s.start + s.recomputed_layers] if c in names})
+            for i, s in enumerate(plan.stages)}
+    kept = {i: what for i, what in kept.items() if what}
+    if kept:  # the plan prices them recomputed; Megatron-LM keeps their activations
+        which = "; ".join(f"stage {i}: {' and '.join(what)}" for i, what in kept.items())
+        notes.append(f"the plan also recomputes layers Megatron-LM's block recomputation never recomputes ({which}): "
+                     "under Megatron-LM those stages keep these layers' activations (the head's are vocabulary-sized) "
+                     "and need more memory than the plan predicts")
     if n == 0:
-        notes.append("the plan recomputes only embedding layers, which Megatron-LM never recomputes")
+        notes.append("the plan recomputes no decoder layer, and Megatron-LM recomputes only decoder layers")
         return []
     return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(n)]
 

@@ -152,6 +152,14 @@ def test_block_recomputation_maps_to_decoder_layers():
     assert export.arguments[-1] == "2"
     uneven = _interleaved_plan(recompute={0: 1, 1: 2})
     assert "one N" in megatron_problem(uneven, LayerLetters(_profile()))
+    # every stage recomputing all its layers: [E t t | t t | t t | m L]. Megatron-LM's block method
+    # recomputes 2 decoder layers per stage, never E, m or L, which the plan counts recomputed
+    everything = megatron_export(_interleaved_plan(recompute={0: 3, 1: 2, 2: 2, 3: 2}), _profile())
+    assert everything.arguments[-1] == "2"
+    assert [note for note in everything.notes if "never recomputes" in note] == [
+        "the plan also recomputes layers Megatron-LM's block recomputation never recomputes (stage 0: the embedding; "
+        "stage 3: an MTP layer and the loss head): under Megatron-LM those stages keep these layers' activations (the "
+        "head's are vocabulary-sized) and need more memory than the plan predicts"]
 
 
 def test_plans_megatron_cannot_run_are_refused_with_the_reason():
@@ -188,6 +196,10 @@ def test_hybrid_kinds_are_refused_unless_mapped():
     with pytest.raises(InputError, match="'mamba'"):
         LayerLetters(profile)
     assert "".join(LayerLetters(profile, letters={"mamba": "t", "attention": "t"}).letter) == "EtttL"
+    # hf: profiles of configs with layer_types (Qwen2/3, Gemma 2/3) name decoder layers by their
+    # attention: both are Megatron transformer layers
+    hf = _profile(kinds=["embedding", "sliding_attention", "full_attention", "head"], times=[(1, 1, 1)] * 4)
+    assert "".join(LayerLetters(hf).letter) == "EttL"
     # a misspelt kind is refused, naming the kinds there are, before the one it meant goes unmapped
     with pytest.raises(InputError, match=r"--kind-letter: maps 'mambaa', a kind no layer of the profile has "
                                          r"\(map one of the profile's kinds: attention, embedding, head, mamba\)"):
@@ -293,6 +305,17 @@ def test_cli_refuses_in_one_line_and_writes_nothing(tmp_path):
                 "--kind-letter", "attention=t", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "'Ett|tL'" in (tmp_path / "out.sh").read_text()
+    # a plan Megatron-LM cannot run as planned (ZB-H1 splits backwards): the tune for one it can
+    # reads the layers with the same letters (it refused 'mamba' as unmapped)
+    save_plan(make_baseline(profile, schedule="zb-h1", gpus=2, microbatches=4, profile_path=tmp_path / "h.yaml"),
+              tmp_path / "zb.yaml")
+    done = _cli("export", "zb.yaml", "--format", "megatron", "-o", "zb.sh", "--kind-letter", "mamba=t",
+                "--kind-letter", "attention=t", "--max-plans", "100", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Megatron-LM cannot run zb.yaml as planned" in done.stdout
+    layout = next(line.split()[1].strip("'") for line in (tmp_path / "zb.sh").read_text().splitlines()
+                  if "--pipeline-model-parallel-layout" in line)
+    check_layout(parse_layout(layout), 2, num_layers=3, mtp_layers=0)
 
 
 @pytest.mark.parametrize("option", [("--max-plans", "0"), ("--max-plans", "-1"), ("--time-limit", "-5")])

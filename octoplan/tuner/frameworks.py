@@ -13,6 +13,8 @@ partition is tuned, under Megatron's order; recomputation only as Megatron's blo
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from octoplan.errors import InputError
 from octoplan.export_megatron import LayerLetters, megatron_order
 from octoplan.profile import Profile
@@ -30,9 +32,9 @@ class Frameworks:
     """The frameworks of one profile's candidates; ``letters`` are None when Megatron-LM's layout
     cannot express the profile's layers (``megatron_reason`` says why)."""
 
-    def __init__(self, profile: Profile):
+    def __init__(self, profile: Profile, *, letters: Mapping[str, str] | None = None):
         try:
-            self.letters: LayerLetters | None = LayerLetters(profile)
+            self.letters: LayerLetters | None = LayerLetters(profile, letters=letters)
             self.megatron_reason = ""
         except InputError as exc:
             self.letters, self.megatron_reason = None, f"{exc.field} {exc.problem}"

@@ -129,6 +129,9 @@ class TuneOptions:
     # the plans the search may return (:mod:`octoplan.tuner.frameworks`): any, or only those
     # Megatron-LM ("megatron") or torchtitan ("loop", "v": its two stage placements) can run
     runs_on: str = "any"
+    # Megatron-LM layout letters for layer kinds its layout has none for (export's --kind-letter:
+    # (kind, letter) pairs), so that its runs_on="megatron" fallback reads the layers as the user said
+    kind_letters: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -297,7 +300,7 @@ def _checked(profile: Profile, opts: TuneOptions, profile_path: str | Path | Non
     its own order: boundary shifts keep it, every other move would leave it)."""
     check_options(opts)
     if opts.runs_on == "megatron":
-        reason = Frameworks(profile).megatron_reason
+        reason = Frameworks(profile, letters=dict(opts.kind_letters)).megatron_reason
         if reason:
             raise InputError(str(profile_path) if profile_path else None, "--runs-on megatron", reason,
                              "Megatron-LM's pipeline layout cannot express this model; tune for octorun or torch")
