@@ -41,6 +41,9 @@ __all__ = ["FQN_STYLES", "TorchtitanExport", "torchtitan_placement", "module_fqn
            "export_torchtitan", "csv_path_for"]
 
 FQN_STYLES = ("llama", "profile")
+# layer kinds that are no decoder layer of torchtitan's Llama-style models (layers.N): an MTP
+# module, a vision tower and its projector, a Mamba mixer
+_NOT_LLAMA_LAYERS = frozenset({"mtp", "vision", "projector", "mamba"})
 _SPLIT_PARTS = ("mixer", "ffn")
 
 
@@ -72,6 +75,12 @@ def module_fqns(plan: Plan, profile: Profile, *, style: str = "llama", file: str
             names.append(["tok_embeddings"])
         elif layer.kind == "head":
             names.append(["norm", "output"])
+        elif layer.kind.partition(".")[0] in _NOT_LLAMA_LAYERS:
+            # torchtitan drops the module names no model part has: the stages would be split
+            # otherwise than planned without a word
+            raise InputError(file, f"--fqn-style {style}", f"has no module for layer {len(names)} ({layer.name}, kind "
+                             f"{layer.kind!r}): a Llama-style model holds tok_embeddings, layers.N, norm and output only",
+                             "give --fqn-style profile with a profile whose layer names are the model's module names")
         else:
             if block is None or block != previous:
                 block_index += 1

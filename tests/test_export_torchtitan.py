@@ -134,6 +134,18 @@ def test_split_blocks_name_one_layer_and_refuse_a_cut_inside():
         module_fqns(whole, profile, style="hf")
 
 
+def test_llama_names_refuse_layers_a_llama_style_model_does_not_have():
+    # DeepSeek-V3's MTP layer would have become layers.4, a module torchtitan's split silently skips
+    profile = _profile(kinds=["embedding", "moe", "moe", "moe", "mtp", "head"],
+                       names=["embed", "l0", "l1", "l2", "mtp.0", "head"])
+    plan = make_baseline(profile, schedule="1f1b", gpus=2, microbatches=2)
+    with pytest.raises(InputError) as caught:
+        module_fqns(plan, profile, file="p.yaml")
+    assert (caught.value.file, caught.value.field) == ("p.yaml", "--fqn-style llama")
+    assert caught.value.problem.startswith("has no module for layer 4 (mtp.0, kind 'mtp')")
+    assert module_fqns(plan, profile, style="profile") == [["embed", "l0", "l1"], ["l2", "mtp.0", "head"]]
+
+
 def test_tune_runs_on_loop_and_v():
     profile = _profile()
     for runs_on, placement in (("loop", "loop"), ("v", "v")):
