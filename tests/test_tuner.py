@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -145,6 +146,22 @@ def test_configs_follow_the_global_batch():
         configs_for(profile, TuneOptions(gpus=4, global_batch=16, microbatches=4))
     with pytest.raises(InputError, match="--time-limit"):
         tune(profile, free_cluster(4), TuneOptions(gpus=4, time_limit_s=0))
+
+
+def test_max_plans_writes_the_same_plan_file_byte_for_byte(tmp_path):
+    # it differed in the tuner's wall seconds and in a time limit less the wall time spent
+    # before the search: a diff or a hash could not show that two runs agree
+    runner = CliRunner()
+    profile = Path(__file__).resolve().parents[1] / "profiles" / "h200" / "tiny_gpt.yaml"
+    args = ["tune", str(profile), "--gpus", "4", "--pp", "2", "--max-plans", "80"]
+    files = []
+    for run in ("a", "b"):
+        out = tmp_path / f"{run}.yaml"
+        result = runner.invoke(app, [*args, "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        files.append(out.read_bytes())
+    assert files[0] == files[1]
+    assert b"wall_s" not in files[0] and b"time_limit_s: 60" in files[0]
 
 
 def test_cli_tune_writes_a_plan_and_compare_prints_the_table(profile_file, tmp_path):

@@ -190,8 +190,10 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
     else:
         untuned = []
     # the pricing above comes out of the time limit, and every tune keeps at least a tenth of it;
-    # under --max-plans a size's pricing counts among its tune's plans (its evaluator's)
-    left_s = max(opts.time_limit_s / 10, opts.time_limit_s - (time.perf_counter() - started))
+    # under --max-plans a size's pricing counts among its tune's plans (its evaluator's), and the
+    # wall clock must not enter: the same plan, and the same plan file, on any machine
+    spent_s = 0.0 if opts.max_plans is not None else time.perf_counter() - started
+    left_s = max(opts.time_limit_s / 10, opts.time_limit_s - spent_s)
     shares = max(1, len(ordered))
     share = replace(opts, time_limit_s=left_s / shares,
                     max_plans=None if opts.max_plans is None else max(1, opts.max_plans // shares))

@@ -267,7 +267,7 @@ def tune(
     plan = _final_plan(search.ev, best, profile_path=profile_path)
     stats = _stats(search, best, plan, climbed=climbed, configs=len(configs), seeds=len(seeds), seeded_s=seeded_s,
                    families=ctx.stats, baselines_unpriced=collected.unpriced)
-    plan = replace(plan, extra={"tuner": stats})
+    plan = replace(plan, extra={"tuner": stats if opts.max_plans is None else _without_wall_times(stats)})
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     frameworks = search.frameworks
     rows = tuple(replace(row, runs_on=frameworks.runs_on(row.candidate)) for row in baselines)
@@ -485,6 +485,16 @@ def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs
         stats["policies"] = [p.to_dict() for p in best.policies]
     stats["runs_on"] = opts.runs_on
     return stats
+
+
+def _without_wall_times(value):
+    """``value`` (the tuner's stats) without its wall-clock seconds (every ``wall_s``): under
+    ``--max-plans`` the plan file is then the same byte for byte on any machine at any load."""
+    if isinstance(value, dict):
+        return {key: _without_wall_times(item) for key, item in value.items() if key != "wall_s"}
+    if isinstance(value, list):
+        return [_without_wall_times(item) for item in value]
+    return value
 
 
 def _final_plan(evaluator: Evaluator, cand: Candidate, *, profile_path: str | Path | None) -> Plan:
