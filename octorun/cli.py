@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr, decay_steps=args.decay_steps,
         skip_nonfinite=args.skip_nonfinite, data_path=args.data, data_dtype=args.data_dtype,
         save_dir=args.save, save_every=args.save_every, keep=args.keep, resume=args.resume,
-        init_timeout_s=args.init_timeout,
+        init_timeout_s=args.init_timeout, print_steps=True,
     )
     try:
         result = run(config)
@@ -132,12 +132,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             kept = " (--metrics replaces its file only when a run ends well)" if args.metrics else ""
             sys.stderr.write(f"octorun: interrupted{kept}\n")
         sys.exit(130)
-    if result.global_rank == 0:
-        for m in result.metrics:
-            predicted = f" (predicted {m.predicted_iteration_ms:.2f} ms)" if m.predicted_iteration_ms is not None else ""
-            skipped = f"  skipped {m.skipped_steps}" if m.skipped_steps else ""
-            print(f"step {m.step}: loss {m.loss:.6f}  lr {m.lr:.3g}  grad norm {m.grad_norm:.4g}{skipped}  "
-                  f"iteration {m.iteration_ms:.2f} ms{predicted}  bubble {m.bubble_ratio:.3f}")
+    if result.global_rank == 0:  # its step lines were printed as the steps ended
         if result.metrics and result.metrics[-1].peak_activation_bytes is not None:
             print(_activation_line(result.metrics[-1]))
             print(_with_messages_line(result.metrics))

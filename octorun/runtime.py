@@ -53,7 +53,7 @@ from octorun.activations import ActivationMeter
 from octorun.stage import StageExecutor, Tape, floating
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
 
-__all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "summarize_step", "LaunchError", "NonFiniteStep",
+__all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "summarize_step", "step_line", "LaunchError", "NonFiniteStep",
            "LAUNCH_VARIABLES", "OPTIMIZERS", "free_port"]
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class RunConfig:
     replay_time_scale: float | None = None  # run the plan's profile through the replay model
     dynamic_shapes: bool = False  # send every message's layout every step, not only in step 0
     activation_memory: bool = False  # count the activation bytes the tapes hold (octorun.activations)
+    print_steps: bool = False  # global rank 0 prints each step's line (step_line) as the step ends
     precision: str = "fp32"  # octoplan.precision: fp32, or bf16 autocast over fp32 master weights
     # the optimizer step (octorun.optim): --optimizer and --lr above, and
     weight_decay: float = 0.0
@@ -192,6 +193,7 @@ class Prepared:
     tied: tuple[TiedGroup, ...] = ()  # the model file's tied parameters
     data: Any = None  # --data's token file (octorun.data.TokenData)
     resume_from: Path | None = None  # the checkpoint --resume names (None: a fresh start)
+    profile_precision: str | None = None  # what the plan's profile was measured at (None: no profile to read)
 
 
 def prepare(config: RunConfig) -> Prepared:
@@ -258,7 +260,16 @@ def prepare(config: RunConfig) -> Prepared:
                                         resume_from)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model),
-                    data=data, resume_from=resume_from)
+                    data=data, resume_from=resume_from, profile_precision=_profile_precision(plan, config.plan_path))
+
+
+def _profile_precision(plan: Plan, plan_path: str) -> str | None:
+    """The precision the plan's profile measured its layers at; None where it cannot be read (a
+    plan runs without its profile)."""
+    try:
+        return load_plan_profile(plan, plan_path).precision
+    except InputError:
+        return None
 
 
 def _valid_timeout(seconds: float) -> bool:
@@ -1040,6 +1051,8 @@ class _Interpreter:
                     step_metrics = self._summarize(step, gathered)
                     metrics.append(step_metrics)
                     log.info("step %d loss %.6f iteration %.2f ms", step, step_metrics.loss, step_metrics.iteration_ms)
+                    if self.config.print_steps:  # as it ends: a long run shows its progress
+                        print(step_line(step_metrics), flush=True)
                     if metrics_file:
                         metrics_file.write_line(json.dumps(step_metrics.to_dict()))
                     if self.config.trace_path and step == self.config.steps - 1:
@@ -1172,6 +1185,14 @@ def _unique_trainable(layers) -> list[torch.nn.Parameter]:
     """The trainable parameters of ``layers``, each once: a module two layers of one rank share
     (a tied embedding and head) would otherwise be stepped twice by the optimizer."""
     return list({id(p): p for layer in layers for p in layer.parameters() if p.requires_grad}.values())
+
+
+def step_line(m: StepMetrics) -> str:
+    """The line ``octorun`` prints for a step."""
+    predicted = f" (predicted {m.predicted_iteration_ms:.2f} ms)" if m.predicted_iteration_ms is not None else ""
+    skipped = f"  skipped {m.skipped_steps}" if m.skipped_steps else ""
+    return (f"step {m.step}: loss {m.loss:.6f}  lr {m.lr:.3g}  grad norm {m.grad_norm:.4g}{skipped}  "
+            f"iteration {m.iteration_ms:.2f} ms{predicted}  bubble {m.bubble_ratio:.3f}")
 
 
 def summarize_step(step: int, records: list[dict[str, Any]], predicted_ms: float | None) -> StepMetrics:
@@ -1316,6 +1337,11 @@ def run(config: RunConfig) -> RunResult:
             watchdog.fail(f"loading the checkpoint {prepared.resume_from} failed: {gist(exc)}")
         if me == 0 and interpreter.first_step >= config.steps:
             log.warning("the checkpoint is at step %d, not below --steps %d: nothing to train", interpreter.first_step, config.steps)
+    if me == 0 and config.replay_time_scale is None and prepared.profile_precision not in (None, config.precision):
+        # a run of another precision than its profile's: the plan's times and memory are not its own
+        log.warning("the plan's profile was measured at --precision %s, this run is %s: the plan's predicted times and "
+                    "activation bytes are %s's (run with --precision %s, or profile at %s)", prepared.profile_precision,
+                    config.precision, prepared.profile_precision, prepared.profile_precision, config.precision)
     try:
         metrics = interpreter.train()
     except NonFiniteStep as exc:

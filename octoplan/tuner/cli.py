@@ -258,8 +258,9 @@ _CHUNKS = typer.Option(None, "--chunks-max", help="most stages per rank, in the 
                        "up to 32, among the baselines]")
 _NOCP = typer.Option(False, "--no-cpsat", help="skip the CP-SAT partition + placement seeds")
 _NORC = typer.Option(False, "--no-recompute", help="never recompute activations (by default, stages may recompute "
-                                                 "where memory is short, and baselines that do not fit are also "
-                                                 "priced with full recomputation)")
+                                                 "where memory is short, and a baseline that fits in no configuration "
+                                                 "is also priced recomputing each stage's first N layers, the fewest "
+                                                 "that fit)")
 _MAXP = typer.Option(None, "--max-plans", help="stop after simulating this many plans instead of at --time-limit: "
                                              "the same plan on any machine at any load (with one worker)")
 _RUNS_ON = typer.Option("any", "--runs-on", help="the plans to tune: any (octorun and torch run every plan), "
