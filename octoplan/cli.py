@@ -188,7 +188,7 @@ def _warn_unsteady_layers(result: Profile) -> None:
     wide = [layer for layer in result.layers if layer.spread is not None and layer.spread > SPREAD_WARNING]
     if not wide:
         return
-    named = ", ".join(f"{layer.name} {layer.spread:.0%}" for layer in wide[:6]) + (", ..." if len(wide) > 6 else "")
+    named = ", ".join(f"{layer.name} {layer.spread:.1%}" for layer in wide[:6]) + (", ..." if len(wide) > 6 else "")
     typer.echo(f"warning: {len(wide)} of {result.num_layers} layers' times spread over {SPREAD_WARNING:.0%} between repeats "
                f"({named}): the machine was busy or these layers' times vary; re-profile on an idle machine, or raise "
                "--repeat", err=True)
