@@ -118,6 +118,33 @@ def test_seeds_are_priced_until_the_climbs_end_and_the_rest_is_the_final_plans(m
     assert [item[2] for item in ranked] == [cand] and search.ev.evaluations == 1
 
 
+def test_a_configuration_is_seeded_only_where_it_should_end_by_the_climbs_end(monkeypatch):
+    # every configuration's seeding takes 3 s of a 10 s tune whose climbs end at 9.25 s: the
+    # first three start at 0, 3 and 6 s; a fourth at 9 s would end at 12, past the limit itself
+    # (it started, since the limit was not yet out)
+    from octoplan.tuner.search import _seeds
+    from octoplan.tuner.seeds.base import SeedFamily
+
+    evaluator, cand = _three_ranks([(1, 1, 1)] * 6)
+    search = _search(evaluator, time_limit_s=10)
+    now = [0.0]
+    monkeypatch.setattr(search.clock, "elapsed", lambda: now[0])
+    seeded: list[Config] = []
+
+    class ThreeSeconds(SeedFamily):
+        name = "three seconds"
+
+        def seeds(self, ctx, config, earlier):
+            seeded.append(config)
+            now[0] += 3.0
+            return ()
+
+    configs = [Config(3, 1, m) for m in (3, 6, 9, 12)]
+    assert climbs_end_s(10) == 9.25
+    _seeds(SeedContext(search, configs, 1), [ThreeSeconds()], [])
+    assert seeded == configs[:3] and now[0] == 9.0
+
+
 def test_chain_shifts_are_the_polishs_alone():
     assert [type(n).__name__ for n in NEIGHBOURHOODS if n.polish] == ["ChainShifts"]
     assert [type(n).__name__ for n in NEIGHBOURHOODS if not n.climbs] == ["ChainShifts"]
