@@ -53,24 +53,24 @@ def profile(
     model: Optional[Path] = typer.Argument(None, help="model file (docs/FORMATS.md section 4), or hf:FOLDER: a Hugging Face "
                                            "transformers model from its config.json (and safetensors files, if any)"),
     arch: Optional[str] = typer.Option(None, "--arch", help="write an analytic profile of a known architecture"),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU of the analytic profile [default: h100]"),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU of the analytic profile \\[default: h100]"),
     list_known: bool = typer.Option(False, "--list", help="name the known architectures and GPUs"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="sequence length (analytic)"),
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", help="samples per microbatch"),
-    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel degree (analytic) [default: 1]"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel degree (analytic) \\[default: 1]"),
     split_blocks: bool = typer.Option(False, "--split-blocks",
                                       help="one layer per block's mixer and per its MLP/MoE (analytic): finer stage boundaries"),
-    repeat: Optional[int] = typer.Option(None, "--repeat", help="timed repeats per layer, round-robin; each time is the least of them [default: 10]"),
+    repeat: Optional[int] = typer.Option(None, "--repeat", help="timed repeats per layer, round-robin; each time is the least of them \\[default: 10]"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)"),
     clock: Optional[str] = typer.Option(None, "--clock",
-                                        help="auto, wall or cpu (thread CPU time; wall for models that sleep) [default: auto]"),
+                                        help="auto, wall or cpu (thread CPU time; wall for models that sleep) \\[default: auto]"),
     config: List[str] = typer.Option([], "--config", help="model config override key=value (repeatable)"),
     check_whole: bool = typer.Option(False, "--check-whole",
                                      help="accepted for older scripts: every profile of a model file times the whole model's "
                                           "forward+backward in the same run and compares the sum of the layers"),
     precision: Optional[str] = typer.Option(None, "--precision",
                                             help="fp32, or bf16: every forward under bf16 autocast over fp32 parameters, "
-                                                 "as octorun --precision bf16 trains [default: fp32]"),
+                                                 "as octorun --precision bf16 trains \\[default: fp32]"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="profile file to write"),
 ) -> None:
     """Measure every layer of a model file, or write an analytic profile of a known architecture."""
@@ -234,8 +234,8 @@ def baseline(
     gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
     schedule: str = typer.Option(..., "--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, dualpipev"),
     partition: str = typer.Option("uniform", "--partition", help="uniform or balanced"),
-    chunks: Optional[int] = typer.Option(None, "--chunks", help="stages per rank for interleaved-1f1b [default: 2]"),
-    microbatches: Optional[int] = typer.Option(None, "--microbatches", help="microbatches per pipeline [default: 2 x pp]"),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="stages per rank for interleaved-1f1b \\[default: 2]"),
+    microbatches: Optional[int] = typer.Option(None, "--microbatches", help="microbatches per pipeline \\[default: 2 x pp]"),
     pp: Optional[int] = typer.Option(None, "--pp", help="pipeline degree (default: all GPUs)"),
     output: Path = typer.Option(..., "-o", "--output", help="plan file to write"),
     recompute: bool = typer.Option(False, "--recompute", help="every stage recomputes its activations (full "
@@ -612,9 +612,9 @@ def export(
     kind_letter: List[str] = typer.Option([], "--kind-letter", help="megatron: the layout letter of a profile layer "
                                           "kind, KIND=LETTER with LETTER one of E, t, m, L (repeatable)"),
     fqn_style: Optional[str] = typer.Option(None, "--fqn-style", help="torchtitan: module names, llama (tok_embeddings, "
-                                            "layers.N, norm, output) or profile (the profile's layer names) [default: llama]"),
+                                            "layers.N, norm, output) or profile (the profile's layer names) \\[default: llama]"),
     time_limit: Optional[float] = typer.Option(None, "--time-limit", help="megatron: seconds to tune the best plan "
-                                               "Megatron-LM can run, when PLAN is not one [default: 10]"),
+                                               "Megatron-LM can run, when PLAN is not one \\[default: 10]"),
     max_plans: Optional[int] = typer.Option(None, "--max-plans", help="megatron: that tune stops after this many "
                                             "simulated plans instead (the same result on any machine)"),
 ) -> None:

@@ -26,7 +26,7 @@ __all__ = ["terminal", "guarded", "fail", "ClusterOptions", "cluster_from", "mem
 # The cluster options of FORMATS.md section 5, shared by every command that takes them.
 GPUS_PER_NODE = typer.Option(8, "--gpus-per-node", help="GPUs per node")
 MEMORY_GB = typer.Option(None, "--memory-gb",
-                         help="memory per GPU, GB [default: the profile's GPU memory; 80 for a CPU-measured profile]")
+                         help="memory per GPU, GB \\[default: the profile's GPU memory; 80 for a CPU-measured profile]")
 DEFAULT_MEMORY_GB = 80.0  # an 80 GB A100/H100, for profiles that name no GPU
 INTRA_NODE_GBPS = typer.Option(450.0, "--intra-node-gbps", help="GB/s between GPUs of a node")
 INTER_NODE_GBPS = typer.Option(50.0, "--inter-node-gbps", help="GB/s between nodes")

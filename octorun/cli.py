@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("plan", help="plan file (octoplan tune / baseline)")
     parser.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (docs/FORMATS.md section 4)")
-    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="sgd is plain: no momentum, no weight decay")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="sgd is plain: no momentum, no weight decay (default sgd)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--metrics", metavar="FILE.jsonl", help="global rank 0 writes one JSON object per step")
     parser.add_argument("--trace", metavar="FILE.json", help="Chrome trace of the last step's ops on every rank")
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "optimizer state (profile with the same --precision so predictions hold)")
     training.add_argument("--weight-decay", type=float, default=0.0, metavar="WD",
                           help="AdamW's decoupled weight decay, on matrices and embeddings only (default 0)")
-    training.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"), help="AdamW's betas")
+    training.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"), help="AdamW's betas (default 0.9 0.999)")
     training.add_argument("--grad-clip", type=float, metavar="MAX_NORM",
                           help="clip the global gradient 2-norm over every stage of every rank to MAX_NORM")
     training.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"), default="constant",

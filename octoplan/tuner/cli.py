@@ -183,14 +183,15 @@ def _merged(batch):
     return result, ({index: size for index, (size, _) in enumerate(kept)} if several else None)
 
 
-CONFIG_ROWS = 8  # the configurations the table shows: the fastest ones
+CONFIG_ROWS = 8  # the configurations the table shows: the fastest that fit, then the fastest that do not
 
 
 def _configs_table(batch) -> Table:
     rows = batch.configs
     several = len({row.microbatch_size for row in rows}) > 1
     table = Table(title=f"configurations for this batch: the best plan found for each ({len(rows)} priced"
-                        + (f", the fastest {CONFIG_ROWS} shown" if len(rows) > CONFIG_ROWS else "") + ")",
+                        + (f"; {CONFIG_ROWS} shown, the fastest that fit first" if len(rows) > CONFIG_ROWS else "")
+                        + ")",
                   caption="the busiest GPU's time in parts: compute (its ops, less recomputed forwards), recompute, "
                           "bubbles (waiting on other GPUs' work), transfers (waiting on the wire), all-reduce (the "
                           "gradient all-reduce left after the last op); why: the part that grew most against the fastest")
@@ -254,7 +255,7 @@ _GB = typer.Option(None, "--global-batch", help="samples per iteration (default 
 _TL = typer.Option(60.0, "--time-limit", help="seconds to search")
 _SEED = typer.Option(0, "--seed", help="seed of the search's tie-breaking")
 _CHUNKS = typer.Option(None, "--chunks-max", help="most stages per rank, in the search's layouts and among the baselines "
-                       "[default: 3 in the search's layouts; interleaved 1F1B with every chunk count the layers allow, "
+                       "\\[default: 3 in the search's layouts; interleaved 1F1B with every chunk count the layers allow, "
                        "up to 32, among the baselines]")
 _NOCP = typer.Option(False, "--no-cpsat", help="skip the CP-SAT partition + placement seeds")
 _NORC = typer.Option(False, "--no-recompute", help="never recompute activations (by default, stages may recompute "
