@@ -69,6 +69,25 @@ def test_every_octoplan_command_and_option_is_documented():
     assert not sorted(name for name in commands if f"`octoplan {name}" not in text)
 
 
+def test_defaults_written_into_help_texts_are_shown():
+    # rich reads "[default: 10]" in a help text as markup and drops it: each such text escapes
+    # its bracket, and every one of them shows up in the rendered help
+    from typer.testing import CliRunner
+
+    written = []
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        for param in command.params:
+            found = re.search(r"\[default: [^]]*\]", getattr(param, "help", None) or "")
+            if found:
+                written.append((name, found.group(0)))
+    assert ("profile", "[default: 10]") in written and ("export", "[default: llama]") in written
+    runner = CliRunner()
+    for name, default in written:
+        shown = " ".join(runner.invoke(app, [name, "--help"], env={"COLUMNS": "400"}).output.split())
+        assert default.replace("\\", "") in shown.replace("│", " ").replace("  ", " "), (name, default)
+
+
 def test_every_octorun_option_is_documented():
     text = _formats()
     options = {opt for action in build_parser()._actions for opt in action.option_strings if opt.startswith("--")}
