@@ -232,7 +232,7 @@ def hand_plans(model_path: Path, config: dict[str, Any], num_layers: int) -> dic
 
 def baseline_plan(
     schedule: str, model_path: Path, config: dict[str, Any], folder: Path, *, gpus: int, pp: int,
-    microbatches: int, microbatch_size: int = 2,
+    microbatches: int, microbatch_size: int = 2, precision: str = "fp32",
 ) -> Plan:
     """A plan from octoplan.baseline.make_baseline, with a made-up profile of the model file."""
     from octoplan.baseline import make_baseline
@@ -251,9 +251,10 @@ def baseline_plan(
         "format": "octoplan-profile/1",
         "model": {"name": model.name, "source": str(model_path), "config": model.config},
         "device": {"name": "cpu", "memory_gb": 24}, "microbatch_size": microbatch_size, "dtype": "float32",
-        "layers": layers,
+        "precision": precision, "layers": layers,
     })
-    tag = hashlib.sha256(repr(sorted(model.config.items())).encode()).hexdigest()[:8]
+    named = repr(sorted(model.config.items())) + ("" if precision == "fp32" else f" {precision}")
+    tag = hashlib.sha256(named.encode()).hexdigest()[:8]
     profile_path = folder / f"profile-{Path(model_path).stem}-{tag}.yaml"
     save_profile(profile, profile_path)
     return make_baseline(profile, schedule=schedule, gpus=gpus, pp=pp, microbatches=microbatches,

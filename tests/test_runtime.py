@@ -254,6 +254,21 @@ def test_a_model_that_exits_mid_step_fails_the_run_naming_the_exit(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == "octorun: rank 0: failed while running op 0F0 of step 0: SystemExit: 0"
 
 
+def test_a_run_at_another_precision_than_its_profiles_says_so(tmp_path):
+    path = h.write_tiny_model(tmp_path)
+    plan = h.baseline_plan("1f1b", path, {}, tmp_path, gpus=1, pp=1, microbatches=2, precision="bf16")
+    save_plan(plan, tmp_path / "plan.yaml")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    said = ("octorun: the plan's profile was measured at --precision bf16, this run is fp32: the plan's predicted times "
+            "and activation bytes are bf16's (run with --precision bf16, or profile at fp32)")
+    for precision, warned in (("fp32", True), ("bf16", False)):
+        done = subprocess.run([sys.executable, "-m", "octorun", str(tmp_path / "plan.yaml"), "--steps", "1",
+                               "--precision", precision], capture_output=True, text=True, cwd=h.ROOT, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert (said in done.stderr.splitlines()) == warned, done.stderr
+        assert done.stdout.startswith("step 0: loss ")  # the step's line, printed as the step ended
+
+
 def test_single_process_without_torchrun(tmp_path, monkeypatch):
     """No launcher: a world of one; three stages on the one rank hand values over directly."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
