@@ -45,7 +45,8 @@ from octoplan.profile import Profile
 from octoplan.schedules.looped import interleaved_1f1b, looped_schedule
 
 __all__ = ["KIND_LETTERS", "LayerLetters", "MegatronExport", "megatron_order", "layout_string", "parse_layout",
-           "check_layout", "megatron_problem", "megatron_export", "export_megatron", "parse_kind_letters"]
+           "check_layout", "megatron_problem", "megatron_export", "export_megatron", "parse_kind_letters",
+           "check_kind_letters"]
 
 # A profile layer's kind -> its letter in the layout (a split block's K.mixer / K.ffn read as K's).
 KIND_LETTERS: dict[str, str] = {
@@ -77,6 +78,16 @@ def _kind_and_block(kind: str, name: str) -> tuple[str, str | None]:
     return (base, name.rpartition(".")[0]) if part in _SPLIT_PARTS and base else (kind, None)
 
 
+def check_kind_letters(profile: Profile, letters: Mapping[str, str]) -> None:
+    """``InputError`` for a ``--kind-letter`` that maps a kind no layer of ``profile`` has: a
+    misspelt kind, whose layer would go unmapped (or keep its default letter) without a word."""
+    kinds = {_kind_and_block(layer.kind, layer.name)[0] for layer in profile.layers}
+    for kind in letters:
+        if kind not in kinds:
+            raise InputError(None, "--kind-letter", f"maps {kind!r}, a kind no layer of the profile has",
+                             f"map one of the profile's kinds: {', '.join(sorted(kinds))}")
+
+
 class LayerLetters:
     """A profile's layers as Megatron layout letters: which letter each layer stands for, where
     a stage may start (never inside a split block), and where the MTP layers are."""
@@ -89,13 +100,7 @@ class LayerLetters:
         self.cuts: set[int] = {0, profile.num_layers}  # layer indices a stage may start at
         previous_block = None
         kinds_blocks = [_kind_and_block(layer.kind, layer.name) for layer in profile.layers]
-        # a mapping for no layer's kind is a misspelt kind: the layer it meant would go unmapped
-        # (or keep its default letter) without a word
-        kinds = {kind for kind, _ in kinds_blocks}
-        for kind in letters or {}:
-            if kind not in kinds:
-                raise InputError(None, "--kind-letter", f"maps {kind!r}, a kind no layer of the profile has",
-                                 f"map one of the profile's kinds: {', '.join(sorted(kinds))}")
+        check_kind_letters(profile, letters or {})
         for index, (layer, (kind, block)) in enumerate(zip(profile.layers, kinds_blocks)):
             if kind not in table:
                 known = ", ".join(sorted(table))

@@ -253,6 +253,24 @@ def test_tune_runs_on_megatron_refuses_models_without_letters():
         tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, max_plans=50, runs_on="megatron"))
     with pytest.raises(InputError, match="--runs-on"):
         tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, max_plans=50, runs_on="deepspeed"))
+    # mapped as the user says (tune's --kind-letter, as export's), it tunes a plan Megatron-LM runs
+    letters = (("attention", "t"), ("mamba", "t"))
+    mapped = tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=50, runs_on="megatron",
+                                                        kind_letters=letters))
+    assert megatron_problem(mapped.plan, LayerLetters(profile, letters=dict(letters))) is None
+
+
+def test_tune_cli_takes_kind_letters_and_refuses_a_misspelt_kind(tmp_path):
+    profile = _profile(kinds=["embedding", "mamba", "attention", "mamba", "head"], times=[(1, 1, 1)] * 5)
+    save_profile(profile, tmp_path / "h.yaml")
+    args = ("tune", "h.yaml", "--gpus", "2", "--pp", "2", "--microbatches", "4", "--max-plans", "50", "--runs-on",
+            "megatron", "-o", "p.yaml")
+    done = _cli(*args, "--kind-letter", "mamba=t", "--kind-letter", "attention=t", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = _cli(*args, "--kind-letter", "mambaa=t", "--kind-letter", "attention=t", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: --kind-letter: maps 'mambaa', a kind no layer of the profile has (map one of the profile's kinds: "
+        "attention, embedding, head, mamba)"]
 
 
 def test_frameworks_of_candidates():

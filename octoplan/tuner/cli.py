@@ -141,18 +141,23 @@ def _framework_costs(result) -> list[str]:
 
 
 def _run(sources, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat, cluster_opts,
-         max_plans=None, workers=1, no_recompute=False, runs_on="any"):
+         max_plans=None, workers=1, no_recompute=False, runs_on="any", kind_letters=()):
     """Tune every profile (one per microbatch size) and return the global batch's result
     (:class:`octoplan.tuner.configs.BatchResult`)."""
     from rich.live import Live
 
+    from octoplan.export_megatron import check_kind_letters, parse_kind_letters
     from octoplan.tuner.configs import tune_global_batch
     from octoplan.tuner.search import TuneOptions
 
+    letters = parse_kind_letters(kind_letters or ())
+    for _, profile in sources:
+        check_kind_letters(profile, letters)
     cluster = cluster_from(gpus, cluster_opts, sources[0][1])
     opts = TuneOptions(gpus=gpus, pp=pp, microbatches=microbatches, global_batch=global_batch,
                        time_limit_s=time_limit, seed=seed, chunks_max=chunks_max, use_cpsat=not no_cpsat,
-                       max_plans=max_plans, workers=workers, recompute=not no_recompute, runs_on=runs_on)
+                       max_plans=max_plans, workers=workers, recompute=not no_recompute, runs_on=runs_on,
+                       kind_letters=tuple(sorted(letters.items())))
     what = ", ".join(str(path) for path, _ in sources)
     with Live(console=console, transient=True, refresh_per_second=4) as live:
         live.update(f"tuning {what} on {gpus} GPUs ...")
@@ -267,6 +272,9 @@ _MAXP = typer.Option(None, "--max-plans", help="stop after simulating this many 
 _RUNS_ON = typer.Option("any", "--runs-on", help="the plans to tune: any (octorun and torch run every plan), "
                        "megatron (those Megatron-LM runs: its loop placement and 1F1B or interleaved 1F1B order, only "
                        "the partition tuned), loop or v (torchtitan's two stage placements, the order tuned)")
+_KINDS = typer.Option(None, "--kind-letter", help="KIND=LETTER: the Megatron-LM layout letter (E, t, m, L) of a "
+                      "layer kind it has none for, as export's (repeatable); which plans Megatron-LM runs, for "
+                      "--runs-on megatron and the table")
 _WORKERS = typer.Option(1, "--workers", help="processes that hill-climb at once, one per core to spare: the climbs "
                                             "from several seeds run side by side (the result then depends on timing)")
 
@@ -328,7 +336,7 @@ def register(app: typer.Typer) -> None:
         gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
         inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
         max_plans: Optional[int] = _MAXP, workers: int = _WORKERS, no_recompute: bool = _NORC,
-        runs_on: str = _RUNS_ON,
+        runs_on: str = _RUNS_ON, kind_letters: Optional[list[str]] = _KINDS,
     ) -> None:
         """Co-optimize partition, placement and schedule; write the fastest plan that fits."""
         from octoplan.plan import save_plan
@@ -337,7 +345,7 @@ def register(app: typer.Typer) -> None:
         check_writable(output, "-o", inputs=tuple(path for path, _ in sources))
         batch = _run(sources, gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
-                      max_plans, workers, no_recompute, runs_on)
+                      max_plans, workers, no_recompute, runs_on, kind_letters)
         result = batch.result
         save_plan(result.plan, output)
         _report(batch, result.plan.cluster.memory_gb)
@@ -374,10 +382,10 @@ def register(app: typer.Typer) -> None:
         gpus_per_node: int = _GPN, memory_gb: Optional[float] = _MEM, intra_node_gbps: float = _INTRA,
         inter_node_gbps: float = _INTER, latency_us: float = _LAT, op_overhead_us: float = _OVH,
         max_plans: Optional[int] = _MAXP, workers: int = _WORKERS, no_recompute: bool = _NORC,
-        runs_on: str = _RUNS_ON,
+        runs_on: str = _RUNS_ON, kind_letters: Optional[list[str]] = _KINDS,
     ) -> None:
         """Tune, and print the tuned plan against every baseline without writing a plan."""
         batch = _run(_read_profiles(profile_paths), gpus, microbatches, pp, global_batch, time_limit, seed, chunks_max, no_cpsat,
                       ClusterOptions(gpus_per_node, memory_gb, intra_node_gbps, inter_node_gbps, latency_us, op_overhead_us),
-                      max_plans, workers, no_recompute, runs_on)
+                      max_plans, workers, no_recompute, runs_on, kind_letters)
         _report(batch, batch.result.plan.cluster.memory_gb)

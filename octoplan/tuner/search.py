@@ -303,7 +303,8 @@ def _checked(profile: Profile, opts: TuneOptions, profile_path: str | Path | Non
         reason = Frameworks(profile, letters=dict(opts.kind_letters)).megatron_reason
         if reason:
             raise InputError(str(profile_path) if profile_path else None, "--runs-on megatron", reason,
-                             "Megatron-LM's pipeline layout cannot express this model; tune for octorun or torch")
+                             "Megatron-LM's pipeline layout cannot express this model as it is: map its kinds with "
+                             "--kind-letter KIND=LETTER, or tune for octorun or torch")
         opts = replace(opts, dimensions=tuple(d for d in opts.dimensions if d == "partition"))
     return opts
 
