@@ -193,7 +193,7 @@ class Prepared:
     tied: tuple[TiedGroup, ...] = ()  # the model file's tied parameters
     data: Any = None  # --data's token file (octorun.data.TokenData)
     resume_from: Path | None = None  # the checkpoint --resume names (None: a fresh start)
-    profile_precision: str | None = None  # what the plan's profile was measured at (None: no profile to read)
+    profile_precision: str | None = None  # what the plan's profile was measured at (None: no profile to read, or a replay)
 
 
 def prepare(config: RunConfig) -> Prepared:
@@ -260,7 +260,9 @@ def prepare(config: RunConfig) -> Prepared:
                                         resume_from)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model),
-                    data=data, resume_from=resume_from, profile_precision=_profile_precision(plan, config.plan_path))
+                    data=data, resume_from=resume_from,
+                    # a replay only sleeps its ops: its precision is the profile's by construction
+                    profile_precision=None if replayed is not None else _profile_precision(plan, config.plan_path))
 
 
 def _profile_precision(plan: Plan, plan_path: str) -> str | None:
@@ -1337,7 +1339,7 @@ def run(config: RunConfig) -> RunResult:
             watchdog.fail(f"loading the checkpoint {prepared.resume_from} failed: {gist(exc)}")
         if me == 0 and interpreter.first_step >= config.steps:
             log.warning("the checkpoint is at step %d, not below --steps %d: nothing to train", interpreter.first_step, config.steps)
-    if me == 0 and config.replay_time_scale is None and prepared.profile_precision not in (None, config.precision):
+    if me == 0 and prepared.profile_precision not in (None, config.precision):
         # a run of another precision than its profile's: the plan's times and memory are not its own
         log.warning("the plan's profile was measured at --precision %s, this run is %s: the plan's predicted times and "
                     "activation bytes are %s's (run with --precision %s, or profile at %s)", prepared.profile_precision,
