@@ -116,7 +116,9 @@ def profile(
         raise InputError(None, "--microbatch-size", f"is {microbatch_size}",
                          f"use 1 to {MAX_MICROBATCH_SIZE} samples per microbatch")
     if output is not None:
-        check_writable(output, "-o", inputs=(model,))
+        from octoplan.hf import model_source_files
+
+        check_writable(output, "-o", inputs=model_source_files(model) if model is not None else ())
     if arch is not None:
         from octoplan.arch import analytic_profile
 
@@ -181,14 +183,20 @@ def _print_whole_model(result: Profile) -> None:
                       "plans inherit that error[/]", soft_wrap=True)
 
 
+UNSTEADY_NAMED = 6  # layers the unsteady-layers warning names: the line stays one readable line
+
+
 def _warn_unsteady_layers(result: Profile) -> None:
     """One line on stderr naming the layers whose repeats disagreed by more than SPREAD_WARNING."""
     from octoplan.profiler import SPREAD_WARNING
 
-    wide = [layer for layer in result.layers if layer.spread is not None and layer.spread > SPREAD_WARNING]
+    wide = sorted(((index, layer) for index, layer in enumerate(result.layers)
+                   if layer.spread is not None and layer.spread > SPREAD_WARNING), key=lambda item: -item[1].spread)
     if not wide:
         return
-    named = ", ".join(f"{layer.name} {layer.spread:.1%}" for layer in wide[:6]) + (", ..." if len(wide) > 6 else "")
+    # the widest few, each by index too (a model's layers often share a name); the profile holds every spread
+    named = (", ".join(f"#{index} {layer.name} {layer.spread:.1%}" for index, layer in wide[:UNSTEADY_NAMED])
+             + (f", and {len(wide) - UNSTEADY_NAMED} more" if len(wide) > UNSTEADY_NAMED else ""))
     typer.echo(f"warning: {len(wide)} of {result.num_layers} layers' times spread over {SPREAD_WARNING:.0%} between repeats "
                f"({named}): the machine was busy or these layers' times vary; re-profile on an idle machine, or raise "
                "--repeat", err=True)
@@ -271,7 +279,7 @@ def baseline(
                 hint = (f"; with --recompute it fits, at {again.predicted['iteration_ms']:.2f} ms and "
                         f"{max(fits.peak_memory_bytes) / 1e9:.1f} GB")
         typer.echo(f"warning: this plan does not fit: rank {fullest} peaks at "
-                   f"{result.peak_memory_bytes[fullest] / 1e9:.1f} GB, over the {cluster.memory_gb:g} GB per GPU "
+                   f"{result.peak_memory_bytes[fullest] / 1e9:.3g} GB, over the {cluster.memory_gb:g} GB per GPU "
                    f"(--memory-gb); octoplan tune finds plans that fit{hint}", err=True)
 
 
@@ -299,7 +307,7 @@ def simulate(
     table.add_row("lower bound", f"{result.lower_bound_ms:.3f} ms")
     table.add_row("efficiency", f"{result.efficiency:.3f}")
     table.add_row("bubble ratio", f"{result.bubble_ratio:.1%}")
-    table.add_row("peak memory", f"{max(result.peak_memory_bytes) / 1e9:.2f} GB (limit {result.memory_limit_bytes / 1e9:.0f})")
+    table.add_row("peak memory", f"{max(result.peak_memory_bytes) / 1e9:.3g} GB (limit {result.memory_limit_bytes / 1e9:.3g})")
     table.add_row("fits memory", "yes" if result.fits_memory else "[red]NO[/red]")
     for ar in result.tied_allreduces:  # the profile's tied tensors held on several ranks
         table.add_row(f"tied group {ar.group} all-reduce", f"{ar.end_ms - ar.start_ms:.3f} ms (ranks "

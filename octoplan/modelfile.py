@@ -122,6 +122,18 @@ class ModelFile:
                          f"(seq is {shown(seq)})", "define tokens_per_sample(**config) -> int in the model file: the "
                          "tokens one sample reads from a token file")
 
+    def vocab_size(self) -> int | None:
+        """The token ids a token file may hold are below this: the model file's
+        ``vocab_size(**config)``, else the config's int ``vocab``; None where neither says (the
+        ids are then checked only by the model's own embedding, as it runs)."""
+        if callable(getattr(self.module, "vocab_size", None)):
+            size = self._call("vocab_size", **self.config)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise InputError(self.path, "vocab_size", f"returned {shown(size)}", "return a positive int")
+            return size
+        vocab = self.config.get("vocab")
+        return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
     def batch_from_tokens(self, tokens: torch.Tensor) -> tuple[Any, Any]:
         """A microbatch's ``(inputs, targets)`` from its windows of token ids (int64, one row
         per sample): the model file's ``batch_from_tokens(tokens, **config)``, else next-token

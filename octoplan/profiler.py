@@ -131,21 +131,37 @@ class _Clock:
     CUDA: events around the call. CPU with one thread: the calling thread's CPU time, because
     every op and (for CPU tensors) the autograd engine run on that thread, and CPU time does
     not count the slices other processes take on a shared machine, which wall time does. CPU
-    with more threads: wall time (the pool's threads work in parallel).
+    with more threads: wall time (the pool's threads work in parallel). ``clock="wall"``: wall
+    time on either device (on CUDA each reading waits for the GPU first), for models that sleep
+    or wait, such as the replay model, whose time no CUDA event sees.
     """
 
     def __init__(self, device: torch.device, *, threads: int, clock: str = "auto"):
-        self.cuda = device.type == "cuda"
+        self.on_gpu = device.type == "cuda"
+        if self.on_gpu and clock == "cpu":
+            raise InputError(None, "--clock", "cpu times this process's thread, which does not see the GPU's work",
+                             "use auto or wall, or --device cpu")
+        self.cuda = self.on_gpu and clock == "auto"  # whether the readings are CUDA events
         if self.cuda:
             self.kind = "cuda-events"
-        elif clock == "wall" or threads != 1:
-            self.kind = "wall"  # also for models that sleep or wait (the replay model)
+        elif clock == "wall" or threads != 1 or self.on_gpu:
+            self.kind = "wall"
         else:
             self.kind = "thread-cpu-time"
-        self.now_ns = time.thread_time_ns if self.kind == "thread-cpu-time" else time.perf_counter_ns
+        if self.kind == "thread-cpu-time":
+            self.now_ns = time.thread_time_ns
+        elif self.on_gpu:
+            self.now_ns = self._synced_wall_ns
+        else:
+            self.now_ns = time.perf_counter_ns
+
+    @staticmethod
+    def _synced_wall_ns() -> int:
+        torch.cuda.synchronize()  # the GPU's queued work ends before the reading, not after it
+        return time.perf_counter_ns()
 
     def sync(self) -> None:
-        if self.cuda:
+        if self.on_gpu:
             torch.cuda.synchronize()
 
     def once_ms(self, fn: Callable[[], Any]) -> float:

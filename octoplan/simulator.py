@@ -273,9 +273,9 @@ class SimResult:
     def critical_path(self) -> list[Op]:
         """The chain of ops that decides the iteration time, first op first.
 
-        From the op that ends last, step back to whichever predecessor released it: the rank's
-        previous op when the op started as soon as the rank was free, else the dependency whose
-        data arrived last.
+        From the op that ends last, step back to whichever predecessor released it: the
+        dependency whose data arrived just as the op started, else the rank's previous op when
+        it ended just then (where both did, the dependency: the path follows the data).
         """
         eps = 1e-9
         last_key, last_end, last_rank = -1, -1.0, -1

@@ -93,7 +93,16 @@ def resolve_dtype(path: str | Path, dtype: str | None) -> str:
     if dtype is not None and dtype not in DTYPES:
         raise InputError(None, "--data-dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPES)}")
     idx = index_path(path)
-    indexed = megatron_index_dtype(idx) if idx != Path(path) and idx.exists() else None
+    indexed = None
+    if idx != Path(path) and idx.exists():
+        try:
+            indexed = megatron_index_dtype(idx)
+        except InputError as exc:
+            # with --data-dtype given, a file that is no Megatron index (or one of another
+            # version) says nothing about the token file; a real index naming a dtype we cannot
+            # read still does
+            if dtype is None or exc.field == "dtype":
+                raise
     if dtype is None:
         return indexed or "uint16"
     if indexed is not None and _READABLE[indexed].itemsize != DTYPES[dtype].itemsize:

@@ -49,11 +49,16 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def _looks_like_uint32(ids: np.ndarray) -> bool:
-    """Whether uint16 ``ids`` are the halves of little-endian uint32 ids below 65536: every
-    high half 0, not every low half. Real uint16 text has no such pattern over 16 pairs; the
-    vocab check would not catch it (0 and the low halves are all valid ids)."""
+    """Whether uint16 ``ids`` are the halves of little-endian uint32 ids: every high half under
+    256 (a vocabulary under 16.7M) and at least a quarter of them 0 (the ids under 65,536, which
+    hold most of any text's tokens even in a 256k vocabulary), while the low halves are not all
+    0. Real uint16 text has no such pattern over 16 pairs (a byte-level file's ids are under 256
+    but seldom 0); the vocab check would not catch it where the vocabulary is above 65,535."""
     pairs = ids[: len(ids) // 2 * 2].reshape(-1, 2)
-    return len(pairs) >= 16 and not pairs[:, 1].any() and bool(pairs[:, 0].any())
+    if len(pairs) < 16 or not pairs[:, 0].any():
+        return False
+    high = pairs[:, 1]
+    return int(high.max()) < 256 and 4 * int(np.count_nonzero(high == 0)) >= len(high)
 
 
 class TokenData:
@@ -107,12 +112,11 @@ class TokenData:
             tokens = np.memmap(path, dtype=readable_dtype(name), mode="r", shape=(num_tokens,))
         except OSError as exc:
             raise InputError(file, None, f"cannot be read: {exc.strerror or exc}", _FIX_DATA) from None
-        vocab = model.config.get("vocab")
-        vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
-        data = cls(path=file, tokens=tokens, dtype=name, tokens_per_sample=length, seed=seed, model=model, vocab=vocab)
+        data = cls(path=file, tokens=tokens, dtype=name, tokens_per_sample=length, seed=seed, model=model,
+                   vocab=model.vocab_size())
         prefix = np.asarray(tokens[:VOCAB_CHECK_TOKENS])
         if name == "uint16" and _looks_like_uint32(prefix):
-            raise InputError(file, "dtype", "read as uint16, every second id is 0: it looks like a file of uint32 ids",
+            raise InputError(file, "dtype", "read as uint16, every second id is 0 or small: it looks like a file of uint32 ids",
                              "give --data-dtype uint32")
         data._check_ids(0, prefix)
         return data

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from octoplan.costs import LayerTable, op_ms, plan_stage_costs
 from octoplan.errors import MODEL_CODE_FAILURES, InputError
+from octoplan.hf import model_source_files
 from octoplan.host_malloc import steady_malloc
 from octoplan.modelfile import ModelFile, as_args, load_model_file, microbatch_seed
 from octoplan.ops import Kind, Op
@@ -234,9 +235,15 @@ def prepare(config: RunConfig) -> Prepared:
     partial = partial_path(config.metrics_path) if config.metrics_path else None
     check_distinct({"--metrics": config.metrics_path, "--metrics (while it is written)": partial,
                     "--trace": config.trace_path})
-    # the files the job reads, which no output may overwrite (the model file too)
+    # the files the job reads, which no output may overwrite: the model's files and the token
+    # file (with its Megatron index) too
+    data_files: tuple[str | Path, ...] = ()
+    if config.data_path is not None:
+        from octoplan.tokenfile import index_path  # numpy: only for runs that read a token file
+
+        data_files = (config.data_path, index_path(config.data_path))
     inputs = (config.plan_path, resolve_profile_path(plan, config.plan_path),
-              None if config.replay_time_scale is not None else model.path)
+              *(() if config.replay_time_scale is not None else model_source_files(model.path)), *data_files)
     for flag, path in (("--metrics", config.metrics_path), ("--metrics (while it is written)", partial),
                        ("--trace", config.trace_path)):
         if path:  # last: a file is created only once everything else is known to be good

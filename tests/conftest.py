@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -10,7 +11,7 @@ import pytest
 
 from octoplan.ops import parse_ops
 from octoplan.plan import Cluster, Parallel, Plan, Stage
-from octoplan.profile import Layer, ModelRef, Profile, save_profile
+from octoplan.profile import Layer, LayerTimes, ModelRef, Profile, save_profile
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,6 +46,22 @@ def make_profile(times, *, act=0, out=0, params=0, name="synthetic", kinds=None)
         kind = kinds[i] if kinds else "layer"
         layers.append(Layer(f"l{i}", kind, float(f), float(ib), float(wb), params, act, out))
     return Profile(model=ModelRef(name), layers=tuple(layers))
+
+
+def assert_layers_round_trip(loaded: Profile, written: Profile) -> None:
+    """Every field of every layer came back from a file: the measured ones as written (times to
+    the file's 6 decimals, spreads to 4), each checked on its own, so that a field the writer drops is caught
+    (comparing both sides through profile_to_dict would drop it from both)."""
+    assert len(loaded.layers) == len(written.layers)
+    for got, want in zip(loaded.layers, written.layers):
+        for field in dataclasses.fields(Layer):
+            a, b = getattr(got, field.name), getattr(want, field.name)
+            if isinstance(b, float):  # the file keeps a spread to 4 decimals
+                assert a == pytest.approx(b, abs=5e-5 if field.name == "spread" else 1e-6), (want.name, field.name, a, b)
+            elif isinstance(b, LayerTimes):
+                assert dataclasses.astuple(a) == pytest.approx(dataclasses.astuple(b), abs=1e-6), (want.name, field.name)
+            else:
+                assert a == b, (want.name, field.name, a, b)
 
 
 def uniform_profile(num_layers: int, t: float = 1.0, **kwargs) -> Profile:

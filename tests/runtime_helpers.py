@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import multiprocessing
 import os
 import random
@@ -305,19 +306,30 @@ def reference(
 _REFERENCES: dict[tuple, Reference] = {}
 
 
+def reference_optimizer(params: list[torch.nn.Parameter], optim: Any) -> torch.optim.Optimizer:
+    """The optimizer as docs/FORMATS.md describes it, built here from torch alone so that the
+    references do not share octorun.optim's construction: SGD without momentum, or AdamW with
+    the config's betas and eps whose weight decay skips 1-D parameters (biases, norm scales)."""
+    if optim.name == "sgd":
+        return torch.optim.SGD(params, lr=optim.lr)
+    matrices = {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay}
+    vectors = {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}
+    return torch.optim.AdamW([g for g in (matrices, vectors) if g["params"]], lr=optim.lr, betas=optim.betas, eps=optim.eps)
+
+
 def _reference(
     model_path: Path, config: dict[str, Any], *, steps: int, microbatches: int, dp: int, microbatch_size: int,
     optim: Any, seed: int, precision: str = "fp32",
 ) -> Reference:
     from octoplan.precision import autocast
-    from octorun.optim import build_optimizer, lr_at
+    from octorun.optim import lr_at
     from octorun.tied import tie_local, tied_groups
 
     model = load_model_file(model_path, config, seed=seed)
     layers = [model.build_layer(i) for i in range(model.num_layers())]
     tie_local(model.path, dict(enumerate(layers)), tied_groups(model), model.build_layer)
     params = list({id(p): p for layer in layers for p in layer.parameters()}.values())  # a tied module once
-    opt = build_optimizer(params, optim)
+    opt = reference_optimizer(params, optim)
     losses, norms, lrs = [], [], []
     for step in range(steps):
         step_losses = []
@@ -489,7 +501,10 @@ def max_abs_diff(a: dict[int, dict[str, torch.Tensor]], b: dict[int, dict[str, t
         for key in a[layer]:
             x, y = a[layer][key], b[layer][key]
             if x.is_floating_point():
-                worst = max(worst, (x.double() - y.double()).abs().max().item() if x.numel() else 0.0)
+                if x.numel():  # a NaN on one side only is the largest difference, not none (max() drops NaN)
+                    same = (x == y) | (x.isnan() & y.isnan())
+                    diff = torch.where(same, 0.0, (x.double() - y.double()).abs())
+                    worst = max(worst, torch.nan_to_num(diff, nan=math.inf).max().item())
             else:
                 assert torch.equal(x, y)
     return worst

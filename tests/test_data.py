@@ -212,6 +212,33 @@ def test_uint32_read_as_uint16_is_named(tmp_path):
     assert sorted(_starts(data.windows(0, 13))) == list(range(1, 40, 3))
 
 
+def test_uint32_of_a_large_vocab_read_as_uint16_is_named(tmp_path):
+    # a 70,000-token vocabulary: 7% of the ids are above 65,535, so not every high half is 0;
+    # read as uint16 every id fits the vocab, and only the high halves' pattern gives it away
+    ids = np.random.default_rng(0).integers(0, 70_000, size=400)
+    assert (ids >= 65_536).any()
+    path = _tokens(tmp_path / "t.bin", ids.tolist(), dtype="<u4")
+    error = _open_error(tmp_path, path, config={"seq": 3, "vocab": 70_000})
+    assert (error.field, error.fix) == ("dtype", "give --data-dtype uint32")
+    assert TokenData.open(path, _model(tmp_path, {"seq": 3, "vocab": 70_000}), seed=0, dtype="uint32").num_tokens == 400
+    # uint16 text, byte-level (every id under 256, few of them 0) or of a 50k vocabulary, is read
+    for name, text in (("bytes.bin", list(b"hello, world\n" * 20)),
+                       ("bpe.bin", np.random.default_rng(1).integers(0, 50_257, size=400).tolist())):
+        assert TokenData.open(_tokens(tmp_path / name, text), _model(tmp_path, {"seq": 3}), seed=0).dtype == "uint16"
+
+
+def test_the_vocab_size_hook_bounds_the_ids(tmp_path):
+    path = _tokens(tmp_path / "t.bin", [1, 2, 3, 4, 5, 60, 7])
+    model = _model(tmp_path, {"seq": 3}, "def vocab_size(**config): return 50\n")
+    with pytest.raises(InputError) as error:
+        TokenData.open(path, model, seed=0)
+    assert error.value.field == "token 5" and error.value.problem.startswith("is 60, beyond the model's vocab 50")
+    bad = _model(tmp_path, {"seq": 3}, "def vocab_size(**config): return 0\n")
+    with pytest.raises(InputError) as error:
+        TokenData.open(path, bad, seed=0)
+    assert (error.value.field, error.value.problem) == ("vocab_size", "returned 0")
+
+
 def _megatron_index(path, code, magic=MEGATRON_INDEX_MAGIC, version=1):
     # the header, then sequence and document counts, as Megatron-LM's index writer lays them out
     path.write_bytes(magic + struct.pack("<QB", version, code) + struct.pack("<QQ", 1, 2))
@@ -232,6 +259,12 @@ def test_megatron_index_names_the_dtype(tmp_path):
         _megatron_index(tmp_path / "corpus.idx", code, magic, version)
         error = _open_error(tmp_path, tmp_path / "corpus.bin")
         assert (error.file, error.field) == (str(tmp_path / "corpus.idx"), field)
+        # the fix those lines give, --data-dtype, reads the file past a file that is no index
+        # (or another version of one); an index naming a dtype we cannot read is still refused
+        if field == "dtype":
+            assert _open_error(tmp_path, tmp_path / "corpus.bin", dtype="uint32").field == "dtype"
+        else:
+            assert TokenData.open(str(tmp_path / "corpus.bin"), _model(tmp_path), seed=0, dtype="uint32").dtype == "uint32"
 
 
 def test_negative_int32_ids_are_refused(tmp_path):

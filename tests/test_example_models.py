@@ -15,7 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from octoplan.errors import InputError
-from octoplan.modelfile import ModelFile, as_args, load_model_file
+from octoplan.modelfile import ModelFile, as_args, load_model_file, microbatch_seed
 
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "models"
 
@@ -95,6 +95,19 @@ def test_build_and_data_are_deterministic(name: str) -> None:
     x3, _ = model.sample_batch(MICROBATCH, step=3, replica=1, mb=3)
     assert all(torch.equal(a, b) for a, b in zip(as_args(x1), as_args(x2))) and torch.equal(y1, y2)
     assert not all(torch.equal(a, b) for a, b in zip(as_args(x1), as_args(x3)))
+    # every coordinate of the seed draws other data: another replica, step or --seed
+    for other in (model.sample_batch(MICROBATCH, step=3, replica=0, mb=2), model.sample_batch(MICROBATCH, step=4, replica=1, mb=2),
+                  _load(name, seed=1).sample_batch(MICROBATCH, step=3, replica=1, mb=2)):
+        assert not all(torch.equal(a, b) for a, b in zip(as_args(x1), as_args(other[0])))
+
+
+def test_microbatch_seed_is_the_formula_of_formats():
+    # FORMATS.md section 4: ((seed * 1_000_003 + t) * 1_009 + d) * 10_007 + j, worked by hand
+    assert microbatch_seed(seed=0, step=0, replica=0, mb=0) == 0
+    assert microbatch_seed(seed=0, step=0, replica=0, mb=5) == 5
+    assert microbatch_seed(seed=0, step=0, replica=2, mb=0) == 20_014
+    assert microbatch_seed(seed=0, step=1, replica=0, mb=0) == 10_097_063
+    assert microbatch_seed(seed=1, step=2, replica=3, mb=4) == ((1_000_005 * 1_009) + 3) * 10_007 + 4 == 10_097_113_515_340
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

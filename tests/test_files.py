@@ -4,6 +4,7 @@ every violation — through the library and through the command line (exit 2, on
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -522,10 +523,19 @@ def test_plans_take_the_profiles_gpu_memory_and_say_when_they_do_not_fit(profile
         run = _octoplan("baseline", path, "--gpus", 2, "--schedule", "1f1b", "-o", out)
         # a CPU's RAM says nothing about the GPUs planned for: the 80 GB default then
         assert run.returncode == 0 and load_plan(out).cluster.memory_gb == limit, run.stderr
-        assert run.stderr == (f"warning: this plan does not fit: rank 0 peaks at 160.0 GB, over the {limit:g} GB per GPU "
+        assert run.stderr == (f"warning: this plan does not fit: rank 0 peaks at 160 GB, over the {limit:g} GB per GPU "
                               "(--memory-gb); octoplan tune finds plans that fit\n")
     run = _octoplan("baseline", path, "--gpus", 2, "--schedule", "1f1b", "--memory-gb", 400, "-o", out)
     assert run.returncode == 0 and run.stderr == "" and load_plan(out).cluster.memory_gb == 400
+    # small figures keep their digits (a 0.4 GB limit printed as "0" beside "fits memory yes"): 2
+    # layers of 3 MB on a rank, their weights, gradients and two Adam moments, 0.024 GB
+    light = profile_file(make_profile([(1, 1, 1)] * 4, params=3 * 10**6), "light.yaml")
+    run = _octoplan("baseline", light, "--gpus", 2, "--schedule", "1f1b", "--memory-gb", 0.4, "-o", out)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    shown = _octoplan("simulate", out)
+    assert shown.returncode == 0 and re.search(r"peak memory\s*│\s*0\.024 GB \(limit 0\.4\)", shown.stdout), shown.stdout
+    run = _octoplan("baseline", light, "--gpus", 2, "--schedule", "1f1b", "--memory-gb", 0.02, "-o", out)
+    assert "rank 0 peaks at 0.024 GB, over the 0.02 GB per GPU" in run.stderr, run.stderr
 
 
 def test_the_implicit_profile_is_named_once(tmp_path):

@@ -151,6 +151,9 @@ def test_chain_layers_names_and_kinds(saved):
     assert pixels.shape == (3, 3, 8, 8) and ids.shape == (3, 4 + SEQ) and targets.shape == (3, 4 + SEQ)
     assert (ids[:, :4] == 95).all() and (ids[:, 4:] != 95).all() and (targets[:, :4] == -100).all()
     assert model.tokens_per_sample() == SEQ + 1
+    # a token file's ids are held to config.json's vocab_size (the text model's, for a VLM)
+    assert (model.vocab_size(), vlm.vocab_size()) == (96, 96)
+    assert _chain(saved["qwen3_next"][0], weights="none", vocab_size=120)[0].vocab_size() == 120
 
 
 def test_seeded_init_is_per_layer_and_deterministic(saved):
@@ -284,6 +287,28 @@ def test_bad_input_exits_2_in_one_line(saved, tmp_path):
     transformers.Phi3Config(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2).save_pretrained(phi)
     _one_line_exit_2(_cli("profile", f"hf:{phi}", "-o", str(out)), "'phi3'", "not verified")
     assert not out.exists()
+
+
+def test_no_output_overwrites_a_file_of_the_model_folder(saved, tmp_path):
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for file in saved["qwen2"][0].iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    before = {file.name: file.read_bytes() for file in folder.iterdir()}
+    assert {"config.json", "model.safetensors"} <= set(before)
+    for name in ("config.json", "model.safetensors"):
+        _one_line_exit_2(_cli("profile", f"hf:{folder}", "-o", str(folder / name)), "names the input file")
+    profile = tmp_path / "p.yaml"
+    assert _cli("profile", f"hf:{folder}", "--config", f"seq={SEQ}", "--repeat", "1", "--device", "cpu",
+                "-o", str(profile)).exit_code == 0
+    plan_path = tmp_path / "plan.yaml"
+    assert _cli("baseline", str(profile), "--gpus", "1", "--schedule", "1f1b", "-o", str(plan_path)).exit_code == 0
+    from octorun.runtime import RunConfig, prepare
+
+    for flag in ("metrics_path", "trace_path"):
+        with pytest.raises(InputError, match=f"names the input file {folder / 'model.safetensors'}"):
+            prepare(RunConfig(plan_path=str(plan_path), **{flag: str(folder / "model.safetensors")}))
+    assert {file.name: file.read_bytes() for file in folder.iterdir()} == before
 
 
 def test_missing_tensor_is_bad_input(saved, tmp_path):

@@ -23,7 +23,7 @@ from octoplan.profiler import (
 )
 from octoplan.splitgrad import SavedTensors, root_edge
 
-from conftest import remeasured
+from conftest import assert_layers_round_trip, make_profile, remeasured
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
 
@@ -261,6 +261,9 @@ def test_profile_round_trips_through_save_and_load(tmp_path):
     save_profile(profile, out)
     loaded = load_profile(out)
     assert profile_to_dict(loaded) == profile_to_dict(profile)
+    assert_layers_round_trip(loaded, profile)
+    # the byte fields a split backward's memory rests on were measured, so the check above saw them
+    assert all(l.pending_w_bytes > 0 and l.w_saved_bytes for l in profile.layers[1:])
     assert loaded.model.config == {"hidden": 16, "middle": 1}
     assert loaded.extra["profiler"]["threads"] == 1
     assert loaded.extra["profiler"]["repeat"] == 2
@@ -348,6 +351,36 @@ def test_threads_are_fixed_and_restored(tmp_path):
     assert profile.extra["profiler"]["clock"] == "wall"
     assert fast_profile(path).extra["profiler"]["clock"] == "thread-cpu-time"
     assert torch.get_num_threads() == before
+
+
+def test_the_unsteady_layers_warning_names_the_widest_by_index(capsys):
+    from dataclasses import replace
+
+    from octoplan.cli import _warn_unsteady_layers
+    from octoplan.profile import Profile
+
+    base = make_profile([(1, 1, 1)] * 10)
+    spreads = [0.05, 0.20, 0.11, 0.30, 0.12, 0.13, 0.14, 0.15, 0.10, None]
+    layers = tuple(replace(layer, name="ReLU", spread=spread) for layer, spread in zip(base.layers, spreads))
+    _warn_unsteady_layers(Profile(model=base.model, layers=layers))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: 7 of 10 layers' times spread over 10% between repeats ")
+    assert "(#3 ReLU 30.0%, #1 ReLU 20.0%, #7 ReLU 15.0%, #6 ReLU 14.0%, #5 ReLU 13.0%, #4 ReLU 12.0%, and 1 more)" in err
+    _warn_unsteady_layers(Profile(model=base.model, layers=layers[:1] + layers[8:]))  # 0.05, 0.10 (not over), None
+    assert capsys.readouterr().err == ""
+
+
+def test_the_clock_a_gpu_profile_reads():
+    # built without a GPU: the choice only (a reading would need CUDA)
+    from octoplan.profiler import _Clock
+
+    gpu = torch.device("cuda")
+    assert (_Clock(gpu, threads=1).kind, _Clock(gpu, threads=1).cuda) == ("cuda-events", True)
+    wall = _Clock(gpu, threads=1, clock="wall")  # a model that sleeps: no CUDA event sees it
+    assert (wall.kind, wall.cuda, wall.now_ns) == ("wall", False, _Clock._synced_wall_ns)
+    with pytest.raises(InputError) as error:
+        _Clock(gpu, threads=1, clock="cpu")
+    assert error.value.field == "--clock" and error.value.fix == "use auto or wall, or --device cpu"
 
 
 # ----------------------------------------------------------------------------- broken model files

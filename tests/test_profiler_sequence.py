@@ -18,7 +18,7 @@ from octoplan.errors import InputError
 from octoplan.profile import load_profile, profile_from_dict, profile_to_dict, save_profile
 from octoplan.profiler import SPREAD_WARNING, profile_model_file, relative_spread
 
-from conftest import remeasured
+from conftest import assert_layers_round_trip, remeasured
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -265,6 +265,7 @@ def test_the_new_fields_are_written_and_round_trip(tmp_path):
         assert set(entry["isolated"]) == {"forward_ms", "backward_input_ms", "backward_weight_ms", "backward_ms"}
     loaded = load_profile(out)
     assert profile_to_dict(loaded) == profile_to_dict(profile)
+    assert_layers_round_trip(loaded, profile)
     assert loaded.whole_model.ms == pytest.approx(profile.whole_model.ms, abs=1e-6)
     assert [layer.isolated for layer in loaded.layers] == [layer.isolated for layer in load_profile(out).layers]
 

@@ -37,9 +37,14 @@ def world4(tmp_path_factory) -> Jobs:
     _case(jobs, "full", "1f1b", pp=4, config={}, save_dir=str(ck / "full"), save_every=SAVED, keep=2, **common)
     _case(jobs, "full-bf16", "1f1b", pp=4, config={}, precision="bf16", save_dir=str(ck / "bf16"), save_every=SAVED, **common)
     _case(jobs, "full-tied", "1f1b", pp=4, config={"tie": True}, save_dir=str(ck / "tied"), save_every=SAVED, **common)
+    # dropout: the resumed steps draw the masks the uninterrupted run drew only if every rank's
+    # generator is restored
+    _case(jobs, "full-dropout", "1f1b", pp=4, config={"dropout": 0.5}, save_dir=str(ck / "dropout"), save_every=SAVED,
+          **common)
     step3 = f"step_{SAVED:08d}"
     # resumed under the same plan: bit for bit
     _case(jobs, "same", "1f1b", pp=4, config={}, resume=str(ck / "full" / step3), **common)
+    _case(jobs, "same-dropout", "1f1b", pp=4, config={"dropout": 0.5}, resume=str(ck / "dropout" / step3), **common)
     _case(jobs, "same-bf16", "1f1b", pp=4, config={}, precision="bf16", resume=str(ck / "bf16" / step3), **common)
     # resumed under other plans of the same world: pp 2 x dp 2 with ZB-V (the embedding and the
     # head on one rank), and interleaved 1F1B; the global batch (8 samples) stays
@@ -67,7 +72,7 @@ def _losses(jobs: Jobs, name: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("full,resumed", [("full", "same"), ("full-bf16", "same-bf16")])
+@pytest.mark.parametrize("full,resumed", [("full", "same"), ("full-bf16", "same-bf16"), ("full-dropout", "same-dropout")])
 def test_resume_under_the_same_plan_is_bit_identical(world4, full, resumed):
     whole, cont = _losses(world4, full), _losses(world4, resumed)
     assert sorted(cont) == list(range(SAVED, STEPS))  # --steps counts from step 0

@@ -179,6 +179,13 @@ def test_metrics_and_trace_overwrite_no_input_and_not_each_other(tmp_path):
     for flag, target in (("metrics_path", model), ("trace_path", plan)):
         with pytest.raises(InputError, match=f"names the input file {target}"):
             prepare(RunConfig(plan_path=str(plan), **{flag: str(target)}))
+    # the token file and its Megatron index are inputs too
+    tokens, index = tmp_path / "corpus.bin", tmp_path / "corpus.idx"
+    for target in (tokens, index):
+        target.write_bytes(b"\x01\x00" * 64)
+        with pytest.raises(InputError, match=f"names the input file {target}"):
+            prepare(RunConfig(plan_path=str(plan), data_path=str(tokens), metrics_path=str(target)))
+        assert target.read_bytes() == b"\x01\x00" * 64
     with pytest.raises(InputError, match="--trace names the file --metrics names too"):
         prepare(RunConfig(plan_path=str(plan), metrics_path=str(tmp_path / "m"), trace_path=str(tmp_path / "m")))
     # the file --metrics grows in until the run ends (METRICS.partial) is an output as well

@@ -127,6 +127,10 @@ def test_the_tied_ring_is_the_all_reduce_link_model_over_k_ranks():
     # pp 2 x dp 2, dp-inner: replica 0 is global ranks 0 and 2 (two nodes), replica 1 ranks 1, 3
     wide = Parallel(pp=2, dp=2, microbatches=1, rank_order="dp-inner")
     assert tied_allreduce_ms(cluster, wide, (0, 1), MB4) == 2 + 8
+    # pp 2 x dp 2, pp-inner, 3 GPUs a node: replica 0 (ranks 0, 1) stays on node 0, but
+    # replica 1 (ranks 2, 3) spans nodes 0 and 1, and the slowest replica's ring decides
+    odd = Cluster(gpus=4, **{**SLOW_LINK, "gpus_per_node": 3})
+    assert tied_allreduce_ms(odd, Parallel(pp=2, dp=2, microbatches=1), (0, 1), MB4) == 2 + 8
 
 
 def test_the_tuned_plans_prediction_includes_the_tie():

@@ -31,6 +31,25 @@ def test_learning_rate_schedules_by_hand():
     expected = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
     assert [lr_at(cosine, s, 5) for s in range(5)] == pytest.approx(expected)
     assert lr_at(cosine, 2, 5) == pytest.approx(0.5)
+    # --decay-steps: the schedule's length whatever this run's --steps (a run stopped and resumed
+    # keeps one schedule): linear over 5 steps, from 1 to 0 in steps of 1/4, in runs of 3 and 8
+    decayed = OptimizerConfig(lr=1.0, schedule="linear", decay_steps=5)
+    assert [lr_at(decayed, s, 3) for s in range(3)] == pytest.approx([1.0, 0.75, 0.5])
+    assert [lr_at(decayed, s, 8) for s in range(8)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_adamw_decays_matrices_only_with_the_configs_betas_and_eps():
+    from octorun.optim import build_optimizer
+
+    weight, bias, scale = (torch.nn.Parameter(torch.ones(shape)) for shape in ((3, 2), (3,), (2,)))
+    config = OptimizerConfig(name="adamw", lr=0.5, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-5)
+    opt = build_optimizer([weight, bias, scale], config)
+    groups = [(group["weight_decay"], [id(p) for p in group["params"]]) for group in opt.param_groups]
+    assert sorted(groups) == [(0.0, [id(bias), id(scale)]), (0.1, [id(weight)])]
+    assert {(g["lr"], g["betas"], g["eps"]) for g in opt.param_groups} == {(0.5, (0.8, 0.9), 1e-5)}
+    assert build_optimizer([], config) is None
+    sgd = build_optimizer([weight], OptimizerConfig(name="sgd", lr=0.5))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0
 
 
 def test_clip_factor_is_torchs():
@@ -138,7 +157,9 @@ def test_skip_nonfinite_skips_every_poisoned_update(jobs):
 
     model = load_model_file(jobs.model, config)
     initial = {i: model.build_layer(i).state_dict() for i in range(config["depth"])}
-    assert h.max_abs_diff(_merged(replicas[0]), initial) == 0.0  # no update took
+    merged = _merged(replicas[0])
+    assert h.max_abs_diff(merged, initial) == 0.0  # no update took
+    assert all(torch.equal(merged[i][key], initial[i][key]) for i in initial for key in initial[i])
 
 
 @pytest.mark.slow
@@ -162,7 +183,6 @@ def test_token_data_reads_one_global_batch_whatever_pp_and_dp(jobs):
     single process that reads TokenData.windows(step * 8, 8) in microbatches of 2."""
     from octoplan.modelfile import load_model_file
     from octorun.data import TokenData
-    from octorun.optim import build_optimizer
 
     pp4, _ = jobs.results("data-pp4")
     pp2dp2, _ = jobs.results("data-pp2dp2")
@@ -171,7 +191,7 @@ def test_token_data_reads_one_global_batch_whatever_pp_and_dp(jobs):
     data = TokenData.open(str(jobs.folder / "tokens.bin"), model, seed=0)
     layers = [model.build_layer(i) for i in range(config["depth"])]
     params = [p for layer in layers for p in layer.parameters()]
-    opt = build_optimizer(params, ADAMW)
+    opt = h.reference_optimizer(params, ADAMW)
     expected = []
     for step in range(STEPS):
         windows = data.windows(step * 8, 8)

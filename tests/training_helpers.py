@@ -18,14 +18,15 @@ TOL = 1e-5
 
 # A chain whose embedding and head may share one matrix (``tie``), whose layer ``poison``
 # multiplies its output by NaN (a forward that goes non-finite in a known stage), and whose
-# blocks may hold a parameter the forward never uses (``unused``: it never gets a gradient).
+# blocks may hold a parameter the forward never uses (``unused``: it never gets a gradient), and
+# whose blocks may drop out (``dropout``: training then draws from each rank's generator).
 MODEL = '''
 import torch
 from torch import nn
 
-CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False}
+CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False, "dropout": 0.0}
 
-def num_layers(vocab, hidden, depth, seq, tie, poison, unused):
+def num_layers(vocab, hidden, depth, seq, tie, poison, unused, dropout):
     return depth
 
 class Embed(nn.Module):
@@ -36,15 +37,16 @@ class Embed(nn.Module):
         return self.emb(ids)
 
 class Block(nn.Module):
-    def __init__(self, hidden, poisoned, unused):
+    def __init__(self, hidden, poisoned, unused, dropout):
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         self.lin = nn.Linear(hidden, hidden)
+        self.drop = nn.Dropout(dropout)
         self.poisoned = poisoned
         if unused:
             self.spare = nn.Parameter(torch.ones(hidden, hidden))  # a matrix: weight decay would act on it
     def forward(self, h):
-        out = h + torch.tanh(self.lin(self.norm(h)))
+        out = h + self.drop(torch.tanh(self.lin(self.norm(h))))
         return out * float("nan") if self.poisoned else out
 
 class Head(nn.Module):
@@ -54,17 +56,17 @@ class Head(nn.Module):
     def forward(self, h):
         return self.out(h)
 
-def build_layer(index, vocab, hidden, depth, seq, tie, poison, unused):
+def build_layer(index, vocab, hidden, depth, seq, tie, poison, unused, dropout):
     if index == 0:
         return Embed(vocab, hidden)
     if index == depth - 1:
         return Head(vocab, hidden)
-    return Block(hidden, index == poison, unused)
+    return Block(hidden, index == poison, unused, dropout)
 
-def tied_parameters(vocab, hidden, depth, seq, tie, poison, unused):
+def tied_parameters(vocab, hidden, depth, seq, tie, poison, unused, dropout):
     return [[(0, "emb.weight"), (depth - 1, "out.weight")]] if tie else []
 
-def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison, unused):
+def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison, unused, dropout):
     ids = torch.randint(0, vocab, (mbs, seq + 1), generator=generator)
     return ids[:, :-1], ids[:, 1:]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from octoplan.errors import InputError
 
-__all__ = ["PREFIX", "is_hf_source", "load_hf_model", "resolve_hf_source", "chain_for"]
+__all__ = ["PREFIX", "is_hf_source", "load_hf_model", "model_source_files", "resolve_hf_source", "chain_for"]
 
 PREFIX = "hf:"
 
@@ -40,6 +40,17 @@ def resolve_hf_source(source: str, file: str | Path) -> str | None:
 
     found = resolve_written_path(source[len(PREFIX):], file)
     return None if found is None or not found.is_dir() else PREFIX + str(found)
+
+
+def model_source_files(source: str | Path) -> tuple[Path, ...]:
+    """The files a model source is read from, which no output may overwrite: a model file, or
+    every file of an ``hf:FOLDER`` (its config.json, safetensors and tokenizer files)."""
+    if not is_hf_source(str(source)):
+        return (Path(source),)
+    try:
+        return tuple(entry for entry in Path(str(source)[len(PREFIX):]).iterdir() if entry.is_file())
+    except OSError:  # no such folder: the command says so when it reads the model
+        return ()
 
 
 def _folder(source: str) -> Path:
@@ -132,6 +143,9 @@ def _contract(source: str, folder: str, chain: Any) -> SimpleNamespace:
     def tokens_per_sample(**config: Any) -> int:
         return resolved(config).seq + 1
 
+    def vocab_size(**config: Any) -> int:
+        return resolved(config).vocab_size
+
     def batch_from_tokens(tokens: torch.Tensor, **config: Any) -> tuple[Any, Any]:
         model = resolved(config)
         if model.is_vlm:
@@ -146,7 +160,8 @@ def _contract(source: str, folder: str, chain: Any) -> SimpleNamespace:
     return SimpleNamespace(
         NAME=f"hf-{Path(folder).name}", num_layers=num_layers, build_layer=build_layer, sample_batch=sample_batch,
         loss_fn=loss_fn, layer_kind=layer_kind, layer_name=layer_name, tied_parameters=tied_parameters,
-        tokens_per_sample=tokens_per_sample, batch_from_tokens=batch_from_tokens, __name__=f"hf:{folder}",
+        tokens_per_sample=tokens_per_sample, vocab_size=vocab_size, batch_from_tokens=batch_from_tokens,
+        __name__=f"hf:{folder}",
     )
 
 
