@@ -32,6 +32,7 @@ alone, which would leave the others waiting in a collective.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ import secrets
 import shutil
 import time
 import warnings
+import zlib
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,11 +305,13 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, meta: dic
     root = Path(root)
     final = root / folder_name(step)
     partial = root / (final.name + _PARTIAL)
-    record: list[str] = []
+    # save_id: two saves of one step differ in their octopipe.json even with equal meta
+    # (saved_by below tells nodes given different copies apart)
+    record: dict[str, Any] = {"format": FORMAT, "version": VERSION, "step": step, "save_id": secrets.token_hex(8),
+                              "meta": meta}
 
     def prepare() -> None:
-        # json first: meta that is not JSON stops the save before anything is written
-        record.append(json.dumps({"format": FORMAT, "version": VERSION, "step": step, "meta": meta}, indent=1))
+        json.dumps(record)  # first: meta that is not JSON stops the save before anything is written
         try:
             root.mkdir(parents=True, exist_ok=True)
             _remove_unfinished(root)
@@ -318,15 +322,22 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, meta: dic
     _on_first(group, prepare)
     try:
         with _dcp_call():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, single_file_per_rank=True, sync_files=True),
+            written = dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, single_file_per_rank=True, sync_files=True),
                      planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                      process_group=group)
     except CheckpointException as exc:  # a BaseException: turn it into an error callers catch
         raise _failed(partial, "written", exc) from None
+    # each data file's CRC-32, the files shared out over the ranks: a resume finds damaged
+    # bytes by them before it loads anything (a size check sees only cut files)
+    files = sorted({info.relative_path for info in (written.storage_data or {}).values()})
+    me, world = (dist.get_rank(group), dist.get_world_size(group)) if _distributed() else (0, 1)
+    crcs: dict[str, str] = {}
+    for shares in _gather({name: _crc32(partial / name) for name in files[me::world]}, group):
+        crcs.update(shares)
 
     def publish() -> None:
         try:
-            _write_synced(partial / META_FILE, record[0])
+            _write_synced(partial / META_FILE, json.dumps({**record, "crc32": crcs}, indent=1))
             _fsync_dir(partial)
             replaced = root / (final.name + _REPLACED)
             if final.exists():  # the same step saved again (a resumed run): the new one wins
@@ -438,6 +449,8 @@ class _Check:
     missing: list[str] = field(default_factory=list)  # keys needed that the checkpoint lacks
     mismatched: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (saved, here)
     missing_optional: set[str] = field(default_factory=set)
+    taken: set[str] = field(default_factory=set)  # with whole_prefixes: this rank's keys under them
+    saved_whole: set[str] = field(default_factory=set)  # the checkpoint's keys under them (the first rank's look)
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -452,18 +465,20 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 def load(path: str | os.PathLike, state: dict[str, Any], *, group: Any,
-         optional_prefixes: tuple[str, ...] = ()) -> set[str]:
+         optional_prefixes: tuple[str, ...] = (), whole_prefixes: tuple[str, ...] = ()) -> set[str]:
     """Fill ``state`` in place from the checkpoint at ``path``; collective.
 
     Tensors are copied into the caller's tensors (any device); objects are replaced in
     ``state``. Keys starting with one of ``optional_prefixes`` may be absent from the checkpoint
     (per-rank RNG states under another world) or differ in shape, dtype or kind: those are left
-    as they are and returned. Any other problem raises :class:`InputError` on every rank before
-    a single value is loaded: missing or truncated files, keys the checkpoint lacks, shapes,
-    dtypes or kinds that differ."""
+    as they are and returned. Under ``whole_prefixes`` the group's states together take every key
+    of the checkpoint (a whole model: one the checkpoint holds more of is another model, say one
+    whose head was not tied). Any other problem raises :class:`InputError` on every rank before
+    a single value is loaded: missing, truncated or damaged files, keys the checkpoint lacks or
+    holds beyond the model, shapes, dtypes or kinds that differ."""
     folder = Path(path)
     try:
-        verdict = _check(folder, state, optional_prefixes)
+        verdict = _check(folder, state, optional_prefixes, whole_prefixes, first=_is_first(group))
     except Exception as exc:  # a filesystem's refusal: still gathered, or the other ranks would wait
         verdict = _Check(unreadable=(str(folder), None, f"cannot be checked: {type(exc).__name__}: {exc}", None))
     verdicts = _gather(verdict, group)
@@ -495,7 +510,8 @@ def _describe_saved(entry: Any) -> str:
     return "an object"
 
 
-def _check(folder: Path, state: dict[str, Any], optional_prefixes: tuple[str, ...]) -> _Check:
+def _check(folder: Path, state: dict[str, Any], optional_prefixes: tuple[str, ...],
+           whole_prefixes: tuple[str, ...] = (), *, first: bool = True) -> _Check:
     verdict = _Check()
     try:
         read_meta(folder)
@@ -509,6 +525,10 @@ def _check(folder: Path, state: dict[str, Any], optional_prefixes: tuple[str, ..
                               "resume from another checkpoint")
         return verdict
     saved = index.state_dict_metadata
+    if whole_prefixes:
+        verdict.taken = {key for key in state if key.startswith(whole_prefixes)}
+        if first:
+            verdict.saved_whole = {key for key in saved if key.startswith(whole_prefixes)}
     for key, value in state.items():
         if key not in saved:
             if key.startswith(tuple(optional_prefixes)):
@@ -536,8 +556,30 @@ def _check(folder: Path, state: dict[str, Any], optional_prefixes: tuple[str, ..
     return verdict
 
 
+def _crc32(path: Path) -> str:
+    """The CRC-32 of a file's bytes, as 8 hex digits (zlib's: about a GB/s, read in chunks)."""
+    value = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CRC_CHUNK):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x}"
+
+
+_CRC_CHUNK = 1 << 24
+
+
+def _recorded_crcs(folder: Path) -> dict[str, str]:
+    """The CRC-32s octopipe.json records (none in checkpoints written before they were)."""
+    try:
+        crcs = json.loads((folder / META_FILE).read_text()).get("crc32")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return crcs if isinstance(crcs, dict) else {}
+
+
 def _check_files(folder: Path, index: Metadata, keys: set[str]) -> dict[str, str]:
-    """What is wrong with the files that hold ``keys``: missing, or shorter than the index says."""
+    """What is wrong with the files that hold ``keys``: missing, shorter than the index says, or
+    bytes whose CRC-32 is not the one the save recorded."""
     needs: dict[str, tuple[int, int, str]] = {}  # file -> (bytes needed, entries, first key)
     for where, info in (index.storage_data or {}).items():
         if where.fqn not in keys:
@@ -552,6 +594,11 @@ def _check_files(folder: Path, index: Metadata, keys: set[str]) -> dict[str, str
             bad[name] = f"is missing (it holds {count} entries, e.g. {first})"
         elif path.stat().st_size < end:
             bad[name] = f"is truncated: {path.stat().st_size} bytes, the index needs {end}"
+    recorded = _recorded_crcs(folder)
+    for name in sorted(set(needs) - set(bad)):
+        found = _crc32(folder / name) if name in recorded else None
+        if found is not None and found != recorded[name]:
+            bad[name] = f"is damaged: its bytes' CRC-32 is {found}, the save recorded {recorded[name]}"
     return bad
 
 
@@ -584,6 +631,11 @@ def _first_error(folder: Path, verdicts: list[_Check]) -> InputError | None:
         saved, here = mismatched[key]
         others = f" ({len(mismatched) - 1} more keys differ too)" if len(mismatched) > 1 else ""
         return InputError(where, key, f"is {saved} in the checkpoint but {here} in this model{others}", fix)
+    untaken = sorted(set().union(*(v.saved_whole for v in verdicts)) - set().union(*(v.taken for v in verdicts)))
+    if untaken:
+        more = f", nor {len(untaken) - 1} more of its keys (e.g. {', '.join(untaken[1:4])})" if len(untaken) > 1 else ""
+        return InputError(where, untaken[0], f"is in the checkpoint but no layer of this model takes it{more}: it holds "
+                          "another model's state (another config: a tied or untied head, other parameters)", fix)
     return None
 
 
@@ -670,21 +722,29 @@ def _sees(marker: Path, tries: int = 3) -> bool:
     return False
 
 
-def agree(step: int | None, *, group: Any) -> None:
-    """Check that every rank of ``group`` resumes the same ``step`` (None: a fresh start);
-    collective. Raises :class:`InputError` naming the ranks and the steps each found, e.g.
-    ``ranks 0,1 found step 20, rank 2 found step 10``."""
+def saved_by(path: str | os.PathLike) -> str:
+    """Which save wrote the checkpoint at ``path``: a digest of its ``octopipe.json``, which
+    holds a random id per save, so copies of one checkpoint agree and two saves of one step
+    (two runs, or a node's stale copy) do not."""
+    return hashlib.sha256((Path(path) / META_FILE).read_bytes()).hexdigest()[:12]
+
+
+def agree(step: int | None, *, group: Any, save: str | None = None) -> None:
+    """Check that every rank of ``group`` resumes the same ``step`` (None: a fresh start) of the
+    same ``save`` (:func:`saved_by`); collective. Raises :class:`InputError` naming the ranks and
+    what each found, e.g. ``ranks 0,1 found step 20, rank 2 found step 10``."""
     me = dist.get_rank() if _distributed() else 0
-    found = _gather((me, step), group)
-    steps = {s for _, s in found}
-    if len(steps) <= 1:
+    found = _gather((me, step, save), group)
+    if len({(s, by) for _, s, by in found}) <= 1:
         return
-    by_step: dict[int | None, list[int]] = {}
-    for rank, s in sorted(found):
-        by_step.setdefault(s, []).append(rank)
+    by_checkpoint: dict[tuple[int | None, str | None], list[int]] = {}
+    for rank, s, by in sorted(found, key=lambda item: item[0]):
+        by_checkpoint.setdefault((s, by), []).append(rank)
+    steps = [s for s, _ in by_checkpoint]
     parts = []
-    for s, ranks in sorted(by_step.items(), key=lambda item: item[1][0]):
+    for (s, by), ranks in sorted(by_checkpoint.items(), key=lambda item: item[1][0]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
-        parts.append(f"{who} found {'no checkpoint' if s is None else f'step {s}'}")
+        which = f" (save {by})" if steps.count(s) > 1 else ""  # one step, two saves: say which
+        parts.append(f"{who} found {'no checkpoint' if s is None else f'step {s}'}{which}")
     raise InputError(None, "--resume", f"the ranks would resume from different checkpoints: {', '.join(parts)}",
                      "give every node the same checkpoint folder (a shared filesystem), or --resume one checkpoint folder")

@@ -88,6 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="octorun: %(message)s")
+    try:
+        _train(args)
+    except KeyboardInterrupt:  # at any point, the imports included
+        if os.environ.get("RANK", "0") == "0":  # every process gets the signal: one of them speaks
+            kept = " (--metrics replaces its file only when a run ends well)" if args.metrics else ""
+            sys.stderr.write(f"octorun: interrupted{kept}\n")
+        # no interpreter shutdown: the transport's receiver threads wait inside gloo, and tearing
+        # them down aborts the process (SIGABRT, "terminate called without an active exception")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+
+
+def _train(args: argparse.Namespace) -> None:
     from octoplan.errors import InputError
     from octorun.agreement import JobStopped
     from octorun.runtime import LAUNCH_VARIABLES, LaunchError, RunConfig, run
@@ -127,11 +141,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     except LaunchError as exc:
         sys.stderr.write(f"octorun: rank {os.environ.get('RANK', '?')}: {exc}\n")
         sys.exit(1)
-    except KeyboardInterrupt:
-        if os.environ.get("RANK", "0") == "0":  # every process gets the signal: one of them speaks
-            kept = " (--metrics replaces its file only when a run ends well)" if args.metrics else ""
-            sys.stderr.write(f"octorun: interrupted{kept}\n")
-        sys.exit(130)
     if result.global_rank == 0:  # its step lines were printed as the steps ended
         if result.metrics and result.metrics[-1].peak_activation_bytes is not None:
             print(_activation_line(result.metrics[-1]))

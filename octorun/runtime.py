@@ -1139,8 +1139,11 @@ class _Interpreter:
 
         self.watchdog.doing(f"saving the checkpoint of step {step}")
         started = time.perf_counter()
-        path = checkpoint.save(self.config.save_dir, step + 1, self._checkpoint_state(), meta=meta,
-                               group=self.groups.control, keep=self.config.keep)
+        # a slow shard is waited for up to --init-timeout; a hung peer still ends the job in --timeout
+        with self.watchdog.watching_beats(), _save_timeouts(self.groups, self.config.first_timeout_s,
+                                                              self.watchdog.timeout_s):
+            path = checkpoint.save(self.config.save_dir, step + 1, self._checkpoint_state(), meta=meta,
+                                   group=self.groups.control, keep=self.config.keep)
         if self.me == 0:
             log.warning("saved %s (%.2f s)", path, time.perf_counter() - started)
 
@@ -1151,7 +1154,8 @@ class _Interpreter:
         meta = checkpoint.read_meta(path)
         self.watchdog.doing(f"loading the checkpoint {path}")
         state = self._checkpoint_state()
-        missing = checkpoint.load(path, state, group=self.groups.control, optional_prefixes=("rng/",))
+        missing = checkpoint.load(path, state, group=self.groups.control, optional_prefixes=("rng/",),
+                                  whole_prefixes=("model/", "optim/"))
         if meta.get("layout") == self._layout() and not any(key.startswith(f"rng/rank{self.me}/") for key in missing):
             torch.set_rng_state(state[f"rng/rank{self.me}/cpu"])
             if self.device.type == "cuda":
@@ -1335,7 +1339,8 @@ def run(config: RunConfig) -> RunResult:
     if config.resume is not None:
         resumed = None if prepared.resume_from is None else int(checkpoint.read_meta(prepared.resume_from)["step"])
         try:
-            checkpoint.agree(resumed, group=groups.control)
+            checkpoint.agree(resumed, group=groups.control,
+                             save=None if prepared.resume_from is None else checkpoint.saved_by(prepared.resume_from))
             if prepared.resume_from is not None:
                 interpreter.restore(prepared.resume_from)
                 if me == 0:
@@ -1437,6 +1442,25 @@ def _lower_timeouts(watchdog: Watchdog, groups: _Groups, timeout_s: float) -> No
     if watchdog.timeout_s == timeout_s:
         return
     watchdog.timeout_s = timeout_s
+    _set_group_timeouts(groups, timeout_s)
+
+
+@contextlib.contextmanager
+def _save_timeouts(groups: _Groups, save_timeout_s: float, timeout_s: float):
+    """A checkpoint's save waits in collectives while the slowest rank writes its shard, which
+    takes as long as the storage needs, not as long as a step: --init-timeout for those waits
+    (the first step's allowance, which also covers loading one), then --timeout again."""
+    if save_timeout_s <= timeout_s:
+        yield
+        return
+    _set_group_timeouts(groups, save_timeout_s)
+    try:
+        yield
+    finally:
+        _set_group_timeouts(groups, timeout_s)
+
+
+def _set_group_timeouts(groups: _Groups, timeout_s: float) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     lowered: list[Any] = [None]  # None: the default group
     for group in (groups.control, groups.dp_group, *groups.tied):
@@ -1446,4 +1470,4 @@ def _lower_timeouts(watchdog: Watchdog, groups: _Groups, timeout_s: float) -> No
         try:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
         except Exception as exc:  # private API: the watchdog's deadlines still hold
-            log.debug("could not lower a group's timeout: %s", exc)
+            log.debug("could not set a group's timeout: %s", exc)

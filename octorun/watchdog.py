@@ -29,6 +29,7 @@ launcher waiting (torchrun gives a worker 30 s between SIGTERM and SIGKILL). So:
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import mmap
 import os
@@ -40,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 __all__ = ["Watchdog", "gist", "ABORT_KEY", "EXIT_FAILURE", "EXIT_BAD_INPUT"]
 
@@ -52,6 +53,8 @@ EXIT_BAD_INPUT = 2
 _POLL_S = 0.25
 _BEAT_EVERY = 2  # polls per heartbeat: two a second
 _SILENT_S = 1.5  # a heartbeat that stands still this long (three beats): the peer is hung
+# activities (octorun.runtime's watchdog.doing) of a process's own work, not a wait on a peer
+_OWN_WORK = ("running op", "running the optimizer", "building layer", "sampling the batches", "tying the")
 _GRACE_S = 2.0  # how long a leaving process waits for its host's peers to leave before killing them
 _HISTORY = 24  # activities kept for the record
 _LINE = 200  # bytes per line of the record file
@@ -93,6 +96,8 @@ class Watchdog:
         self._began = time.monotonic()
         self.history: collections.deque[tuple[float, str]] = collections.deque(maxlen=_HISTORY)
         self._ring: mmap.mmap | None = None  # the record file while the process runs
+        # inside watching_beats: each peer's last heartbeat seen and since when (monotonic s)
+        self._beats_seen: dict[int, tuple[Any, float]] | None = None
         self._count = 0  # activities recorded so far
         # torchrun --max-restarts starts the workers again with the same store: keys of an
         # earlier attempt (its abort above all) must not reach the next one
@@ -108,6 +113,7 @@ class Watchdog:
             return
         try:
             self.store.set(self.key(f"proc/{self.global_rank}"), f"{socket.gethostname()} {os.getpid()}")
+            self.store.set(self.key(f"doing/{self.global_rank}"), self.activity)
             self.store.add(self.key(f"beat/{self.global_rank}"), 1)
         except Exception as exc:  # without it a hung peer is left to the launcher, as before
             log.debug("could not register with the store: %s", exc)
@@ -129,16 +135,55 @@ class Watchdog:
             polls += 1
             try:
                 if polls % _BEAT_EVERY == 0:
+                    # with the beat, what this process does: a peer past its deadline can then
+                    # tell a process stuck in its own work (its beat goes on) from one waiting
+                    self.store.set(self.key(f"doing/{self.global_rank}"), self.activity)
                     self.store.add(self.key(f"beat/{self.global_rank}"), 1)
                 aborted = self.store.check([self.key(ABORT_KEY)])
                 text = self.store.get(self.key(ABORT_KEY)).decode(errors="replace") if aborted else ""
             except Exception as exc:  # the store lives with rank 0 or the launcher: losing it is fatal
                 if self._stop.is_set():
                     return
-                self._exit(f"lost contact with the job's rendezvous store ({type(exc).__name__}) while {self.activity}")
+                # which peer died cannot be asked of a store that is gone: name where it lived
+                self._exit(f"lost contact with the job's rendezvous store ({type(exc).__name__}) while {self.activity}: "
+                           f"its host ({os.environ.get('MASTER_ADDR', 'MASTER_ADDR')}, the first node's launcher or "
+                           "rank 0) is gone or unreachable")
             else:
                 if aborted and not self._stop.is_set():
                     self._exit(f"stopping because {text}; this rank was {self.activity}")
+                if self._beats_seen is not None:
+                    self._check_beats()
+
+    @contextlib.contextmanager
+    def watching_beats(self) -> Iterator[None]:
+        """While inside, end the job when a peer's heartbeat stands still for ``timeout_s``: for
+        waits with a longer limit of their own (a checkpoint's save, whose collectives wait as
+        long as the slowest shard takes to write), where a hung peer would otherwise hold every
+        rank until that limit. A peer that is slow but alive beats on, and is waited for."""
+        if self.store is None or self.world <= 1:
+            yield
+            return
+        self._beats_seen = {}
+        try:
+            yield
+        finally:
+            self._beats_seen = None
+
+    def _check_beats(self) -> None:
+        seen = self._beats_seen
+        peers = [rank for rank in range(self.world) if rank != self.global_rank]
+        try:
+            beats = self.store.multi_get([self.key(f"beat/{rank}") for rank in peers])
+        except Exception:  # a store that is gone is the poll's own finding
+            return
+        now = time.monotonic()
+        for rank, beat in zip(peers, beats):
+            last, since = seen.get(rank, (None, now))
+            if beat != last:
+                seen[rank] = (beat, now)
+            elif now - since >= self.timeout_s and not self._stop.is_set():
+                self.fail(f"{self.activity}: global rank {rank} stopped responding (no heartbeat for "
+                          f"{self.timeout_s:g} s: hung or stopped)")
 
     # -- failing -----------------------------------------------------------------------------
     def doing(self, activity: str) -> None:
@@ -193,16 +238,27 @@ class Watchdog:
 
     def silent_peers(self) -> list[int]:
         """The global ranks whose heartbeat stands still for :data:`_SILENT_S` (hung ones)."""
+        return self._watch_peers()[0]
+
+    def _watch_peers(self) -> tuple[list[int], dict[int, str]]:
+        """Over :data:`_SILENT_S`: the peers whose heartbeat stood still (hung or stopped), and
+        those whose beat went on in one activity of their own work all the while (stuck in a
+        kernel, a loop, a sleep: no heartbeat shows it), with that activity."""
         if self.store is None or self.world <= 1:
-            return []
-        keys = [self.key(f"beat/{rank}") for rank in range(self.world)]
+            return [], {}
+        peers = [rank for rank in range(self.world) if rank != self.global_rank]
+        keys = [self.key(f"{kind}/{rank}") for kind in ("beat", "doing") for rank in peers]
         try:
             before = self.store.multi_get(keys)
             time.sleep(_SILENT_S)
             after = self.store.multi_get(keys)
         except Exception:
-            return []
-        return [rank for rank, (a, b) in enumerate(zip(before, after)) if a == b and rank != self.global_rank]
+            return [], {}
+        count = len(peers)
+        silent = [rank for rank, a, b in zip(peers, before[:count], after[:count]) if a == b]
+        busy = {rank: b.decode(errors="replace") for rank, a, b in zip(peers, before[count:], after[count:])
+                if a == b and rank not in silent and b.decode(errors="replace").startswith(_OWN_WORK)}
+        return silent, busy
 
     def fail_on(self, what: str, exc: BaseException) -> NoReturn:
         """Fail for an exception a collective raised: a timeout names the hung peers too."""
@@ -216,12 +272,15 @@ class Watchdog:
         self.fail(problem, waited=True)
 
     def _silent_text(self) -> str:
-        silent = self.silent_peers()
-        if not silent:
-            return ""
-        listed = ", ".join(map(str, silent))
-        return f"; global rank{'s' if len(silent) > 1 else ''} {listed} stopped responding (no heartbeat for " \
-               f"{_SILENT_S:g} s: hung or stopped)"
+        silent, busy = self._watch_peers()
+        text = ""
+        if silent:
+            listed = ", ".join(map(str, silent))
+            text += f"; global rank{'s' if len(silent) > 1 else ''} {listed} stopped responding (no heartbeat for " \
+                    f"{_SILENT_S:g} s: hung or stopped)"
+        for rank, activity in busy.items():
+            text += f"; global rank {rank} was {activity} all the while, waiting on no peer (stuck in its own work)"
+        return text
 
     def _diagnosis(self, problem: str, *, waited: bool) -> str:
         """Who is to blame for a failure: a peer on this host whose process is gone (a lost

@@ -418,6 +418,23 @@ def _apply_fault(fault: dict[str, Any], rank: int) -> None:
             return original(self, op, state)
 
         runtime._Interpreter._run_op = raising
+    elif fault["kind"] == "stuck-op":  # the named op never ends, its process otherwise alive (a kernel that hangs)
+        original = runtime._Interpreter._run_op
+
+        def stuck(self, op, state):
+            if str(op) == fault["op"]:
+                time.sleep(3600)
+            return original(self, op, state)
+
+        runtime._Interpreter._run_op = stuck
+    elif fault["kind"] == "slow-save":  # each checkpoint's shard takes ``seconds`` longer (slow storage)
+        original_state = runtime._Interpreter._checkpoint_state
+
+        def slow(self):
+            time.sleep(fault["seconds"])
+            return original_state(self)
+
+        runtime._Interpreter._checkpoint_state = slow
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[Job], folder: str) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import errno
 import json
+import zlib
+import re
 import multiprocessing
 import os
 import pickle
@@ -310,8 +312,11 @@ def _each_rank_finds(check: Callable[[Any], None], cases: list[list[Any]]) -> Ca
 
 
 def test_agree_names_the_ranks_that_disagree(tmp_path):
-    agree = _each_rank_finds(lambda step: checkpoint.agree(step, group=None),
-                             [[20, 20, 20], [20, 20, 10], [None, 4, None], [None, None, None]])
+    agree = _each_rank_finds(lambda found: checkpoint.agree(found[0], group=None, save=found[1]),
+                             [[(20, "a"), (20, "a"), (20, "a")], [(20, "a"), (20, "a"), (10, "b")],
+                              [(None, None), (4, "a"), (None, None)], [(None, None)] * 3,
+                              # two nodes given two saves of one step (another run's, a stale copy)
+                              [(4, "a"), (4, "b"), (4, "a")]])
 
     results = values(launch(3, agree, tmp_path / "agree"))
     assert results[0] == results[1] == results[2]
@@ -321,7 +326,19 @@ def test_agree_names_the_ranks_that_disagree(tmp_path):
         ("--resume", prefix + "ranks 0,1 found step 20, rank 2 found step 10"),
         ("--resume", prefix + "ranks 0,2 found no checkpoint, rank 1 found step 4"),
         None,
+        ("--resume", prefix + "ranks 0,2 found step 4 (save a), rank 1 found step 4 (save b)"),
     ]
+
+
+def test_saved_by_tells_two_saves_of_one_step_apart_and_copies_alike(tmp_path):
+    import shutil
+
+    for run in ("x", "y"):
+        checkpoint.save(tmp_path / run, 1, expected([0]), meta=META, group=None)
+    x, y = tmp_path / "x" / "step_00000001", tmp_path / "y" / "step_00000001"
+    shutil.copytree(x, tmp_path / "copy")
+    assert checkpoint.saved_by(x) == checkpoint.saved_by(tmp_path / "copy") != checkpoint.saved_by(y)
+    assert len(checkpoint.saved_by(x)) == 12
 
 
 def test_ranks_must_save_into_one_folder_whatever_each_calls_it(tmp_path):
@@ -375,6 +392,8 @@ def test_objects_round_trip_in_one_process(tmp_path):
     assert_identical(got, state)
     assert checkpoint.read_meta(path) == {"model": "m", "step": 7}
     record = json.loads((path / "octopipe.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{16}", record.pop("save_id"))  # random per save: saved_by tells saves apart
+    assert set(record.pop("crc32")) == {"__0_0.distcp"}  # one data file, one rank
     assert record == {"format": "octopipe-checkpoint", "version": 1, "step": 7, "meta": {"model": "m"}}
 
 
@@ -526,8 +545,25 @@ def test_torchs_file_writer_refusing_a_write_is_bad_input(tmp_path):
 
 
 def test_damaged_bytes_of_the_right_size_are_bad_input(saved):
-    """A shard overwritten with noise keeps its size, so only the read finds it: still one
-    InputError naming the folder and the way out, not a failure of the run."""
+    """A shard whose bytes changed keeps its size: the CRC-32 the save recorded names it before
+    anything loads, even where the bytes still decode (a flipped bit inside a weight)."""
+    data = saved / "__0_0.distcp"
+    content = bytearray(data.read_bytes())
+    recorded = json.loads((saved / "octopipe.json").read_text())["crc32"]
+    assert recorded == {"__0_0.distcp": f"{zlib.crc32(content):08x}"}
+    content[len(content) // 3] ^= 0x01
+    data.write_bytes(bytes(content))
+    error = _load_error(saved, blank(expected([0])))
+    assert (error.file, error.field) == (str(saved), "__0_0.distcp")
+    assert error.problem == f"is damaged: its bytes' CRC-32 is {zlib.crc32(content):08x}, the save recorded {recorded['__0_0.distcp']}"
+
+
+def test_damaged_bytes_of_a_checkpoint_without_crcs_fail_the_read_as_bad_input(saved):
+    """A checkpoint written before the CRC-32s were (or a shard overwritten with noise) is found
+    by the read itself: still one InputError naming the folder and the way out."""
+    record = json.loads((saved / "octopipe.json").read_text())
+    del record["crc32"]
+    (saved / "octopipe.json").write_text(json.dumps(record))
     data = saved / "__0_0.distcp"
     data.write_bytes(bytes(range(256)) * (data.stat().st_size // 256) + b"\0" * (data.stat().st_size % 256))
     with pytest.raises(InputError) as caught:
@@ -552,6 +588,35 @@ def test_another_models_keys_and_shapes_are_named(saved):
     error = _load_error(saved, state)
     assert (error.field, error.problem) == ("extra/layers.0",
                                             "is an object in the checkpoint but [1] float32 in this model (1 more keys differ too)")
+
+
+def test_a_whole_model_takes_every_key_of_its_checkpoint(saved, tmp_path):
+    """Under whole_prefixes the ranks together are the whole model: keys of the checkpoint no
+    rank takes (a run of the model with its head tied, resuming an untied run) are another
+    model's, named before anything loads; a model that takes them all loads, split over ranks."""
+    error = _load_error(saved, blank(expected([0])), whole_prefixes=("model/", "optim/"))
+    assert (error.file, error.field) == (str(saved), "model/layers.1.bias")
+    assert error.problem == ("is in the checkpoint but no layer of this model takes it, nor 3 more of its keys (e.g. "
+                             "model/layers.1.weight, optim/layers.1.weight/exp_avg, optim/layers.1.weight/step): it "
+                             "holds another model's state "
+                             "(another config: a tied or untied head, other parameters)")
+    # only the prefixes named: extra/ keys may stay behind, and a part of a model loads without them
+    checkpoint.load(saved, blank({k: v for k, v in expected([0, 1]).items() if not k.startswith("extra/")}), group=None,
+                    whole_prefixes=("model/", "optim/"))
+    checkpoint.load(saved, blank(expected([0])), group=None)
+
+    def split(rank, world):  # two ranks take a layer each: together, the whole checkpoint
+        checkpoint.load(saved, blank(expected([rank])), group=None, whole_prefixes=("model/", "optim/"))
+
+    assert values(launch(2, split, tmp_path / "split")) == [None, None]
+
+    def one_layer_short(rank, world):  # both ranks take layer 0: layer 1's keys are left
+        try:
+            checkpoint.load(saved, blank(expected([0])), group=None, whole_prefixes=("model/", "optim/"))
+        except InputError as exc:
+            return exc.field
+
+    assert values(launch(2, one_layer_short, tmp_path / "short")) == ["model/layers.1.bias"] * 2
 
 
 def test_optional_keys_may_be_missing_but_others_not(saved):

@@ -196,3 +196,36 @@ def test_sigterm_to_one_rank_stops_the_job_cleanly(setup):
     assert fresh.returncode == 0, fresh.stderr
     resumed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert resumed == [json.loads(line)["loss"] for line in (folder / "fresh.jsonl").read_text().splitlines()]
+
+
+def test_ctrl_c_ends_every_rank_with_130_and_no_abort(setup, tmp_path):
+    """Ctrl-C reaches every process of the job (a terminal's process group): each exits 130 at
+    once, rank 0 saying so, and none aborts on the way out (the transport's receiver threads wait
+    inside gloo, which an interpreter shutdown turned into SIGABRT on 3 of 4 ranks)."""
+    from octorun.runtime import free_port
+
+    folder, _, tokens = setup
+    plan = tmp_path / "pp2.yaml"
+    save_plan(h.baseline_plan("1f1b", folder / "fault_model.py", CONFIG, tmp_path / "pp2", gpus=2, pp=2, microbatches=4),
+              plan)
+    metrics = tmp_path / "m.jsonl"
+    port = str(free_port())
+    workers = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+        env.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        workers.append(subprocess.Popen(
+            [sys.executable, "-m", "octorun", str(plan), "--steps", "100000", "--data", str(tokens), "--metrics", str(metrics)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=h.ROOT, env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))  # as from a terminal (test_files)
+    partial = Path(f"{metrics}.partial")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not partial.exists() or len(partial.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    for worker in workers:
+        worker.send_signal(signal.SIGINT)
+    errors = [worker.communicate(timeout=60)[1] for worker in workers]
+    assert [worker.returncode for worker in workers] == [130, 130], errors
+    assert "octorun: interrupted (--metrics replaces its file only when a run ends well)" in errors[0], errors[0]
+    assert not any("terminate called" in err for err in errors), errors

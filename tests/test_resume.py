@@ -6,6 +6,7 @@ stop the run with one line and touch nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -91,6 +92,21 @@ def test_resume_under_another_plan_matches(world4, full, resumed):
 
 
 @pytest.mark.slow
+def test_a_save_slower_than_the_timeout_completes(tmp_path):
+    """A shard that takes longer to write than --timeout allows a step: the other rank waits for
+    it in the save's collectives up to --init-timeout, not --timeout (which ended the job)."""
+    jobs = Jobs(tmp_path, 2)
+    root = tmp_path / "ck"
+    _case(jobs, "slow", "1f1b", pp=2, config={}, save_dir=str(root), save_every=1, init_timeout_s=60)
+    job = jobs.jobs[0]
+    jobs.jobs[0] = dataclasses.replace(job, config=dataclasses.replace(job.config, timeout_s=2.0, steps=2),
+                                       fault={"kind": "slow-save", "rank": 1, "seconds": 5.0})
+    launched = jobs.run()
+    assert launched.exitcodes == [0, 0], "\n".join(launched.logs)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+@pytest.mark.slow
 def test_checkpoints_hold_the_data_position_and_keep_the_newest(world4):
     root = world4.folder / "ck" / "full"
     world4.run()
@@ -127,10 +143,10 @@ def one_rank(tmp_path_factory) -> tuple[Path, Path]:
     """A one-process plan of the 6-layer model with a checkpoint at step 2, and one of 8 layers."""
     folder = tmp_path_factory.mktemp("bad")
     jobs = Jobs(folder, 1)
-    for depth in (6, 8):
-        plan = h.baseline_plan("1f1b", jobs.model, {"vocab": 11, "hidden": 8, "depth": depth, "seq": 5, "tie": False,
-                                                      "poison": -1}, folder / f"d{depth}", gpus=1, pp=1, microbatches=2)
-        save_plan(plan, folder / f"d{depth}.yaml")
+    for name, depth, tie in (("d6", 6, False), ("d8", 8, False), ("d6-tied", 6, True)):
+        plan = h.baseline_plan("1f1b", jobs.model, {"vocab": 11, "hidden": 8, "depth": depth, "seq": 5, "tie": tie,
+                                                      "poison": -1}, folder / name, gpus=1, pp=1, microbatches=2)
+        save_plan(plan, folder / f"{name}.yaml")
     done = _octorun(str(folder / "d6.yaml"), "--steps", "2", "--save", str(folder / "ck"), cwd=h.ROOT)
     assert done.returncode == 0, done.stderr
     # one step on a token file, read in the order of --seed 3
@@ -165,7 +181,7 @@ def test_an_output_the_filesystem_stops_taking_is_one_line(one_rank, output, tmp
 
 
 @pytest.mark.parametrize("case", ["missing", "partial", "other-model", "missing-shard", "auto-without-save",
-                                  "other-seed", "other-data"])
+                                  "other-seed", "other-data", "tied-head"])
 def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     folder, good = one_rank
     plan, resume = folder / "d6.yaml", str(good)
@@ -178,6 +194,8 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
         resume = str(partial)
     elif case == "other-model":
         plan = folder / "d8.yaml"
+    elif case == "tied-head":  # the same layers with the head tied to the embedding: its own weight is left
+        plan = folder / "d6-tied.yaml"
     elif case == "missing-shard":
         broken = tmp_path / "step_00000002"
         broken.mkdir()
@@ -200,5 +218,6 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     assert not metrics.exists() and not Path(f"{metrics}.partial").exists()
     expected = {"missing": "nothing-here", "partial": "partial", "other-model": "layers",
                 "missing-shard": ".distcp", "auto-without-save": "--save", "other-seed": "resume with --seed 3",
-                "other-data": "trained on a file of 3000 uint16 tokens"}[case]
+                "other-data": "trained on a file of 3000 uint16 tokens",
+                "tied-head": "model/layers.5.out.weight: is in the checkpoint but no layer of this model takes it"}[case]
     assert expected in lines[0], lines[0]

@@ -249,6 +249,18 @@ def test_missing_message_times_out_naming_the_op_and_the_peer(tmp_path):
     assert time.monotonic() - began < 30
 
 
+def test_a_rank_stuck_in_its_own_op_is_named_by_the_rank_waiting_for_it(tmp_path):
+    """Rank 0 never finishes op 0F1, alive (its heartbeat goes on): rank 1, past its deadline
+    waiting for 0F1's activation, names rank 0 and the op it is stuck in, not just the wait."""
+    launched = _launch_fault(tmp_path, {"rank": 0, "kind": "stuck-op", "op": "0F1"}, timeout_s=3, rank_timeouts={0: 60})
+    assert launched.exitcodes == [1, 1], launched.logs
+    line = next(line for line in launched.logs[1].splitlines() if line.startswith("octorun: rank 1: "))
+    assert line.startswith("octorun: rank 1: op 1F1 of step 0 waited 3 s for the activation into stage 1 mb 1"), line
+    assert line.endswith("; global rank 0 was running op 0F1 of step 0 all the while, waiting on no peer (stuck in its own "
+                         "work)"), line
+    assert "stopping because rank 1 failed" in launched.logs[0]
+
+
 def test_out_of_order_message_is_a_protocol_error_not_wrong_data(tmp_path):
     # rank 0 skips the activation of mb 0: rank 1 receives mb 1's where it expects mb 0's
     launched = _launch_fault(tmp_path, {"rank": 0, "kind": "drop-send", "message": ("act", 1, 0)}, timeout_s=10)
@@ -275,3 +287,28 @@ def test_a_shape_that_changes_after_step_0_fails_naming_the_message(tmp_path):
         r"float32\[2, (\d), 8\], int64\[2, \3\], in step 0 float32\[2, (?!\3)(\d), 8\], int64\[2, \4\]; "
         r"run octorun with --dynamic-shapes for a model whose shapes change between steps", line), line
     assert "stopping because rank 0 failed" in launched.logs[1]
+
+
+def test_a_lost_store_names_its_host(monkeypatch):
+    """The store is where peers are looked up, so when it is gone no dead peer can be named:
+    the line says where it lived (MASTER_ADDR: the first node's launcher, or rank 0)."""
+    import threading
+
+    from octorun.watchdog import Watchdog
+
+    class GoneStore:
+        def __getattr__(self, name):  # add, check, get: every call fails as a closed connection does
+            def gone(*args):
+                raise RuntimeError("Connection closed by peer")
+            return gone
+
+    said, done = [], threading.Event()
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setattr(Watchdog, "_exit", lambda self, problem, code=1: (said.append(problem), done.set()))
+    watchdog = Watchdog(global_rank=2, timeout_s=5, store=GoneStore())
+    watchdog.doing("running op 1F0")
+    watchdog.start()
+    assert done.wait(10)
+    watchdog.stop()
+    assert said[0] == ("lost contact with the job's rendezvous store (RuntimeError) while running op 1F0: its host "
+                       "(10.1.2.3, the first node's launcher or rank 0) is gone or unreachable")
