@@ -385,21 +385,30 @@ class Launch:
         return torch.load(self.folder / f"{job}.rank{rank}.pt", weights_only=False)
 
 
+def _injected_failure() -> None:
+    raise RuntimeError("injected failure")
+
+
+# what an op fault does as its op begins: the process vanishes, the op raises, or it never ends
+# with its process otherwise alive (a kernel that hangs)
+_OP_FAULTS = {"die": lambda: os._exit(17), "raise": _injected_failure, "stuck-op": lambda: time.sleep(3600)}
+
+
 def _apply_fault(fault: dict[str, Any], rank: int) -> None:
     """Test-only sabotage, patched into one process (never into octorun's code)."""
     from octorun import comm, runtime
 
     if fault.get("rank") != rank:
         return
-    if fault["kind"] == "die":  # the process vanishes before running the named op
-        original = runtime._Interpreter._run_op
+    if fault["kind"] in _OP_FAULTS:  # the named op
+        strike, original = _OP_FAULTS[fault["kind"]], runtime._Interpreter._run_op
 
-        def dying(self, op, state):
+        def sabotaged(self, op, state):
             if str(op) == fault["op"]:
-                os._exit(17)
+                strike()
             return original(self, op, state)
 
-        runtime._Interpreter._run_op = dying
+        runtime._Interpreter._run_op = sabotaged
     elif fault["kind"] == "drop-send":  # the named op's message is never sent
         original_send = comm.Transport.send
 
@@ -409,24 +418,6 @@ def _apply_fault(fault: dict[str, Any], rank: int) -> None:
             return original_send(self, message, tensors, dst=dst, step=step)
 
         comm.Transport.send = dropping
-    elif fault["kind"] == "raise":  # the named op raises
-        original = runtime._Interpreter._run_op
-
-        def raising(self, op, state):
-            if str(op) == fault["op"]:
-                raise RuntimeError("injected failure")
-            return original(self, op, state)
-
-        runtime._Interpreter._run_op = raising
-    elif fault["kind"] == "stuck-op":  # the named op never ends, its process otherwise alive (a kernel that hangs)
-        original = runtime._Interpreter._run_op
-
-        def stuck(self, op, state):
-            if str(op) == fault["op"]:
-                time.sleep(3600)
-            return original(self, op, state)
-
-        runtime._Interpreter._run_op = stuck
     elif fault["kind"] == "slow-save":  # each checkpoint's shard takes ``seconds`` longer (slow storage)
         original_state = runtime._Interpreter._checkpoint_state
 
