@@ -36,6 +36,12 @@ def _load_plan_with_profile(path: Path) -> tuple[Plan, Profile]:
     return plan, load_plan_profile(plan, path)
 
 
+def _gb(num_bytes: float) -> str:
+    """Bytes as GB: three significant digits (0.024, 58.6), whole GB from 1,000 on (1858)."""
+    gb = num_bytes / 1e9
+    return f"{gb:.0f}" if gb >= 999.5 else f"{gb:.3g}"  # .3g of 999.5 and up writes 1e+03
+
+
 def _plan_files(plan: Plan, path: Path) -> tuple[Path, Path | None]:
     """The files a command on ``plan`` reads, which none of its outputs may overwrite: the
     plan and the profile it names."""
@@ -279,7 +285,7 @@ def baseline(
                 hint = (f"; with --recompute it fits, at {again.predicted['iteration_ms']:.2f} ms and "
                         f"{max(fits.peak_memory_bytes) / 1e9:.1f} GB")
         typer.echo(f"warning: this plan does not fit: rank {fullest} peaks at "
-                   f"{result.peak_memory_bytes[fullest] / 1e9:.3g} GB, over the {cluster.memory_gb:g} GB per GPU "
+                   f"{_gb(result.peak_memory_bytes[fullest])} GB, over the {cluster.memory_gb:g} GB per GPU "
                    f"(--memory-gb); octoplan tune finds plans that fit{hint}", err=True)
 
 
@@ -307,7 +313,7 @@ def simulate(
     table.add_row("lower bound", f"{result.lower_bound_ms:.3f} ms")
     table.add_row("efficiency", f"{result.efficiency:.3f}")
     table.add_row("bubble ratio", f"{result.bubble_ratio:.1%}")
-    table.add_row("peak memory", f"{max(result.peak_memory_bytes) / 1e9:.3g} GB (limit {result.memory_limit_bytes / 1e9:.3g})")
+    table.add_row("peak memory", f"{_gb(max(result.peak_memory_bytes))} GB (limit {_gb(result.memory_limit_bytes)})")
     table.add_row("fits memory", "yes" if result.fits_memory else "[red]NO[/red]")
     for ar in result.tied_allreduces:  # the profile's tied tensors held on several ranks
         table.add_row(f"tied group {ar.group} all-reduce", f"{ar.end_ms - ar.start_ms:.3f} ms (ranks "

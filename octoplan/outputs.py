@@ -41,8 +41,15 @@ def check_writable(path: str | Path, flag: str | None = None, *, inputs: tuple[s
         raise InputError(str(path), None, f"{flag or 'the output'} names a folder (it ends in /)", "give a file path")
     target = _target(path)
     for source in inputs:
-        if source is not None and target.exists() and Path(source).exists() and target.samefile(source):
+        if source is None:
+            continue
+        if target.exists() and Path(source).exists() and target.samefile(source):
             raise InputError(str(path), None, f"{flag or '-o'} names the input file {source}, which writing would destroy",
+                             "write to another file")
+        if not Path(source).exists() and target.resolve() == Path(source).resolve():
+            # an input the command reads where it exists (a token file's Megatron index): a
+            # file written there would be read as one, by this run or the next
+            raise InputError(str(path), None, f"{flag or '-o'} names {source}, where this command looks for an input",
                              "write to another file")
     if target.is_symlink():  # still a link after following links: a loop of them
         raise InputError(str(path), None, f"{flag or 'the output'} names a loop of symbolic links", "give a file path")

@@ -13,7 +13,7 @@ Layout of ``ROOT``::
     ROOT/step_00000010/             one complete checkpoint
         __0_0.distcp ...            DCP's files, one per rank that wrote something
         .metadata                   DCP's index of keys, shapes and where each is stored
-        octopipe.json               {"format", "version", "step", "meta"}; written last
+        octopipe.json               {"format", "version", "step", "save_id", "meta", "crc32"}; written last
     ROOT/step_00000020.partial/     a save in progress, or one a crash interrupted
 
 A save is atomic: every rank writes into ``step_N.partial``, DCP's finish step writes
@@ -557,7 +557,8 @@ def _check(folder: Path, state: dict[str, Any], optional_prefixes: tuple[str, ..
 
 
 def _crc32(path: Path) -> str:
-    """The CRC-32 of a file's bytes, as 8 hex digits (zlib's: about a GB/s, read in chunks)."""
+    """The CRC-32 of a file's bytes, as 8 hex digits (zlib's, read in chunks: several GB/s from
+    the page cache, so the file's read is what it costs)."""
     value = 0
     with open(path, "rb") as handle:
         while chunk := handle.read(_CRC_CHUNK):

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from octoplan.errors import InputError
-from octoplan.tokenfile import DTYPES, check_token_file, readable_dtype, resolve_dtype
+from octoplan.tokenfile import DTYPES, check_token_file, index_path, readable_dtype, resolve_dtype
 
 if TYPE_CHECKING:
     from octoplan.modelfile import ModelFile
@@ -48,17 +48,20 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return (seed * 1_000_003 + epoch) % (1 << 63)
 
 
-def _looks_like_uint32(ids: np.ndarray) -> bool:
-    """Whether uint16 ``ids`` are the halves of little-endian uint32 ids: every high half under
-    256 (a vocabulary under 16.7M) and at least a quarter of them 0 (the ids under 65,536, which
-    hold most of any text's tokens even in a 256k vocabulary), while the low halves are not all
-    0. Real uint16 text has no such pattern over 16 pairs (a byte-level file's ids are under 256
-    but seldom 0); the vocab check would not catch it where the vocabulary is above 65,535."""
+def _looks_like_uint32(ids: np.ndarray, *, loose: bool) -> bool:
+    """Whether uint16 ``ids`` are the halves of little-endian uint32 ids: every high half 0 and
+    not every low half (no real uint16 text does that over 16 pairs); or, with ``loose``, every
+    high half under 256 (a vocabulary under 16.7M) and at least a quarter of them 0 (the ids
+    under 65,536, most of any text's tokens even in a 256k vocabulary), which a file of a few
+    symbols with many zeros might also show. The vocab check would not catch the misreading:
+    every half is a valid id of a vocabulary above 65,535."""
     pairs = ids[: len(ids) // 2 * 2].reshape(-1, 2)
     if len(pairs) < 16 or not pairs[:, 0].any():
         return False
     high = pairs[:, 1]
-    return int(high.max()) < 256 and 4 * int(np.count_nonzero(high == 0)) >= len(high)
+    if not high.any():
+        return True
+    return loose and int(high.max()) < 256 and 4 * int(np.count_nonzero(high == 0)) >= len(high)
 
 
 class TokenData:
@@ -115,9 +118,12 @@ class TokenData:
         data = cls(path=file, tokens=tokens, dtype=name, tokens_per_sample=length, seed=seed, model=model,
                    vocab=model.vocab_size())
         prefix = np.asarray(tokens[:VOCAB_CHECK_TOKENS])
-        if name == "uint16" and _looks_like_uint32(prefix):
+        # the loose pattern only where no one named the dtype (the user, a Megatron index) and the
+        # vocabulary may hold ids above 65,535: --data-dtype uint16 is the way past it
+        loose = dtype is None and not index_path(path).exists() and (data._vocab is None or data._vocab > 1 << 16)
+        if name == "uint16" and _looks_like_uint32(prefix, loose=loose):
             raise InputError(file, "dtype", "read as uint16, every second id is 0 or small: it looks like a file of uint32 ids",
-                             "give --data-dtype uint32")
+                             "give --data-dtype uint32 (or --data-dtype uint16 if it is one)")
         data._check_ids(0, prefix)
         return data
 

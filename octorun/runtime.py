@@ -1155,7 +1155,7 @@ class _Interpreter:
         self.watchdog.doing(f"loading the checkpoint {path}")
         state = self._checkpoint_state()
         missing = checkpoint.load(path, state, group=self.groups.control, optional_prefixes=("rng/",),
-                                  whole_prefixes=("model/", "optim/"))
+                                  whole_prefixes=("model/",))  # an optim/ key alone: a parameter now frozen
         if meta.get("layout") == self._layout() and not any(key.startswith(f"rng/rank{self.me}/") for key in missing):
             torch.set_rng_state(state[f"rng/rank{self.me}/cpu"])
             if self.device.type == "cuda":

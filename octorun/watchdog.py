@@ -151,12 +151,14 @@ class Watchdog:
             else:
                 if aborted and not self._stop.is_set():
                     self._exit(f"stopping because {text}; this rank was {self.activity}")
-                if self._beats_seen is not None:
-                    self._check_beats()
+                seen = self._beats_seen  # once: the main thread may end the watch meanwhile
+                if seen is not None and polls % _BEAT_EVERY == 0:
+                    self._check_beats(seen)
 
     @contextlib.contextmanager
     def watching_beats(self) -> Iterator[None]:
-        """While inside, end the job when a peer's heartbeat stands still for ``timeout_s``: for
+        """While inside, end the job when the next process's heartbeat stands still for
+        ``timeout_s`` (every process watches the next, so every one is watched): for
         waits with a longer limit of their own (a checkpoint's save, whose collectives wait as
         long as the slowest shard takes to write), where a hung peer would otherwise hold every
         rank until that limit. A peer that is slow but alive beats on, and is waited for."""
@@ -169,9 +171,11 @@ class Watchdog:
         finally:
             self._beats_seen = None
 
-    def _check_beats(self) -> None:
-        seen = self._beats_seen
-        peers = [rank for rank in range(self.world) if rank != self.global_rank]
+    def _check_beats(self, seen: dict[int, tuple[Any, float]]) -> None:
+        # each process watches the next one (a ring), so the store answers one read per process
+        # and poll, not one per pair: a hung process is found by the one before it, whose abort
+        # then ends the rest
+        peers = [(self.global_rank + 1) % self.world]
         try:
             beats = self.store.multi_get([self.key(f"beat/{rank}") for rank in peers])
         except Exception:  # a store that is gone is the poll's own finding

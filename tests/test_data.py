@@ -206,7 +206,7 @@ def test_ids_beyond_the_checked_prefix_are_caught_when_read(tmp_path, monkeypatc
 def test_uint32_read_as_uint16_is_named(tmp_path):
     path = _tokens(tmp_path / "t.bin", range(1, 41), dtype="<u4")
     error = _open_error(tmp_path, path)
-    assert (error.field, error.fix) == ("dtype", "give --data-dtype uint32")
+    assert (error.field, error.fix) == ("dtype", "give --data-dtype uint32 (or --data-dtype uint16 if it is one)")
     data = TokenData.open(path, _model(tmp_path, {"seq": 3}), seed=0, dtype="uint32")
     assert (data.dtype, data.num_windows) == ("uint32", 13)
     assert sorted(_starts(data.windows(0, 13))) == list(range(1, 40, 3))
@@ -219,12 +219,18 @@ def test_uint32_of_a_large_vocab_read_as_uint16_is_named(tmp_path):
     assert (ids >= 65_536).any()
     path = _tokens(tmp_path / "t.bin", ids.tolist(), dtype="<u4")
     error = _open_error(tmp_path, path, config={"seq": 3, "vocab": 70_000})
-    assert (error.field, error.fix) == ("dtype", "give --data-dtype uint32")
+    assert (error.field, error.fix) == ("dtype", "give --data-dtype uint32 (or --data-dtype uint16 if it is one)")
     assert TokenData.open(path, _model(tmp_path, {"seq": 3, "vocab": 70_000}), seed=0, dtype="uint32").num_tokens == 400
     # uint16 text, byte-level (every id under 256, few of them 0) or of a 50k vocabulary, is read
     for name, text in (("bytes.bin", list(b"hello, world\n" * 20)),
                        ("bpe.bin", np.random.default_rng(1).integers(0, 50_257, size=400).tolist())):
         assert TokenData.open(_tokens(tmp_path / name, text), _model(tmp_path, {"seq": 3}), seed=0).dtype == "uint16"
+    # a file of 4 symbols, 0 the commonest, looks like uint32 only to a model whose vocabulary
+    # may be that large: a model of a small vocab reads it, and --data-dtype uint16 always does
+    dna = _tokens(tmp_path / "dna.bin", np.random.default_rng(2).choice(4, size=400, p=[0.4, 0.2, 0.2, 0.2]).tolist())
+    assert _open_error(tmp_path, dna).field == "dtype"  # no vocab known
+    assert TokenData.open(dna, _model(tmp_path, {"seq": 3, "vocab": 4}), seed=0).dtype == "uint16"
+    assert TokenData.open(dna, _model(tmp_path, {"seq": 3}), seed=0, dtype="uint16").dtype == "uint16"
 
 
 def test_the_vocab_size_hook_bounds_the_ids(tmp_path):

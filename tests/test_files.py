@@ -536,6 +536,10 @@ def test_plans_take_the_profiles_gpu_memory_and_say_when_they_do_not_fit(profile
     assert shown.returncode == 0 and re.search(r"peak memory\s*│\s*0\.024 GB \(limit 0\.4\)", shown.stdout), shown.stdout
     run = _octoplan("baseline", light, "--gpus", 2, "--schedule", "1f1b", "--memory-gb", 0.02, "-o", out)
     assert "rank 0 peaks at 0.024 GB, over the 0.02 GB per GPU" in run.stderr, run.stderr
+    from octoplan.cli import _gb
+
+    # three digits, and no exponent however large (a 70B model on one GPU: 1858 GB, not 1.86e+03)
+    assert [_gb(x) for x in (24e6, 58.63e9, 999.4e9, 999.6e9, 1858.42e9)] == ["0.024", "58.6", "999", "1000", "1858"]
 
 
 def test_the_implicit_profile_is_named_once(tmp_path):

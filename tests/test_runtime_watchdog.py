@@ -186,6 +186,11 @@ def test_metrics_and_trace_overwrite_no_input_and_not_each_other(tmp_path):
         with pytest.raises(InputError, match=f"names the input file {target}"):
             prepare(RunConfig(plan_path=str(plan), data_path=str(tokens), metrics_path=str(target)))
         assert target.read_bytes() == b"\x01\x00" * 64
+    # an index not there yet: a metrics file written as corpus.idx would be read as one next time
+    index.unlink()
+    with pytest.raises(InputError, match=f"--metrics names {index}, where this command looks for an input"):
+        prepare(RunConfig(plan_path=str(plan), data_path=str(tokens), metrics_path=str(index)))
+    assert not index.exists()
     with pytest.raises(InputError, match="--trace names the file --metrics names too"):
         prepare(RunConfig(plan_path=str(plan), metrics_path=str(tmp_path / "m"), trace_path=str(tmp_path / "m")))
     # the file --metrics grows in until the run ends (METRICS.partial) is an output as well
