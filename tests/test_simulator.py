@@ -17,7 +17,7 @@ from octoplan.plan import Cluster, Parallel, Plan, Stage
 from octoplan.profile import Layer, ModelRef, Profile
 from octoplan.simulator import DeadlockError, simulate
 
-from conftest import hand_plan, make_profile
+from conftest import free_cluster, hand_plan, make_profile
 
 
 def _two_layer_profile(params=(0, 0)) -> Profile:
@@ -72,6 +72,17 @@ def test_gpipe_on_two_ranks_with_latency_and_bandwidth_op_by_op():
     # 1B0's gradient, which 0B0 reads until it ends, 1B1's posted buffer and 0F1.
     assert result.peak_message_bytes == (3 * 2_000_000, 2 * 2_000_000)
     assert result.peak_memory_bytes == (3 * 2_000_000 + 2 * 100, 2 * 2_000_000 + 1000)
+
+
+def test_the_critical_path_follows_the_data_where_it_ties_with_the_rank():
+    # 1F1B of two unit layers on a free link: 0F0 [0,1] 0F1 [1,2]; 1F0 [1,2], and 1F1 starts at 2,
+    # when both 1F0 ends and 0F1's activation arrives; 1B0 [3,5] 1B1 [5,7]; 0B0 [5,7] 0B1 [7,9].
+    # At that tie the path steps back along the data (to 0F1), not the rank (to 1F0)
+    plan = hand_plan([(0, 1, 0), (1, 2, 1)], ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"], cluster=free_cluster(2),
+                     microbatches=2)
+    result = simulate(plan, make_profile([(1, 1, 1)] * 2))
+    assert result.iteration_ms == 9
+    assert [str(op) for op in result.critical_path] == ["0F0", "0F1", "1F1", "1B0", "1B1", "0B1"]
 
 
 def test_a_backward_holds_the_gradient_it_reads_until_it_ends():
