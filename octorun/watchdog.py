@@ -96,8 +96,8 @@ class Watchdog:
         self._began = time.monotonic()
         self.history: collections.deque[tuple[float, str]] = collections.deque(maxlen=_HISTORY)
         self._ring: mmap.mmap | None = None  # the record file while the process runs
-        # inside watching_beats: each peer's last heartbeat seen and since when (monotonic s)
-        self._beats_seen: dict[int, tuple[Any, float]] | None = None
+        # inside watching_beats: the next process's last heartbeat seen and since when (monotonic s)
+        self._beats_seen: dict[str, tuple[Any, float]] | None = None
         self._count = 0  # activities recorded so far
         # torchrun --max-restarts starts the workers again with the same store: keys of an
         # earlier attempt (its abort above all) must not reach the next one
@@ -171,23 +171,22 @@ class Watchdog:
         finally:
             self._beats_seen = None
 
-    def _check_beats(self, seen: dict[int, tuple[Any, float]]) -> None:
+    def _check_beats(self, seen: dict[str, tuple[Any, float]]) -> None:
         # each process watches the next one (a ring), so the store answers one read per process
-        # and poll, not one per pair: a hung process is found by the one before it, whose abort
+        # and beat, not one per pair: a hung process is found by the one before it, whose abort
         # then ends the rest
-        peers = [(self.global_rank + 1) % self.world]
+        peer = (self.global_rank + 1) % self.world
         try:
-            beats = self.store.multi_get([self.key(f"beat/{rank}") for rank in peers])
+            beat = self.store.get(self.key(f"beat/{peer}"))
         except Exception:  # a store that is gone is the poll's own finding
             return
         now = time.monotonic()
-        for rank, beat in zip(peers, beats):
-            last, since = seen.get(rank, (None, now))
-            if beat != last:
-                seen[rank] = (beat, now)
-            elif now - since >= self.timeout_s and not self._stop.is_set():
-                self.fail(f"{self.activity}: global rank {rank} stopped responding (no heartbeat for "
-                          f"{self.timeout_s:g} s: hung or stopped)")
+        last, since = seen.get("next", (None, now))
+        if beat != last:
+            seen["next"] = (beat, now)
+        elif now - since >= self.timeout_s and not self._stop.is_set():
+            self.fail(f"{self.activity}: global rank {peer} stopped responding (no heartbeat for "
+                      f"{self.timeout_s:g} s: hung or stopped)")
 
     # -- failing -----------------------------------------------------------------------------
     def doing(self, activity: str) -> None:
@@ -239,10 +238,6 @@ class Watchdog:
             self._ring = None
         if self.record_path and not keep:
             Path(self.record_path).unlink(missing_ok=True)
-
-    def silent_peers(self) -> list[int]:
-        """The global ranks whose heartbeat stands still for :data:`_SILENT_S` (hung ones)."""
-        return self._watch_peers()[0]
 
     def _watch_peers(self) -> tuple[list[int], dict[int, str]]:
         """Over :data:`_SILENT_S`: the peers whose heartbeat stood still (hung or stopped), and
