@@ -31,7 +31,7 @@ from octoplan.yamlio import file_sha256
 from octorun.watchdog import gist
 
 # The options every process must run with alike (RunConfig field: its flag). --timeout and the
-# output paths may differ from node to node; --save, --data and --resume must at least be given
+# output paths may differ from node to node; --save, --data, --resume and --init-from must at least be given
 # on every node or on none (their paths are each node's own), and --data's files must match
 # (their fingerprint holds the token type, which --data-dtype may name or leave to the file).
 AGREED_OPTIONS = {
@@ -41,7 +41,7 @@ AGREED_OPTIONS = {
     "precision": "--precision", "replay_time_scale": "--replay", "dynamic_shapes": "--dynamic-shapes",
     "activation_memory": "--activation-memory", "save_every": "--save-every", "keep": "--keep",
 }
-GIVEN_OR_NOT = {"save_dir": "--save", "data_path": "--data", "resume": "--resume"}
+GIVEN_OR_NOT = {"save_dir": "--save", "data_path": "--data", "resume": "--resume", "init_from": "--init-from"}
 SAME_EVERYWHERE_FIX = "launch every process with the same plan, model file and options"
 
 # A process may run several jobs in one process group (the tests do): each meets under keys of

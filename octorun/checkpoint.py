@@ -70,7 +70,14 @@ _DCP_INDEX = ".metadata"  # DCP's own file name (FileSystemWriter writes it in i
 _PARTIAL = ".partial"
 _REPLACED = ".replaced"  # a complete checkpoint of the same step, moved aside while a new one takes its name
 _FINAL_NAME = re.compile(r"step_(\d{8,})")
-_RESUME_FIX = "give --resume a checkpoint folder (ROOT/step_00000010) or the folder holding them"
+
+
+def _folder_fix(flag: str) -> str:
+    return f"give {flag} a checkpoint folder (ROOT/step_00000010) or the folder holding them"
+
+
+_RESUME_FIX = _folder_fix("--resume")
+_OTHER_MODEL_FIX = "resume from a complete checkpoint of this model, or start afresh without --resume"
 
 
 def folder_name(step: int) -> str:
@@ -179,13 +186,14 @@ def latest(root: str | os.PathLike) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
-def resolve(spec: str, *, save_root: str | os.PathLike | None) -> Path | None:
-    """The checkpoint ``--resume spec`` names.
+def resolve(spec: str, *, save_root: str | os.PathLike | None, flag: str = "--resume") -> Path | None:
+    """The checkpoint ``--resume spec`` (or another ``flag``'s) names.
 
-    ``"auto"``: the latest complete checkpoint in ``save_root``, or None for a fresh start.
-    A path: a checkpoint folder itself, or a folder holding ``step_*`` folders (its latest).
-    Raises :class:`InputError` when the path holds no complete checkpoint."""
-    if spec == "auto":
+    ``"auto"`` (``--resume`` only): the latest complete checkpoint in ``save_root``, or None for a
+    fresh start. A path: a checkpoint folder itself, or a folder holding ``step_*`` folders (its
+    latest). Raises :class:`InputError`, naming ``flag``, when the path holds no complete
+    checkpoint."""
+    if spec == "auto" and flag == "--resume":
         if save_root is None:
             raise InputError(None, "--resume", "auto needs --save DIR (it resumes from that folder's latest checkpoint)",
                              "add --save DIR, or give --resume a checkpoint folder")
@@ -193,9 +201,9 @@ def resolve(spec: str, *, save_root: str | os.PathLike | None) -> Path | None:
         return None if found is None else found[1]
     path = Path(spec)
     if not path.exists():
-        raise InputError(spec, "--resume", "does not exist", _RESUME_FIX)
+        raise InputError(spec, flag, "does not exist", _folder_fix(flag))
     if not path.is_dir():
-        raise InputError(spec, "--resume", "is a file, not a checkpoint folder", _RESUME_FIX)
+        raise InputError(spec, flag, "is a file, not a checkpoint folder", _folder_fix(flag))
     if _looks_like_checkpoint(path):
         read_meta(path)  # raises naming what is missing
         return path
@@ -205,7 +213,7 @@ def resolve(spec: str, *, save_root: str | os.PathLike | None) -> Path | None:
         problem = "holds no complete checkpoint (no step_* folder with octopipe.json and .metadata)"
         if unfinished:
             problem += f"; only unfinished saves: {', '.join(unfinished)}"
-        raise InputError(spec, "--resume", problem, _RESUME_FIX)
+        raise InputError(spec, flag, problem, _folder_fix(flag))
     return found[1]
 
 
@@ -252,17 +260,22 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return {**meta, "step": step}
 
 
-def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path: str | os.PathLike) -> None:
+def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path: str | os.PathLike, *,
+                     weights_only: bool = False) -> None:
     """Raise :class:`InputError` if the checkpoint at ``path`` is of another model than this run's
     (its ``model`` name or ``num_layers`` differ) or was trained with another ``optimizer`` (whose
     state the run cannot take up), or if both read a token file and the file
     (``data_fingerprint``) or the seed of its window order (``seed``) differ: the checkpoint's
     position in the data belongs to its own order. A checkpoint lacking a field is not judged on
-    it, and a run without ``--data`` is not judged on the data."""
+    it, and a run without ``--data`` is not judged on the data. ``weights_only`` (``--init-from``,
+    which takes the weights alone): only the model is judged."""
     for key, what in (("model", "model"), ("num_layers", "layer count")):
         if key in meta_saved and key in meta_now and meta_saved[key] != meta_now[key]:
             raise InputError(str(path), key, f"the checkpoint's {what} is {meta_saved[key]!r}, this run's is {meta_now[key]!r}",
+                             "give --init-from a checkpoint of this model" if weights_only else
                              "resume from a checkpoint of this model, or start afresh without --resume")
+    if weights_only:
+        return
     if "optimizer" in meta_saved and "optimizer" in meta_now and meta_saved["optimizer"] != meta_now["optimizer"]:
         raise InputError(str(path), "optimizer", f"the checkpoint was trained with {meta_saved['optimizer']}, this run's "
                          f"--optimizer is {meta_now['optimizer']}",
@@ -465,7 +478,8 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 def load(path: str | os.PathLike, state: dict[str, Any], *, group: Any,
-         optional_prefixes: tuple[str, ...] = (), whole_prefixes: tuple[str, ...] = ()) -> set[str]:
+         optional_prefixes: tuple[str, ...] = (), whole_prefixes: tuple[str, ...] = (),
+         other_model_fix: str = _OTHER_MODEL_FIX) -> set[str]:
     """Fill ``state`` in place from the checkpoint at ``path``; collective.
 
     Tensors are copied into the caller's tensors (any device); objects are replaced in
@@ -473,7 +487,7 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, group: Any,
     (per-rank RNG states under another world) or differ in shape, dtype or kind: those are left
     as they are and returned. Under ``whole_prefixes`` the group's states together take every key
     of the checkpoint (a whole model: one the checkpoint holds more of is another model, say one
-    whose head was not tied). Any other problem raises :class:`InputError` on every rank before
+    whose head was not tied); ``other_model_fix`` is the fix a checkpoint of another model names. Any other problem raises :class:`InputError` on every rank before
     a single value is loaded: missing, truncated or damaged files, keys the checkpoint lacks or
     holds beyond the model, shapes, dtypes or kinds that differ."""
     folder = Path(path)
@@ -482,7 +496,7 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, group: Any,
     except Exception as exc:  # a filesystem's refusal: still gathered, or the other ranks would wait
         verdict = _Check(unreadable=(str(folder), None, f"cannot be checked: {type(exc).__name__}: {exc}", None))
     verdicts = _gather(verdict, group)
-    error = _first_error(folder, verdicts)
+    error = _first_error(folder, verdicts, other_model_fix)
     if error is not None:
         raise error
     mine = verdicts[dist.get_rank(group) if _distributed() else 0]
@@ -603,10 +617,10 @@ def _check_files(folder: Path, index: Metadata, keys: set[str]) -> dict[str, str
     return bad
 
 
-def _first_error(folder: Path, verdicts: list[_Check]) -> InputError | None:
-    """The one error every rank raises, built from all ranks' verdicts alike."""
+def _first_error(folder: Path, verdicts: list[_Check], fix: str = _OTHER_MODEL_FIX) -> InputError | None:
+    """The one error every rank raises, built from all ranks' verdicts alike; ``fix`` for a
+    checkpoint of another model."""
     where = str(folder)
-    fix = "resume from a complete checkpoint of this model, or start afresh without --resume"
     for verdict in verdicts:
         if verdict.unreadable:
             return InputError(*verdict.unreadable)
@@ -730,9 +744,10 @@ def saved_by(path: str | os.PathLike) -> str:
     return hashlib.sha256((Path(path) / META_FILE).read_bytes()).hexdigest()[:12]
 
 
-def agree(step: int | None, *, group: Any, save: str | None = None) -> None:
+def agree(step: int | None, *, group: Any, save: str | None = None, flag: str = "--resume") -> None:
     """Check that every rank of ``group`` resumes the same ``step`` (None: a fresh start) of the
-    same ``save`` (:func:`saved_by`); collective. Raises :class:`InputError` naming the ranks and
+    same ``save`` (:func:`saved_by`), or with ``flag="--init-from"`` takes its weights from the
+    same one; collective. Raises :class:`InputError` naming the ranks and
     what each found, e.g. ``ranks 0,1 found step 20, rank 2 found step 10``."""
     me = dist.get_rank() if _distributed() else 0
     found = _gather((me, step, save), group)
@@ -747,5 +762,6 @@ def agree(step: int | None, *, group: Any, save: str | None = None) -> None:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
         which = f" (save {by})" if steps.count(s) > 1 else ""  # one step, two saves: say which
         parts.append(f"{who} found {'no checkpoint' if s is None else f'step {s}'}{which}")
-    raise InputError(None, "--resume", f"the ranks would resume from different checkpoints: {', '.join(parts)}",
-                     "give every node the same checkpoint folder (a shared filesystem), or --resume one checkpoint folder")
+    raise InputError(None, flag, f"the ranks would {'resume' if flag == '--resume' else 'start'} from different "
+                     f"checkpoints: {', '.join(parts)}",
+                     f"give every node the same checkpoint folder (a shared filesystem), or {flag} one checkpoint folder")

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--resume", metavar="DIR|auto",
                       help="continue from a checkpoint (written under any plan of this model); auto: the newest in "
                            "--save DIR, or a fresh start when there is none. --steps still counts from step 0")
+    ckpt.add_argument("--init-from", metavar="DIR",
+                      help="start from the weights of a checkpoint (written under any plan of this model) with a "
+                           "fresh optimizer, learning-rate schedule and data position: fine-tuning, or a new dataset. "
+                           "A run that --resume finds a checkpoint for continues that one instead")
     return parser
 
 
@@ -114,7 +118,7 @@ def _train(args: argparse.Namespace) -> None:
         lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr, decay_steps=args.decay_steps,
         skip_nonfinite=args.skip_nonfinite, data_path=args.data, data_dtype=args.data_dtype,
         save_dir=args.save, save_every=args.save_every, keep=args.keep, resume=args.resume,
-        init_timeout_s=args.init_timeout, print_steps=True,
+        init_from=args.init_from, init_timeout_s=args.init_timeout, print_steps=True,
     )
     try:
         result = run(config)

@@ -104,6 +104,9 @@ class RunConfig:
     save_every: int | None = None  # also at the last step; None: only at the last step
     keep: int = 2
     resume: str | None = None  # a checkpoint folder, a folder of them, or "auto" (--save's latest)
+    # a checkpoint (or a folder of them) whose weights alone a fresh start takes: the optimizer,
+    # the schedule and the data start afresh; a run that resumes ignores it
+    init_from: str | None = None
     init_timeout_s: float | None = None  # the deadline until the first step ends (None: max(--timeout, 300))
 
     @property
@@ -194,6 +197,7 @@ class Prepared:
     tied: tuple[TiedGroup, ...] = ()  # the model file's tied parameters
     data: Any = None  # --data's token file (octorun.data.TokenData)
     resume_from: Path | None = None  # the checkpoint --resume names (None: a fresh start)
+    init_from: Path | None = None  # the checkpoint --init-from names
     profile_precision: str | None = None  # what the plan's profile was measured at (None: no profile to read, or a replay)
 
 
@@ -265,9 +269,17 @@ def prepare(config: RunConfig) -> Prepared:
                                         {**_model_identity(model, num_layers), "optimizer": config.optimizer,
                                          **_data_identity(config.seed, data)},
                                         resume_from)
+    init_from = None
+    if config.init_from is not None:
+        from octorun import checkpoint
+
+        init_from = checkpoint.resolve(config.init_from, save_root=None, flag="--init-from")
+        checkpoint.check_compatible(checkpoint.read_meta(init_from), _model_identity(model, num_layers), init_from,
+                                    weights_only=True)
+        _check_init_apart(init_from, config.save_dir)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model),
-                    data=data, resume_from=resume_from,
+                    data=data, resume_from=resume_from, init_from=init_from,
                     # a replay only sleeps its ops: its precision is the profile's by construction
                     profile_precision=None if replayed is not None else _profile_precision(plan, config.plan_path))
 
@@ -297,6 +309,17 @@ def _check_checkpoint_flags(config: RunConfig) -> None:
                          "add --save DIR, or give --resume a checkpoint folder")
     if config.save_dir is not None and Path(config.save_dir).exists() and not Path(config.save_dir).is_dir():
         raise InputError(config.save_dir, "--save", "is a file, not a folder", "give a folder for the checkpoints")
+
+
+def _check_init_apart(init_from: Path, save_dir: str | None) -> None:
+    """--save must not be the folder that holds the --init-from checkpoint: the run's own saves
+    would prune it (--keep), and --resume auto would take it for one of the run's own."""
+    if save_dir is None:
+        return
+    root = Path(save_dir).resolve()
+    if init_from.resolve() == root or init_from.resolve().parent == root:
+        raise InputError(save_dir, "--save", f"holds the --init-from checkpoint {init_from}: the run's saves would "
+                         "prune it, and --resume auto would resume from it", "give --save a folder of this run's own")
 
 
 def _model_identity(model: ModelFile, num_layers: int) -> dict[str, Any]:
@@ -719,6 +742,7 @@ class _Interpreter:
         self.optim_config = config.optim
         self.optimizer = build_optimizer(self.params, self.optim_config)  # None on a rank without parameters
         self.first_step = 0  # a resumed run starts later (restore)
+        self.initialized_from: str | None = None  # the checkpoint whose weights a fresh start took (--init-from)
         self.consumed_samples = 0  # samples of the data read before first_step
         self.skipped_steps = 0
         self.stopping = False  # a rank got SIGTERM: finish this step, save, leave
@@ -1096,14 +1120,21 @@ class _Interpreter:
         return {"pp": self.plan.pp, "dp": self.plan.parallel.dp, "rank_order": self.plan.parallel.rank_order,
                 "stages": [[st.start, st.end, st.rank] for st in self.plan.stages]}
 
-    def _checkpoint_state(self) -> dict[str, Any]:
-        """This rank's share of the checkpoint, keyed by global layer index: parameters (a tied
-        one by its canonical member), buffers, the optimizer's state, the RNG states."""
+    def _model_state(self) -> dict[str, Any]:
+        """This rank's parameters and buffers as a checkpoint keys them (``model/`` and the global
+        layer index; a tied parameter by its canonical member), the tensors themselves: a load
+        copies into them."""
         state: dict[str, Any] = {}
         for index in sorted(self.layers):
             for name, value in self.layers[index].state_dict(keep_vars=True).items():
                 key = self.param_keys.get(id(value), parameter_key(index, name))
                 state[f"model/{key}"] = value.detach()
+        return state
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """This rank's share of the checkpoint, keyed by global layer index: parameters (a tied
+        one by its canonical member), buffers, the optimizer's state, the RNG states."""
+        state = self._model_state()
         if self.optimizer is not None and isinstance(self.optimizer, torch.optim.AdamW):
             for p in self.params:
                 moments = self.optimizer.state[p]
@@ -1134,6 +1165,7 @@ class _Interpreter:
             "data_fingerprint": None if self.data is None else self.data.fingerprint(),
             "plan": self.config.plan_path,
             "layout": self._layout(),
+            "init_from": self.initialized_from,
         }
         from octorun import checkpoint
 
@@ -1163,6 +1195,18 @@ class _Interpreter:
         self.first_step = int(meta["step"])
         self.consumed_samples = int(meta["consumed_samples"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.initialized_from = meta.get("init_from")  # the run's lineage goes on in its later saves
+
+    def load_weights(self, path: Path) -> None:
+        """Take the weights of the checkpoint at ``path`` (written under any plan of this model),
+        nothing else: the optimizer, the schedule, the RNG and the data start afresh at step 0.
+        Every parameter and buffer must be in it, and it must hold no other model's."""
+        from octorun import checkpoint
+
+        self.watchdog.doing(f"loading the weights of {path}")
+        checkpoint.load(path, self._model_state(), group=self.groups.control, whole_prefixes=("model/",),
+                        other_model_fix="give --init-from a checkpoint of this model (the same config)")
+        self.initialized_from = str(path)
 
     def _summarize(self, step: int, records: list[dict[str, Any]]) -> StepMetrics:
         # A replay at another time scale is not the plan's predicted iteration any more.
@@ -1316,7 +1360,7 @@ def run(config: RunConfig) -> RunResult:
     watchdog.open_record()
     watchdog.start()
     _stop_on_sigterm()
-    if config.save_dir is not None or config.resume is not None:
+    if config.save_dir is not None or config.resume is not None or config.init_from is not None:
         from octorun import checkpoint  # DCP: imported by the runs that use it
     if config.save_dir is not None:
         try:
@@ -1351,6 +1395,21 @@ def run(config: RunConfig) -> RunResult:
             watchdog.fail(f"loading the checkpoint {prepared.resume_from} failed: {gist(exc)}")
         if me == 0 and interpreter.first_step >= config.steps:
             log.warning("the checkpoint is at step %d, not below --steps %d: nothing to train", interpreter.first_step, config.steps)
+    if prepared.init_from is not None and prepared.resume_from is None:
+        try:
+            checkpoint.agree(int(checkpoint.read_meta(prepared.init_from)["step"]), group=groups.control,
+                             save=checkpoint.saved_by(prepared.init_from), flag="--init-from")
+            interpreter.load_weights(prepared.init_from)
+            if me == 0:
+                log.warning("took the weights of %s; the optimizer, the learning-rate schedule and the data start at "
+                            "step 0", prepared.init_from)
+        except InputError as exc:
+            watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
+        except Exception as exc:
+            watchdog.fail(f"loading the weights of {prepared.init_from} failed: {gist(exc)}")
+    elif prepared.init_from is not None and me == 0:
+        log.warning("resumed from %s: --init-from %s is for a fresh start and is not read", prepared.resume_from,
+                    prepared.init_from)
     if me == 0 and prepared.profile_precision not in (None, config.precision):
         # a run of another precision than its profile's: the plan's times and memory are not its own
         log.warning("the plan's profile was measured at --precision %s, this run is %s: the plan's predicted times and "

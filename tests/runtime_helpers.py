@@ -278,29 +278,37 @@ class Reference:
 def reference(
     model_path: Path, config: dict[str, Any], *, steps: int, microbatches: int, dp: int, microbatch_size: int,
     optimizer: str, lr: float, seed: int = 0, dtype: str = "float32", optim: Any = None, precision: str = "fp32",
+    initial: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> Reference:
     """Every layer in one process; per step the mean loss over all microbatches of all replicas.
+
+    ``initial``: each layer's state_dict to start from, by layer index (else the model file's
+    own initialization under ``seed``); a fresh optimizer either way.
 
     ``optim`` (an octorun.optim.OptimizerConfig) gives the whole optimizer step (weight decay,
     clipping with torch.nn.utils.clip_grad_norm_, the schedule); by default it is ``optimizer``
     at a constant ``lr``. Tied parameters (the model file's tied_parameters) are one Parameter.
-    Memoized: every schedule of one model, microbatch count and optimizer shares one reference.
+    Memoized: every schedule of one model, microbatch count and optimizer shares one reference
+    (one that starts from ``initial`` weights is not kept).
     """
     from octorun.optim import OptimizerConfig
 
     optim = optim or OptimizerConfig(name=optimizer, lr=lr)
     key = (str(model_path), repr(sorted(config.items())), steps, microbatches, dp, microbatch_size, optim, seed, dtype, precision)
-    if key not in _REFERENCES:
-        previous, threads = torch.get_default_dtype(), torch.get_num_threads()
-        torch.set_default_dtype(getattr(torch, dtype))
-        torch.set_num_threads(1)  # tiny ops: threads only contend on a shared 2-core machine
-        try:
-            _REFERENCES[key] = _reference(model_path, config, steps=steps, microbatches=microbatches, dp=dp,
-                                          microbatch_size=microbatch_size, optim=optim, seed=seed, precision=precision)
-        finally:
-            torch.set_default_dtype(previous)
-            torch.set_num_threads(threads)
-    return _REFERENCES[key]
+    if initial is None and key in _REFERENCES:
+        return _REFERENCES[key]
+    previous, threads = torch.get_default_dtype(), torch.get_num_threads()
+    torch.set_default_dtype(getattr(torch, dtype))
+    torch.set_num_threads(1)  # tiny ops: threads only contend on a shared 2-core machine
+    try:
+        found = _reference(model_path, config, steps=steps, microbatches=microbatches, dp=dp,
+                           microbatch_size=microbatch_size, optim=optim, seed=seed, precision=precision, initial=initial)
+    finally:
+        torch.set_default_dtype(previous)
+        torch.set_num_threads(threads)
+    if initial is None:
+        _REFERENCES[key] = found
+    return found
 
 
 _REFERENCES: dict[tuple, Reference] = {}
@@ -319,7 +327,7 @@ def reference_optimizer(params: list[torch.nn.Parameter], optim: Any) -> torch.o
 
 def _reference(
     model_path: Path, config: dict[str, Any], *, steps: int, microbatches: int, dp: int, microbatch_size: int,
-    optim: Any, seed: int, precision: str = "fp32",
+    optim: Any, seed: int, precision: str = "fp32", initial: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> Reference:
     from octoplan.precision import autocast
     from octorun.optim import lr_at
@@ -328,6 +336,8 @@ def _reference(
     model = load_model_file(model_path, config, seed=seed)
     layers = [model.build_layer(i) for i in range(model.num_layers())]
     tie_local(model.path, dict(enumerate(layers)), tied_groups(model), model.build_layer)
+    for index, state in (initial or {}).items():
+        layers[index].load_state_dict(state)
     params = list({id(p): p for layer in layers for p in layer.parameters()}.values())  # a tied module once
     opt = reference_optimizer(params, optim)
     losses, norms, lrs = [], [], []

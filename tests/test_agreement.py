@@ -175,7 +175,7 @@ def test_identity_holds_the_plan_the_model_file_and_every_shared_option_but_no_p
                "grad_clip": 1.0, "lr_schedule": "cosine", "warmup_steps": 1, "min_lr": 1e-5, "decay_steps": 3,
                "skip_nonfinite": True, "precision": "bf16", "replay_time_scale": 1.0, "dynamic_shapes": True,
                "activation_memory": True, "save_every": 1, "keep": 3,
-               "save_dir": "ckpt", "data_path": "tokens.bin", "resume": "auto"}
+               "save_dir": "ckpt", "data_path": "tokens.bin", "resume": "auto", "init_from": "ckpt/step_00000001"}
     assert set(changed) == set(agreement.AGREED_OPTIONS) | set(agreement.GIVEN_OR_NOT)
     for name, value in changed.items():
         other = agreement.identity(dataclasses.replace(base, **{name: value}), plan, model_path, "gloo")

@@ -181,12 +181,22 @@ def test_an_output_the_filesystem_stops_taking_is_one_line(one_rank, output, tmp
 
 
 @pytest.mark.parametrize("case", ["missing", "partial", "other-model", "missing-shard", "auto-without-save",
-                                  "other-seed", "other-data", "tied-head"])
+                                  "other-seed", "other-data", "tied-head", "init-missing", "init-other-model",
+                                  "init-tied-head", "init-save-beside"])
 def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     folder, good = one_rank
     plan, resume = folder / "d6.yaml", str(good)
     extra: list[str] = []
-    if case == "missing":
+    flag = "--init-from" if case.startswith("init-") else "--resume"
+    if case == "init-missing":
+        resume = str(tmp_path / "nothing-here")
+    elif case == "init-other-model":
+        plan = folder / "d8.yaml"
+    elif case == "init-tied-head":
+        plan = folder / "d6-tied.yaml"
+    elif case == "init-save-beside":  # the run's saves would prune the checkpoint it starts from
+        extra = ["--save", str(good.parent)]
+    elif case == "missing":
         resume = str(tmp_path / "nothing-here")
     elif case == "partial":
         partial = tmp_path / "step_00000002.partial"
@@ -210,7 +220,7 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
         extra = ["--data", str(folder / ("tokens.bin" if case == "other-seed" else "other-tokens.bin")), "--seed",
                  "4" if case == "other-seed" else "3"]
     metrics = tmp_path / "m.jsonl"
-    done = _octorun(str(plan), "--steps", "3", "--resume", resume, "--metrics", str(metrics), *extra, cwd=h.ROOT)
+    done = _octorun(str(plan), "--steps", "3", flag, resume, "--metrics", str(metrics), *extra, cwd=h.ROOT)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("octorun: "), done.stderr
@@ -219,5 +229,10 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     expected = {"missing": "nothing-here", "partial": "partial", "other-model": "layers",
                 "missing-shard": ".distcp", "auto-without-save": "--save", "other-seed": "resume with --seed 3",
                 "other-data": "trained on a file of 3000 uint16 tokens",
-                "tied-head": "model/layers.5.out.weight: is in the checkpoint but no layer of this model takes it"}[case]
+                "tied-head": "model/layers.5.out.weight: is in the checkpoint but no layer of this model takes it",
+                "init-missing": "nothing-here: --init-from: does not exist", "init-other-model": "layers",
+                "init-tied-head": "no layer of this model takes it",
+                "init-save-beside": "--save: holds the --init-from checkpoint"}[case]
     assert expected in lines[0], lines[0]
+    if case.startswith("init-") and case != "init-save-beside":
+        assert "(give --init-from " in lines[0], lines[0]  # the fix names the flag given
