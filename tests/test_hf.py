@@ -138,6 +138,29 @@ def test_chain_loss_and_gradients_equal_transformers(saved, family):
         assert torch.allclose(grad, grads[name], atol=1e-5, rtol=0), (name, (grad - grads[name]).abs().max())
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_router_loss_in_the_config_is_left_out_and_said(saved, family, tmp_path, capsys):
+    """config.json with output_router_logits: true (as some hub MoE checkpoints ship) builds; the
+    loss is the language-model loss (the routers' logits never reach the head), and rank 0
+    says so on stderr."""
+    import json
+    import shutil
+
+    folder, hf_model = saved[family]
+    routed = tmp_path / "routed"
+    shutil.copytree(folder, routed)
+    config = json.loads((routed / "config.json").read_text())
+    config["output_router_logits"] = True
+    (routed / "config.json").write_text(json.dumps(config))
+    model, layers = _chain(routed)
+    inputs, targets = model.sample_batch(MBS, step=0, replica=0, mb=0)
+    loss = _forward(model, layers, inputs, targets)
+    reference = copy.deepcopy(hf_model).train()
+    assert not reference.config.output_router_logits
+    assert abs(loss.item() - _hf_loss(reference, inputs, targets).item()) <= 1e-5
+    assert "output_router_logits is set to false" in capsys.readouterr().err
+
+
 def test_chain_layers_names_and_kinds(saved):
     model, _ = _chain(saved["qwen3_next"][0], weights="none")
     names = [model.module.layer_name(i, **model.config) for i in range(model.num_layers())]
@@ -323,6 +346,48 @@ def test_missing_tensor_is_bad_input(saved, tmp_path):
     model.build_layer(1)  # layer 0 of the decoder is whole
     with pytest.raises(InputError, match=r"layer 2 \(layers.1\).*model.layers.1.mlp.down_proj.weight is not in"):
         model.build_layer(2)
+
+
+def test_the_files_read_are_those_transformers_reads(saved, tmp_path):
+    """A sharded checkpoint's index names its files: a stray copy beside them (an older export)
+    is not read, as transformers' from_pretrained does not read it; without an index, a tensor
+    in two files is bad input rather than whichever file sorts last."""
+    import json
+    import shutil
+
+    folder, hf_model = saved["qwen3"]
+    sharded = tmp_path / "sharded"
+    hf_model.save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 1
+    stray = {"model.norm.weight": torch.full_like(hf_model.model.norm.weight, 7.0)}
+    safetensors_torch.save_file(stray, sharded / "old-model.safetensors")
+    model = load_model_file(f"hf:{sharded}", {"seq": SEQ})
+    head = model.build_layer(model.num_layers() - 1)
+    assert torch.equal(head.state_dict()["model.norm.weight"], hf_model.model.norm.weight)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(sharded)  # transformers itself agrees
+    assert torch.equal(reloaded.model.norm.weight, hf_model.model.norm.weight)
+    # the same stray file beside model.safetensors alone: still not read
+    single = tmp_path / "single"
+    hf_model.save_pretrained(single)
+    safetensors_torch.save_file(stray, single / "old-model.safetensors")
+    head = load_model_file(f"hf:{single}", {"seq": SEQ}).build_layer(model.num_layers() - 1)
+    assert torch.equal(head.state_dict()["model.norm.weight"], hf_model.model.norm.weight)
+    # no standard name, two copies: refused
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "config.json").write_text((folder / "config.json").read_text())
+    (single / "model.safetensors").rename(loose / "a.safetensors")
+    safetensors_torch.save_file(stray, loose / "b.safetensors")
+    with pytest.raises(InputError, match=r"b.safetensors: model.norm.weight: is also in a.safetensors"):
+        load_model_file(f"hf:{loose}", {"seq": SEQ}).build_layer(model.num_layers() - 1)
+    # an index that names a file the folder lacks (another folder: a folder's files are read once per process)
+    partial = tmp_path / "partial"
+    shutil.copytree(sharded, partial)
+    index = json.loads((partial / "model.safetensors.index.json").read_text())
+    missing = sorted(set(index["weight_map"].values()))[0]
+    (partial / missing).unlink()
+    with pytest.raises(InputError, match=f"weight_map: names {missing}, which is not in the folder"):
+        load_model_file(f"hf:{partial}", {"seq": SEQ}).build_layer(1)
 
 
 def test_without_transformers_says_what_to_install(saved, tmp_path):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,21 @@ def _is_count(field: str) -> bool:
     """A field that counts or sizes something (num_hidden_layers, hidden_size, head_dim): 0 or
     less builds no model, or one with no layers."""
     return field.startswith("num_") or field.endswith("_size") or field == "head_dim"
+
+
+def _without_router_loss(source: str, *configs: Any) -> None:
+    """Turn off ``output_router_logits`` (a MoE router's load-balancing loss, added to the loss by
+    transformers' causal-LM forward): the chain's head sees hidden states only, never the
+    routers' logits, so its loss is the language-model loss alone. Said once per process, by
+    the launch's rank 0 (or a process outside a launch)."""
+    turned_off = False
+    for config in configs:
+        if getattr(config, "output_router_logits", False):
+            config.output_router_logits = False
+            turned_off = True
+    if turned_off and os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"octoplan: {source}: output_router_logits is set to false: the routers' load-balancing "
+                         "loss is not part of the pipeline's loss (the language-model loss alone)\n")
 
 
 def _set_field(config: Any, key: str, value: Any, source: str, given_as: str | None = None) -> None:
@@ -152,6 +168,7 @@ class HFChain:
                 _set_field(text_config, field, value, source, given_as=key)
             else:
                 _set_field(hf_config, key, value, source)
+        _without_router_loss(source, hf_config, text_config)
         self.model_type = hf_config.model_type
         self.model_class = self._model_class(tf, hf_config)
         plan = getattr(text_config, "base_model_pp_plan", None)

@@ -18,7 +18,28 @@ from torch import nn
 
 from octoplan.errors import InputError
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "INDEX_FILE"]
+
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> file
+SINGLE_FILE = "model.safetensors"
+
+
+def _indexed_files(index: Path) -> list[Path]:
+    """The files an index's ``weight_map`` names, each once, in order; each must exist."""
+    import json
+
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InputError(str(index), "weight_map", f"cannot be read: {type(exc).__name__}: {exc}",
+                         "give the index transformers wrote with the safetensors files, or remove it") from None
+    files = [index.parent / name for name in names]
+    for file in files:
+        if not file.is_file():
+            raise InputError(str(index), "weight_map", f"names {file.name}, which is not in the folder",
+                             "copy the whole checkpoint folder")
+    return files
 
 
 class _CountedSlice:
@@ -50,6 +71,7 @@ class Checkpoint:
         self._lock = threading.Lock()  # the loader reads from a thread pool
         self._handles = []
         self.slices: dict[str, _CountedSlice] = {}
+        self._file_of: dict[str, Path] = {}
         for file in files:
             try:
                 handle = safe_open(str(file), framework="pt", device="cpu")
@@ -57,10 +79,23 @@ class Checkpoint:
                 raise InputError(str(file), None, f"is not a readable safetensors file: {exc}", "replace the file") from None
             self._handles.append(handle)
             for key in handle.keys():
+                if key in self.slices:  # two copies: which one the model got would hang on the file names
+                    raise InputError(str(file), key, f"is also in {self._file_of[key].name}",
+                                     "keep one copy of each tensor, or list the files to read in "
+                                     f"{INDEX_FILE} as transformers writes it")
                 self.slices[key] = _CountedSlice(handle.get_slice(key), self)
+                self._file_of[key] = file
 
     @classmethod
     def of_folder(cls, source: str, folder: Path) -> "Checkpoint | None":
+        """The files transformers' ``from_pretrained`` reads: those ``model.safetensors.index.json``
+        names, else ``model.safetensors``; a folder with neither, every ``*.safetensors`` in it
+        (None where there is none)."""
+        index = folder / INDEX_FILE
+        if index.is_file():
+            return cls(source, _indexed_files(index))
+        if (folder / SINGLE_FILE).is_file():
+            return cls(source, [folder / SINGLE_FILE])
         files = sorted(folder.glob("*.safetensors"))
         return cls(source, files) if files else None
 
