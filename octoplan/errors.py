@@ -38,6 +38,12 @@ _LINE_BREAKS = {ord(c): c.encode("unicode_escape").decode("ascii")
                 for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
 
 
+def one_line(text: str) -> str:
+    """``text`` with every line break written as its escape: for a line that must stay one, such
+    as a comment in a generated file that quotes a file name."""
+    return text.translate(_LINE_BREAKS)
+
+
 # What a bad value echoed back may show of a structure: reprlib's cuts, so that the text is
 # bounded before it is built. repr() of a list a few YAML aliases expand to 10**9 items would
 # run for minutes (and take the memory) before _clipped could trim it.

@@ -36,14 +36,14 @@ class FrameworkOptions:
 
 def megatron_fallback(plan: Plan, profile: Profile, *, profile_path: str | Path | None, time_limit_s: float,
                       max_plans: int | None = None, letters: Mapping[str, str] | None = None):
-    """The best plan Megatron-LM can run on ``plan``'s GPUs, pipeline degree and microbatches:
+    """The best plan Megatron-LM can run on ``plan``'s GPUs, pipeline degree, microbatches and rank order:
     the tuner confined to Megatron's placement and order (``--runs-on megatron``), reading the
     layers' kinds with ``letters`` (``--kind-letter``) as the export does."""
     from octoplan.tuner.search import TuneOptions, tune
 
     opts = TuneOptions(gpus=plan.pp * plan.parallel.dp, pp=plan.pp, microbatches=plan.microbatches,
                        time_limit_s=time_limit_s, max_plans=max_plans, runs_on="megatron", baselines=False,
-                       kind_letters=tuple(sorted((letters or {}).items())))
+                       kind_letters=tuple(sorted((letters or {}).items())), rank_order=plan.parallel.rank_order)
     return tune(profile, plan.cluster, opts, profile_path=profile_path)
 
 
@@ -86,7 +86,7 @@ def _megatron(console: Console, plan: Plan, profile: Profile, *, plan_path: Path
         megatron_ms = result.scored.iteration_ms
         slower = megatron_ms / planned_ms - 1 if planned_ms > 0 else 0.0
         console.print(f"the best plan Megatron-LM can run ({result.candidate.origin}): {megatron_ms:.2f} ms per "
-                      f"iteration, {slower:.1%} {'slower' if slower >= 0 else 'faster'} than the plan's "
+                      f"iteration, {abs(slower):.1%} {'slower' if slower >= 0 else 'faster'} than the plan's "
                       f"{planned_ms:.2f} ms; `octoplan tune --runs-on megatron` writes it as a plan", soft_wrap=True)
         title = (f"Megatron-LM arguments: the best plan it can run in place of {plan_path} "
                  f"({megatron_ms:.2f} ms against {planned_ms:.2f} ms)")

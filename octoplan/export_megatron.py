@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from octoplan.errors import InputError
+from octoplan.errors import InputError, one_line
 from octoplan.ops import Kind, Op
 from octoplan.outputs import write_text
 from octoplan.plan import Plan, Stage, check_structure
@@ -177,15 +177,19 @@ def _is_loop(ranks: Sequence[int], pp: int) -> bool:
     return len(ranks) % pp == 0 and all(r == s % pp for s, r in enumerate(ranks))
 
 
-def uniform_recompute(stages: Sequence[Stage]) -> int | None | bool:
+def uniform_recompute(stages: Sequence[Stage], letters: Sequence[str] | None = None) -> int | None | bool:
     """Megatron's ``--recompute-num-layers`` for these stages: False when none recomputes, the
     N every stage recomputes its first N layers with (all of a shorter stage's), None when no
-    single N describes them."""
-    counts = [s.recomputed_layers for s in stages]
-    if not any(counts):
+    single N describes them. Counted in profile layers, or with ``letters`` (each profile layer's
+    layout letter) in decoder layers (t), as Megatron-LM counts them."""
+    def among(start: int, end: int) -> int:
+        return end - start if letters is None else letters[start:end].count("t")
+
+    counts = [among(s.start, s.start + s.recomputed_layers) for s in stages]
+    if not any(s.recomputed_layers for s in stages):
         return False
     n = max(counts)
-    if all(c == min(n, s.end - s.start) for c, s in zip(counts, stages)):
+    if all(c == min(n, among(s.start, s.end)) for c, s in zip(counts, stages)):
         return n
     return None
 
@@ -214,7 +218,9 @@ def megatron_problem(plan: Plan, letters: LayerLetters) -> str | None:
         which = "1F1B" if chunks == 1 else f"interleaved 1F1B with {chunks} virtual stages per rank"
         rank = next(r for r in range(pp) if list(plan.schedule[r]) != order[r])
         return f"rank {rank}'s op order is not Megatron-LM's {which}"
-    if uniform_recompute(plan.stages) is None:
+    # one N in profile layers (the embedding or a split block's half then counts, which the export
+    # notes) or in decoder layers, as Megatron-LM counts them
+    if uniform_recompute(plan.stages) is None and uniform_recompute(plan.stages, letters.letter) is None:
         return ("its stages recompute different numbers of layers; Megatron-LM's --recompute-num-layers is one N "
                 "for every stage")
     return None
@@ -327,14 +333,14 @@ class MegatronExport:
 
     def shell(self, *, title: str) -> str:
         """The arguments as a bash array, to ``source`` and pass as ``"${MEGATRON_PP_ARGS[@]}"``."""
-        lines = [f"# {title}", "MEGATRON_PP_ARGS=("]
+        lines = [f"# {one_line(title)}", "MEGATRON_PP_ARGS=("]
         args = list(self.arguments)
         while args:
             option = args.pop(0)
             value = [] if not args or args[0].startswith("--") else [args.pop(0)]
             lines.append("  " + " ".join(shlex.quote(part) for part in [option, *value]))
         lines.append(")")
-        lines.extend(f"# note: {note}" for note in self.notes)
+        lines.extend(f"# note: {one_line(note)}" for note in self.notes)
         return "\n".join(lines) + "\n"
 
 
@@ -370,7 +376,7 @@ def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] 
         notes.append("--use-tp-pp-dp-mapping puts a pipeline's ranks next to each other, as the plan's pp-inner rank "
                      "order does; Megatron-LM refuses it with context or expert parallelism: there, drop it and plan "
                      "with the dp-inner order (Megatron-LM's default)")
-    if uniform_recompute(plan.stages):
+    if any(stage.recomputed_layers for stage in plan.stages):
         args += _recompute_arguments(plan, table, notes)
     return MegatronExport(layout, tuple(stages), tuple(args), tuple(notes))
 

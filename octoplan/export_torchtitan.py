@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from octoplan.errors import InputError
+from octoplan.errors import InputError, one_line
 from octoplan.export import torch_csv_rows
 from octoplan.outputs import check_distinct, write_text
 from octoplan.plan import Plan, check_structure
@@ -109,17 +109,17 @@ class TorchtitanExport:
 
     def toml(self, *, plan: Plan, microbatch_size: int, csv_path: str, title: str) -> str:
         """The settings as a torchtitan TOML fragment."""
-        fqns = ",\n".join(f"    {json.dumps(list(stage))}" for stage in self.fqns)
+        fqns = ",\n".join(f"    [{', '.join(_toml_string(name) for name in stage)}]" for stage in self.fqns)
         local_batch = microbatch_size * plan.microbatches
         lines = [
-            f"# {title}",
+            f"# {_toml_comment(title)}",
             f"# {plan.num_stages} stages in a {'V' if self.placement == 'v' else 'loop'} on {plan.pp} pipeline ranks, "
             f"{plan.microbatches} microbatches of {microbatch_size}",
             "[parallelism]",
             f"pipeline_parallel_degree = {plan.pp}",
             f"# only decides where stages go ({self.placement} placement); the CSV sets the order",
-            f"pipeline_parallel_schedule = {json.dumps(self.schedule_name)}",
-            f"pipeline_parallel_schedule_csv = {json.dumps(csv_path)}",
+            f"pipeline_parallel_schedule = {_toml_string(self.schedule_name)}",
+            f"pipeline_parallel_schedule_csv = {_toml_string(csv_path)}",
             f"pipeline_parallel_microbatch_size = {microbatch_size}",
             "module_fqns_per_model_part = [",
             fqns,
@@ -130,6 +130,20 @@ class TorchtitanExport:
             f"local_batch_size = {local_batch}",
         ]
         return "\n".join(lines) + "\n"
+
+
+def _toml_string(text: str) -> str:
+    """``text`` as a TOML basic string. JSON's escapes are TOML's but for characters beyond the
+    Basic Multilingual Plane, which JSON writes as two surrogate escapes and TOML refuses: those
+    are written as themselves, and DEL (which TOML wants escaped, JSON does not) as its escape."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _toml_comment(text: str) -> str:
+    """``text`` fit for a TOML comment: one line, and the control characters TOML refuses there
+    (all but tab) written as their escapes."""
+    return "".join(c.encode("unicode_escape").decode("ascii") if (ord(c) < 0x20 and c != "\t") or c == "\x7f" else c
+                   for c in one_line(text))
 
 
 def torchtitan_export(plan: Plan, profile: Profile, *, style: str = "llama", file: str = "<plan>") -> TorchtitanExport:

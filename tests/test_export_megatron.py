@@ -152,6 +152,13 @@ def test_block_recomputation_maps_to_decoder_layers():
     assert export.arguments[-1] == "2"
     uneven = _interleaved_plan(recompute={0: 1, 1: 2})
     assert "one N" in megatron_problem(uneven, LayerLetters(_profile()))
+    # [E t t | t t | t t | m L], the last stage keeping its MTP layer and head: 3, 2, 2, 0 profile
+    # layers but 2 decoder layers wherever there are any, which is Megatron-LM's N = 2 exactly
+    decoders = _interleaved_plan(recompute={0: 3, 1: 2, 2: 2})
+    assert megatron_problem(decoders, LayerLetters(_profile())) is None
+    export = megatron_export(decoders, _profile())
+    assert export.arguments[-2:] == ("--recompute-num-layers", "2")
+    assert not [note for note in export.notes if "recompute fewer" in note]
     # every stage recomputing all its layers: [E t t | t t | t t | m L]. Megatron-LM's block method
     # recomputes 2 decoder layers per stage, never E, m or L, which the plan counts recomputed
     everything = megatron_export(_interleaved_plan(recompute={0: 3, 1: 2, 2: 2, 3: 2}), _profile())
@@ -306,6 +313,19 @@ def test_cli_exports_a_runnable_plan_and_tunes_for_one_that_is_not(tmp_path):
     layout = next(line.split()[1].strip("'") for line in (tmp_path / "zb.sh").read_text().splitlines()
                   if "--pipeline-model-parallel-layout" in line)
     check_layout(parse_layout(layout), 2, num_layers=6, mtp_layers=1)
+
+
+@pytest.mark.parametrize("order", ["pp-inner", "dp-inner"])
+def test_the_fallback_keeps_the_plans_rank_order(order):
+    """The plan Megatron-LM runs in place of one it cannot keeps the nodes' layout the user chose:
+    dp-inner is what Megatron-LM needs beside context or expert parallelism."""
+    from octoplan.export_cli import megatron_fallback
+
+    zb = make_baseline(_profile(), schedule="zb-h1", gpus=4, pp=2, microbatches=4)
+    zb = replace(zb, parallel=replace(zb.parallel, rank_order=order))
+    result = megatron_fallback(zb, _profile(), profile_path=None, time_limit_s=60, max_plans=100)
+    assert result.plan.parallel.rank_order == order and result.plan.parallel.dp == 2
+    assert megatron_problem(result.plan, LayerLetters(_profile())) is None
 
 
 def test_cli_refuses_in_one_line_and_writes_nothing(tmp_path):

@@ -81,6 +81,24 @@ def test_loop_plan_settings_are_exact(tmp_path):
         assert stages == set(_stage_indices("loop", 2, 4, rank))
 
 
+def test_any_file_name_stays_inside_its_string_or_comment(tmp_path):
+    """A folder name with a line break, an emoji (beyond the BMP, which JSON escapes as
+    surrogates that TOML refuses) and DEL: the TOML still parses to the CSV's own path, and the
+    Megatron-LM file, sourced by bash, defines its array and runs nothing."""
+    from octoplan.export_megatron import export_megatron
+
+    folder = tmp_path / "a\necho RAN\n\U0001F600\x7f"
+    folder.mkdir()
+    plan = make_baseline(_profile(), schedule="interleaved-1f1b", gpus=2, microbatches=4, chunks=2)
+    _, csv_path = export_torchtitan(plan, _profile(), folder / "tt.toml", file=str(folder / "p.yaml"))
+    settings = tomllib.loads((folder / "tt.toml").read_text())
+    assert settings["parallelism"]["pipeline_parallel_schedule_csv"] == str(csv_path)
+    export = export_megatron(plan, _profile(), folder / "m.sh", file=str(folder / "p.yaml"))
+    done = subprocess.run(["bash", "-c", 'source "$0" && printf "%s\\n" "${MEGATRON_PP_ARGS[@]}"', str(folder / "m.sh")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "" and done.stdout.splitlines() == list(export.arguments), done
+
+
 def test_one_stage_per_rank_is_1f1b_and_v_plans_are_zbv():
     one = torchtitan_export(_with_bounds(make_baseline(_profile(), schedule="1f1b", gpus=4, microbatches=4),
                                          (0, 2, 4, 6, 8)), _profile())

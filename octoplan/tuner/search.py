@@ -132,6 +132,9 @@ class TuneOptions:
     # Megatron-LM layout letters for layer kinds its layout has none for (export's --kind-letter:
     # (kind, letter) pairs), so that its runs_on="megatron" fallback reads the layers as the user said
     kind_letters: tuple[tuple[str, str], ...] = ()
+    # the rank order the plans must keep (None: both are tried where dp > 1), so that a plan tuned
+    # in place of another keeps the node layout its user chose (export's Megatron-LM fallback)
+    rank_order: str | None = None
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
             if num_mb > MAX_MICROBATCHES:
                 too_many = max(too_many, num_mb)
                 continue
-        for order in (("pp-inner", "dp-inner") if dp > 1 else ("pp-inner",)):
+        for order in (("pp-inner",) if dp == 1 else (opts.rank_order,) if opts.rank_order else ("pp-inner", "dp-inner")):
             out.append(Config(pp, dp, num_mb, order))
     if not out and too_many:
         raise InputError(None, "--global-batch", f"{opts.global_batch} samples make {too_many} microbatches per pipeline, "
