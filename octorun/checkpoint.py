@@ -265,7 +265,8 @@ def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path:
     """Raise :class:`InputError` if the checkpoint at ``path`` is of another model than this run's
     (its ``model`` name or ``num_layers`` differ) or was trained with another ``optimizer`` (whose
     state the run cannot take up), or if both read a token file and the file
-    (``data_fingerprint``) or the seed of its window order (``seed``) differ: the checkpoint's
+    (``data_fingerprint``), the windows' length (``tokens_per_sample``) or the seed of their
+    order (``seed``) differ: the checkpoint's
     position in the data belongs to its own order. A checkpoint lacking a field is not judged on
     it, and a run without ``--data`` is not judged on the data. ``weights_only`` (``--init-from``,
     which takes the weights alone): only the model is judged."""
@@ -288,6 +289,12 @@ def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path:
                          f"the checkpoint was trained on {saved_file} ({meta_saved['data']}), this run's --data is "
                          f"{meta_now['data_fingerprint']}",
                          "give --data the token file the checkpoint was trained on: its position is a place in that file's order")
+    saved_length, length = meta_saved.get("tokens_per_sample"), meta_now.get("tokens_per_sample")
+    if saved_length is not None and length is not None and saved_length != length:
+        raise InputError(str(path), "tokens_per_sample",
+                         f"the checkpoint read its token file in windows of {saved_length} tokens, this run's model "
+                         f"reads {length}", "resume under the model config the checkpoint was trained with (its seq): "
+                         "in windows of another length the run would read some tokens twice and skip others")
     if "seed" in meta_saved and meta_saved["seed"] != meta_now["seed"]:
         raise InputError(str(path), "seed", f"the checkpoint read its token file in the order of --seed {meta_saved['seed']}, "
                          f"this run's is --seed {meta_now['seed']}",

@@ -77,7 +77,8 @@ def lr_at(config: OptimizerConfig, step: int, total_steps: int) -> float:
 
     Warm-up rises linearly to ``lr`` over the first ``warmup_steps`` steps (step k uses
     lr * (k + 1) / warmup, so no step trains at 0); then ``constant`` stays, ``linear`` and
-    ``cosine`` fall from ``lr`` to ``min_lr`` at the last step.
+    ``cosine`` fall from ``lr`` to ``min_lr`` at the last step (a single step after warm-up
+    trains at ``lr``; steps past the last at ``min_lr``).
     """
     total_steps = config.decay_steps or total_steps
     if step < config.warmup_steps:
@@ -85,7 +86,11 @@ def lr_at(config: OptimizerConfig, step: int, total_steps: int) -> float:
     if config.schedule == "constant":
         return config.lr
     decay_steps = total_steps - config.warmup_steps
-    progress = 1.0 if decay_steps <= 1 else min((step - config.warmup_steps) / (decay_steps - 1), 1.0)
+    into = step - config.warmup_steps
+    if into >= decay_steps:  # past the schedule's span (a run longer than --decay-steps)
+        progress = 1.0
+    else:  # a span of one step is its first: it trains at lr, as Megatron-LM's does
+        progress = 0.0 if decay_steps == 1 else into / (decay_steps - 1)
     if config.schedule == "linear":
         factor = 1.0 - progress
     else:

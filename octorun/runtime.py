@@ -332,10 +332,12 @@ def _model_identity(model: ModelFile, num_layers: int) -> dict[str, Any]:
 
 def _data_identity(seed: int, data: Any) -> dict[str, Any]:
     """What a checkpoint records of its token file, and what a resume that reads one checks: the
-    file (its fingerprint) and the seed of its window order. ``consumed_samples`` is a position
-    in that order, so under another seed or file the resumed run would read windows the run
-    before it already read, and skip others. Empty without ``--data``."""
-    return {} if data is None else {"seed": seed, "data_fingerprint": data.fingerprint()}
+    file (its fingerprint), the seed of its window order and the windows' length (the model's
+    tokens_per_sample: the order is one of that many windows). ``consumed_samples`` is a position
+    in that order, so under another seed, file or length the resumed run would read windows the
+    run before it already read, and skip others. Empty without ``--data``."""
+    return {} if data is None else {"seed": seed, "data_fingerprint": data.fingerprint(),
+                                    "tokens_per_sample": data.tokens_per_sample}
 
 
 def _replay_model(plan: Plan, config: RunConfig) -> ModelFile:
@@ -1162,6 +1164,7 @@ class _Interpreter:
                             "warmup_steps": self.optim_config.warmup_steps, "min_lr": self.optim_config.min_lr,
                             "steps": self.optim_config.decay_steps or self.config.steps},
             "data": self.config.data_path,
+            "tokens_per_sample": None if self.data is None else self.data.tokens_per_sample,
             "data_fingerprint": None if self.data is None else self.data.fingerprint(),
             "plan": self.config.plan_path,
             "layout": self._layout(),

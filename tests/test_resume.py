@@ -143,8 +143,9 @@ def one_rank(tmp_path_factory) -> tuple[Path, Path]:
     """A one-process plan of the 6-layer model with a checkpoint at step 2, and one of 8 layers."""
     folder = tmp_path_factory.mktemp("bad")
     jobs = Jobs(folder, 1)
-    for name, depth, tie in (("d6", 6, False), ("d8", 8, False), ("d6-tied", 6, True)):
-        plan = h.baseline_plan("1f1b", jobs.model, {"vocab": 11, "hidden": 8, "depth": depth, "seq": 5, "tie": tie,
+    for name, depth, tie, seq in (("d6", 6, False, 5), ("d8", 8, False, 5), ("d6-tied", 6, True, 5),
+                                  ("d6-seq7", 6, False, 7)):
+        plan = h.baseline_plan("1f1b", jobs.model, {"vocab": 11, "hidden": 8, "depth": depth, "seq": seq, "tie": tie,
                                                       "poison": -1}, folder / name, gpus=1, pp=1, microbatches=2)
         save_plan(plan, folder / f"{name}.yaml")
     done = _octorun(str(folder / "d6.yaml"), "--steps", "2", "--save", str(folder / "ck"), cwd=h.ROOT)
@@ -181,7 +182,7 @@ def test_an_output_the_filesystem_stops_taking_is_one_line(one_rank, output, tmp
 
 
 @pytest.mark.parametrize("case", ["missing", "partial", "other-model", "missing-shard", "auto-without-save",
-                                  "other-seed", "other-data", "tied-head", "init-missing", "init-other-model",
+                                  "other-seed", "other-data", "other-seq", "tied-head", "init-missing", "init-other-model",
                                   "init-tied-head", "init-save-beside"])
 def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     folder, good = one_rank
@@ -215,10 +216,13 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
         resume = str(broken)
     elif case == "auto-without-save":
         resume = "auto"
-    elif case in ("other-seed", "other-data"):
+    elif case in ("other-seed", "other-data", "other-seq"):
+        # other-seq: the same file and seed in windows of 8 tokens, not 6 (a model without weights
+        # that depend on seq, as a rotary one): another order of windows
         resume = str(folder / "ck-data" / "step_00000001")
-        extra = ["--data", str(folder / ("tokens.bin" if case == "other-seed" else "other-tokens.bin")), "--seed",
+        extra = ["--data", str(folder / ("other-tokens.bin" if case == "other-data" else "tokens.bin")), "--seed",
                  "4" if case == "other-seed" else "3"]
+        plan = folder / ("d6-seq7.yaml" if case == "other-seq" else "d6.yaml")
     metrics = tmp_path / "m.jsonl"
     done = _octorun(str(plan), "--steps", "3", flag, resume, "--metrics", str(metrics), *extra, cwd=h.ROOT)
     assert done.returncode == 2, done.stderr
@@ -229,6 +233,8 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     expected = {"missing": "nothing-here", "partial": "partial", "other-model": "layers",
                 "missing-shard": ".distcp", "auto-without-save": "--save", "other-seed": "resume with --seed 3",
                 "other-data": "trained on a file of 3000 uint16 tokens",
+                "other-seq": "tokens_per_sample: the checkpoint read its token file in windows of 6 tokens, this run's "
+                             "model reads 8",
                 "tied-head": "model/layers.5.out.weight: is in the checkpoint but no layer of this model takes it",
                 "init-missing": "nothing-here: --init-from: does not exist", "init-other-model": "layers",
                 "init-tied-head": "no layer of this model takes it",

@@ -36,6 +36,11 @@ def test_learning_rate_schedules_by_hand():
     decayed = OptimizerConfig(lr=1.0, schedule="linear", decay_steps=5)
     assert [lr_at(decayed, s, 3) for s in range(3)] == pytest.approx([1.0, 0.75, 0.5])
     assert [lr_at(decayed, s, 8) for s in range(8)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 0.0, 0.0])
+    # a span of one step (the default --steps 1; or warm-up 3 of 4 steps) is its first step: lr,
+    # not min_lr, which would leave a one-step cosine run at lr 0; steps after it take min_lr
+    assert lr_at(OptimizerConfig(lr=0.1, schedule="cosine"), 0, 1) == pytest.approx(0.1)
+    warm3 = OptimizerConfig(lr=0.1, schedule="linear", warmup_steps=3, min_lr=0.01, decay_steps=4)
+    assert [lr_at(warm3, s, 6) for s in range(6)] == pytest.approx([0.1 / 3, 0.2 / 3, 0.1, 0.1, 0.01, 0.01])
 
 
 def test_adamw_decays_matrices_only_with_the_configs_betas_and_eps():
