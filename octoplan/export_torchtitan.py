@@ -32,6 +32,7 @@ from pathlib import Path
 
 from octoplan.errors import InputError, one_line
 from octoplan.export import torch_csv_rows
+from octoplan.hf import is_hf_source
 from octoplan.outputs import check_distinct, write_text
 from octoplan.plan import Plan, check_structure
 from octoplan.profile import Profile
@@ -61,6 +62,12 @@ def module_fqns(plan: Plan, profile: Profile, *, style: str = "llama", file: str
     """Each stage's module names in ``style`` (see the module docstring)."""
     if style not in FQN_STYLES:
         raise InputError(None, "--fqn-style", f"is {style!r}", f"use one of {', '.join(FQN_STYLES)}")
+    if style == "profile" and is_hf_source(profile.model.source):
+        # torchtitan drops a name no module has: the head would leave the last stage in silence
+        raise InputError(file, "--fqn-style profile", f"the layer names of {profile.model.source} (embed_tokens, "
+                         "layers.N, norm+lm_head) are the pipeline's pieces, not module names of a transformers model",
+                         "give --fqn-style llama for a model torchtitan builds with Llama-style names, or set "
+                         "module_fqns_per_model_part by hand from the stages")
     names: list[list[str]] = []  # per layer
     owner: list[str | None] = []  # per layer, the split block it is part of
     block_index = -1

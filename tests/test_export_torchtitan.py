@@ -152,6 +152,17 @@ def test_split_blocks_name_one_layer_and_refuse_a_cut_inside():
         module_fqns(whole, profile, style="hf")
 
 
+def test_profile_names_of_an_hf_model_are_refused():
+    """An hf: chain's layer names (norm+lm_head) are no module of the transformers model:
+    torchtitan would drop them, and the head with them."""
+    names = ["embed_tokens"] + [f"layers.{k}" for k in range(6)] + ["norm+lm_head"]
+    profile = replace(_profile(names=names), model=ModelRef("qwen3", source="hf:/models/qwen3"))
+    plan = make_baseline(profile, schedule="1f1b", gpus=2, microbatches=2)
+    with pytest.raises(InputError, match="are the pipeline's pieces, not module names"):
+        module_fqns(plan, profile, style="profile")
+    assert module_fqns(plan, profile)[-1][-2:] == ["norm", "output"]  # the llama style is the user's to choose
+
+
 def test_llama_names_refuse_layers_a_llama_style_model_does_not_have():
     # DeepSeek-V3's MTP layer would have become layers.4, a module torchtitan's split silently skips
     profile = _profile(kinds=["embedding", "moe", "moe", "moe", "mtp", "head"],
