@@ -12,7 +12,8 @@ tail first (:func:`probe_start_aware_loops.orders`), with its one-machine relaxa
 rebuilt longest tail first before the climbs) in a tune with ``--max-plans N``, beside the
 same tune without them (and without the tuner's own fill-capped seeds, which these replace).
 ``--order-search S`` also gives CP-SAT's order search (in flight unbounded) S seconds from
-each layout's fastest order.
+each layout's fastest order. ``--rounds`` also orders each loop by Megatron-LM's interleaved
+rule (rounds of pp microbatches), with the backward whole or split and the Ws lagging.
 
     cd benchmarks && ../.venv/bin/python probe_fill_seeds.py --only internvl2-8b jamba-v0.1 [--cuts local] [--tune 2500]
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import time
 
 from bench_tuner import FILL_SHAPES
@@ -28,11 +30,12 @@ from probe_start_aware_loops import best_by_kind, orders, tune_beside, workloads
 
 from octoplan.costs import cheaper_backward, to_ticks
 from octoplan.schedules.exact import order_bound, relaxation_bound
+from octoplan.schedules.looped import looped_schedule
 from octoplan.tuner.fill_caps import _even_cuts, _figure, _fill_terms, _tables, fill_cap, shape_ranks
 from octoplan.tuner.placed_cuts import loop_cuts, v_cuts
 from octoplan.tuner.seeds.base import with_policies
 from octoplan.tuner.seeds.fill_capped import ORIGIN, FillCappedSeeds
-from octoplan.tuner.space import Config
+from octoplan.tuner.space import Candidate, Config
 
 
 def local_cut(profile, cluster, microbatches, ranks, start, *, pairs: bool, max_trials: int):
@@ -118,6 +121,8 @@ def main() -> None:
     p.add_argument("--rank-balanced", action="store_true", help="--cuts local: start from the rank-balanced cuts too")
     p.add_argument("--order-search", type=float, default=0, metavar="S",
                    help="also give CP-SAT's order search S seconds from each layout's fastest order")
+    p.add_argument("--rounds", action="store_true",
+                   help="also order each loop by Megatron-LM's interleaved rule, rounds of pp microbatches")
     p.add_argument("--tune", type=int, default=0, metavar="MAX_PLANS", help="also tune with and without these seeds")
     args = p.parse_args()
     for w, profile, cluster, ev, config in workloads(args.only):
@@ -143,8 +148,30 @@ def main() -> None:
                 print(f"  CP-SAT's order search from the fastest, {args.order_search:g} s: {searched.status}, "
                       f"{scored.iteration_ms:.1f} ms simulated (fits: {scored.fits}), no order below "
                       f"{searched.lower_bound_ms:.1f}", flush=True)
+            if args.rounds and shape == "loop":
+                print(f"  {rounds_orders(ev, config, found[0], ranks, k)}", flush=True)
         if args.tune:
             tune_beside(w, FillCapped(args), args.tune)
+
+
+def rounds_orders(ev, config: Config, bounds, ranks, chunks: int) -> str:
+    """The fastest order that fits memory of Megatron-LM's interleaved rule on a loop of
+    ``chunks`` stages per rank (:func:`octoplan.schedules.looped.looped_schedule`: rounds of pp
+    microbatches, a warm-up of (chunks - 1) pp + 2 (pp - 1 - r) forwards plus 0, 2, ..., 2 pp
+    more), backward whole or split with Ws lagging a r + b backwards (a, b in 0-2)."""
+    pp = config.pp
+    best = (float("inf"), "")
+    for split, extra, a, b in itertools.product((False, True), range(0, 2 * pp + 1, 2), range(3), range(3)):
+        if not split and (a or b):
+            continue
+        order = looped_schedule(pp, config.microbatches, chunks=chunks, split=split,
+                                warmup=lambda r: (chunks - 1) * pp + 2 * (pp - 1 - r) + extra,
+                                w_lag=lambda r: a * r + b)
+        label = f"rounds split={split} warm-up +{extra} W lag {a}r+{b}"
+        scored = ev.score(Candidate(config, tuple(bounds), tuple(ranks), None, tuple(map(tuple, order)), label, label))
+        if scored.fits:
+            best = min(best, (scored.iteration_ms, label))
+    return f"interleaved rounds: best {best[0]:.1f} ms ({best[1]})"
 
 
 if __name__ == "__main__":
