@@ -199,6 +199,7 @@ class Prepared:
     resume_from: Path | None = None  # the checkpoint --resume names (None: a fresh start)
     init_from: Path | None = None  # the checkpoint --init-from names
     profile_precision: str | None = None  # what the plan's profile was measured at (None: no profile to read, or a replay)
+    profile_threads: int | None = None  # the CPU threads the profile timed its layers with (None: not recorded, a replay)
 
 
 def prepare(config: RunConfig) -> Prepared:
@@ -281,16 +282,19 @@ def prepare(config: RunConfig) -> Prepared:
                     microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model),
                     data=data, resume_from=resume_from, init_from=init_from,
                     # a replay only sleeps its ops: its precision is the profile's by construction
-                    profile_precision=None if replayed is not None else _profile_precision(plan, config.plan_path))
+                    **({} if replayed is not None else _profile_settings(plan, config.plan_path)))
 
 
-def _profile_precision(plan: Plan, plan_path: str) -> str | None:
-    """The precision the plan's profile measured its layers at; None where it cannot be read (a
-    plan runs without its profile)."""
+def _profile_settings(plan: Plan, plan_path: str) -> dict[str, Any]:
+    """What the plan's profile measured its layers under: the precision, and on a CPU the
+    threads; nothing where the profile cannot be read (a plan runs without its profile)."""
     try:
-        return load_plan_profile(plan, plan_path).precision
+        profile = load_plan_profile(plan, plan_path)
     except InputError:
-        return None
+        return {}
+    threads = (profile.extra.get("profiler") or {}).get("threads") if isinstance(profile.extra, dict) else None
+    return {"profile_precision": profile.precision,
+            "profile_threads": threads if isinstance(threads, int) and threads >= 1 else None}
 
 
 def _valid_timeout(seconds: float) -> bool:
@@ -1347,6 +1351,10 @@ def run(config: RunConfig) -> RunResult:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    elif prepared.profile_threads and "OMP_NUM_THREADS" not in os.environ:
+        # the threads the profile timed the layers with, so that the plan's times hold: a process
+        # alone (no torchrun, which sets OMP_NUM_THREADS=1 for several) would take every core
+        torch.set_num_threads(prepared.profile_threads)
     if owns_group:
         try:
             with native_stderr_held():

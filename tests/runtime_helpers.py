@@ -233,9 +233,10 @@ def hand_plans(model_path: Path, config: dict[str, Any], num_layers: int) -> dic
 
 def baseline_plan(
     schedule: str, model_path: Path, config: dict[str, Any], folder: Path, *, gpus: int, pp: int,
-    microbatches: int, microbatch_size: int = 2, precision: str = "fp32",
+    microbatches: int, microbatch_size: int = 2, precision: str = "fp32", extra: dict[str, Any] | None = None,
 ) -> Plan:
-    """A plan from octoplan.baseline.make_baseline, with a made-up profile of the model file."""
+    """A plan from octoplan.baseline.make_baseline, with a made-up profile of the model file
+    (``extra``: more top-level fields of the profile, such as the profiler's settings)."""
     from octoplan.baseline import make_baseline
     from octoplan.profile import profile_from_dict, save_profile
 
@@ -252,9 +253,9 @@ def baseline_plan(
         "format": "octoplan-profile/1",
         "model": {"name": model.name, "source": str(model_path), "config": model.config},
         "device": {"name": "cpu", "memory_gb": 24}, "microbatch_size": microbatch_size, "dtype": "float32",
-        "precision": precision, "layers": layers,
+        "precision": precision, "layers": layers, **(extra or {}),
     })
-    named = repr(sorted(model.config.items())) + ("" if precision == "fp32" else f" {precision}")
+    named = repr(sorted(model.config.items())) + ("" if precision == "fp32" else f" {precision}") + repr(extra or "")
     tag = hashlib.sha256(named.encode()).hexdigest()[:8]
     profile_path = folder / f"profile-{Path(model_path).stem}-{tag}.yaml"
     save_profile(profile, profile_path)

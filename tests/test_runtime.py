@@ -269,6 +269,29 @@ def test_a_run_at_another_precision_than_its_profiles_says_so(tmp_path):
         assert done.stdout.startswith("step 0: loss ")  # the step's line, printed as the step ended
 
 
+def test_a_process_on_the_cpu_runs_with_its_profiles_threads(tmp_path):
+    """A profile timed with 1 thread: octorun's process (here alone, as without torchrun) runs
+    with 1 too, not every core, so that the plan's times hold; OMP_NUM_THREADS, where the user
+    (or torchrun) set it, still decides."""
+    path = h.write_tiny_model(tmp_path)
+    path.write_text(path.read_text().replace("def build_layer(index, ", "def build_layer(index, ", 1) +
+                    "\n_build = build_layer\n\ndef build_layer(*args, **kwargs):\n    import os, torch\n"
+                    "    open(os.environ['THREADS_OUT'], 'a').write(f'{torch.get_num_threads()}\\n')\n"
+                    "    return _build(*args, **kwargs)\n")
+    # the profiler's settings, as octoplan profile records them on a CPU
+    plan = h.baseline_plan("1f1b", path, {}, tmp_path, gpus=1, pp=1, microbatches=2, extra={"profiler": {"threads": 1}})
+    save_plan(plan, tmp_path / "plan.yaml")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
+    for omp, expected in ((None, "1"), ("2", "2")):
+        out = tmp_path / f"threads-{omp}.txt"
+        run_env = {**env, "THREADS_OUT": str(out), **({"OMP_NUM_THREADS": omp} if omp else {})}
+        done = subprocess.run([sys.executable, "-m", "octorun", str(tmp_path / "plan.yaml"), "--steps", "1"],
+                              capture_output=True, text=True, cwd=h.ROOT, env=run_env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert set(out.read_text().split()) == {expected}
+
+
 def test_single_process_without_torchrun(tmp_path, monkeypatch):
     """No launcher: a world of one; three stages on the one rank hand values over directly."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
