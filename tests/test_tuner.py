@@ -359,6 +359,13 @@ def test_the_baselines_have_every_interleaved_chunk_count_the_layers_allow():
     # a given --chunks-max bounds the baselines too
     capped = {row.name for row in compare_baselines(profile, cluster, TuneOptions(gpus=2, pp=2, microbatches=2, chunks_max=3))}
     assert "interleaved-1f1b(v=3)/uniform" in capped and not any("(v=4)" in name for name in capped)
+    # --chunks-max 1: no baseline of two stages per rank (interleaved, ZB-V, DualPipe-V), and no
+    # tuned plan either, though the fastest seeds hold several (27 ms against 1F1B's 36)
+    one = TuneOptions(gpus=2, pp=2, microbatches=2, chunks_max=1, max_plans=200)
+    assert {row.name.split("/")[0] for row in compare_baselines(profile, cluster, one)} == {"gpipe", "1f1b", "zb-h1",
+                                                                                             "zb-h2"}
+    tuned = tune(profile, cluster, one)
+    assert [stage.rank for stage in tuned.plan.stages] == [0, 1]
 
 
 def test_the_baselines_take_at_most_half_the_budget_the_most_run_first():

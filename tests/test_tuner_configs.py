@@ -47,6 +47,27 @@ def test_a_data_parallel_configuration_splits_into_compute_and_its_all_reduce_ta
     assert sum(parts.values()) == pytest.approx(ev.score(cand).iteration_ms) == pytest.approx(14.0)
 
 
+@pytest.mark.parametrize("heavy", ["last", "first"])
+def test_a_wait_is_a_bubble_until_its_producer_ends_and_a_transfer_after(heavy):
+    """pp 2, one microbatch, messages of 10^6 bytes at 0.1 GB/s: 10 ms on the wire. The heavy
+    layer (F 2, B 4) sets the busiest GPU. Last heavy: rank 1 waits 0-11, 1 ms for rank 0's F
+    and 10 on the wire, then idles 17-29 at the end. First heavy: rank 0 waits 2-25, 13 ms for
+    rank 1's F and B and 10 on the wire. Each wait's part before its producer ends is a bubble,
+    whatever the simulator names the whole gap by (its larger part)."""
+    from octoplan.tuner.seeds.policy import policy_seeds
+
+    light, weighty = (1, 1, 1), (2, 2, 2)
+    profile = make_profile([light, weighty] if heavy == "last" else [weighty, light], act=10**6, out=10**6,
+                           params=PARAMS)
+    slow = replace(cluster(), intra_node_gbps=0.1, inter_node_gbps=0.1)
+    ev = Evaluator(profile, slow)
+    cand = next(c for c in policy_seeds(profile, Config(2, 1, 1), 1) if not c.policies[0].split)
+    parts, _ = time_parts(ev, cand)
+    assert ev.score(cand).iteration_ms == pytest.approx(29.0)
+    expected = {"compute": 6.0, "recompute": 0.0, "bubbles": 13.0, "transfers": 10.0, "allreduce": 0.0}
+    assert parts == pytest.approx(expected)
+
+
 def test_every_configuration_of_a_batch_is_priced_and_its_parts_add_up():
     batch = tune_global_batch([(None, two_layers())], cluster(),
                               TuneOptions(gpus=2, global_batch=4, max_plans=200, time_limit_s=60))
@@ -69,6 +90,9 @@ def test_the_microbatch_size_that_runs_the_batch_fastest_wins():
     assert batch.microbatch_size == 2 and batch.configs[0].microbatch_size == 2
     assert {row.microbatch_size for row in batch.configs} == {1, 2}
     assert batch.untuned_sizes == (1,)  # 1.67x slower per sample: priced by its baselines only
+    # its rows say who runs them, as a tuned size's do
+    untuned = {row.name: row for size, row in batch.baselines if size == 1}
+    assert {"octorun", "torch", "torchtitan"} <= set(untuned["1f1b/uniform"].runs_on)
     # in 3x the time, 2 per microbatch loses: the per-sample cost decides
     slow = two_layers(3.0, size=2)
     batch = tune_global_batch([(None, small), (None, slow)], cluster(), opts)
@@ -76,6 +100,24 @@ def test_the_microbatch_size_that_runs_the_batch_fastest_wins():
     # its best baseline is far more than MAX_TUNER_GAIN behind: priced, not tuned
     assert batch.untuned_sizes == (2,)
     assert min(row.scored.iteration_ms for row in batch.configs if row.microbatch_size == 2) > batch.result.scored.iteration_ms
+
+
+def test_each_size_keeps_the_baselines_its_pricing_priced_under_a_plan_budget():
+    """Under --max-plans a size's pricing counts among its tune's plans, so its tune's clock
+    starts past the baselines' share: the baselines priced already (free again) are still its
+    rows, not none (which made the table say no baseline fits)."""
+    from octoplan.tuner import compare_baselines
+    from octoplan.tuner.search import BASELINES_SHARE
+
+    small, large = two_layers(1.0, size=1), two_layers(2.0, size=2)  # alike per sample: both are tuned
+    opts = TuneOptions(gpus=2, global_batch=8, max_plans=40, time_limit_s=60)
+    batch = tune_global_batch([(None, small), (None, large)], cluster(), opts)
+    assert batch.untuned_sizes == ()
+    for profile in (small, large):
+        pricing = compare_baselines(profile, cluster(), opts, until_s=BASELINES_SHARE * opts.time_limit_s / 2)
+        assert pricing  # the budget prices some
+        rows = [row for size, row in batch.baselines if size == profile.microbatch_size]
+        assert {row.name for row in rows} >= {row.name for row in pricing}
 
 
 def _row(parts: dict, fits: bool = True, cross: bool = False) -> ConfigRow:

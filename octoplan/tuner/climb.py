@@ -20,6 +20,7 @@ import itertools
 import logging
 import random
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
@@ -103,11 +104,15 @@ class Search:
 
     def __init__(self, evaluator: Evaluator, opts: TuneOptions, progress: ProgressFn | None, *,
                  clock: Clock | None = None, quiet: bool = False,
-                 neighbourhoods: Sequence[Neighbourhood] | None = None):
+                 neighbourhoods: Sequence[Neighbourhood] | None = None, stage_cap: int | None = None):
         from octoplan.tuner import neighbourhoods as registry  # the neighbourhoods import this module
 
         self.ev = evaluator
-        # the search's own bound on stages per rank (tune() has already capped it at the layers)
+        # ``stage_cap``, --chunks-max as given, binds every plan the search returns, seeds
+        # included; not given, the search's own layouts hold at most opts.chunks_max stages per
+        # rank (DEFAULT_CHUNKS; tune() has already capped it at the layers) while a baseline of
+        # more may still win
+        self.stage_cap = stage_cap
         self.opts = opts if opts.chunks_max is not None else replace(opts, chunks_max=DEFAULT_CHUNKS)
         self.progress = progress
         self.quiet = quiet  # a restart's climb on shaken times: its bests are not the search's (DEBUG log only)
@@ -141,7 +146,9 @@ class Search:
                 + (self.shaken.evaluations if self.shaken else 0))
 
     def allowed(self, cand: Candidate) -> bool:
-        """Whether ``cand`` is a plan the search may return (``--runs-on``)."""
+        """Whether ``cand`` is a plan the search may return (``--runs-on``, ``--chunks-max``)."""
+        if self.stage_cap is not None and max(Counter(cand.ranks).values()) > self.stage_cap:
+            return False
         return self.frameworks.allows(cand, self.opts.runs_on)
 
     def offer(self, cand: Candidate) -> Scored:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from octoplan.errors import InputError
-from octoplan.ops import Kind
+from octoplan.ops import Kind, Op
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
 from octoplan.tuner.search import (BASELINES_SHARE, BaselineRow, ProgressFn, TuneOptions, TuneResult, check_options,
@@ -94,11 +94,21 @@ def time_parts(evaluator: Evaluator, cand: Candidate) -> tuple[dict[str, float],
     wire = 0.0
     cross = False
     cluster, parallel = evaluator.cluster, cand.config.parallel()
+    ends: dict[tuple[int, Op], float] = {}  # the producers' ends, on the ranks the busiest waited for
+    read: set[int] = set()
     for bubble in timeline.bubbles:
-        if bubble.rank == busiest and bubble.reason == "transfer":
-            wire += bubble.duration_ms
-            if bubble.from_rank is not None and _nodes_apart(cluster, parallel, busiest, bubble.from_rank):
-                cross = True
+        if bubble.rank != busiest or bubble.reason not in ("transfer", "dependency") or bubble.from_rank is None:
+            continue
+        # a gap waits on another GPU's work until its producer ends and on the wire after: the
+        # simulator names a gap by its larger part (the fill's first message, a long drain wait)
+        if bubble.from_rank not in read:
+            read.add(bubble.from_rank)
+            ends.update(((bubble.from_rank, span.op), span.end_ms) for span in timeline.spans(bubble.from_rank))
+        produced = ends.get((bubble.from_rank, bubble.waits_for), bubble.start_ms)
+        on_wire = bubble.end_ms - min(bubble.end_ms, max(bubble.start_ms, produced))
+        wire += on_wire
+        if on_wire > 0 and _nodes_apart(cluster, parallel, busiest, bubble.from_rank):
+            cross = True
     busy = timeline.busy_ms[busiest]
     parts = {
         "compute": busy - again,

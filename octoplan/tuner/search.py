@@ -212,7 +212,8 @@ def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions, *,
     configs = configs_for(profile, opts)
     cluster = _with_gpus(cluster, opts.gpus)
     search = Search(_evaluator_for(profile, cluster, evaluator), opts, None)
-    return collect_baselines(profile, cluster, configs, opts, search, until_s=until_s).rows
+    rows = collect_baselines(profile, cluster, configs, opts, search, until_s=until_s).rows
+    return [replace(row, runs_on=search.frameworks.runs_on(row.candidate)) for row in rows]
 
 
 def _with_gpus(cluster: Cluster, gpus: int) -> Cluster:
@@ -251,7 +252,7 @@ def tune(
     # layers, so a larger --chunks-max changes nothing (the baselines read the bound as given)
     search = Search(_evaluator_for(profile, cluster, evaluator),
                     replace(opts, chunks_max=min(opts.chunks_max or DEFAULT_CHUNKS, profile.num_layers)),
-                    progress, neighbourhoods=neighbourhoods)
+                    progress, neighbourhoods=neighbourhoods, stage_cap=opts.chunks_max)
     # the baselines may take up to half the time limit: at thousands of microbatches they alone
     # take longer than a short one (--time-limit 5 on 4096 microbatches: 28 s)
     collected = (collect_baselines(profile, cluster, configs, opts, search, until_s=BASELINES_SHARE * opts.time_limit_s)

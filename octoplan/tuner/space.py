@@ -281,6 +281,10 @@ class Evaluator:
             hit = self._cache[cand]
         return hit
 
+    def priced(self, cand: Candidate) -> bool:
+        """Whether ``cand``'s score is known: asking for it again costs no plan."""
+        return cand in self._cache
+
     def least_memory(self) -> int | None:
         return min((s.peak_memory_bytes for s in self._cache.values()), default=None)
 

@@ -59,10 +59,14 @@ def baseline_chunks(opts: TuneOptions) -> int:
 
 
 def _baseline_names(chunks_max: int) -> list[tuple[str, str, int]]:
+    """(schedule, partition, chunks) of every baseline of at most ``chunks_max`` stages per rank
+    (a schedule's stages per rank are its stages at pp 1: ZB-V's two are out under 1)."""
     names = []
     for schedule in SCHEDULES:
         chunk_choices = range(2, max(2, chunks_max) + 1) if schedule == "interleaved-1f1b" else (2,)
         for chunks in chunk_choices:
+            if get_schedule(schedule).num_stages(1, chunks) > chunks_max:
+                continue
             for partition_method in ("uniform", "balanced"):
                 names.append((schedule, partition_method, chunks))
     return names
@@ -134,14 +138,20 @@ def collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Conf
         if label not in best or row.scored.score < best[label].scored.score:
             best[label] = row
 
+    # an evaluator that priced plans before this search (tune_global_batch's pricing of every
+    # size): the baselines it priced cost nothing, and are taken whatever the clock says
+    reused = search.ev.evaluations > 0
     priced: list[tuple[Config, Candidate]] = []
     for name in by_priority:
         for config in configs:
-            if out_of_time():
+            late = out_of_time()
+            if late and not reused:
                 unpriced += _applies(profile, config, name[0], name[2])
                 continue
             cand = _baseline_candidate(profile, config, *name)
-            if cand is not None:
+            if cand is not None and late and not search.ev.priced(cand):
+                unpriced += 1
+            elif cand is not None:
                 consider(cand.origin, config, cand)
                 priced.append((config, cand))
     if opts.recompute:
