@@ -62,6 +62,22 @@ def test_clock_offsets_cancel_both_ways(tmp_path):
     assert calibrate(plan, PROFILE, path).latency_ms == pytest.approx(0.8, abs=1e-9)
 
 
+@pytest.mark.parametrize("scale", [1.0, 20.0])
+def test_a_replay_at_another_scale_than_the_profiles_is_bad_input(tmp_path, scale):
+    """octorun --replay 20 sleeps 20 x the profile's times: read as this trace's own, every op
+    would exceed its profiled time by 19 x itself (an op overhead of seconds). At scale 1 the
+    trace is read as any other."""
+    plan, path = _simulated_trace(tmp_path, "1f1b", 300.0, 150.0)
+    doc = json.loads(path.read_text())
+    doc["otherData"] = {"source": "octorun", "replay_time_scale": scale}  # as octorun writes it
+    path.write_text(json.dumps(doc))
+    if scale == 1.0:
+        assert calibrate(plan, PROFILE, path).latency_ms == pytest.approx(0.3, abs=1e-9)
+        return
+    with pytest.raises(InputError, match=r"otherData.replay_time_scale: is 20: its ops slept 20 x the profile's times"):
+        calibrate(plan, PROFILE, path)
+
+
 def test_times_no_run_could_have_are_bad_input(tmp_path):
     plan, path = _simulated_trace(tmp_path, "1f1b", 100.0, 0.0)
     doc = json.loads(path.read_text())

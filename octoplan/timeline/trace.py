@@ -130,7 +130,16 @@ def write_trace(plan: Plan, result: SimResult, path: str | Path) -> None:
 # ---------------------------------------------------------------------------- measured traces
 
 
-def _read_events(path: Path) -> list[Any]:
+def replay_time_scale(path: Path) -> float | None:
+    """The ``--replay`` scale an octorun trace says its ops slept at (``otherData``); None for a
+    run of real work, or a trace that does not say."""
+    doc = _read_document(path)
+    other = doc.get("otherData") if isinstance(doc, dict) else None
+    scale = other.get("replay_time_scale") if isinstance(other, dict) else None
+    return float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
+
+
+def _read_document(path: Path) -> Any:
     file = str(path)
     if not path.exists():
         raise InputError(file, 0, "no such file", "pass the trace octorun --trace wrote")
@@ -142,6 +151,12 @@ def _read_events(path: Path) -> list[Any]:
                          "pass a Chrome trace-event JSON file") from None
     except RecursionError:
         raise InputError(file, 0, "is nested too deeply to be a trace", "pass a Chrome trace-event JSON file") from None
+    return doc
+
+
+def _read_events(path: Path) -> list[Any]:
+    file = str(path)
+    doc = _read_document(path)
     # The trace-event format allows a bare event array as well as {"traceEvents": [...]}.
     if isinstance(doc, dict):
         if "traceEvents" not in doc:
