@@ -149,7 +149,7 @@ def merged(split: Profile) -> Profile:
 
 def tune(result: Result, args: argparse.Namespace) -> None:
     result.cap, _ = balance_cap(result.profile, args.gpus)
-    out = run([str(BIN / "octoplan"), "tune", str(result.profile_path), "--gpus", str(args.gpus), "--microbatches",
+    out = run([str(BIN / "octoplan"), "tune", str(result.profile_path), "--gpus", str(args.gpus), "--pp", str(args.gpus), "--microbatches",
                str(args.microbatches), "--max-plans", str(args.max_plans), "-o", str(result.plan_path)],
               env={**os.environ, "COLUMNS": "250"})  # wide enough that no line of the report wraps
     found = BASELINE_LINE.search(out)

@@ -22,7 +22,7 @@ octoplan calibrate plans/hybrid-1f1b.yaml out/calibration-trace.json
 read -r -a LINK <<< "$(octoplan calibrate plans/hybrid-1f1b.yaml out/calibration-trace.json --flags) --intra-node-gbps 10"
 
 step "3. Tune it for 4 GPUs — partition, placement and schedule together — against every baseline"
-octoplan tune profiles/hybrid.yaml --gpus 4 --microbatches 8 "${LINK[@]}" --time-limit 20 -o plans/hybrid.yaml
+octoplan tune profiles/hybrid.yaml --gpus 4 --pp 4 --microbatches 8 "${LINK[@]}" --time-limit 20 -o plans/hybrid.yaml
 octoplan baseline profiles/hybrid.yaml --gpus 4 --schedule 1f1b --microbatches 8 "${LINK[@]}" -o plans/hybrid-1f1b.yaml
 
 step "4. The tuned plan's timeline (also out/hybrid.svg, and out/hybrid-trace.json for Perfetto)"

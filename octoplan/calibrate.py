@@ -230,14 +230,13 @@ def calibrate(plan: Plan, profile: Profile, trace_path: str | Path, *, plan_path
         raise InputError(None if plan_path is None else str(plan_path), "parallel.pp",
                          f"is {plan.parallel.pp}: nothing is sent between ranks",
                          "calibrate from the trace of a plan with 2 or more pipeline ranks")
-    split = split_trace(plan, profile, trace_path)
     scale = replay_time_scale(Path(trace_path))
     if scale is not None and scale != 1.0:  # every op's excess over the profile's time would be scale - 1 of it
         raise InputError(str(trace_path), "otherData.replay_time_scale",
                          f"is {scale:g}: its ops slept {scale:g} x the profile's times, and calibrate reads the time "
                          "around each op as what exceeds the profile's", "calibrate from a trace of octorun --replay "
                          "at its default scale of 1, or of a run of real work")
-    return within_cluster_ranges(calibration_of(split), trace_path)
+    return within_cluster_ranges(calibration_of(split_trace(plan, profile, trace_path)), trace_path)
 
 
 def within_cluster_ranges(found: Calibration, trace_path: str | Path) -> Calibration:

@@ -40,8 +40,9 @@ _LINE_BREAKS = {ord(c): c.encode("unicode_escape").decode("ascii")
 
 def one_line(text: str) -> str:
     """``text`` with every line break written as its escape: for a line that must stay one, such
-    as a comment in a generated file that quotes a file name."""
-    return text.translate(_LINE_BREAKS)
+    as a comment in a generated file that quotes a file name. A byte of a file name that is not
+    UTF-8 (Python's lone surrogate for it) is written as its escape too: a file cannot hold it."""
+    return text.translate(_LINE_BREAKS).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # What a bad value echoed back may show of a structure: reprlib's cuts, so that the text is

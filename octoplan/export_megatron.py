@@ -194,6 +194,13 @@ def uniform_recompute(stages: Sequence[Stage], letters: Sequence[str] | None = N
     return None
 
 
+def one_recompute_count(stages: Sequence[Stage], letters: LayerLetters) -> bool:
+    """Whether one ``--recompute-num-layers`` N describes the stages' recomputation: one N in
+    profile layers (the embedding or a split block's half then counts, which the export notes)
+    or in decoder layers, as Megatron-LM counts them."""
+    return uniform_recompute(stages) is not None or uniform_recompute(stages, letters.letter) is not None
+
+
 def megatron_problem(plan: Plan, letters: LayerLetters) -> str | None:
     """Why Megatron-LM cannot run ``plan`` as planned (None: it can)."""
     pp, num_stages = plan.pp, plan.num_stages
@@ -218,9 +225,7 @@ def megatron_problem(plan: Plan, letters: LayerLetters) -> str | None:
         which = "1F1B" if chunks == 1 else f"interleaved 1F1B with {chunks} virtual stages per rank"
         rank = next(r for r in range(pp) if list(plan.schedule[r]) != order[r])
         return f"rank {rank}'s op order is not Megatron-LM's {which}"
-    # one N in profile layers (the embedding or a split block's half then counts, which the export
-    # notes) or in decoder layers, as Megatron-LM counts them
-    if uniform_recompute(plan.stages) is None and uniform_recompute(plan.stages, letters.letter) is None:
+    if not one_recompute_count(plan.stages, letters):
         return ("its stages recompute different numbers of layers; Megatron-LM's --recompute-num-layers is one N "
                 "for every stage")
     return None

@@ -184,6 +184,11 @@ def export_torchtitan(plan: Plan, profile: Profile, path: str | Path, *, style: 
     CSV's path."""
     csv_path = csv_path_for(path)
     check_distinct({"-o": path, "the schedule CSV": csv_path})
+    try:  # the settings name the CSV by its path, and a TOML file is UTF-8
+        str(csv_path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(one_line(str(path)), "-o", "is not a UTF-8 path, which the settings could not name the CSV by",
+                         "give -o a path of UTF-8 characters") from None
     export = torchtitan_export(plan, profile, style=style, file=file)
     from octoplan.export import export_torch_csv
 

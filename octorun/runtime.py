@@ -271,7 +271,7 @@ def prepare(config: RunConfig) -> Prepared:
                                          **_data_identity(config.seed, data)},
                                         resume_from)
     init_from = None
-    if config.init_from is not None:
+    if config.init_from is not None and resume_from is None:  # a run that resumes never reads it
         from octorun import checkpoint
 
         init_from = checkpoint.resolve(config.init_from, save_root=None, flag="--init-from")
@@ -1420,9 +1420,9 @@ def run(config: RunConfig) -> RunResult:
             watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
         except Exception as exc:
             watchdog.fail(f"loading the weights of {prepared.init_from} failed: {gist(exc)}")
-    elif prepared.init_from is not None and me == 0:
+    elif config.init_from is not None and me == 0:
         log.warning("resumed from %s: --init-from %s is for a fresh start and is not read", prepared.resume_from,
-                    prepared.init_from)
+                    config.init_from)
     if me == 0 and prepared.profile_precision not in (None, config.precision):
         # a run of another precision than its profile's: the plan's times and memory are not its own
         log.warning("the plan's profile was measured at --precision %s, this run is %s: the plan's predicted times and "

@@ -26,6 +26,7 @@ from octoplan.profile import Layer, ModelRef, Profile, save_profile
 from octoplan.schedules.looped import one_f_one_b
 from octoplan.tuner.frameworks import Frameworks
 from octoplan.tuner.search import TuneOptions, tune
+from octoplan.tuner.space import Candidate, Config
 
 # embedding, 6 decoder layers, one MTP layer, the head: 9 layers, uneven costs
 KINDS = ["embedding"] + ["transformer"] * 3 + ["moe"] * 3 + ["mtp", "head"]
@@ -159,6 +160,11 @@ def test_block_recomputation_maps_to_decoder_layers():
     export = megatron_export(decoders, _profile())
     assert export.arguments[-2:] == ("--recompute-num-layers", "2")
     assert not [note for note in export.notes if "recompute fewer" in note]
+    # and the tuner's tables say Megatron-LM runs it (one rule for both)
+    frameworks = Frameworks(_profile())
+    cand = Candidate(Config(decoders.pp, 1, decoders.microbatches), (0, 3, 5, 7, 9), (0, 1, 0, 1), None,
+                     tuple(map(tuple, decoders.schedule)), "", "", frozenset({0, 1, 2}), ((0, 3), (1, 2), (2, 2)))
+    assert frameworks.megatron_layout_ok(cand) and "Megatron-LM" in frameworks.runs_on(cand)
     # every stage recomputing all its layers: [E t t | t t | t t | m L]. Megatron-LM's block method
     # recomputes 2 decoder layers per stage, never E, m or L, which the plan counts recomputed
     everything = megatron_export(_interleaved_plan(recompute={0: 3, 1: 2, 2: 2, 3: 2}), _profile())

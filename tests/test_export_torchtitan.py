@@ -97,6 +97,15 @@ def test_any_file_name_stays_inside_its_string_or_comment(tmp_path):
     done = subprocess.run(["bash", "-c", 'source "$0" && printf "%s\\n" "${MEGATRON_PP_ARGS[@]}"', str(folder / "m.sh")],
                           capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr == "" and done.stdout.splitlines() == list(export.arguments), done
+    # a folder whose name is no UTF-8 (byte 0xff): the Megatron-LM file escapes it in its comment;
+    # the TOML could not name its CSV, so nothing is written
+    raw = tmp_path / os.fsdecode(b"raw\xffdir")
+    raw.mkdir()
+    export_megatron(plan, _profile(), raw / "m.sh", file=str(raw / "p.yaml"))
+    assert "raw\\udcffdir" in (raw / "m.sh").read_text()
+    with pytest.raises(InputError, match="-o: is not a UTF-8 path"):
+        export_torchtitan(plan, _profile(), raw / "tt.toml")
+    assert sorted(p.name for p in raw.iterdir()) == ["m.sh"]
 
 
 def test_one_stage_per_rank_is_1f1b_and_v_plans_are_zbv():

@@ -366,12 +366,23 @@ def test_the_files_read_are_those_transformers_reads(saved, tmp_path):
     assert torch.equal(head.state_dict()["model.norm.weight"], hf_model.model.norm.weight)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(sharded)  # transformers itself agrees
     assert torch.equal(reloaded.model.norm.weight, hf_model.model.norm.weight)
-    # the same stray file beside model.safetensors alone: still not read
+    # the same stray file beside model.safetensors alone: still not read; and model.safetensors
+    # beside an index (and its shards) wins, as in transformers
     single = tmp_path / "single"
     hf_model.save_pretrained(single)
     safetensors_torch.save_file(stray, single / "old-model.safetensors")
+    for name in ("model.safetensors.index.json", *json.loads((sharded / "model.safetensors.index.json").read_text())
+                 ["weight_map"].values()):
+        if not (single / name).exists():
+            shutil.copy(sharded / name, single / name)
+    shards = {"model.norm.weight": stray["model.norm.weight"]}  # the index's copy of the norm differs
+    index = json.loads((single / "model.safetensors.index.json").read_text())
+    safetensors_torch.save_file({**safetensors_torch.load_file(single / index["weight_map"]["model.norm.weight"]),
+                                 **shards}, single / index["weight_map"]["model.norm.weight"])
     head = load_model_file(f"hf:{single}", {"seq": SEQ}).build_layer(model.num_layers() - 1)
     assert torch.equal(head.state_dict()["model.norm.weight"], hf_model.model.norm.weight)
+    assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(single).model.norm.weight,
+                       hf_model.model.norm.weight)
     # no standard name, two copies: refused
     loose = tmp_path / "loose"
     loose.mkdir()
@@ -388,6 +399,18 @@ def test_the_files_read_are_those_transformers_reads(saved, tmp_path):
     (partial / missing).unlink()
     with pytest.raises(InputError, match=f"weight_map: names {missing}, which is not in the folder"):
         load_model_file(f"hf:{partial}", {"seq": SEQ}).build_layer(1)
+
+
+def test_profile_says_the_sequence_length_it_took(saved, tmp_path):
+    """hf:'s default seq (32) sets the plan's times and octorun's token windows: the profile
+    command says it took it, and says nothing where --config seq was given."""
+    folder = saved["llama"][0]
+    args = ("--microbatch-size", "1", "--repeat", "1", "--device", "cpu")
+    said = _cli("profile", f"hf:{folder}", *args, "-o", str(tmp_path / "a.yaml"))
+    assert said.exit_code == 0, said.output
+    assert "profiled at seq 32 tokens per sample, hf:'s default; give --config seq=N" in " ".join(said.output.split())
+    given = _cli("profile", f"hf:{folder}", "--config", "seq=8", *args, "-o", str(tmp_path / "b.yaml"))
+    assert given.exit_code == 0 and "hf:'s default" not in given.output
 
 
 def test_without_transformers_says_what_to_install(saved, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -366,6 +367,8 @@ def test_the_baselines_have_every_interleaved_chunk_count_the_layers_allow():
                                                                                              "zb-h2"}
     tuned = tune(profile, cluster, one)
     assert [stage.rank for stage in tuned.plan.stages] == [0, 1]
+    with pytest.raises(InputError, match="--chunks-max: is 1, and --runs-on v places two stages on every rank"):
+        tune(profile, cluster, replace(one, runs_on="v"))
 
 
 def test_the_baselines_take_at_most_half_the_budget_the_most_run_first():

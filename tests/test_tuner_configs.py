@@ -102,20 +102,31 @@ def test_the_microbatch_size_that_runs_the_batch_fastest_wins():
     assert min(row.scored.iteration_ms for row in batch.configs if row.microbatch_size == 2) > batch.result.scored.iteration_ms
 
 
-def test_each_size_keeps_the_baselines_its_pricing_priced_under_a_plan_budget():
+@pytest.mark.parametrize("memory_gb", [None, 4.0])
+def test_each_size_keeps_the_baselines_its_pricing_priced_under_a_plan_budget(memory_gb):
     """Under --max-plans a size's pricing counts among its tune's plans, so its tune's clock
     starts past the baselines' share: the baselines priced already (free again) are still its
-    rows, not none (which made the table say no baseline fits)."""
+    rows, not none (which made the table say no baseline fits); with 4 GB per GPU, where they
+    fit only recomputing, their +recompute rows too."""
     from octoplan.tuner import compare_baselines
     from octoplan.tuner.search import BASELINES_SHARE
 
-    small, large = two_layers(1.0, size=1), two_layers(2.0, size=2)  # alike per sample: both are tuned
-    opts = TuneOptions(gpus=2, global_batch=8, max_plans=40, time_limit_s=60)
-    batch = tune_global_batch([(None, small), (None, large)], cluster(), opts)
+    def sized(scale: float, size: int):
+        if memory_gb is None:
+            return two_layers(scale, size)
+        return replace(make_profile([(scale, scale, scale)] * 4, act=10**9 * size, out=10**6, params=10**6),
+                       microbatch_size=size)
+
+    small, large = sized(1.0, 1), sized(2.0, 2)  # alike per sample: both are tuned
+    gpus = cluster() if memory_gb is None else replace(cluster(), memory_gb=memory_gb)
+    opts = TuneOptions(gpus=2, global_batch=8, max_plans=40 if memory_gb is None else 400, time_limit_s=60)
+    batch = tune_global_batch([(None, small), (None, large)], gpus, opts)
     assert batch.untuned_sizes == ()
     for profile in (small, large):
-        pricing = compare_baselines(profile, cluster(), opts, until_s=BASELINES_SHARE * opts.time_limit_s / 2)
+        pricing = compare_baselines(profile, gpus, opts, until_s=BASELINES_SHARE * opts.time_limit_s / 2)
         assert pricing  # the budget prices some
+        if memory_gb is not None:
+            assert any(row.name.endswith("+recompute") for row in pricing)
         rows = [row for size, row in batch.baselines if size == profile.microbatch_size]
         assert {row.name for row in rows} >= {row.name for row in pricing}
 
@@ -124,6 +135,23 @@ def _row(parts: dict, fits: bool = True, cross: bool = False) -> ConfigRow:
     total = sum(parts.values())
     cand = Candidate(Config(2, 1, 4), (0, 1, 2), (0, 1))
     return ConfigRow(1, cand, Scored(total, 0.0, 1.0, 90 * 10**9, fits), {p: parts.get(p, 0.0) for p in TIME_PARTS}, cross)
+
+
+def test_microbatches_per_pipeline_over_several_dp_are_judged_per_microbatch():
+    """--microbatches 4 without --pp: pp 2 trains 4 microbatches an iteration, pp 1 x dp 2 trains
+    8. pp 1: 4 x 2 layers x (F + I + W) = 24 ms, then layer 0's 1 ms all-reduce (layer 1's ran
+    under layer 0's last backward): 25 ms, 3.125 ms a microbatch; pp 2 is quicker per iteration
+    but not per microbatch. The faster training wins; with --pp (one dp) nothing changes."""
+    from octoplan.tuner import tune
+
+    opts = TuneOptions(gpus=2, microbatches=4, max_plans=300, time_limit_s=60)
+    result = tune(two_layers(), cluster(), opts)
+    assert (result.candidate.config.pp, result.candidate.config.dp) == (1, 2)
+    assert result.scored.iteration_ms == pytest.approx(25.0) and result.scored.judged_ms == pytest.approx(25.0 / 8)
+    by_config = {cand.config.pp: scored for cand, scored in result.configs}
+    assert by_config[2].iteration_ms < 25.0 < 8 * by_config[2].judged_ms
+    pinned = tune(two_layers(), cluster(), replace(opts, pp=2))
+    assert pinned.candidate.config.pp == 2 and pinned.scored.samples == 1
 
 
 def test_why_the_next_best_lost_names_the_part_that_grew_most():

@@ -86,6 +86,9 @@ def _is_count(field: str) -> bool:
     return field.startswith("num_") or field.endswith("_size") or field == "head_dim"
 
 
+_ROUTER_LOSS_SAID: set[str] = set()  # the sources _without_router_loss spoke of in this process
+
+
 def _without_router_loss(source: str, *configs: Any) -> None:
     """Turn off ``output_router_logits`` (a MoE router's load-balancing loss, added to the loss by
     transformers' causal-LM forward): the chain's head sees hidden states only, never the
@@ -96,7 +99,8 @@ def _without_router_loss(source: str, *configs: Any) -> None:
         if getattr(config, "output_router_logits", False):
             config.output_router_logits = False
             turned_off = True
-    if turned_off and os.environ.get("RANK", "0") == "0":
+    if turned_off and os.environ.get("RANK", "0") == "0" and source not in _ROUTER_LOSS_SAID:
+        _ROUTER_LOSS_SAID.add(source)
         sys.stderr.write(f"octoplan: {source}: output_router_logits is set to false: the routers' load-balancing "
                          "loss is not part of the pipeline's loss (the language-model loss alone)\n")
 

@@ -31,6 +31,8 @@ def _indexed_files(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
+        if not all(isinstance(name, str) and name for name in names):
+            raise TypeError("its values must be file names")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InputError(str(index), "weight_map", f"cannot be read: {type(exc).__name__}: {exc}",
                          "give the index transformers wrote with the safetensors files, or remove it") from None
@@ -88,14 +90,14 @@ class Checkpoint:
 
     @classmethod
     def of_folder(cls, source: str, folder: Path) -> "Checkpoint | None":
-        """The files transformers' ``from_pretrained`` reads: those ``model.safetensors.index.json``
-        names, else ``model.safetensors``; a folder with neither, every ``*.safetensors`` in it
-        (None where there is none)."""
+        """The files transformers' ``from_pretrained`` reads: ``model.safetensors``, else those
+        ``model.safetensors.index.json`` names; a folder with neither, every ``*.safetensors``
+        in it (None where there is none)."""
+        if (folder / SINGLE_FILE).is_file():
+            return cls(source, [folder / SINGLE_FILE])
         index = folder / INDEX_FILE
         if index.is_file():
             return cls(source, _indexed_files(index))
-        if (folder / SINGLE_FILE).is_file():
-            return cls(source, [folder / SINGLE_FILE])
         files = sorted(folder.glob("*.safetensors"))
         return cls(source, files) if files else None
 

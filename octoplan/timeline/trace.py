@@ -136,7 +136,13 @@ def replay_time_scale(path: Path) -> float | None:
     doc = _read_document(path)
     other = doc.get("otherData") if isinstance(doc, dict) else None
     scale = other.get("replay_time_scale") if isinstance(other, dict) else None
-    return float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        return None
+    try:
+        return float(scale)
+    except OverflowError:  # an integer of hundreds of digits
+        raise InputError(str(path), "otherData.replay_time_scale", "is too large to be a scale",
+                         "pass the trace octorun --trace wrote") from None
 
 
 def _read_document(path: Path) -> Any:

@@ -38,10 +38,11 @@ def comparison_rows(result, sizes: dict[int, int] | None = None, tuned_size: int
     several microbatch sizes were tuned, each baseline row's (by its index), and the tuned
     plan's ``tuned_size``: the short configuration then names them."""
     tuned_ms = result.scored.iteration_ms
+    tuned_judged = result.scored.judged_ms  # per microbatch where the configurations train different batches
     c = result.candidate.config
     rows = [{
         "plan": "tuned", "config": c.label(), "short": _short(c, tuned_size if sizes else None),
-        "iteration_ms": tuned_ms, "speedup": 1.0,
+        "iteration_ms": tuned_ms, "judged_ms": tuned_judged, "speedup": 1.0,
         "bubble_ratio": result.scored.bubble_ratio, "efficiency": result.scored.efficiency,
         "peak_memory_gb": result.scored.peak_memory_bytes / 1e9, "fits": result.scored.fits,
         "runs_on": list(result.runs_on),
@@ -50,8 +51,8 @@ def comparison_rows(result, sizes: dict[int, int] | None = None, tuned_size: int
         s = row.scored
         rows.append({
             "plan": _label(row), "config": row.config.label(), "short": _short(row.config, (sizes or {}).get(index)),
-            "iteration_ms": s.iteration_ms,
-            "speedup": _ratio(s.iteration_ms, tuned_ms), "bubble_ratio": s.bubble_ratio,
+            "iteration_ms": s.iteration_ms, "judged_ms": s.judged_ms,
+            "speedup": _ratio(s.judged_ms, tuned_judged), "bubble_ratio": s.bubble_ratio,
             "efficiency": s.efficiency, "peak_memory_gb": s.peak_memory_bytes / 1e9, "fits": s.fits,
             "runs_on": list(row.runs_on),
         })
@@ -79,10 +80,16 @@ def shown_rows(rows: list[dict]) -> list[dict]:
         match = re.fullmatch(r"interleaved-1f1b\(v=\d+\)/(\w+)(\+recompute)?( \(first \d+ layers\))?", row["plan"])
         if match:
             key = match.group(1) + (match.group(2) or "")
-            if key not in best or (not best[key]["fits"], best[key]["iteration_ms"]) > (not row["fits"], row["iteration_ms"]):
+            if key not in best or _judged(best[key]) > _judged(row):
                 best[key] = row
     keep = {id(row) for row in best.values()}
     return [row for row in rows if not row["plan"].startswith("interleaved-1f1b(v=") or id(row) in keep]
+
+
+def _judged(row: dict) -> tuple[bool, float]:
+    """How a row of :func:`comparison_rows` ranks: those that fit first, then by the time the
+    search judges (per microbatch where the configurations train different batches)."""
+    return (not row["fits"], row.get("judged_ms", row["iteration_ms"]))
 
 
 def _table(result, sizes: dict[int, int] | None = None, tuned_size: int | None = None) -> Table:
@@ -113,10 +120,11 @@ def _verdict(result, memory_gb: float) -> str:
     best = result.best_baseline()
     if best is None:
         return f"no baseline fits {memory_gb:g} GB per GPU; the tuned plan does"
-    ratio = _ratio(best.scored.iteration_ms, result.scored.iteration_ms)
+    ratio = _ratio(best.scored.judged_ms, result.scored.judged_ms)
     tie = ": the search found nothing faster than this baseline" if ratio < 1.0005 else ""
+    per = " per microbatch" if result.scored.samples > 1 else ""
     return (f"fastest baseline that fits: {_label(best)} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
-            f"the tuned plan is {ratio:.3f}x faster{tie}")
+            f"the tuned plan is {ratio:.3f}x faster{per}{tie}")
 
 
 def _framework_costs(result) -> list[str]:
@@ -127,12 +135,12 @@ def _framework_costs(result) -> list[str]:
         if framework in result.runs_on:
             continue
         rows = [row for row in result.baselines if row.scored.fits and framework in row.runs_on]
-        best = min(rows, key=lambda row: row.scored.iteration_ms, default=None)
+        best = min(rows, key=lambda row: row.scored.judged_ms, default=None)
         if best is None:
             lines.append(f"{framework} runs none of the baselines that fit; `octoplan tune --runs-on {runs_on}` "
                          "looks for a plan it runs")
             continue
-        ratio = _ratio(best.scored.iteration_ms, result.scored.iteration_ms)
+        ratio = _ratio(best.scored.judged_ms, result.scored.judged_ms)
         also = " (or v)" if framework == "torchtitan" else ""
         lines.append(f"staying on {framework}: its fastest baseline that fits here is {_label(best)} "
                      f"({best.config.label()}), {best.scored.iteration_ms:.2f} ms, {ratio:.3f}x the tuned plan's time; "
@@ -194,7 +202,10 @@ CONFIG_ROWS = 8  # the configurations the table shows: the fastest that fit, the
 def _configs_table(batch) -> Table:
     rows = batch.configs
     several = len({row.microbatch_size for row in rows}) > 1
-    table = Table(title=f"configurations for this batch: the best plan found for each ({len(rows)} priced"
+    # with a count of microbatches per pipeline over several dp, each configuration trains its own batch
+    batch_of = ("configurations, each training dp x its microbatches, ranked by time per microbatch" if rows[0].scored.samples > 1
+                else "configurations for this batch")
+    table = Table(title=f"{batch_of}: the best plan found for each ({len(rows)} priced"
                         + (f"; {CONFIG_ROWS} shown, the fastest that fit first" if len(rows) > CONFIG_ROWS else "")
                         + ")",
                   caption="the busiest GPU's time in parts: compute (its ops, less recomputed forwards), recompute, "
@@ -224,8 +235,9 @@ def _config_verdict(batch) -> str:
     if len(rows) == 1:
         return f"one configuration applies: {winner.label()}"
     runner = rows[1]
-    ratio = _ratio(runner.scored.iteration_ms, winner.scored.iteration_ms)
-    slower = f"{ratio:.3f}x the time" if runner.scored.fits else "does not fit"
+    ratio = _ratio(runner.scored.judged_ms, winner.scored.judged_ms)
+    per = " per microbatch" if winner.scored.samples > 1 else ""
+    slower = f"{ratio:.3f}x the time{per}" if runner.scored.fits else "does not fit"
     return (f"fastest configuration: {winner.label()}; the next best, {runner.label()}, {slower}; "
             f"{why_slower(runner, winner)}")
 

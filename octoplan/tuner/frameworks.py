@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from octoplan.errors import InputError
-from octoplan.export_megatron import LayerLetters, megatron_order
+from octoplan.export_megatron import LayerLetters, megatron_order, one_recompute_count
 from octoplan.profile import Profile
 from octoplan.schedules import loop_placement, v_placement
 from octoplan.tuner.space import Candidate
@@ -62,12 +62,7 @@ class Frameworks:
             return False
         if self.letters.bounds_problem(cand.bounds, cand.config.pp) is not None:
             return False
-        counts = [cand.recomputed_layers(s) for s in range(cand.num_stages)]
-        if any(counts):
-            n = max(counts)
-            sizes = [b - a for a, b in zip(cand.bounds, cand.bounds[1:])]
-            return all(c == min(n, size) for c, size in zip(counts, sizes))
-        return True
+        return one_recompute_count(cand.stages(), self.letters)
 
     def megatron_runs(self, cand: Candidate) -> bool:
         """Megatron-LM runs ``cand`` as planned: its layout, and Megatron's order exactly."""

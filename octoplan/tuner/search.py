@@ -150,7 +150,7 @@ class TuneResult:
 
     def best_baseline(self) -> BaselineRow | None:
         fitting = [row for row in self.baselines if row.scored.fits]
-        return min(fitting, key=lambda row: row.scored.iteration_ms, default=None)
+        return min(fitting, key=lambda row: row.scored.judged_ms, default=None)
 
 
 def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
@@ -212,6 +212,7 @@ def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions, *,
     configs = configs_for(profile, opts)
     cluster = _with_gpus(cluster, opts.gpus)
     search = Search(_evaluator_for(profile, cluster, evaluator), opts, None)
+    search.ev.judge_per_sample(configs)
     rows = collect_baselines(profile, cluster, configs, opts, search, until_s=until_s).rows
     return [replace(row, runs_on=search.frameworks.runs_on(row.candidate)) for row in rows]
 
@@ -253,6 +254,7 @@ def tune(
     search = Search(_evaluator_for(profile, cluster, evaluator),
                     replace(opts, chunks_max=min(opts.chunks_max or DEFAULT_CHUNKS, profile.num_layers)),
                     progress, neighbourhoods=neighbourhoods, stage_cap=opts.chunks_max)
+    search.ev.judge_per_sample(configs)
     # the baselines may take up to half the time limit: at thousands of microbatches they alone
     # take longer than a short one (--time-limit 5 on 4096 microbatches: 28 s)
     collected = (collect_baselines(profile, cluster, configs, opts, search, until_s=BASELINES_SHARE * opts.time_limit_s)
@@ -297,6 +299,9 @@ def check_options(opts: TuneOptions) -> None:
         raise InputError(None, "--seed", f"is {opts.seed}", f"use a seed from 0 to {MAX_SEED}")
     if opts.runs_on not in RUNS_ON:
         raise InputError(None, "--runs-on", f"is {opts.runs_on!r}", f"use one of {', '.join(RUNS_ON)}")
+    if opts.runs_on == "v" and opts.chunks_max is not None and opts.chunks_max < 2:
+        raise InputError(None, "--chunks-max", f"is {opts.chunks_max}, and --runs-on v places two stages on every rank",
+                         "give --chunks-max 2 or more, or another --runs-on")
 
 
 def _checked(profile: Profile, opts: TuneOptions, profile_path: str | Path | None) -> TuneOptions:

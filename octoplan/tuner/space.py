@@ -143,18 +143,27 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Scored:
-    """A candidate's figures. ``score`` orders candidates: fitting ones by iteration time,
-    then the rest by how much memory their fullest GPU needs."""
+    """A candidate's figures. ``score`` orders candidates: fitting ones by iteration time per
+    ``samples`` (1 where every configuration trains one batch), then the rest by how much memory
+    their fullest GPU needs."""
 
     iteration_ms: float
     bubble_ratio: float
     efficiency: float
     peak_memory_bytes: int
     fits: bool
+    # the microbatches an iteration trains (dp x microbatches per pipeline), where configurations
+    # of one search train different batches (tune --microbatches without --pp); else 1
+    samples: int = 1
+
+    @property
+    def judged_ms(self) -> float:
+        """The time the search compares: the iteration's, per microbatch where batches differ."""
+        return self.iteration_ms / self.samples
 
     @property
     def score(self) -> tuple[int, float]:
-        return (0, self.iteration_ms) if self.fits else (1, float(self.peak_memory_bytes))
+        return (0, self.judged_ms) if self.fits else (1, float(self.peak_memory_bytes))
 
 
 class Evaluator:
@@ -168,6 +177,9 @@ class Evaluator:
         self.num_layers = profile.num_layers
         self._stage_cache: dict[tuple[int, int, int], StageCost] = {}  # (start, end, recomputed layers)
         self._cache: dict[Candidate, Scored] = {}
+        # whether the configurations priced train different batches, so that candidates are
+        # judged by time per microbatch (see judge_per_sample)
+        self.per_sample = False
         self.evaluations = 0  # simulations actually run (cache misses)
         self._last: tuple[Candidate, SimResult] | None = None  # the latest timeline, for the climb
 
@@ -263,7 +275,7 @@ class Evaluator:
             dtype_bytes=self.profile.param_dtype_bytes, optimizer=self.optimizer, tied=self.profile.tied,
         )
         self.evaluations += 1
-        self._cache[cand] = _scored(result)
+        self._cache[cand] = _scored(result, cand.config.dp * cand.config.microbatches if self.per_sample else 1)
         self._last = (cand, result)
         return result
 
@@ -280,6 +292,15 @@ class Evaluator:
             self.simulate(cand)
             hit = self._cache[cand]
         return hit
+
+    def judge_per_sample(self, configs: Sequence[Config]) -> None:
+        """Judge candidates by time per microbatch where ``configs`` train different batches (a
+        fixed count of microbatches per pipeline over several dp): a longer iteration of more
+        samples may train faster. Scores priced under the other rule are dropped."""
+        per_sample = len({config.dp * config.microbatches for config in configs}) > 1
+        if per_sample != self.per_sample:
+            self._cache.clear()
+            self.per_sample = per_sample
 
     def priced(self, cand: Candidate) -> bool:
         """Whether ``cand``'s score is known: asking for it again costs no plan."""
@@ -304,13 +325,14 @@ def _add_fixed(out: list[Candidate], cand: Candidate, schedule: tuple[tuple[Op, 
     return made
 
 
-def _scored(result: SimResult) -> Scored:
+def _scored(result: SimResult, samples: int) -> Scored:
     return Scored(
         iteration_ms=result.iteration_ms,
         bubble_ratio=result.bubble_ratio,
         efficiency=result.efficiency,
         peak_memory_bytes=max(result.peak_memory_bytes),
         fits=result.fits_memory,
+        samples=samples,
     )
 
 

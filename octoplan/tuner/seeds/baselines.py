@@ -158,10 +158,11 @@ def collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Conf
         short = {label for label, row in best.items() if not row.scored.fits}
         for config, cand in priced:
             if cand.origin in short:
-                if out_of_time():
+                label = f"{cand.origin}+recompute"
+                # a bisection the pricing before this search ran is priced throughout: free again
+                if out_of_time() and not (reused and search.ev.priced(_recomputing(cand, label, _longest(cand)))):
                     unpriced += 1
                     continue
-                label = f"{cand.origin}+recompute"
                 consider(label, config, fewest_recomputed_layers(search, cand, label))
     rows = []
     for label in (_baseline_label(*name) for name in names):  # the table's order: SCHEDULES'
@@ -173,20 +174,26 @@ def fewest_recomputed_layers(search: Search, cand: Candidate, origin: str) -> Ca
     """``cand`` with every stage recomputing its first N layers (all of a shorter stage's), for
     the fewest N with which it fits memory; with all layers where none does. Fewer recomputed
     layers keep more activations, so whether a plan fits falls as N does: a bisection finds N."""
-    longest = max(b - a for a, b in zip(cand.bounds, cand.bounds[1:]))
-
-    def with_layers(n: int) -> Candidate:
-        return with_recomputation(cand, dict.fromkeys(range(cand.num_stages), n),
-                                  origin if n == longest else f"{origin} (first {n} layers per stage)")
-
-    best = with_layers(longest)
+    longest = _longest(cand)
+    best = _recomputing(cand, origin, longest)
     if not search.offer(best).fits:
         return best
     low, high = 0, longest  # fits with high layers, not known to with low
     while high - low > 1:
         middle = (low + high) // 2
-        if search.offer(with_layers(middle)).fits:
+        if search.offer(_recomputing(cand, origin, middle)).fits:
             high = middle
         else:
             low = middle
-    return with_layers(high)
+    return _recomputing(cand, origin, high)
+
+
+def _longest(cand: Candidate) -> int:
+    """The most layers a stage of ``cand`` holds."""
+    return max(b - a for a, b in zip(cand.bounds, cand.bounds[1:]))
+
+
+def _recomputing(cand: Candidate, origin: str, n: int) -> Candidate:
+    """``cand`` with every stage recomputing its first ``n`` layers (all, at its longest stage's count)."""
+    return with_recomputation(cand, dict.fromkeys(range(cand.num_stages), n),
+                              origin if n == _longest(cand) else f"{origin} (first {n} layers per stage)")
