@@ -124,6 +124,11 @@ def read_profile(given: Optional[Path]) -> tuple[Path, Profile]:
         if folder.is_dir() else []
     if not candidates:
         raise InputError("profiles/", None, "no profile given and none in profiles/", "run octoplan profile first or name a PROFILE")
+    newest = [p for p in candidates if p.stat().st_mtime == candidates[-1].stat().st_mtime]
+    if len(newest) > 1:  # a fresh clone's bundled profiles: which one is "newest" would be chance
+        raise InputError("profiles/", None, f"no profile given, and {len(newest)} are the newest alike "
+                         f"({', '.join(p.name for p in newest[:3])}{', ...' if len(newest) > 3 else ''})",
+                         "name a PROFILE")
     # read before saying so: a file that is no profile gets the one line of its error alone
     profile = load_profile(candidates[-1])
     typer.echo(f"using the newest profile, {candidates[-1]}", err=True)  # on stderr: stdout may be JSON

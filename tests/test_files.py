@@ -601,6 +601,23 @@ def test_validate_refuses_the_microbatch_size_octorun_would(baseline_files):
     assert run.returncode == 2 and "microbatch_size: is 0" in run.stderr, run.stderr
 
 
+def test_profiles_equally_new_are_not_chosen_by_chance(tmp_path):
+    """A fresh clone's bundled profiles share one time: none of them is "the newest"."""
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    from octoplan.profile import save_profile
+
+    for name in ("a.yaml", "b.yaml"):
+        save_profile(make_profile([(1, 1, 1)] * 4), folder / name)
+        os.utime(folder / name, (5, 5))
+    run = _octoplan("baseline", "--gpus", 2, "--schedule", "1f1b", "-o", "plan.yaml", cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "error: profiles/: no profile given, and 2 are the newest alike (a.yaml, b.yaml) (name a PROFILE)"]
+    os.utime(folder / "b.yaml", (6, 6))
+    run = _octoplan("baseline", "--gpus", 2, "--schedule", "1f1b", "-o", "plan.yaml", cwd=tmp_path)
+    assert run.returncode == 0 and "using the newest profile, profiles/b.yaml" in run.stderr
+
+
 def test_a_newest_profile_that_is_no_profile_gets_one_line(tmp_path):
     folder = tmp_path / "profiles"
     folder.mkdir()
