@@ -152,6 +152,13 @@ def test_microbatches_per_pipeline_over_several_dp_are_judged_per_microbatch():
     assert by_config[2].iteration_ms < 25.0 < 8 * by_config[2].judged_ms
     pinned = tune(two_layers(), cluster(), replace(opts, pp=2))
     assert pinned.candidate.config.pp == 2 and pinned.scored.samples == 1
+    # the tables show the figure they rank by, and the plan says which rule chose it
+    from octoplan.tuner.cli import _table
+
+    assert "ms/mb" in [column.header for column in _table(result).columns]
+    assert "ms/mb" not in [column.header for column in _table(pinned).columns]
+    assert result.plan.extra["tuner"]["judged"] == "per microbatch"
+    assert pinned.plan.extra["tuner"]["judged"] == "per iteration"
 
 
 def test_why_the_next_best_lost_names_the_part_that_grew_most():
@@ -166,6 +173,13 @@ def test_why_the_next_best_lost_names_the_part_that_grew_most():
     assert why_slower(_row({**base, "allreduce": 1.5}), winner).startswith("all-reduce: 0.50 ms more")
     assert why_slower(_row({**base, "compute": 11.0}), winner) == "balance: its busiest GPU computes 1.00 ms more"
     assert why_slower(_row(base, fits=False), winner) == "memory: needs 90.0 GB on its fullest GPU even recomputing"
+    # rows of different batches (--microbatches without --pp) compare per microbatch: the winner
+    # trains 16 in 1634 ms (compute 92.5 ms a microbatch), the runner 8 in 965 (102.75)
+    many = replace(_row({"compute": 1480.0, "bubbles": 150.0, "allreduce": 4.0}), microbatch_size=1)
+    many = replace(many, scored=replace(many.scored, samples=16))
+    few = _row({"compute": 822.0, "bubbles": 143.0})
+    few = replace(few, scored=replace(few.scored, samples=8))
+    assert why_slower(few, many) == "balance: its busiest GPU computes 10.25 ms more per microbatch"
 
 
 def test_profiles_of_different_models_or_the_same_size_are_refused():

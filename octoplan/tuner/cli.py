@@ -96,19 +96,23 @@ def _table(result, sizes: dict[int, int] | None = None, tuned_size: int | None =
     table = Table(title="tuned plan vs the baselines (docs/FORMATS.md section 6) on the same GPUs",
                   caption="pp.dp.mb: pipeline degree, data-parallel degree, microbatches per pipeline "
                           "(xN: samples per microbatch, where several were tuned; "
-                          "pi / di: pp-inner / dp-inner rank order); tuned x: how much faster the tuned plan is; "
+                          "pi / di: pp-inner / dp-inner rank order); tuned x: how much faster the tuned plan is "
+                          "(per microbatch, ms/mb, where the configurations train different batches); "
                           "interleaved-1f1b(v=N): of the chunk counts above 2, the fastest; runs on: the "
                           "frameworks that run the plan as planned (torch: torch.distributed.pipelining)")
     rows = shown_rows(comparison_rows(result, sizes, tuned_size))
-    for name, justify in (("plan", "left"), ("pp.dp.mb", "left"), ("iter ms", "right"), ("tuned x", "right"),
-                          ("bubble", "right"), ("eff", "right"), ("peak GB", "right"), ("fits", "center")):
+    per = result.scored.samples > 1  # configurations of different batches: judged per microbatch
+    for name, justify in (("plan", "left"), ("pp.dp.mb", "left"), ("iter ms", "right"), *([("ms/mb", "right")] if per else []),
+                          ("tuned x", "right"), ("bubble", "right"), ("eff", "right"), ("peak GB", "right"),
+                          ("fits", "center")):
         table.add_column(name, justify=justify, overflow="fold")
     # narrow: the frameworks wrap before a plan's name does
     table.add_column("runs on", justify="left", overflow="fold", max_width=16)
     for row in rows:
         style = "bold green" if row["plan"] == "tuned" else (None if row["fits"] else "dim")
         table.add_row(
-            row["plan"], row["short"], f"{row['iteration_ms']:.2f}", f"{row['speedup']:.3f}x",
+            row["plan"], row["short"], f"{row['iteration_ms']:.2f}", *([f"{row['judged_ms']:.2f}"] if per else []),
+            f"{row['speedup']:.3f}x",
             f"{row['bubble_ratio']:.1%}", f"{row['efficiency']:.3f}", f"{row['peak_memory_gb']:.1f}",
             "yes" if row["fits"] else "no", ", ".join(row["runs_on"]), style=style,
         )
@@ -142,8 +146,9 @@ def _framework_costs(result) -> list[str]:
             continue
         ratio = _ratio(best.scored.judged_ms, result.scored.judged_ms)
         also = " (or v)" if framework == "torchtitan" else ""
+        per = " per microbatch" if result.scored.samples > 1 else ""
         lines.append(f"staying on {framework}: its fastest baseline that fits here is {_label(best)} "
-                     f"({best.config.label()}), {best.scored.iteration_ms:.2f} ms, {ratio:.3f}x the tuned plan's time; "
+                     f"({best.config.label()}), {best.scored.iteration_ms:.2f} ms, {ratio:.3f}x the tuned plan's time{per}; "
                      f"`octoplan tune --runs-on {runs_on}`{also} tunes the best plan it runs")
     return lines
 
@@ -211,8 +216,9 @@ def _configs_table(batch) -> Table:
                   caption="the busiest GPU's time in parts: compute (its ops, less recomputed forwards), recompute, "
                           "bubbles (waiting on other GPUs' work), transfers (waiting on the wire), all-reduce (the "
                           "gradient all-reduce left after the last op); why: the part that grew most against the fastest")
-    columns = (["mbs"] if several else []) + ["pp.dp.mb", "iter ms", "compute", "recompute", "bubbles", "transfers",
-                                              "all-reduce", "fits", "why slower"]
+    per = rows[0].scored.samples > 1
+    columns = (["mbs"] if several else []) + ["pp.dp.mb", "iter ms"] + (["ms/mb"] if per else []) + [
+        "compute", "recompute", "bubbles", "transfers", "all-reduce", "fits", "why slower"]
     for name in columns:
         table.add_column(name, justify="left" if name in ("pp.dp.mb", "why slower") else "right", overflow="fold")
     winner = rows[0]
@@ -220,6 +226,7 @@ def _configs_table(batch) -> Table:
 
     for row in rows[:CONFIG_ROWS]:
         cells = ([str(row.microbatch_size)] if several else []) + [_short(row.config), f"{row.scored.iteration_ms:.2f}"]
+        cells += [f"{row.scored.judged_ms:.2f}"] if per else []
         cells += [f"{row.parts[part]:.2f}" for part in TIME_PARTS]
         cells += ["yes" if row.scored.fits else "no", why_slower(row, winner)]
         table.add_row(*cells, style="bold green" if row is winner else (None if row.scored.fits else "dim"))

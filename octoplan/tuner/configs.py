@@ -131,12 +131,15 @@ def why_slower(row: ConfigRow, winner: ConfigRow) -> str:
         return "fastest"
     if not row.scored.fits:
         return f"memory: needs {row.scored.peak_memory_bytes / 1e9:.1f} GB on its fullest GPU even recomputing"
-    deltas = {part: row.parts[part] - winner.parts[part] for part in TIME_PARTS}
+    # rows that train different batches (tune --microbatches without --pp) compare per microbatch
+    deltas = {part: row.parts[part] / row.scored.samples - winner.parts[part] / winner.scored.samples
+              for part in TIME_PARTS}
     part = max(TIME_PARTS, key=lambda p: (deltas[p], -TIME_PARTS.index(p)))
     if deltas[part] <= 1e-9:
         return "ties the winner"
     where = " between nodes" if part == "transfers" and row.cross_node_waits else ""
-    return _PART_WORDS[part].format(delta=deltas[part], where=where)
+    phrase = _PART_WORDS[part].format(delta=deltas[part], where=where)
+    return phrase.replace(" ms more", " ms more per microbatch", 1) if winner.scored.samples > 1 else phrase
 
 
 def check_same_model(profiles: Sequence[tuple[Path | None, Profile]]) -> None:
@@ -189,7 +192,7 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
                 refusals.append(exc)  # the batch does not split into this size's microbatches
                 continue
             priced[profile.microbatch_size] = rows
-            fitting = [row.scored.iteration_ms for row in rows if row.scored.fits]
+            fitting = [row.scored.judged_ms for row in rows if row.scored.fits]
             leads.append((path, profile, min(fitting, default=math.inf)))
         fastest = min((ms for _, _, ms in leads), default=math.inf)
         # every size where nothing fits stays in (recomputing stages may fit), as do sizes close enough
@@ -233,9 +236,11 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
         for row in best.values():
             parts, cross = time_parts(evaluator, row.candidate)
             rows.append(ConfigRow(profile.microbatch_size, row.candidate, row.scored, parts, cross))
-    rows.sort(key=lambda row: (row.scored.score, row.microbatch_size, row.config))
     winner_path, winner_profile, winner = min(
         tuned, key=lambda item: (item[2].scored.score, item[1].microbatch_size))
+    # the written plan's configuration first among equals: the table's winner is the plan's
+    won = (winner_profile.microbatch_size, winner.candidate.config)
+    rows.sort(key=lambda row: (row.scored.score, (row.microbatch_size, row.config) != won, row.microbatch_size, row.config))
     baselines = tuple((profile.microbatch_size, row) for _, profile, result in tuned for row in result.baselines)
     baselines += tuple((profile.microbatch_size, row) for _, profile in untuned for row in priced[profile.microbatch_size])
     return BatchResult(winner, winner_path, winner_profile.microbatch_size, tuple(rows), baselines,

@@ -277,7 +277,8 @@ def tune(
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     frameworks = search.frameworks
     rows = tuple(replace(row, runs_on=frameworks.runs_on(row.candidate)) for row in baselines)
-    configs_best = tuple(sorted(search.config_best.values(), key=lambda item: (item[1].score, item[0].config)))
+    configs_best = tuple(sorted(search.config_best.values(),  # the tuned plan's configuration first among equals
+                                key=lambda item: (item[1].score, item[0].config != best.config, item[0].config)))
     return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best), configs_best)
 
 
@@ -501,6 +502,8 @@ def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs
     if best.policies is not None:
         stats["policies"] = [p.to_dict() for p in best.policies]
     stats["runs_on"] = opts.runs_on
+    # how plans were compared: per iteration, or per microbatch where configurations train different batches
+    stats["judged"] = "per microbatch" if search.ev.per_sample else "per iteration"
     return stats
 
 

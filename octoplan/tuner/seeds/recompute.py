@@ -28,7 +28,7 @@ class RecomputingCopies(SeedFamily):
     def from_ranked(self, ctx: SeedContext, ranked: Sequence[Ranked]) -> Iterator[tuple[int, Candidate]]:
         search = ctx.search
         short = sorted((item for item in ranked if item[0][0] != 0 and not item[2].recompute),
-                       key=lambda item: (search.ev.score(item[2]).iteration_ms, item[1]))
+                       key=lambda item: (search.ev.score(item[2]).judged_ms, item[1]))
         fitting = [item for item in ranked if item[0][0] == 0 and not item[2].recompute]
         for _, index, cand in short[:RECOMPUTE_SEEDS] + fitting[:RECOMPUTE_SEEDS // 2]:
             if search.clock.elapsed() >= climbs_end_s(search.opts.time_limit_s):
