@@ -124,7 +124,7 @@ def read_profile(given: Optional[Path]) -> tuple[Path, Profile]:
         if folder.is_dir() else []
     if not candidates:
         raise InputError("profiles/", None, "no profile given and none in profiles/", "run octoplan profile first or name a PROFILE")
-    newest = [p for p in candidates if p.stat().st_mtime == candidates[-1].stat().st_mtime]
+    newest = sorted((p for p in candidates if p.stat().st_mtime == candidates[-1].stat().st_mtime), key=lambda p: p.name)
     if len(newest) > 1:  # a fresh clone's bundled profiles: which one is "newest" would be chance
         raise InputError("profiles/", None, f"no profile given, and {len(newest)} are the newest alike "
                          f"({', '.join(p.name for p in newest[:3])}{', ...' if len(newest) > 3 else ''})",
