@@ -158,7 +158,9 @@ def profile(
         raise InputError(None, "MODEL", "nothing to profile", "give a model file, or --arch NAME (see --list)")
     save_profile(result, out)
     _print_profile(result, out)
-    if model is not None and str(model).startswith("hf:") and "seq" not in overrides:
+    from octoplan.hf import is_hf_source
+
+    if model is not None and is_hf_source(str(model)) and "seq" not in overrides:
         # the times, the memory and octorun's token windows all follow from seq: say which one
         console.print(f"profiled at seq {result.model.config.get('seq')} tokens per sample, hf:'s default; give "
                       "--config seq=N for the sequence length you train at", soft_wrap=True)

@@ -494,7 +494,8 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, group: Any,
     (per-rank RNG states under another world) or differ in shape, dtype or kind: those are left
     as they are and returned. Under ``whole_prefixes`` the group's states together take every key
     of the checkpoint (a whole model: one the checkpoint holds more of is another model, say one
-    whose head was not tied); ``other_model_fix`` is the fix a checkpoint of another model names. Any other problem raises :class:`InputError` on every rank before
+    whose head was not tied); ``other_model_fix`` is the fix a checkpoint of another model names.
+    Any other problem raises :class:`InputError` on every rank before
     a single value is loaded: missing, truncated or damaged files, keys the checkpoint lacks or
     holds beyond the model, shapes, dtypes or kinds that differ."""
     folder = Path(path)
@@ -624,7 +625,7 @@ def _check_files(folder: Path, index: Metadata, keys: set[str]) -> dict[str, str
     return bad
 
 
-def _first_error(folder: Path, verdicts: list[_Check], fix: str = _OTHER_MODEL_FIX) -> InputError | None:
+def _first_error(folder: Path, verdicts: list[_Check], fix: str) -> InputError | None:
     """The one error every rank raises, built from all ranks' verdicts alike; ``fix`` for a
     checkpoint of another model."""
     where = str(folder)

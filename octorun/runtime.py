@@ -1408,7 +1408,7 @@ def run(config: RunConfig) -> RunResult:
             watchdog.fail(f"loading the checkpoint {prepared.resume_from} failed: {gist(exc)}")
         if me == 0 and interpreter.first_step >= config.steps:
             log.warning("the checkpoint is at step %d, not below --steps %d: nothing to train", interpreter.first_step, config.steps)
-    if prepared.init_from is not None and prepared.resume_from is None:
+    if prepared.init_from is not None:  # set only where nothing was resumed (prepare)
         try:
             checkpoint.agree(int(checkpoint.read_meta(prepared.init_from)["step"]), group=groups.control,
                              save=checkpoint.saved_by(prepared.init_from), flag="--init-from")

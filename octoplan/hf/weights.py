@@ -18,7 +18,7 @@ from torch import nn
 
 from octoplan.errors import InputError
 
-__all__ = ["Checkpoint", "INDEX_FILE"]
+__all__ = ["Checkpoint"]
 
 INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> file
 SINGLE_FILE = "model.safetensors"

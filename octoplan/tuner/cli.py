@@ -124,16 +124,19 @@ def _verdict(result, memory_gb: float) -> str:
     best = result.best_baseline()
     if best is None:
         return f"no baseline fits {memory_gb:g} GB per GPU; the tuned plan does"
+    from octoplan.tuner.configs import per_microbatch
+
     ratio = _ratio(best.scored.judged_ms, result.scored.judged_ms)
     tie = ": the search found nothing faster than this baseline" if ratio < 1.0005 else ""
-    per = " per microbatch" if result.scored.samples > 1 else ""
     return (f"fastest baseline that fits: {_label(best)} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
-            f"the tuned plan is {ratio:.3f}x faster{per}{tie}")
+            f"the tuned plan is {ratio:.3f}x faster{per_microbatch(result.scored)}{tie}")
 
 
 def _framework_costs(result) -> list[str]:
     """What staying on a framework that cannot run the tuned plan costs: the fastest row that
     fits and that it runs, against the tuned plan."""
+    from octoplan.tuner.configs import per_microbatch
+
     lines = []
     for framework, runs_on in (("Megatron-LM", "megatron"), ("torchtitan", "loop")):
         if framework in result.runs_on:
@@ -146,9 +149,9 @@ def _framework_costs(result) -> list[str]:
             continue
         ratio = _ratio(best.scored.judged_ms, result.scored.judged_ms)
         also = " (or v)" if framework == "torchtitan" else ""
-        per = " per microbatch" if result.scored.samples > 1 else ""
         lines.append(f"staying on {framework}: its fastest baseline that fits here is {_label(best)} "
-                     f"({best.config.label()}), {best.scored.iteration_ms:.2f} ms, {ratio:.3f}x the tuned plan's time{per}; "
+                     f"({best.config.label()}), {best.scored.iteration_ms:.2f} ms, {ratio:.3f}x the tuned plan's time"
+                     f"{per_microbatch(result.scored)}; "
                      f"`octoplan tune --runs-on {runs_on}`{also} tunes the best plan it runs")
     return lines
 
@@ -235,7 +238,7 @@ def _configs_table(batch) -> Table:
 
 def _config_verdict(batch) -> str:
     """Which configuration won, and why the next-best lost."""
-    from octoplan.tuner.configs import why_slower
+    from octoplan.tuner.configs import per_microbatch, why_slower
 
     rows = batch.configs
     winner = rows[0]
@@ -243,8 +246,7 @@ def _config_verdict(batch) -> str:
         return f"one configuration applies: {winner.label()}"
     runner = rows[1]
     ratio = _ratio(runner.scored.judged_ms, winner.scored.judged_ms)
-    per = " per microbatch" if winner.scored.samples > 1 else ""
-    slower = f"{ratio:.3f}x the time{per}" if runner.scored.fits else "does not fit"
+    slower = f"{ratio:.3f}x the time{per_microbatch(winner.scored)}" if runner.scored.fits else "does not fit"
     return (f"fastest configuration: {winner.label()}; the next best, {runner.label()}, {slower}; "
             f"{why_slower(runner, winner)}")
 

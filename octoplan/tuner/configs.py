@@ -40,11 +40,11 @@ MAX_TUNER_GAIN = 1.15
 # the parts of a configuration's iteration time (:func:`time_parts`), in the table's order
 TIME_PARTS = ("compute", "recompute", "bubbles", "transfers", "allreduce")
 _PART_WORDS = {
-    "compute": "balance: its busiest GPU computes {delta:.2f} ms more",
-    "recompute": "memory: it recomputes {delta:.2f} ms more of forwards to fit",
-    "bubbles": "bubbles: its busiest GPU idles {delta:.2f} ms more",
-    "transfers": "transfers: its busiest GPU waits {delta:.2f} ms more on activations on the wire{where}",
-    "allreduce": "all-reduce: {delta:.2f} ms more of the gradient all-reduce is left after the last backward",
+    "compute": "balance: its busiest GPU computes {delta:.2f} ms more{per}",
+    "recompute": "memory: it recomputes {delta:.2f} ms more{per} of forwards to fit",
+    "bubbles": "bubbles: its busiest GPU idles {delta:.2f} ms more{per}",
+    "transfers": "transfers: its busiest GPU waits {delta:.2f} ms more{per} on activations on the wire{where}",
+    "allreduce": "all-reduce: {delta:.2f} ms more{per} of the gradient all-reduce is left after the last backward",
 }
 
 
@@ -125,6 +125,12 @@ def _nodes_apart(cluster: Cluster, parallel, rank_a: int, rank_b: int) -> bool:
     return cluster.node_of(parallel.global_rank(rank_a, 0)) != cluster.node_of(parallel.global_rank(rank_b, 0))
 
 
+def per_microbatch(scored: Scored) -> str:
+    """" per microbatch" where ``scored`` was judged per microbatch (configurations of different
+    batches), else nothing: the words after a time the search compared."""
+    return " per microbatch" if scored.samples > 1 else ""
+
+
 def why_slower(row: ConfigRow, winner: ConfigRow) -> str:
     """One phrase: the part of ``row``'s time that grew most against the winner's."""
     if row is winner:
@@ -138,8 +144,7 @@ def why_slower(row: ConfigRow, winner: ConfigRow) -> str:
     if deltas[part] <= 1e-9:
         return "ties the winner"
     where = " between nodes" if part == "transfers" and row.cross_node_waits else ""
-    phrase = _PART_WORDS[part].format(delta=deltas[part], where=where)
-    return phrase.replace(" ms more", " ms more per microbatch", 1) if winner.scored.samples > 1 else phrase
+    return _PART_WORDS[part].format(delta=deltas[part], where=where, per=per_microbatch(winner.scored))
 
 
 def check_same_model(profiles: Sequence[tuple[Path | None, Profile]]) -> None:
