@@ -1,5 +1,5 @@
 """Probe: can a better op order close the gap between a layout of three stages per rank and its
-one-machine relaxation? Four searches from the best order the tuner's schedulers find.
+one-machine relaxation? Five searches from the best order the tuner's schedulers find.
 
 The layout is one shape of the fill caps (:mod:`octoplan.tuner.fill_caps`; by default a loop of
 3 stages per rank on jamba-v0.1), cut where CP-SAT puts the cut points in ``--cap-time``
@@ -20,7 +20,15 @@ the start of each search below, all in the order model of :mod:`octoplan.schedul
 3. ``tails``: the longest-tail-first list scheduler again, with each op's tail taken over the
    current order's rank sequence as well as the dataflow (blended with the plain tail by a
    random weight), ``--rounds`` rounds, keeping the best.
-4. ``cuts``: the cut points climbed with the longest-tail-first order as the judge: every run
+4. ``active``: active schedules (Giffler and Thompson, 1960) instead of the non-delay ones of
+   the longest-tail-first scheduler. The next op goes to the rank that can end one soonest
+   (at c); of that rank's ops whose inputs are in, those that can start by e + alpha (c - e)
+   (e: the earliest any of them can) compete, the longest tail first, so a rank may wait for a
+   more urgent op rather than start the one at hand (alpha 0: non-delay; 1: every active
+   schedule). Each alpha of ``ACTIVE_ALPHAS``, then the best alpha as the base of a pilot
+   method (each choice between the ``--pilot-width`` longest tails settled by completing the
+   schedule greedily after each) for ``--active`` seconds.
+5. ``cuts``: the cut points climbed with the longest-tail-first order as the judge: every run
    of consecutive boundaries moved by one layer, kept where the order's makespan falls.
 
     cd benchmarks && ../.venv/bin/python probe_x3_orders.py --only jamba-v0.1 --shape loop --stages-per-rank 3
@@ -29,6 +37,7 @@ the start of each search below, all in the order model of :mod:`octoplan.schedul
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 import random
@@ -147,6 +156,83 @@ def sequenced_tails(graph: OpGraph, order: list[list[int]], rounds: int, build, 
     return best
 
 
+ACTIVE_ALPHAS = (0.0, 0.1, 0.25, 0.4, 0.5, 0.75, 1.0)
+
+
+class ActiveSchedule:
+    """A partial active schedule of ``graph``'s ops (in flight unbounded): what each rank has
+    run, when it is free, and which ops have all their inputs scheduled."""
+
+    def __init__(self, graph: OpGraph):
+        self.graph = graph
+        self.missing = [len(p) for p in graph.preds]
+        self.arrival = [0.0] * len(graph.dur)
+        self.known: list[list[int]] = [[] for _ in range(graph.num_ranks)]
+        for i, m in enumerate(self.missing):
+            if m == 0:
+                self.known[graph.rank[i]].append(i)
+        self.free = [0.0] * graph.num_ranks
+        self.order: list[list[int]] = [[] for _ in range(graph.num_ranks)]
+        self.span, self.left = 0.0, len(graph.dur)
+
+    def conflict(self, alpha: float) -> tuple[int, list[int]]:
+        """The rank that can end an op soonest, and its ops that may start next."""
+        dur, free, arrival = self.graph.dur, self.free, self.arrival
+        end, rank = min((max(free[r], arrival[i]) + dur[i], r) for r in range(len(free)) for i in self.known[r])
+        earliest = min(max(free[rank], arrival[i]) for i in self.known[rank])
+        limit = earliest + alpha * (end - earliest) + 1e-9
+        return rank, [i for i in self.known[rank] if max(free[rank], arrival[i]) <= limit]
+
+    def run(self, rank: int, i: int) -> None:
+        self.known[rank].remove(i)
+        self.free[rank] = max(self.free[rank], self.arrival[i]) + self.graph.dur[i]
+        self.span = max(self.span, self.free[rank])
+        self.order[rank].append(i)
+        self.left -= 1
+        for b, lag in self.graph.succs[i]:
+            self.arrival[b] = max(self.arrival[b], self.free[rank] + lag)
+            self.missing[b] -= 1
+            if self.missing[b] == 0:
+                self.known[self.graph.rank[b]].append(b)
+
+    def complete(self, tail: list[float], alpha: float) -> float:
+        """Every op left, the longest tail first among those that compete; the makespan."""
+        while self.left:
+            rank, ops = self.conflict(alpha)
+            self.run(rank, max(ops, key=lambda i: (tail[i], -i)))
+        return self.span
+
+
+def pilot(graph: OpGraph, tail: list[float], alpha: float, width: int, total_s: float) -> tuple[float, int]:
+    """An active schedule whose choices between the ``width`` longest tails are each settled by
+    completing the schedule greedily after every one of them (while ``total_s`` lasts); its
+    makespan and the completions run."""
+    state, began, rollouts = ActiveSchedule(graph), time.perf_counter(), 0
+    while state.left:
+        rank, ops = state.conflict(alpha)
+        ops.sort(key=lambda i: (-tail[i], i))
+        choice = ops[0]
+        if len(ops) > 1 and time.perf_counter() - began < total_s:
+            ends = []
+            for i in ops[:width]:
+                trial = _fork(state)
+                trial.run(rank, i)
+                ends.append((trial.complete(tail, alpha), ops.index(i)))
+                rollouts += 1
+            choice = ops[min(ends)[1]]
+        state.run(rank, choice)
+    return state.span, rollouts
+
+
+def _fork(state: ActiveSchedule) -> ActiveSchedule:
+    """A copy of ``state`` to run on (the graph shared)."""
+    other = copy.copy(state)
+    other.missing, other.arrival, other.free = state.missing[:], state.arrival[:], state.free[:]
+    other.known = [ops[:] for ops in state.known]
+    other.order = [ops[:] for ops in state.order]
+    return other
+
+
 def climb_cuts(ev, cand, ranks, schedule, cluster, parallel, num_layers: int, total_s: float):
     def judge(bounds):
         moved = dataclasses.replace(cand, bounds=tuple(bounds))
@@ -183,6 +269,8 @@ def main() -> None:
     p.add_argument("--cp-sat", type=float, default=120.0, help="seconds of CP-SAT's own search")
     p.add_argument("--workers", type=int, default=8, help="CP-SAT's workers")
     p.add_argument("--rounds", type=int, default=30, help="rounds of list orders on sequenced tails")
+    p.add_argument("--active", type=float, default=300.0, help="seconds of the pilot method on active schedules")
+    p.add_argument("--pilot-width", type=int, default=2, help="the longest tails the pilot method tries per choice")
     p.add_argument("--cuts", type=float, default=300.0, help="seconds of the cut climb")
     args = p.parse_args()
     for w, profile, cluster, ev, config in workloads(args.only):
@@ -220,6 +308,15 @@ def main() -> None:
 
             span = sequenced_tails(graph, order, args.rounds, build)
             print(f"  tails: {span:.1f} ms ({args.rounds} rounds, {time.perf_counter() - began:.0f} s)", flush=True)
+        if args.active > 0:
+            _, tail, _ = heads_and_tails(graph)
+            spans = {alpha: ActiveSchedule(graph).complete(tail, alpha) for alpha in ACTIVE_ALPHAS}
+            alpha = min(spans, key=spans.get)
+            print("  active: " + ", ".join(f"alpha {a:g} {v:.1f} ms" for a, v in spans.items()), flush=True)
+            began = time.perf_counter()
+            span, rollouts = pilot(graph, tail, alpha, args.pilot_width, args.active)
+            print(f"  pilot on alpha {alpha:g}: {span:.1f} ms ({rollouts} completions, "
+                  f"{time.perf_counter() - began:.0f} s)", flush=True)
         if args.cuts > 0:
             began = time.perf_counter()
             span, what = climb_cuts(ev, cand, ranks, schedule, cluster, parallel, profile.num_layers, args.cuts)

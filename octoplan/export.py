@@ -39,7 +39,7 @@ from octoplan.outputs import write_text
 from octoplan.plan import Plan, check_structure
 from octoplan.validate import check_runnable
 
-__all__ = ["EXPORT_FORMATS", "PROFILE_FORMATS", "export_plan", "export_torch_csv", "torch_csv_rows"]
+__all__ = ["EXPORT_FORMATS", "PROFILE_FORMATS", "WEIGHT_FORMATS", "export_plan", "export_torch_csv", "torch_csv_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ EXPORT_FORMATS = ("torch-csv",)
 # the formats that also need the plan's profile (its layers' kinds): Megatron-LM's layout and
 # torchtitan's module names (octoplan.export_megatron, octoplan.export_torchtitan)
 PROFILE_FORMATS = ("megatron", "torchtitan")
+# the weights of a checkpoint of the plan's model, rather than the plan: octorun.hf_export
+WEIGHT_FORMATS = ("hf",)
 
 
 def torch_csv_rows(plan: Plan, *, file: str = "<plan>") -> list[list[str]]:
@@ -91,4 +93,4 @@ def export_plan(plan: Plan, path: str | Path, *, format: str, file: str = "<plan
         raise InputError(None, "--format", f"{format} needs the plan's profile; this function writes torch-csv only",
                          f"run octoplan export --format {format}, which reads the profile")
     raise InputError(None, "--format", f"unknown export format {format!r}",
-                     f"use one of {', '.join(EXPORT_FORMATS + PROFILE_FORMATS)}")
+                     f"use one of {', '.join(EXPORT_FORMATS + PROFILE_FORMATS + WEIGHT_FORMATS)}")

@@ -109,8 +109,9 @@ def _recompute_note(plan: Plan, what: str) -> None:
 
 def check_framework_options(format: str, given: Sequence[str]) -> None:
     """Refuse the options of one format given with another (they would be ignored without a word)."""
-    own = {"megatron": ("--kind-letter", "--time-limit", "--max-plans"), "torchtitan": ("--fqn-style",)}
+    own = {"megatron": ("--kind-letter", "--time-limit", "--max-plans"), "torchtitan": ("--fqn-style",),
+           "hf": ("--checkpoint", "--dtype")}
     for flag in given:
-        if not any(flag in flags for name, flags in own.items() if name == format):
-            raise InputError(None, flag, f"does not apply to --format {format}",
-                             f"drop {flag}" + ("" if format in own else "; it applies to --format megatron or torchtitan"))
+        if flag not in own.get(format, ()):
+            formats = " or ".join(name for name, flags in own.items() if flag in flags)
+            raise InputError(None, flag, f"does not apply to --format {format}", f"drop {flag}; it applies to --format {formats}")

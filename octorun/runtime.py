@@ -48,7 +48,7 @@ from octorun.comm import RECEIVE_LAST_RESORT, Channel, SendFailed, Transport, wa
 from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
 from octorun.native_stderr import native_stderr_held
 from octorun.optim import OPTIMIZERS, OptimizerConfig, build_optimizer, check_optimizer_config, clip_factor, lr_at, squared_norms
-from octorun.tied import TiedGroup, parameter_key, tie_local, tied_groups
+from octorun.tied import TiedGroup, model_state, parameter_key, tie_local, tied_groups
 from octorun import agreement
 from octorun.activations import ActivationMeter
 from octorun.stage import StageExecutor, Tape, floating
@@ -267,7 +267,7 @@ def prepare(config: RunConfig) -> Prepared:
         resume_from = checkpoint.resolve(config.resume, save_root=config.save_dir)
         if resume_from is not None:
             checkpoint.check_compatible(checkpoint.read_meta(resume_from),
-                                        {**_model_identity(model, num_layers), "optimizer": config.optimizer,
+                                        {**model_identity(model, num_layers), "optimizer": config.optimizer,
                                          **_data_identity(config.seed, data)},
                                         resume_from)
     init_from = None
@@ -275,7 +275,7 @@ def prepare(config: RunConfig) -> Prepared:
         from octorun import checkpoint
 
         init_from = checkpoint.resolve(config.init_from, save_root=None, flag="--init-from")
-        checkpoint.check_compatible(checkpoint.read_meta(init_from), _model_identity(model, num_layers), init_from,
+        checkpoint.check_compatible(checkpoint.read_meta(init_from), model_identity(model, num_layers), init_from,
                                     weights_only=True)
         _check_init_apart(init_from, config.save_dir)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
@@ -326,7 +326,7 @@ def _check_init_apart(init_from: Path, save_dir: str | None) -> None:
                          "prune it, and --resume auto would resume from it", "give --save a folder of this run's own")
 
 
-def _model_identity(model: ModelFile, num_layers: int) -> dict[str, Any]:
+def model_identity(model: ModelFile, num_layers: int) -> dict[str, Any]:
     """What a checkpoint records of its model, and what a resume checks: the same model name
     and layer count (parameter shapes are checked key by key as the state loads)."""
     return {"model": model.name, "num_layers": num_layers}
@@ -1130,12 +1130,7 @@ class _Interpreter:
         """This rank's parameters and buffers as a checkpoint keys them (``model/`` and the global
         layer index; a tied parameter by its canonical member), the tensors themselves: a load
         copies into them."""
-        state: dict[str, Any] = {}
-        for index in sorted(self.layers):
-            for name, value in self.layers[index].state_dict(keep_vars=True).items():
-                key = self.param_keys.get(id(value), parameter_key(index, name))
-                state[f"model/{key}"] = value.detach()
-        return state
+        return model_state(self.layers, self.param_keys)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         """This rank's share of the checkpoint, keyed by global layer index: parameters (a tied
@@ -1156,7 +1151,7 @@ class _Interpreter:
 
     def save(self, step: int) -> None:
         meta = {
-            **_model_identity(self.model, self.plan.stages[-1].end),
+            **model_identity(self.model, self.plan.stages[-1].end),
             "step": step + 1,  # the next step to run
             "consumed_samples": self.consumed_samples + (step + 1 - self.first_step) * self.global_batch,
             "global_batch": self.global_batch,

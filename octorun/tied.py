@@ -24,7 +24,7 @@ import torch
 
 from octoplan.errors import InputError
 
-__all__ = ["TiedGroup", "tied_groups", "tie_local", "parameter_key"]
+__all__ = ["TiedGroup", "tied_groups", "tie_local", "parameter_key", "model_state"]
 
 Member = tuple[int, str]
 
@@ -45,6 +45,17 @@ class TiedGroup:
 def parameter_key(layer: int, name: str) -> str:
     """A parameter's name in checkpoints: by global layer index, never by stage or rank."""
     return f"layers.{layer}.{name}"
+
+
+def model_state(layers: dict[int, torch.nn.Module], keys: dict[int, str]) -> dict[str, torch.Tensor]:
+    """The parameters and buffers of ``layers`` (by global layer index) as a checkpoint keys them:
+    ``model/`` and :func:`parameter_key`, a tied parameter by its canonical member's key
+    (``keys``: id(parameter) -> key). The tensors themselves, so that a load fills them."""
+    state: dict[str, torch.Tensor] = {}
+    for index in sorted(layers):
+        for name, value in layers[index].state_dict(keep_vars=True).items():
+            state[f"model/{keys.get(id(value), parameter_key(index, name))}"] = value.detach()
+    return state
 
 
 def tied_groups(model) -> tuple[TiedGroup, ...]:

@@ -444,19 +444,14 @@ def _hf_sgd_step(hf_model, model, plan) -> tuple[float, dict[str, torch.Tensor]]
     return loss.item(), {name: p.detach() for name, p in state.items()}
 
 
-def _runtime_reads_hf_sources(plan_path: Path) -> bool:
-    from octorun import runtime
-
-    try:
-        return str(runtime._model_path(load_plan(plan_path), str(plan_path))).startswith("hf:")
-    except InputError:
-        return False
-
-
-@pytest.mark.slow
-def test_octorun_1f1b_and_tuned_plans_equal_transformers(saved, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def octorun_runs(saved, tmp_path_factory):
+    """Every RUN_FAMILIES model profiled, planned (1F1B pp 4 and tuned for 4 GPUs) and trained one
+    SGD step by octorun on 4 processes, each 1F1B run saving a checkpoint: (the launch, job
+    name -> (family, plan, plan path))."""
     from octorun.runtime import RunConfig
 
+    tmp_path = tmp_path_factory.mktemp("octorun_hf")
     jobs, cases = [], {}
     for family in RUN_FAMILIES:
         folder, hf_model = saved[family]
@@ -471,18 +466,21 @@ def test_octorun_1f1b_and_tuned_plans_equal_transformers(saved, tmp_path, monkey
             result = _cli(*args, "--microbatches", "4", "-o", str(plan_path))
             assert result.exit_code == 0, result.output
             name = f"{family}-{kind}"
-            jobs.append(h.Job(name, RunConfig(plan_path=str(plan_path), steps=1, optimizer="sgd", lr=LR, timeout_s=60)))
-            cases[name] = (family, load_plan(plan_path))
-    plan = load_plan(Path(jobs[0].config.plan_path))
-    assert plan.parallel.pp == 4 and plan.model.source.startswith("hf:")
-    if not _runtime_reads_hf_sources(Path(jobs[0].config.plan_path)):
-        # until octorun resolves hf: sources itself, the forked workers inherit this stand-in
-        from octorun import runtime
-
-        monkeypatch.setattr(runtime, "_model_path", lambda plan, plan_path: plan.model.source)
+            save = str(tmp_path / f"{name}-checkpoints") if kind == "1f1b" else None
+            jobs.append(h.Job(name, RunConfig(plan_path=str(plan_path), steps=1, optimizer="sgd", lr=LR, timeout_s=60,
+                                              save_dir=save)))
+            cases[name] = (family, load_plan(plan_path), plan_path)
     launched = h.launch(4, jobs, tmp_path / "out", timeout_s=240)
     assert launched.exitcodes == [0] * 4, "\n".join(launched.logs)
-    for name, (family, plan) in cases.items():
+    return launched, cases
+
+
+@pytest.mark.slow
+def test_octorun_1f1b_and_tuned_plans_equal_transformers(saved, octorun_runs):
+    launched, cases = octorun_runs
+    plan = next(iter(cases.values()))[1]
+    assert plan.parallel.pp == 4 and plan.model.source.startswith("hf:")
+    for name, (family, plan, _) in cases.items():
         folder, hf_model = saved[family]
         model = load_model_file(f"hf:{folder}", {"seq": SEQ})
         want_loss, want_state = _hf_sgd_step(hf_model, model, plan)
@@ -500,3 +498,70 @@ def test_octorun_1f1b_and_tuned_plans_equal_transformers(saved, tmp_path, monkey
                     compared += 1
         assert compared >= len(dict(hf_model.named_parameters())), name
         assert moved > 1e-3, name  # the step changed the weights: the comparison can fail
+
+
+@pytest.mark.slow
+def test_export_hf_writes_the_trained_weights_as_transformers_reads_them(saved, octorun_runs, tmp_path):
+    """octoplan export --format hf of each 1F1B run's checkpoint: transformers' from_pretrained
+    loads the folder into the weights of transformers' own SGD step, stored under the keys and
+    shapes of the model folder the run started from (a MoE's experts one matrix each again,
+    a tied head left out), with the folder's other files beside them."""
+    from safetensors import safe_open
+
+    launched, cases = octorun_runs
+    for name, (family, plan, plan_path) in cases.items():
+        if not name.endswith("-1f1b"):
+            continue
+        folder, hf_model = saved[family]
+        out = tmp_path / family
+        dtype = "bfloat16" if family == "gemma2" else None  # else the model folder's (float32)
+        tokenizer = folder / "tokenizer_config.json"
+        tokenizer.write_text('{"model_max_length": 7}')
+        try:
+            result = _cli("export", str(plan_path), "--format", "hf", "--checkpoint",
+                          str(plan_path.parent / f"{name}-checkpoints"), "-o", str(out), *(["--dtype", dtype] if dtype else []))
+        finally:
+            tokenizer.unlink()
+        assert result.exit_code == 0, result.output
+        assert f"of {plan_path.parent / f'{name}-checkpoints' / 'step_00000001'} (after 1 steps)" in " ".join(result.output.split())
+        with safe_open(str(folder / "model.safetensors"), "pt") as given, safe_open(str(out / "model.safetensors"), "pt") as written:
+            assert {k: given.get_slice(k).get_shape() for k in given.keys()} == \
+                   {k: written.get_slice(k).get_shape() for k in written.keys()}, family
+        assert json.loads((out / "tokenizer_config.json").read_text()) == {"model_max_length": 7}
+        exported = _hf_class(hf_model.config).from_pretrained(out)
+        assert exported.dtype == (torch.bfloat16 if dtype else torch.float32)
+        _, want_state = _hf_sgd_step(hf_model, load_model_file(f"hf:{folder}", {"seq": SEQ}), plan)
+        state = exported.state_dict()
+        for key, want in want_state.items():
+            want = want.to(exported.dtype)  # bfloat16: one rounding of the same values
+            assert torch.allclose(state[key], want, atol=1e-5 if not dtype else 0, rtol=0 if not dtype else 1e-2), (family, key)
+        assert set(want_state) <= set(state) and len(want_state) >= len(dict(hf_model.named_parameters()))
+
+
+@pytest.mark.slow
+def test_export_hf_bad_input_exits_2_in_one_line_and_writes_nothing(octorun_runs, tmp_path):
+    _, cases = octorun_runs
+    _, _, qwen3 = cases["qwen3-1f1b"]
+    checkpoints = {family: plan_path.parent / f"{name}-checkpoints" for name, (family, _, plan_path) in cases.items()
+                   if name.endswith("-1f1b")}
+    analytic = tmp_path / "analytic.yaml"
+    assert _cli("baseline", str(ROOT / "profiles" / "gemma2-27b-h100.yaml"), "--gpus", "4", "--schedule", "1f1b", "--microbatches", "4",
+                "-o", str(analytic)).exit_code == 0
+    full = tmp_path / "full"
+    (full / "old").mkdir(parents=True)
+    out = tmp_path / "out"
+    export = ("export", str(qwen3), "--format", "hf", "-o")
+    _one_line_exit_2(_cli(*export, str(out)), "--checkpoint", "is missing")
+    _one_line_exit_2(_cli(*export, str(out), "--checkpoint", str(checkpoints["qwen3"]), "--dtype", "int8"), "--dtype", "bfloat16")
+    _one_line_exit_2(_cli(*export, str(out), "--checkpoint", str(checkpoints["gemma2"])),
+                     "model", "hf-gemma2", "give --checkpoint a checkpoint of this model")
+    _one_line_exit_2(_cli(*export, str(out), "--checkpoint", str(tmp_path / "none")), "--checkpoint", "does not exist")
+    _one_line_exit_2(_cli(*export, str(full), "--checkpoint", str(checkpoints["qwen3"])), "-o", "not empty")
+    _one_line_exit_2(_cli(*export, str(checkpoints["qwen3"] / "step_00000001" / "hf"), "--checkpoint", str(checkpoints["qwen3"])),
+                     "-o", "inside the checkpoint")
+    _one_line_exit_2(_cli("export", str(qwen3), "--format", "megatron", "--checkpoint", str(checkpoints["qwen3"]),
+                          "-o", str(out)), "--checkpoint", "applies to --format hf")
+    _one_line_exit_2(_cli("export", str(analytic), "--format", "hf", "--checkpoint", str(checkpoints["qwen3"]), "-o", str(out)),
+                     "model.source", "an analytic plan")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["analytic.yaml", "full"]
+    assert sorted(p.name for p in (checkpoints["qwen3"]).iterdir()) == ["step_00000001"]

@@ -1,0 +1,193 @@
+"""An octorun checkpoint of an ``hf:`` model written back as a transformers model folder.
+
+Training an ``hf:FOLDER`` model with octorun leaves DCP checkpoints keyed by chain layer
+(``model/layers.3.model.layers.2.mlp.down_proj.weight``: octorun.checkpoint). What serves,
+evaluates or fine-tunes the result elsewhere reads a folder as ``from_pretrained`` does. This
+module builds that folder from a plan of the model (which names the model folder and its
+``--config``) and a checkpoint of any plan of it:
+
+1. every chain layer is built as octorun builds it (no weights read from the model folder: the
+   checkpoint holds them all), tied parameters made one, and the checkpoint loaded into them
+   with octorun's own checks (files intact, every key of the model present, shapes and dtypes
+   equal: a checkpoint of another model or config is refused before a value is read);
+2. a chain layer's parameters are named as in the whole transformers model (octoplan.hf.layer),
+   so they are assigned to the whole model under their own names, without a copy;
+3. transformers' ``save_pretrained`` writes the weights: it undoes its own load-time conversions
+   (a MoE's per-expert matrices stacked into one are written one per expert again), leaves out
+   tied copies, shards large models and writes config.json with the config the plan trained
+   (its ``--config`` overrides included);
+4. the model folder's other files (tokenizer, processor, chat template) are copied beside them.
+
+The folder is written under a temporary name and renamed when complete, so an interrupted
+export leaves no folder that ``from_pretrained`` would half read.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from octoplan.errors import InputError
+from octoplan.hf import chain_for, is_hf_source, load_hf_model, resolve_hf_source
+from octoplan.hf.weights import INDEX_FILE
+from octoplan.plan import Plan
+from octorun import checkpoint
+from octorun.runtime import model_identity
+from octorun.tied import model_state, tie_local, tied_groups
+
+__all__ = ["DTYPES", "ExportedWeights", "export_hf", "check_output_folder"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# written by save_pretrained itself, or weights of the folder's own that the export replaces
+_NOT_COPIED = ("config.json", "generation_config.json", INDEX_FILE)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+
+
+@dataclass(frozen=True)
+class ExportedWeights:
+    folder: Path
+    checkpoint: Path
+    step: int  # the checkpoint's next step (the steps it has trained)
+    tensors: int  # in the written safetensors files
+    bytes: int
+    dtype: str
+    copied: tuple[str, ...]  # the model folder's other files, copied
+
+
+def check_output_folder(output: Path, *, model_folder: Path, checkpoint_path: Path | None = None) -> None:
+    """Refuse an output folder that exists and holds anything (its old weight files would be read
+    beside the new ones), or that is the model folder or lies inside a checkpoint."""
+    flag = "-o"
+    if output.exists() and not output.is_dir():
+        raise InputError(str(output), flag, "is a file: --format hf writes a model folder", "give a new folder")
+    if output.is_dir() and any(output.iterdir()):
+        raise InputError(str(output), flag, "is a folder that is not empty: from_pretrained would read its old "
+                         "files beside the new ones", "give a new or empty folder")
+    resolved = output.resolve()
+    if resolved == model_folder.resolve():
+        raise InputError(str(output), flag, "is the plan's model folder", "give a new folder")
+    if checkpoint_path is not None and resolved.is_relative_to(checkpoint_path.resolve()):
+        raise InputError(str(output), flag, "is inside the checkpoint", "give a folder outside it")
+
+
+def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *, dtype: str | None = None) -> ExportedWeights:
+    """Write the checkpoint at ``checkpoint_spec`` (a checkpoint folder, or a folder of them: its
+    newest) of ``plan``'s ``hf:`` model as a transformers model folder at ``output``.
+    ``dtype``: a key of :data:`DTYPES`; None: the model folder's own (config.json's ``dtype``),
+    else float32, the dtype octorun trains its parameters in."""
+    source = plan.model.source
+    if not is_hf_source(source):
+        what = f"is {source!r}, not an hf:FOLDER model" if source else "is missing (an analytic plan has no model)"
+        raise InputError(str(plan_path), "model.source", f"{what}: --format hf writes transformers weights", "give a plan of an hf: model; a model file's checkpoint is DCP, "
+                         "which torch.distributed.checkpoint.format_utils.dcp_to_torch_save turns into one file")
+    found = resolve_hf_source(source, plan_path)
+    if found is None:
+        raise InputError(str(plan_path), "model.source", f"model folder {source!r} not found",
+                         "run from the project folder or fix the path")
+    if dtype is not None and dtype not in DTYPES:
+        raise InputError(None, "--dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    model_folder = Path(found.removeprefix("hf:"))
+    path = checkpoint.resolve(checkpoint_spec, save_root=None, flag="--checkpoint")
+    check_output_folder(output, model_folder=model_folder, checkpoint_path=path)
+
+    config = {**plan.model.config, "weights": "none"}  # every weight comes from the checkpoint
+    model = load_hf_model(found, config)
+    num_layers = model.num_layers()
+    meta = checkpoint.read_meta(path)
+    checkpoint.check_compatible(meta, model_identity(model, num_layers), path, weights_only=True, flag="--checkpoint")
+    layers = {index: model.build_layer(index) for index in range(num_layers)}
+    tied = tie_local(model.path, layers, tied_groups(model), model.build_layer)
+    state = model_state(layers, tied)
+    checkpoint.load(path, state, group=None, whole_prefixes=("model/",),
+                    other_model_fix="give a checkpoint that octorun wrote for this plan's model and --config")
+
+    chain = chain_for(found, model.config)
+    whole = _whole_model(chain, layers)
+    out_dtype = DTYPES[dtype] if dtype is not None else _folder_dtype(chain)
+    whole.to(out_dtype)
+    partial = output.with_name(f".{output.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        whole.save_pretrained(partial, safe_serialization=True)
+        copied = _copy_other_files(model_folder, partial)
+        tensors, nbytes = _written(partial)
+        if output.is_dir():  # empty (checked): the rename below replaces only an empty folder
+            output.rmdir()
+        partial.rename(output)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return ExportedWeights(output, path, int(meta["step"]), tensors, nbytes, str(out_dtype).removeprefix("torch."), copied)
+
+
+def _whole_model(chain, layers: dict[int, torch.nn.Module]) -> torch.nn.Module:
+    """The whole transformers model holding the layers' own tensors (none copied)."""
+    whole = copy.deepcopy(chain.meta)
+    tied_targets = set(getattr(whole, "all_tied_weights_keys", {}))
+    values = {name: tensor for layer in layers.values() for name, tensor in layer.state_dict().items()
+              if name not in tied_targets}
+    missing, unexpected = whole.load_state_dict(values, strict=False, assign=True)
+    left = sorted(set(missing) - tied_targets)
+    if left or unexpected:  # every parameter is in exactly one chain layer (octoplan.hf.chain checks)
+        raise AssertionError(f"chain layers and the whole model disagree: missing {left[:3]}, unexpected {unexpected[:3]}")
+    whole.tie_weights()
+    # buffers outside the state dict (rotary frequencies, an embedding's scale) are still on the
+    # meta device: each is taken from a layer's shell that holds its module (initialized there)
+    shells = [layer._shell for layer in layers.values()]
+    for name, buffer in list(whole.named_buffers()):
+        if buffer.is_meta:
+            owner, _, attr = name.rpartition(".")
+            found = next((b for b in map(functools.partial(_buffer, name=name), shells) if b is not None), None)
+            if found is None:
+                raise AssertionError(f"no chain layer holds the buffer {name}")
+            whole.get_submodule(owner)._buffers[attr] = found.clone()
+    return whole
+
+
+def _buffer(shell: torch.nn.Module, *, name: str) -> torch.Tensor | None:
+    """``shell``'s buffer ``name`` where the shell holds its module (not an absent stand-in)."""
+    try:
+        buffer = shell.get_buffer(name)
+    except AttributeError:
+        return None
+    return None if buffer.is_meta else buffer
+
+
+def _folder_dtype(chain) -> torch.dtype:
+    """The dtype config.json gives the model folder's weights (float32 where it gives none)."""
+    import json
+
+    try:
+        saved = json.loads((chain.directory / "config.json").read_text())
+    except (OSError, ValueError):
+        saved = {}
+    name = saved.get("dtype") or saved.get("torch_dtype") or "float32"
+    return DTYPES.get(name, torch.float32)
+
+
+def _copy_other_files(model_folder: Path, target: Path) -> tuple[str, ...]:
+    """The model folder's files other than its config and weights (tokenizer, processor, chat
+    template), copied into ``target``; their names."""
+    copied = []
+    for entry in sorted(model_folder.iterdir()):
+        if entry.is_file() and entry.name not in _NOT_COPIED and not entry.name.endswith(_WEIGHT_SUFFIXES) \
+                and not entry.name.endswith(".index.json") and not (target / entry.name).exists():
+            shutil.copy2(entry, target / entry.name)
+            copied.append(entry.name)
+    return tuple(copied)
+
+
+def _written(folder: Path) -> tuple[int, int]:
+    """Tensors and bytes of the safetensors files in ``folder``."""
+    from safetensors import safe_open
+
+    tensors = nbytes = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors += len(list(handle.keys()))
+        nbytes += file.stat().st_size
+    return tensors, nbytes
