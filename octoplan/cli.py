@@ -738,7 +738,18 @@ def _output_value(argv: list[str], index: int) -> tuple[str, str] | None:
     return None
 
 
+def _writes_a_folder(argv: list[str]) -> bool:
+    """``export --format hf``, whose -o is a folder: ``DIR/`` (a shell's completion) names it too."""
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    formats = [token.partition("=")[2] if token.startswith("--format=") else head[index + 1]
+               for index, token in enumerate(head)
+               if token.startswith("--format=") or (token == "--format" and index + 1 < len(head))]
+    return "export" in head and formats[-1:] == ["hf"]
+
+
 def _refuse_folder_outputs(argv: list[str]) -> None:
+    if _writes_a_folder(argv):
+        return
     for index, token in enumerate(argv):
         if token == "--":  # the rest are arguments, not options
             return

@@ -261,7 +261,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path: str | os.PathLike, *,
-                     weights_only: bool = False, flag: str = "--init-from") -> None:
+                     weights_only: bool = False, flag: str = "--init-from", ours: str = "this run's") -> None:
     """Raise :class:`InputError` if the checkpoint at ``path`` is of another model than this run's
     (its ``model`` name or ``num_layers`` differ) or was trained with another ``optimizer`` (whose
     state the run cannot take up), or if both read a token file and the file
@@ -270,10 +270,10 @@ def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path:
     position in the data belongs to its own order. A checkpoint lacking a field is not judged on
     it, and a run without ``--data`` is not judged on the data. ``weights_only`` (``--init-from``,
     which takes the weights alone, and ``export --format hf``; ``flag`` names the option that gave
-    the checkpoint): only the model is judged."""
+    the checkpoint, ``ours`` what it is compared with): only the model is judged."""
     for key, what in (("model", "model"), ("num_layers", "layer count")):
         if key in meta_saved and key in meta_now and meta_saved[key] != meta_now[key]:
-            raise InputError(str(path), key, f"the checkpoint's {what} is {meta_saved[key]!r}, this run's is {meta_now[key]!r}",
+            raise InputError(str(path), key, f"the checkpoint's {what} is {meta_saved[key]!r}, {ours} is {meta_now[key]!r}",
                              f"give {flag} a checkpoint of this model" if weights_only else
                              "resume from a checkpoint of this model, or start afresh without --resume")
     if weights_only:

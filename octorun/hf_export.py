@@ -18,14 +18,18 @@ module builds that folder from a plan of the model (which names the model folder
    (its ``--config`` overrides included);
 4. the model folder's other files (tokenizer, processor, chat template) are copied beside them.
 
-The folder is written under a temporary name and renamed when complete, so an interrupted
-export leaves no folder that ``from_pretrained`` would half read.
+The folder is written under a temporary name and renamed when complete (an empty folder given
+is filled, config.json last), so an interrupted export leaves no folder that ``from_pretrained``
+would half read.
 """
 
 from __future__ import annotations
 
 import copy
+import fnmatch
 import functools
+import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +38,6 @@ import torch
 
 from octoplan.errors import InputError
 from octoplan.hf import chain_for, is_hf_source, load_hf_model, resolve_hf_source
-from octoplan.hf.weights import INDEX_FILE
 from octoplan.plan import Plan
 from octorun import checkpoint
 from octorun.runtime import model_identity
@@ -43,9 +46,11 @@ from octorun.tied import model_state, tie_local, tied_groups
 __all__ = ["DTYPES", "ExportedWeights", "export_hf", "check_output_folder"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# written by save_pretrained itself, or weights of the folder's own that the export replaces
-_NOT_COPIED = ("config.json", "generation_config.json", INDEX_FILE)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+# the model folder's files copied beside the weights: tokenizers, processors, chat templates and
+# generation settings (an allow-list: what else a folder holds may be stale weights or state)
+_COPIED = ("tokenizer*", "vocab*", "merges.txt", "spiece.model", "sentencepiece*.model", "special_tokens_map.json",
+           "added_tokens.json", "chat_template*", "*preprocessor_config.json", "processor_config.json",
+           "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -59,20 +64,27 @@ class ExportedWeights:
     copied: tuple[str, ...]  # the model folder's other files, copied
 
 
-def check_output_folder(output: Path, *, model_folder: Path, checkpoint_path: Path | None = None) -> None:
-    """Refuse an output folder that exists and holds anything (its old weight files would be read
-    beside the new ones), or that is the model folder or lies inside a checkpoint."""
-    flag = "-o"
-    if output.exists() and not output.is_dir():
-        raise InputError(str(output), flag, "is a file: --format hf writes a model folder", "give a new folder")
-    if output.is_dir() and any(output.iterdir()):
-        raise InputError(str(output), flag, "is a folder that is not empty: from_pretrained would read its old "
+def check_output_folder(output: Path, *, model_folder: Path, checkpoint_path: Path | None = None) -> Path:
+    """The folder ``-o output`` names, absolute (a link followed); refused where it is a file, a
+    link to nothing, a folder that holds anything (its old weight files would be read beside the
+    new ones), the model folder, inside a checkpoint, or under a file."""
+    flag, given = "-o", str(output)
+    if output.is_symlink() and not output.exists():
+        raise InputError(given, flag, "is a symbolic link to nothing", "give a folder, or link to an existing one")
+    target = output.resolve() if output.is_symlink() else Path(os.path.abspath(output))
+    if target.exists() and not target.is_dir():
+        raise InputError(given, flag, "is a file: --format hf writes a model folder", "give a new folder")
+    if target.is_dir() and any(target.iterdir()):
+        raise InputError(given, flag, "is a folder that is not empty: from_pretrained would read its old "
                          "files beside the new ones", "give a new or empty folder")
-    resolved = output.resolve()
-    if resolved == model_folder.resolve():
-        raise InputError(str(output), flag, "is the plan's model folder", "give a new folder")
-    if checkpoint_path is not None and resolved.is_relative_to(checkpoint_path.resolve()):
-        raise InputError(str(output), flag, "is inside the checkpoint", "give a folder outside it")
+    above = next((parent for parent in target.parents if parent.exists()), None)
+    if above is not None and not above.is_dir():
+        raise InputError(given, flag, f"lies under {above}, which is a file", "give a folder path")
+    if target.resolve() == model_folder.resolve():
+        raise InputError(given, flag, "is the plan's model folder", "give a new folder")
+    if checkpoint_path is not None and target.resolve().is_relative_to(checkpoint_path.resolve()):
+        raise InputError(given, flag, "is inside the checkpoint", "give a folder outside it")
+    return target
 
 
 def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *, dtype: str | None = None) -> ExportedWeights:
@@ -93,35 +105,63 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
         raise InputError(None, "--dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPES)}")
     model_folder = Path(found.removeprefix("hf:"))
     path = checkpoint.resolve(checkpoint_spec, save_root=None, flag="--checkpoint")
-    check_output_folder(output, model_folder=model_folder, checkpoint_path=path)
+    target = check_output_folder(output, model_folder=model_folder, checkpoint_path=path)
 
     config = {**plan.model.config, "weights": "none"}  # every weight comes from the checkpoint
     model = load_hf_model(found, config)
     num_layers = model.num_layers()
     meta = checkpoint.read_meta(path)
-    checkpoint.check_compatible(meta, model_identity(model, num_layers), path, weights_only=True, flag="--checkpoint")
-    layers = {index: model.build_layer(index) for index in range(num_layers)}
-    tied = tie_local(model.path, layers, tied_groups(model), model.build_layer)
-    state = model_state(layers, tied)
-    checkpoint.load(path, state, group=None, whole_prefixes=("model/",),
-                    other_model_fix="give a checkpoint that octorun wrote for this plan's model and --config")
-
-    chain = chain_for(found, model.config)
-    whole = _whole_model(chain, layers)
-    out_dtype = DTYPES[dtype] if dtype is not None else _folder_dtype(chain)
-    whole.to(out_dtype)
-    partial = output.with_name(f".{output.name}.partial")
+    checkpoint.check_compatible(meta, model_identity(model, num_layers), path, weights_only=True, flag="--checkpoint",
+                                ours="the plan's")
+    _check_same_config(meta, plan.model.config, path)
+    partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
+        partial.mkdir(parents=True)  # now, not after the work: a folder that cannot be written fails first
+    except OSError as exc:
+        raise InputError(str(output), "-o", f"cannot be written: {exc.strerror or exc}", "give a folder you can write") from None
+    try:
+        layers = {index: model.build_layer(index) for index in range(num_layers)}
+        tied = tie_local(model.path, layers, tied_groups(model), model.build_layer)
+        checkpoint.load(path, model_state(layers, tied), group=None, whole_prefixes=("model/",),
+                        other_model_fix="give a checkpoint that octorun wrote for this plan's model and --config")
+        chain = chain_for(found, model.config)
+        whole = _whole_model(chain, layers)
+        folder_config = _folder_config(model_folder)
+        _restore_router_loss(whole, folder_config, plan.model.config)
+        out_dtype = DTYPES[dtype] if dtype is not None else DTYPES.get(folder_config.get("dtype") or
+                                                                        folder_config.get("torch_dtype"), torch.float32)
+        whole.to(out_dtype)
         whole.save_pretrained(partial, safe_serialization=True)
         copied = _copy_other_files(model_folder, partial)
+        _readable_as_the_umask_says(partial)
         tensors, nbytes = _written(partial)
-        if output.is_dir():  # empty (checked): the rename below replaces only an empty folder
-            output.rmdir()
-        partial.rename(output)
+        if target.is_dir():  # empty (checked), and perhaps a shell's working folder: kept, filled
+            # config.json last: from_pretrained refuses a folder without it, never half reads one
+            for file in sorted(partial.iterdir(), key=lambda f: f.name == "config.json"):
+                file.rename(target / file.name)
+        else:
+            partial.rename(target)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return ExportedWeights(output, path, int(meta["step"]), tensors, nbytes, str(out_dtype).removeprefix("torch."), copied)
+
+
+def _check_same_config(meta: dict, config: dict, path: Path) -> None:
+    """Refuse a plan whose ``--config`` differs from the one the checkpoint was trained under
+    (recorded since checkpoints record it), beyond ``seq`` and ``weights``, which the weights do
+    not depend on: config.json would be written with values the weights were not trained with."""
+    saved = meta.get("model_config")
+    if not isinstance(saved, dict):
+        return
+    ignored = ("seq", "weights")
+    ours = {k: v for k, v in config.items() if k not in ignored}
+    theirs = {k: v for k, v in saved.items() if k not in ignored}
+    if ours != theirs:
+        key = sorted(set(ours) ^ set(theirs) | {k for k in set(ours) & set(theirs) if ours[k] != theirs[k]})[0]
+        raise InputError(str(path), "model_config", f"the checkpoint was trained with --config {key}="
+                         f"{theirs.get(key, '(not given)')}, the plan has {ours.get(key, '(not given)')}",
+                         "export with a plan of the model config the checkpoint was trained with")
 
 
 def _whole_model(chain, layers: dict[int, torch.nn.Module]) -> torch.nn.Module:
@@ -157,28 +197,46 @@ def _buffer(shell: torch.nn.Module, *, name: str) -> torch.Tensor | None:
     return None if buffer.is_meta else buffer
 
 
-def _folder_dtype(chain) -> torch.dtype:
-    """The dtype config.json gives the model folder's weights (float32 where it gives none)."""
-    import json
-
+def _folder_config(model_folder: Path) -> dict:
+    """The model folder's config.json as written (no --config overrides)."""
     try:
-        saved = json.loads((chain.directory / "config.json").read_text())
+        saved = json.loads((model_folder / "config.json").read_text())
     except (OSError, ValueError):
-        saved = {}
-    name = saved.get("dtype") or saved.get("torch_dtype") or "float32"
-    return DTYPES.get(name, torch.float32)
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def _restore_router_loss(whole: torch.nn.Module, folder_config: dict, overrides: dict) -> None:
+    """``output_router_logits`` as the folder (or the plan's --config) gives it: the chain turns it
+    off for the pipeline's loss (octoplan.hf.chain), which is octorun's business, not the model's."""
+    text = folder_config.get("text_config") if isinstance(folder_config.get("text_config"), dict) else folder_config
+    for config, given in ((whole.config, folder_config), (whole.config.get_text_config(), text)):
+        wanted = overrides.get("output_router_logits", given.get("output_router_logits"))
+        if wanted is not None and hasattr(config, "output_router_logits"):
+            config.output_router_logits = wanted
 
 
 def _copy_other_files(model_folder: Path, target: Path) -> tuple[str, ...]:
-    """The model folder's files other than its config and weights (tokenizer, processor, chat
-    template), copied into ``target``; their names."""
+    """The model folder's tokenizer, processor, chat-template and generation files, copied into
+    ``target`` (its generation_config.json over the one save_pretrained derives from config.json:
+    sampling settings, extra end-of-sequence ids); their names. Nothing else: other files may be
+    the untrained weights in another format, a trainer's state or an adapter's config."""
     copied = []
     for entry in sorted(model_folder.iterdir()):
-        if entry.is_file() and entry.name not in _NOT_COPIED and not entry.name.endswith(_WEIGHT_SUFFIXES) \
-                and not entry.name.endswith(".index.json") and not (target / entry.name).exists():
+        if entry.is_file() and any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in _COPIED):
             shutil.copy2(entry, target / entry.name)
             copied.append(entry.name)
     return tuple(copied)
+
+
+def _readable_as_the_umask_says(folder: Path) -> None:
+    """Every file in ``folder`` with the permissions a new file gets (safetensors writes its own
+    files readable by their owner alone)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for file in folder.iterdir():
+        if file.is_file():
+            file.chmod(0o666 & ~mask)
 
 
 def _written(folder: Path) -> tuple[int, int]:

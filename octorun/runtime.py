@@ -1152,6 +1152,7 @@ class _Interpreter:
     def save(self, step: int) -> None:
         meta = {
             **model_identity(self.model, self.plan.stages[-1].end),
+            "model_config": dict(self.plan.model.config),  # export --format hf writes config.json from it
             "step": step + 1,  # the next step to run
             "consumed_samples": self.consumed_samples + (step + 1 - self.first_step) * self.global_batch,
             "global_batch": self.global_batch,

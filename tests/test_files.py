@@ -570,6 +570,19 @@ def test_an_output_named_as_a_folder_is_refused_and_a_failure_leaves_no_folder(p
     assert run.returncode == 0 and (tmp_path / "new" / "deeper" / "x.yaml").is_file(), run.stderr
 
 
+def test_only_export_format_hf_takes_a_folder_ending_in_a_slash(capsys):
+    from octoplan.cli import _refuse_folder_outputs
+
+    for argv in (["export", "p.yaml", "--format", "hf", "-o", "out/"], ["-v", "export", "p.yaml", "--format=hf", "--output=out/"],
+                 ["export", "p.yaml", "-oout/", "--format", "hf"]):
+        _refuse_folder_outputs(argv)  # returns: export writes the folder
+    for argv in (["export", "p.yaml", "-o", "out/"], ["export", "p.yaml", "--format", "hf", "--format", "megatron", "-o", "o/"],
+                 ["baseline", "p.yaml", "--format", "hf", "-o", "out/"], ["export", "p.yaml", "-o", "o/", "--", "--format", "hf"]):
+        with pytest.raises(SystemExit) as exited:
+            _refuse_folder_outputs(argv)
+        assert exited.value.code == 2 and "names a folder (it ends in /)" in capsys.readouterr().err
+
+
 def test_export_refuses_a_plan_whose_profile_changed(baseline_files, tmp_path):
     ppath, path = baseline_files
     assert _octoplan("export", path, "-o", tmp_path / "ok.csv").returncode == 0

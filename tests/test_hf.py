@@ -515,14 +515,28 @@ def test_export_hf_writes_the_trained_weights_as_transformers_reads_them(saved, 
         folder, hf_model = saved[family]
         out = tmp_path / family
         dtype = "bfloat16" if family == "gemma2" else None  # else the model folder's (float32)
-        tokenizer = folder / "tokenizer_config.json"
-        tokenizer.write_text('{"model_max_length": 7}')
+        extra = {"tokenizer_config.json": '{"model_max_length": 7}', "generation_config.json": '{"eos_token_id": [2, 7]}',
+                 "model.gguf": "stale weights in another format"}
+        given_config = (folder / "config.json").read_text()
+        if family == "mixtral":  # training turns the routers' loss off; the exported config keeps it on
+            (folder / "config.json").write_text(json.dumps({**json.loads(given_config), "output_router_logits": True}))
+        kept = {name: (folder / name).read_bytes() for name in extra if (folder / name).exists()}
+        for file, text in extra.items():
+            (folder / file).write_text(text)
         try:
             result = _cli("export", str(plan_path), "--format", "hf", "--checkpoint",
-                          str(plan_path.parent / f"{name}-checkpoints"), "-o", str(out), *(["--dtype", dtype] if dtype else []))
+                          str(plan_path.parent / f"{name}-checkpoints"), "-o", f"{out}/", *(["--dtype", dtype] if dtype else []))
         finally:
-            tokenizer.unlink()
+            for file in extra:
+                (folder / file).unlink()
+            for file, data in kept.items():
+                (folder / file).write_bytes(data)
+            (folder / "config.json").write_text(given_config)
         assert result.exit_code == 0, result.output
+        assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [2, 7]}
+        assert not (out / "model.gguf").exists()
+        assert json.loads((out / "config.json").read_text()).get("output_router_logits", False) == (family == "mixtral")
+        assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o666 & ~_umask())}
         assert f"of {plan_path.parent / f'{name}-checkpoints' / 'step_00000001'} (after 1 steps)" in " ".join(result.output.split())
         with safe_open(str(folder / "model.safetensors"), "pt") as given, safe_open(str(out / "model.safetensors"), "pt") as written:
             assert {k: given.get_slice(k).get_shape() for k in given.keys()} == \
@@ -538,8 +552,14 @@ def test_export_hf_writes_the_trained_weights_as_transformers_reads_them(saved, 
         assert set(want_state) <= set(state) and len(want_state) >= len(dict(hf_model.named_parameters()))
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @pytest.mark.slow
-def test_export_hf_bad_input_exits_2_in_one_line_and_writes_nothing(octorun_runs, tmp_path):
+def test_export_hf_bad_input_exits_2_in_one_line_and_writes_nothing(saved, octorun_runs, tmp_path):
     _, cases = octorun_runs
     _, _, qwen3 = cases["qwen3-1f1b"]
     checkpoints = {family: plan_path.parent / f"{name}-checkpoints" for name, (family, _, plan_path) in cases.items()
@@ -550,6 +570,20 @@ def test_export_hf_bad_input_exits_2_in_one_line_and_writes_nothing(octorun_runs
     full = tmp_path / "full"
     (full / "old").mkdir(parents=True)
     out = tmp_path / "out"
+    # the same model at another config that changes no shape: config.json would say what the
+    # weights were not trained with
+    eps = tmp_path / "eps.yaml"
+    assert _cli("profile", f"hf:{saved['qwen3'][0]}", "--config", f"seq={SEQ}", "--config", "rms_norm_eps=0.1",
+                "--microbatch-size", str(MBS), "--repeat", "1", "--device", "cpu", "-o", str(eps)).exit_code == 0
+    assert _cli("baseline", str(eps), "--gpus", "4", "--schedule", "1f1b", "--microbatches", "4",
+                "-o", str(tmp_path / "eps-plan.yaml")).exit_code == 0
+    _one_line_exit_2(_cli("export", str(tmp_path / "eps-plan.yaml"), "--format", "hf", "--checkpoint",
+                          str(checkpoints["qwen3"]), "-o", str(out)), "model_config", "rms_norm_eps")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    _one_line_exit_2(_cli(*("export", str(qwen3), "--format", "hf", "-o"), str(tmp_path / "dangling"), "--checkpoint",
+                          str(checkpoints["qwen3"])), "-o", "link to nothing")
+    _one_line_exit_2(_cli(*("export", str(qwen3), "--format", "hf", "-o"), str(analytic / "out"), "--checkpoint",
+                          str(checkpoints["qwen3"])), "-o", "which is a file")
     export = ("export", str(qwen3), "--format", "hf", "-o")
     _one_line_exit_2(_cli(*export, str(out)), "--checkpoint", "is missing")
     _one_line_exit_2(_cli(*export, str(out), "--checkpoint", str(checkpoints["qwen3"]), "--dtype", "int8"), "--dtype", "bfloat16")
@@ -563,5 +597,6 @@ def test_export_hf_bad_input_exits_2_in_one_line_and_writes_nothing(octorun_runs
                           "-o", str(out)), "--checkpoint", "applies to --format hf")
     _one_line_exit_2(_cli("export", str(analytic), "--format", "hf", "--checkpoint", str(checkpoints["qwen3"]), "-o", str(out)),
                      "model.source", "an analytic plan")
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["analytic.yaml", "full"]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "analytic.yaml", "dangling", "eps-plan.yaml", "eps.yaml", "full"]
     assert sorted(p.name for p in (checkpoints["qwen3"]).iterdir()) == ["step_00000001"]
