@@ -131,6 +131,8 @@ def profile(
         gpu, tp = gpu or "h100", 1 if tp is None else tp
         result = analytic_profile(arch, gpu, seq_len=seq_len, microbatch_size=microbatch_size, tp=tp, split_blocks=split_blocks)
         out = output or Path("profiles") / f"{arch}-{gpu}{f'-tp{tp}' if tp > 1 else ''}{'-split' if split_blocks else ''}.yaml"
+        if output is None:
+            check_writable(out, "the profile's default path")
     elif model is not None:
         from rich.progress import Progress
 
@@ -140,9 +142,15 @@ def profile(
 
         repeat, clock = 10 if repeat is None else repeat, clock or "auto"
         precision = check_precision(precision or DEFAULT_PRECISION)
-        if repeat < 1:
-            raise InputError(None, "--repeat", f"is {repeat}", "use at least 1")
+        if not 1 <= repeat <= MAX_REPEAT:
+            raise InputError(None, "--repeat", f"is {repeat}", f"use 1 to {MAX_REPEAT} timed runs per layer")
         overrides = parse_config_overrides(config)
+        if output is None:  # the default file, checked as -o is before anything is measured
+            from octoplan.hf import model_source_files
+            from octoplan.modelfile import load_model_file
+
+            output = Path("profiles") / f"{load_model_file(str(model), overrides).name}.yaml"
+            check_writable(output, "the profile's default path", inputs=model_source_files(model))
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(f"profiling {model.name}", total=None)
 
@@ -153,7 +161,7 @@ def profile(
                 str(model), config=overrides, microbatch_size=microbatch_size or 4, repeat=repeat,
                 device=device, on_layer=on_layer, clock=clock, precision=precision,
             )
-        out = output or Path("profiles") / f"{result.model.name}.yaml"
+        out = output
     else:
         raise InputError(None, "MODEL", "nothing to profile", "give a model file, or --arch NAME (see --list)")
     save_profile(result, out)
@@ -195,6 +203,7 @@ def _print_whole_model(result: Profile) -> None:
                       "plans inherit that error[/]", soft_wrap=True)
 
 
+MAX_REPEAT = 10_000  # timed runs per layer: beyond it a profile would take days, and a typo looks like it
 UNSTEADY_NAMED = 6  # layers the unsteady-layers warning names: the line stays one readable line
 
 

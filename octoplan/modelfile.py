@@ -55,6 +55,10 @@ class ModelFile:
         name = getattr(self.module, "NAME", Path(self.path).stem)
         if not isinstance(name, str) or not name.strip():
             raise InputError(self.path, "NAME", f"is {name!r}", "make NAME a non-empty string, or leave it out (the file name is used)")
+        if name in (".", "..") or any(c in "/\\" or ord(c) < 32 or ord(c) == 127 for c in name):
+            # it names the default profile file, profiles/NAME.yaml: it must stay one file name there
+            raise InputError(self.path, "NAME", f"is {name!r}", "make NAME a plain name, without / or \\ or control "
+                             "characters (it names the default profile file)")
         return name
 
     def num_layers(self) -> int:
@@ -222,5 +226,36 @@ def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, s
     if not isinstance(defaults, dict):
         raise InputError(str(path), "CONFIG", f"is a {type(defaults).__name__}, not a mapping",
                          "write CONFIG = {'name': value, ...}")
-    merged = {**defaults, **(config or {})}
-    return ModelFile(path=str(path), module=module, config=merged, seed=seed)
+    _check_config(str(path), defaults, config or {})
+    model = ModelFile(path=str(path), module=module, config={**defaults, **(config or {})}, seed=seed)
+    model.name  # checked now, not after a whole profile is measured
+    return model
+
+
+def _check_config(path: str, defaults: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """CONFIG's keys are names and its values what a profile file can hold (they are written into
+    it); where the file gives CONFIG, the overrides name its keys (a misspelt one would be passed
+    on unused, and recorded as if it had been)."""
+    for key, value in defaults.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InputError(path, "CONFIG", f"has the key {key!r}", "name CONFIG's keys as Python keyword arguments")
+        if not _plain(value):
+            raise InputError(path, f"CONFIG.{key}", f"is a {type(value).__name__}, which a profile file cannot hold",
+                             "use a str, int, float, bool, None, or a list or dict of them")
+    unknown = sorted(key for key in overrides if key not in defaults)
+    if defaults and unknown:
+        import difflib
+
+        near = difflib.get_close_matches(unknown[0], list(defaults), n=1)
+        raise InputError(path, f"--config {unknown[0]}", "is not a key of the model file's CONFIG",
+                         (f"did you mean {near[0]}? " if near else "") + f"its keys: {', '.join(defaults)}")
+
+
+def _plain(value: Any) -> bool:
+    if value is None or type(value) in (str, int, float, bool):
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain(v) for v in value)
+    if type(value) is dict:
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False

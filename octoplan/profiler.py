@@ -365,6 +365,9 @@ def _build(mf: ModelFile, index: int, device: torch.device) -> torch.nn.Module:
         layer = mf.build_layer(index)
     except MODEL_CODE_FAILURES as exc:
         raise _fail(mf, f"build_layer({index})", "raised", exc, "fix build_layer") from None
+    if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):  # .to() would fail: no data to copy
+        raise InputError(mf.path, f"build_layer({index})", "returned a layer on the meta device (no values)",
+                         "build the layer with real tensors (the profiler runs it)")
     return layer.to(device)
 
 
@@ -375,6 +378,10 @@ def _first_batch(mf: ModelFile, microbatch_size: int, device: torch.device) -> t
         raise _fail(mf, "sample_batch", "raised", exc, "fix sample_batch") from None
     if _tensors(inputs) is None:
         raise InputError(mf.path, "sample_batch", f"inputs are a {_describe(inputs)}", "return a tensor or a tuple of tensors as inputs")
+    for what, value in (("inputs", inputs), ("targets", targets)):
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in (value if isinstance(value, (tuple, list)) else (value,))):
+            raise InputError(mf.path, "sample_batch", f"returned {what} on the meta device (no values)",
+                             "return tensors with values")
     return _to_device(inputs, device), _to_device(targets, device)
 
 
@@ -602,11 +609,16 @@ def _tied_parameters(mf: ModelFile) -> tuple[TiedParameter, ...]:
     return tuple(out)
 
 
-def _dtype_name(layers_dtypes: list[torch.dtype]) -> str:
-    floating = [d for d in layers_dtypes if d.is_floating_point]
-    if not floating:
+def _dtype_name(parameters: list[tuple[torch.dtype, int]]) -> str:
+    """The floating dtype holding most of the parameters' bytes (not most tensors: a bf16 matrix
+    beside two fp32 norms is a bf16 layer), from (dtype, bytes) per parameter."""
+    held: dict[torch.dtype, int] = {}
+    for dtype, nbytes in parameters:
+        if dtype.is_floating_point:
+            held[dtype] = held.get(dtype, 0) + nbytes
+    if not held:
         return "float32"
-    common = max(set(floating), key=floating.count)
+    common = max(held, key=lambda dtype: (held[dtype], str(dtype)))
     return _DTYPE_NAMES.get(common, str(common).removeprefix("torch."))
 
 
@@ -662,13 +674,13 @@ def profile_model_file(
         isolated: list[Layer] = []
         modules: list[torch.nn.Module] = []
         names: list[str] = []
-        dtypes: list[torch.dtype] = []
+        dtypes: list[tuple[torch.dtype, int]] = []
         # Each layer alone on its real input first: its bytes, and its times as the cross-check
         # of the in-sequence ones below; any contract error names the layer here.
         for index in range(total):
             module = _build(mf, index, dev)
             name, kind = _name_and_kind(mf, index, total, module)
-            dtypes.extend(p.dtype for p in module.parameters())
+            dtypes.extend((p.dtype, p.numel() * p.element_size()) for p in module.parameters())
             run = _LayerRun(
                 mf,
                 index=index,

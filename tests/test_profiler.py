@@ -866,3 +866,60 @@ def test_cli_check_whole_reports_the_ratio(tmp_path):
     assert "off the whole model" not in done.output
     bad = runner.invoke(app, ["profile", "--arch", "llama3-8b", "--check-whole", "-o", str(tmp_path / "a.yaml")])
     assert bad.exit_code == 2 and "--check-whole" in bad.output and bad.output.count("\n") == 1
+
+
+# ---------------------------------------------------------------------- bad model files, found by a review
+
+
+def test_the_dtype_is_the_one_holding_most_bytes():
+    from octoplan.profiler import _dtype_name
+
+    # a bf16 matrix beside two fp32 norms is a bf16 layer, though fp32 has more tensors
+    assert _dtype_name([(torch.bfloat16, 131072), (torch.float32, 1024), (torch.float32, 1024)]) == "bfloat16"
+    assert _dtype_name([(torch.bfloat16, 1024), (torch.float32, 4096)]) == "float32"
+    assert _dtype_name([(torch.int64, 64)]) == "float32"
+
+
+def test_a_model_file_off_its_config_or_name_is_refused_as_it_loads(tmp_path):
+    from octoplan.modelfile import load_model_file
+
+    path = write_model(tmp_path, TWO_LINEAR)
+    with pytest.raises(InputError) as found:
+        load_model_file(path, {"hiden": 32})
+    assert found.value.field == "--config hiden" and "did you mean hidden?" in str(found.value)
+    for bad, field in (('CONFIG = {"hidden": 16, "middle": 0, "act": torch.nn.ReLU}', "CONFIG.act"),
+                       ('CONFIG = {"hidden": 16, "middle": 0, 1: 2}', "CONFIG"),
+                       ('NAME = "../escaped"', "NAME"), ('NAME = "a\\nb"', "NAME"), ('NAME = "a\\\\b"', "NAME")):
+        source = TWO_LINEAR.replace('CONFIG = {"hidden": 16, "middle": 0}', bad) if bad.startswith("CONFIG") \
+            else TWO_LINEAR.replace('NAME = "two-linear"', bad)
+        with pytest.raises(InputError) as found:
+            load_model_file(write_model(tmp_path, source, f"m{len(field)}{bad.count('n')}.py"))
+        assert found.value.field == field, bad
+
+
+def test_meta_tensors_from_a_model_file_are_bad_input(tmp_path):
+    layer_on_meta = TWO_LINEAR.replace("def build_layer(index, hidden, middle):",
+                                       "def build_layer(index, hidden, middle):\n    with torch.device('meta'):\n        return _build(index, hidden, middle)\n\ndef _build(index, hidden, middle):")
+    batch_on_meta = TWO_LINEAR.replace("return torch.randn(microbatch_size, 8, generator=generator), ",
+                                       "return torch.empty(microbatch_size, 8, device='meta'), ")
+    for source, field in ((layer_on_meta, "build_layer(0)"), (batch_on_meta, "sample_batch")):
+        with pytest.raises(InputError) as found:
+            fast_profile(write_model(tmp_path, source, f"{field[:5]}.py"))
+        assert found.value.field == field and "meta device" in str(found.value)
+
+
+def test_the_default_profile_path_is_checked_before_measuring(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from octoplan.cli import app
+
+    model = write_model(tmp_path, TWO_LINEAR)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "profiles").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "profiles" / "two-linear.yaml").symlink_to(tmp_path / "fifo")
+    result = CliRunner().invoke(app, ["profile", model, "--device", "cpu", "--repeat", "1"])
+    assert result.exit_code == 2 and "FIFO" in result.output, result.output
+    assert (tmp_path / "fifo").is_fifo()
+    result = CliRunner().invoke(app, ["profile", model, "--device", "cpu", "--repeat", "10001"])
+    assert result.exit_code == 2 and "--repeat" in result.output, result.output
