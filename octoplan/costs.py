@@ -65,6 +65,7 @@ class StageCost:
     pending_w_bytes: int = 0  # what an I keeps for its W besides the activations (its layers')
     w_held_bytes: int = 0  # of the (rebuilt) activations, what an I keeps for its W
     i_peak_bytes: int = 0  # the most an I holds above its (rebuilt) start while it runs
+    buffer_bytes: int = 0  # its layers' buffers: held, never trained
 
     @property
     def b_ms(self) -> float:
@@ -95,6 +96,7 @@ class LayerTable:
         # Layers without a measured fused backward count I + W in it.
         self._b = [0.0, *accumulate(layer.b_ms for layer in layers)] if profile.measures_fused_backward else None
         self._param = [0, *accumulate(layer.param_bytes for layer in layers)]
+        self._buffers = [0, *accumulate(layer.buffer_bytes for layer in layers)]
         self._act = [0, *accumulate(layer.activation_bytes for layer in layers)]
         self._pending_w = [0, *accumulate(layer.pending_w_bytes for layer in layers)]
         self._layers = layers
@@ -157,6 +159,7 @@ class LayerTable:
             pending_w_bytes=self._pending_w[end] - self._pending_w[start],
             w_held_bytes=w_held,
             i_peak_bytes=i_peak,
+            buffer_bytes=self._buffers[end] - self._buffers[start],
         )
         if not recompute:
             return cost

@@ -106,6 +106,9 @@ class Layer:
     activation_bytes: int
     output_bytes: int
     flops: float | None = None
+    # The layer's buffers (a BatchNorm's statistics, a causal mask, a rotary cache): held once,
+    # with no gradient or optimizer state
+    buffer_bytes: int = 0
     # The fused backward (I and W in one autograd pass), when measured. A split backward pays
     # its per-call overhead twice, and per kernel where a layer is launch-bound: in octorun on an
     # H200, the hybrid example's fused backward took 58% of its I + W. None: B = I + W.
@@ -258,7 +261,7 @@ MAX_LAYER_BYTES = 10**15
 # The fields of a profile layer (FORMATS.md section 2). Others are extensions FORMATS.md allows
 # another tool to write, and are passed over; a near miss of one of these is refused instead.
 _LAYER_FIELDS = ("name", "kind", "forward_ms", "backward_input_ms", "backward_weight_ms", "param_bytes",
-                 "activation_bytes", "output_bytes", "flops", "backward_ms", "pending_w_bytes", "w_saved_bytes",
+                 "activation_bytes", "output_bytes", "flops", "buffer_bytes", "backward_ms", "pending_w_bytes", "w_saved_bytes",
                  "input_freed_bytes", "output_saved_bytes", "output_w_bytes", "spread", "isolated")
 # The top-level ones: others are kept verbatim (Profile.extra), near misses refused
 _TOP_FIELDS = ("format", "model", "device", "microbatch_size", "dtype", "precision", "tied", "whole_model", "layers")
@@ -284,6 +287,7 @@ def _layer_from(entry: Any, *, file: str, index: int) -> Layer:
         activation_bytes=f.int("activation_bytes", maximum=MAX_LAYER_BYTES),
         output_bytes=f.int("output_bytes", maximum=MAX_LAYER_BYTES),
         flops=flops,
+        buffer_bytes=f.int("buffer_bytes", 0, maximum=MAX_LAYER_BYTES),
         backward_ms=f.number("backward_ms", None, maximum=MAX_LAYER_MS),
         pending_w_bytes=f.int("pending_w_bytes", 0, maximum=MAX_LAYER_BYTES),
         w_saved_bytes=f.int("w_saved_bytes", None, maximum=MAX_LAYER_BYTES),
@@ -440,6 +444,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         }
         if layer.flops is not None:
             entry["flops"] = float(f"{layer.flops:.6g}")
+        if layer.buffer_bytes:
+            entry["buffer_bytes"] = int(layer.buffer_bytes)
         if layer.backward_ms is not None:
             entry["backward_ms"] = round(layer.backward_ms, 6)
         if layer.pending_w_bytes:

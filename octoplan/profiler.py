@@ -571,6 +571,7 @@ def _measure_layer(run: _LayerRun, *, clock: _Clock, repeat: int, warmup: int) -
         backward_weight_ms=weight_ms,
         backward_ms=fused_ms,
         param_bytes=_tensor_bytes(list(run.layer.parameters())),
+        buffer_bytes=_tensor_bytes(list(run.layer.buffers())),
         activation_bytes=memory.pop("activation_bytes"),
         output_bytes=_tensor_bytes(_tensors(step.output) or []),
         flops=flops,

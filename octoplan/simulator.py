@@ -500,11 +500,12 @@ def _op_table(plan: Plan, costs: Sequence[StageCost], rank_of_stage: Sequence[in
 def _static_memory(costs: Sequence[StageCost], rank_of_stage: Sequence[int], num_ranks: int,
                    tied: Sequence[TiedParameter], tied_stages: list[list[int]], *, dtype_bytes: int,
                    optimizer: str) -> list[int]:
-    """Per rank, the bytes its weights, gradients and optimizer state take: its stages', a tied
-    tensor it holds for several members once."""
+    """Per rank, the bytes its weights, gradients, optimizer state and buffers take: its stages',
+    a tied tensor it holds for several members once."""
     static = [0] * num_ranks
     for stage in range(len(rank_of_stage)):
-        static[rank_of_stage[stage]] += static_bytes(costs[stage].param_bytes, dtype_bytes=dtype_bytes, optimizer=optimizer)
+        static[rank_of_stage[stage]] += static_bytes(costs[stage].param_bytes, dtype_bytes=dtype_bytes,
+                                                     optimizer=optimizer) + costs[stage].buffer_bytes
     for group, stages in zip(tied, tied_stages):
         for r in range(num_ranks):
             copies = sum(rank_of_stage[stage] == r for stage in stages)

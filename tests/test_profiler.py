@@ -923,3 +923,31 @@ def test_the_default_profile_path_is_checked_before_measuring(tmp_path, monkeypa
     assert (tmp_path / "fifo").is_fifo()
     result = CliRunner().invoke(app, ["profile", model, "--device", "cpu", "--repeat", "10001"])
     assert result.exit_code == 2 and "--repeat" in result.output, result.output
+
+
+def test_buffers_are_static_memory(tmp_path):
+    # a causal-mask buffer of 64 x 64 fp32 per layer: 16,384 bytes the plan holds beside the
+    # weights, once per layer, with no gradient or optimizer state
+    from octoplan.baseline import make_baseline
+    from octoplan.simulator import simulate
+
+    source = TWO_LINEAR.replace('''    return nn.Linear(hidden, 4)
+''', '''    return nn.Linear(hidden, 4)
+
+class Masked(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("mask", torch.ones(64, 64))
+    def forward(self, x):
+        return self.inner(x)
+''').replace("def build_layer(index, hidden, middle):", "def build_layer(index, hidden, middle):\n    return Masked(_build(index, hidden, middle))\n\ndef _build(index, hidden, middle):")
+    profile = fast_profile(write_model(tmp_path, source))
+    plain = fast_profile(write_model(tmp_path, TWO_LINEAR, "plain.py"))
+    assert [layer.buffer_bytes for layer in profile.layers] == [16384, 16384]
+    assert [layer.buffer_bytes for layer in plain.layers] == [0, 0]
+    save_profile(profile, tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml").layers[0].buffer_bytes == 16384
+    assert "buffer_bytes" not in (tmp_path / "p.yaml").read_text().split("layers:")[0]
+    statics = [simulate(make_baseline(p, schedule="1f1b", gpus=2, microbatches=2), p).static_memory_bytes for p in (profile, plain)]
+    assert [a - b for a, b in zip(*statics)] == [16384, 16384]

@@ -323,7 +323,8 @@ def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_pe
         num_ranks=config.pp,
         num_stages=num_stages,
         microbatches=config.microbatches,
-        static_mb=tuple(math.ceil((static_bytes(l.param_bytes, dtype_bytes=dtype) + (l.activation_bytes / max_per_rank if recompute else 0))
+        static_mb=tuple(math.ceil((static_bytes(l.param_bytes, dtype_bytes=dtype) + l.buffer_bytes
+                                   + (l.activation_bytes / max_per_rank if recompute else 0))
                                   / _MB) for l in layers),
         activation_mb=tuple(math.ceil((kept if recompute else l.activation_bytes) / _MB)
                             for l, kept in zip(layers, [0] + [l.output_bytes for l in layers[:-1]])),

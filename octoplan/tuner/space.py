@@ -217,7 +217,8 @@ class Evaluator:
         limit = self.cluster.memory_gb * 1e9
         budget = [limit] * cand.config.pp
         for cost, rank in zip(costs, cand.ranks):
-            budget[rank] -= static_bytes(cost.param_bytes, dtype_bytes=self.profile.param_dtype_bytes, optimizer=self.optimizer)
+            budget[rank] -= static_bytes(cost.param_bytes, dtype_bytes=self.profile.param_dtype_bytes,
+                                         optimizer=self.optimizer) + cost.buffer_bytes
         return budget
 
     def justified(self, cand: Candidate) -> list[Candidate]:
