@@ -502,12 +502,11 @@ class _LayerRun:
         if not isinstance(exc, Exception):  # sys.exit and the like
             return InputError(self.mf.path, field_name, f"exits in its forward: {_exc_text(exc)}",
                               "raise an exception instead: an exit would end the whole run")
-        if self.index == 0:
-            problem = "cannot take the inputs of sample_batch"
-            fix = "make sample_batch's inputs match the first layer's forward arguments"
-        else:
-            problem = f"cannot take the output of layer {self.index - 1}"
-            fix = f"make layer {self.index - 1}'s output match layer {self.index}'s forward arguments"
+        # the forward's own bug or inputs it cannot take: the exception tells which, so both are named
+        source = "sample_batch's inputs" if self.index == 0 else f"layer {self.index - 1}'s output"
+        problem = f"its forward raised on {source}"
+        fix = (f"fix the forward, or make {source} match its arguments (inputs arrive as tensors of their "
+               "own: a forward must not change them in place)")
         return InputError(self.mf.path, field_name, f"{problem}: {_exc_text(exc)}", fix)
 
     def flops(self) -> float | None:

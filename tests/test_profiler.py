@@ -391,7 +391,7 @@ BROKEN = {
     "shape_mismatch": (
         TWO_LINEAR.replace("return nn.Linear(hidden, 4)", "return nn.Linear(hidden + 1, 4)"),
         "layer 1 (Linear)",
-        "cannot take the output of layer 0: RuntimeError",
+        "its forward raised on layer 0's output: RuntimeError",
     ),
     "exception_in_layer": (
         TWO_LINEAR.replace("return nn.Linear(hidden, 4)", "return Boom()")
@@ -402,7 +402,7 @@ BROKEN = {
     "first_layer_rejects_inputs": (
         TWO_LINEAR.replace("nn.Linear(8, hidden), nn.Tanh()", "nn.Linear(9, hidden), nn.Tanh()"),
         "layer 0 (Sequential)",
-        "cannot take the inputs of sample_batch",
+        "its forward raised on sample_batch's inputs",
     ),
     "non_scalar_loss": (
         TWO_LINEAR.replace("mse_loss(outputs, targets)", "mse_loss(outputs, targets, reduction='none')"),
