@@ -132,7 +132,7 @@ def profile(
         result = analytic_profile(arch, gpu, seq_len=seq_len, microbatch_size=microbatch_size, tp=tp, split_blocks=split_blocks)
         out = output or Path("profiles") / f"{arch}-{gpu}{f'-tp{tp}' if tp > 1 else ''}{'-split' if split_blocks else ''}.yaml"
         if output is None:
-            check_writable(out, "the profile's default path")
+            _check_default_path(out)
     elif model is not None:
         from rich.progress import Progress
 
@@ -145,12 +145,17 @@ def profile(
         if not 1 <= repeat <= MAX_REPEAT:
             raise InputError(None, "--repeat", f"is {repeat}", f"use 1 to {MAX_REPEAT} timed runs per layer")
         overrides = parse_config_overrides(config)
-        if output is None:  # the default file, checked as -o is before anything is measured
-            from octoplan.hf import model_source_files
-            from octoplan.modelfile import load_model_file
+        chosen: list[Path] = [output] if output is not None else []
 
-            output = Path("profiles") / f"{load_model_file(str(model), overrides).name}.yaml"
-            check_writable(output, "the profile's default path", inputs=model_source_files(model))
+        def check_default_path(loaded) -> None:
+            """The default file, checked as -o is, once the model's name is known and before
+            anything is measured."""
+            if output is None:
+                from octoplan.hf import model_source_files
+
+                chosen.append(Path("profiles") / f"{loaded.name}.yaml")
+                _check_default_path(chosen[0], inputs=model_source_files(model))
+
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(f"profiling {model.name}", total=None)
 
@@ -159,9 +164,9 @@ def profile(
 
             result = profile_model_file(
                 str(model), config=overrides, microbatch_size=microbatch_size or 4, repeat=repeat,
-                device=device, on_layer=on_layer, clock=clock, precision=precision,
+                device=device, on_layer=on_layer, clock=clock, precision=precision, on_loaded=check_default_path,
             )
-        out = output
+        out = chosen[0]
     else:
         raise InputError(None, "MODEL", "nothing to profile", "give a model file, or --arch NAME (see --list)")
     save_profile(result, out)
@@ -201,6 +206,14 @@ def _print_whole_model(result: Profile) -> None:
         console.print(f"[yellow]the layers' sum is off the whole model by more than {WHOLE_MODEL_TOLERANCE:.0%}: a busy "
                       "machine (see the layers' spread), or the runtime's per-layer work (many small layers) weighs in; "
                       "plans inherit that error[/]", soft_wrap=True)
+
+
+def _check_default_path(path: Path, *, inputs=()) -> None:
+    """``profile``'s default output, checked as -o is; the fix names -o, the user gave no path."""
+    try:
+        check_writable(path, "the default path", inputs=inputs)
+    except InputError as exc:
+        raise InputError(exc.file, exc.field, exc.problem, "give -o FILE, or move what is there") from None
 
 
 MAX_REPEAT = 10_000  # timed runs per layer: beyond it a profile would take days, and a typo looks like it

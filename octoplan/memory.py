@@ -1,7 +1,8 @@
 """The memory model: what one GPU holds while it runs its stages.
 
 Per rank, per stage it holds:
-- *static* bytes for the whole iteration: weights, gradients and optimizer state. The default
+- *static* bytes for the whole iteration: weights, gradients and optimizer state (here), and
+  the layers' buffers (``buffer_bytes``, held as they are). The default
   state model is mixed-precision Adam (Megatron-LM's and DeepSpeed's default): weights and
   gradients in the profile's dtype, plus an fp32 master copy and fp32 Adam moments m and v —
   16 bytes per parameter for bf16/fp16 profiles, and 16 for fp32 profiles too (4 + 4 + 8, no

@@ -192,11 +192,14 @@ class ModelFile:
         return groups
 
 
-def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0) -> ModelFile:
+def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0,
+                    config_given: bool = False) -> ModelFile:
     """Import a model file and check it has the FORMATS.md section 4 functions.
 
-    ``config`` overrides the file's ``CONFIG`` defaults. ``hf:FOLDER`` is a Hugging Face
-    transformers model instead (octoplan.hf).
+    ``config`` overrides the file's ``CONFIG`` defaults. ``config_given``: the user typed it
+    (``--config``), so each key must be one of CONFIG's; a plan's config, merged from CONFIG
+    when the profile was made, is the file's own business (its functions say what they take).
+    ``hf:FOLDER`` is a Hugging Face transformers model instead (octoplan.hf).
     """
     if str(path).startswith("hf:"):
         from octoplan.hf import load_hf_model
@@ -226,13 +229,13 @@ def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, s
     if not isinstance(defaults, dict):
         raise InputError(str(path), "CONFIG", f"is a {type(defaults).__name__}, not a mapping",
                          "write CONFIG = {'name': value, ...}")
-    _check_config(str(path), defaults, config or {})
+    _check_config(str(path), defaults, config or {}, keys=config_given)
     model = ModelFile(path=str(path), module=module, config={**defaults, **(config or {})}, seed=seed)
     model.name  # checked now, not after a whole profile is measured
     return model
 
 
-def _check_config(path: str, defaults: dict[str, Any], overrides: dict[str, Any]) -> None:
+def _check_config(path: str, defaults: dict[str, Any], overrides: dict[str, Any], *, keys: bool) -> None:
     """CONFIG's keys are names and its values what a profile file can hold (they are written into
     it); where the file gives CONFIG, the overrides name its keys (a misspelt one would be passed
     on unused, and recorded as if it had been)."""
@@ -243,7 +246,7 @@ def _check_config(path: str, defaults: dict[str, Any], overrides: dict[str, Any]
             raise InputError(path, f"CONFIG.{key}", f"is a {type(value).__name__}, which a profile file cannot hold",
                              "use a str, int, float, bool, None, or a list or dict of them")
     unknown = sorted(key for key in overrides if key not in defaults)
-    if defaults and unknown:
+    if keys and defaults and unknown:
         import difflib
 
         near = difflib.get_close_matches(unknown[0], list(defaults), n=1)

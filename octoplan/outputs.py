@@ -15,7 +15,7 @@ from pathlib import Path
 
 from octoplan.errors import InputError
 
-__all__ = ["check_writable", "check_distinct", "write_text", "StreamedOutput", "partial_path"]
+__all__ = ["check_writable", "check_distinct", "write_text", "StreamedOutput", "partial_path", "new_file_mode"]
 
 
 def _cannot(path: Path, flag: str | None, exc: OSError) -> InputError:
@@ -101,6 +101,11 @@ def _mode_for(target: Path) -> int:
     """The old file's permissions, or those a plain ``open`` would give a new one."""
     if target.exists():
         return target.stat().st_mode & 0o7777
+    return new_file_mode()
+
+
+def new_file_mode() -> int:
+    """The permissions a plain ``open`` gives a new file: 0666 less the umask."""
     umask = os.umask(0)
     os.umask(umask)
     return 0o666 & ~umask

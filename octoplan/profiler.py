@@ -638,6 +638,7 @@ def profile_model_file(
     on_layer: Callable[[int, int, str], None] | None = None,
     clock: str = "auto",
     precision: str = DEFAULT_PRECISION,
+    on_loaded: Callable[[ModelFile], None] | None = None,
 ) -> Profile:
     """Measure every layer of the model file at ``path`` into a :class:`Profile`.
 
@@ -647,7 +648,8 @@ def profile_model_file(
 
     ``config`` overrides the file's ``CONFIG``; ``device`` defaults to CUDA when available;
     ``threads`` (CPU only) defaults to :data:`DEFAULT_CPU_THREADS`. ``on_layer(index, total,
-    name)`` is called after each layer is measured. ``clock``: ``auto`` (CUDA events on a GPU,
+    name)`` is called after each layer is measured, ``on_loaded(model_file)`` once the file is
+    loaded, before anything is measured. ``clock``: ``auto`` (CUDA events on a GPU,
     the thread's CPU time on one CPU thread, else wall time), ``wall`` (always wall time: for
     layers that sleep or wait, like the replay model's) or ``cpu``. ``precision``
     (:mod:`octoplan.precision`): ``bf16`` runs every forward under bf16 autocast, as octorun
@@ -664,7 +666,9 @@ def profile_model_file(
     _check_positive(warmup, "--warmup", 0)
     dev = _resolve_device(device)
     malloc = steady_malloc()  # before the model's tensors: each process allocates alike
-    mf = load_model_file(path, config, seed=seed)
+    mf = load_model_file(path, config, seed=seed, config_given=True)
+    if on_loaded is not None:
+        on_loaded(mf)
     tied = _tied_parameters(mf)
     with _Threads(dev, threads) as used_threads:
         total = mf.num_layers()
@@ -777,7 +781,7 @@ def measure_whole_model_ms(
     _check_positive(repeat, "--repeat", 1)
     dev = _resolve_device(device)
     steady_malloc()  # as the profile's own (octoplan.host_malloc)
-    mf = load_model_file(path, config, seed=seed)
+    mf = load_model_file(path, config, seed=seed, config_given=True)
     with _Threads(dev, threads) as used_threads:
         total = mf.num_layers()
         modules = [_build(mf, i, dev) for i in range(total)]

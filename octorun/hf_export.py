@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from octoplan.errors import InputError
+from octoplan.outputs import new_file_mode
 from octoplan.hf import chain_for, is_hf_source, load_hf_model, resolve_hf_source
 from octoplan.plan import Plan
 from octorun import checkpoint
@@ -116,10 +117,13 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
     _check_same_config(meta, plan.model.config, path)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
+    made = [folder for folder in reversed(partial.parents) if not folder.exists()]  # removed again on failure
     try:
         partial.mkdir(parents=True)  # now, not after the work: a folder that cannot be written fails first
     except OSError as exc:
+        _remove_empty(made)
         raise InputError(str(output), "-o", f"cannot be written: {exc.strerror or exc}", "give a folder you can write") from None
+    done = False
     try:
         layers = {index: model.build_layer(index) for index in range(num_layers)}
         tied = tie_local(model.path, layers, tied_groups(model), model.build_layer)
@@ -142,8 +146,11 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
                 file.rename(target / file.name)
         else:
             partial.rename(target)
+        done = True
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+        if not done:  # refused or failed: nothing of the export stays, the folders it made included
+            _remove_empty(made)
     return ExportedWeights(output, path, int(meta["step"]), tensors, nbytes, str(out_dtype).removeprefix("torch."), copied)
 
 
@@ -232,12 +239,18 @@ def _copy_other_files(model_folder: Path, target: Path) -> tuple[str, ...]:
 def _readable_as_the_umask_says(folder: Path) -> None:
     """Every file in ``folder`` with the permissions a new file gets (safetensors writes its own
     files readable by their owner alone)."""
-    mask = os.umask(0)
-    os.umask(mask)
     for file in folder.iterdir():
         if file.is_file():
-            file.chmod(0o666 & ~mask)
+            file.chmod(new_file_mode())
 
+
+def _remove_empty(folders: list[Path]) -> None:
+    """``folders`` (outermost first), each removed where it is empty, innermost first."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 def _written(folder: Path) -> tuple[int, int]:
     """Tensors and bytes of the safetensors files in ``folder``."""

@@ -47,10 +47,13 @@ def parameter_key(layer: int, name: str) -> str:
     return f"layers.{layer}.{name}"
 
 
-def model_state(layers: dict[int, torch.nn.Module], keys: dict[int, str]) -> dict[str, torch.Tensor]:
+def model_state(layers: dict[int, torch.nn.Module], tied_keys: dict[int, str]) -> dict[str, torch.Tensor]:
     """The parameters and buffers of ``layers`` (by global layer index) as a checkpoint keys them:
-    ``model/`` and :func:`parameter_key`, a tied parameter by its canonical member's key
-    (``keys``: id(parameter) -> key). The tensors themselves, so that a load fills them."""
+    ``model/`` and :func:`parameter_key`, a parameter a layer holds under two names by its first,
+    a tied one by its canonical member's key (``tied_keys``: id(parameter) -> key, as
+    :func:`tie_local` returns them). The tensors themselves, so that a load fills them."""
+    keys = {id(p): parameter_key(index, name) for index in sorted(layers) for name, p in layers[index].named_parameters()}
+    keys.update(tied_keys)
     state: dict[str, torch.Tensor] = {}
     for index in sorted(layers):
         for name, value in layers[index].state_dict(keep_vars=True).items():

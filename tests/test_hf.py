@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -597,6 +598,14 @@ def test_export_hf_bad_input_exits_2_in_one_line_and_writes_nothing(saved, octor
                           "-o", str(out)), "--checkpoint", "applies to --format hf")
     _one_line_exit_2(_cli("export", str(analytic), "--format", "hf", "--checkpoint", str(checkpoints["qwen3"]), "-o", str(out)),
                      "model.source", "an analytic plan")
+    # refused once the work has begun (a damaged shard shows as the checkpoint loads): the folders
+    # made for -o go again
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoints["qwen3"], damaged)
+    shard = next((damaged / "step_00000001").glob("*.distcp"))
+    shard.write_bytes(bytes(b ^ 0xFF for b in shard.read_bytes()))
+    _one_line_exit_2(_cli(*export, str(tmp_path / "new" / "deeper" / "out"), "--checkpoint", str(damaged)), "distcp")
+    shutil.rmtree(damaged)
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "analytic.yaml", "dangling", "eps-plan.yaml", "eps.yaml", "full"]
     assert sorted(p.name for p in (checkpoints["qwen3"]).iterdir()) == ["step_00000001"]

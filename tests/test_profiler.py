@@ -885,8 +885,10 @@ def test_a_model_file_off_its_config_or_name_is_refused_as_it_loads(tmp_path):
 
     path = write_model(tmp_path, TWO_LINEAR)
     with pytest.raises(InputError) as found:
-        load_model_file(path, {"hiden": 32})
+        load_model_file(path, {"hiden": 32}, config_given=True)  # typed: --config
     assert found.value.field == "--config hiden" and "did you mean hidden?" in str(found.value)
+    # a plan's config is the file's business: its functions say what they take (this one raises)
+    assert load_model_file(path, {"hiden": 32}).config == {"hidden": 16, "middle": 0, "hiden": 32}
     for bad, field in (('CONFIG = {"hidden": 16, "middle": 0, "act": torch.nn.ReLU}', "CONFIG.act"),
                        ('CONFIG = {"hidden": 16, "middle": 0, 1: 2}', "CONFIG"),
                        ('NAME = "../escaped"', "NAME"), ('NAME = "a\\nb"', "NAME"), ('NAME = "a\\\\b"', "NAME")):
@@ -948,6 +950,24 @@ class Masked(nn.Module):
     assert [layer.buffer_bytes for layer in plain.layers] == [0, 0]
     save_profile(profile, tmp_path / "p.yaml")
     assert load_profile(tmp_path / "p.yaml").layers[0].buffer_bytes == 16384
-    assert "buffer_bytes" not in (tmp_path / "p.yaml").read_text().split("layers:")[0]
-    statics = [simulate(make_baseline(p, schedule="1f1b", gpus=2, microbatches=2), p).static_memory_bytes for p in (profile, plain)]
+    save_profile(plain, tmp_path / "plain.yaml")  # a profile without buffers is written as before
+    assert "buffer_bytes" not in (tmp_path / "plain.yaml").read_text()
+    assert (tmp_path / "p.yaml").read_text().count("buffer_bytes: 16384") == 2
+    plans = [make_baseline(p, schedule="1f1b", gpus=2, microbatches=2) for p in (profile, plain)]
+    statics = [simulate(plan, p).static_memory_bytes for plan, p in zip(plans, (profile, plain))]
     assert [a - b for a, b in zip(*statics)] == [16384, 16384]
+    # the tuner's budget and the CP-SAT partition count them as the simulator does
+    from octoplan.costs import LayerTable, stage_costs
+    from octoplan.tuner.cpsat import problem_for
+    from octoplan.tuner.space import Candidate, Config, Evaluator
+
+    budgets = []
+    for plan, p in zip(plans, (profile, plain)):
+        cand = Candidate(Config(pp=2, dp=1, microbatches=2), (0, 1, 2), (0, 1))
+        budgets.append(Evaluator(p, plan.cluster).activation_budget(cand, stage_costs(plan.stages, LayerTable(p))))
+    assert [a - b for a, b in zip(*budgets)] == [-16384, -16384]
+    import dataclasses
+
+    big = plain.with_layers([dataclasses.replace(layer, buffer_bytes=5_000_000) for layer in plain.layers])
+    mb = [problem_for(Evaluator(p, plans[0].cluster), Config(pp=2, dp=1, microbatches=2), 2).static_mb for p in (big, plain)]
+    assert [a - b for a, b in zip(*mb)] == [5, 5]  # MB per layer

@@ -10,7 +10,8 @@ This is line balancing (OR-Tools' ``line_balancing_sat`` example) with a pipelin
   of the busiest rank), with the per-kind maxima as a tie-breaker (they set warm-up and
   cool-down), and every cut edge pays its forward + backward transfer, more when its two
   ranks sit on different nodes (``cluster.node_of`` of their global ranks);
-- memory: each rank's static bytes (:func:`octoplan.memory.static_bytes`) plus each layer's
+- memory: each rank's static bytes (:func:`octoplan.memory.static_bytes`, and its layers'
+  ``buffer_bytes``) plus each layer's
   activation bytes times an estimate of the microbatches in flight (1F1B's count for the
   layer's position in the model) fit the GPU.
 
