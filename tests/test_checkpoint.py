@@ -683,3 +683,22 @@ def test_checkpoint_bytes_lists_every_file(saved):
     assert sorted(sizes) == [".metadata", "__0_0.distcp", "octopipe.json"]
     assert sizes["octopipe.json"] == (saved / "octopipe.json").stat().st_size
     assert all(size > 0 for size in sizes.values())
+
+
+def test_model_state_keys_a_parameter_by_its_first_name_and_a_tied_one_by_its_canonical_key():
+    from octorun.tied import model_state
+
+    class Aliased(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(2, 2)
+            self.b = self.a  # one module under two names: one tensor in the checkpoint
+            self.register_buffer("count", torch.zeros(1))
+
+    layers = {0: Aliased(), 3: torch.nn.Linear(2, 2)}
+    state = model_state(layers, {})
+    assert sorted(state) == ["model/layers.0.a.bias", "model/layers.0.a.weight", "model/layers.0.count",
+                             "model/layers.3.bias", "model/layers.3.weight"]
+    assert state["model/layers.0.a.weight"] is not None
+    tied = model_state(layers, {id(layers[3].weight): "layers.0.a.weight"})
+    assert "model/layers.3.weight" not in tied and sorted(tied)[:2] == ["model/layers.0.a.bias", "model/layers.0.a.weight"]
