@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -47,30 +48,48 @@ def fail(error: InputError) -> None:
 
 
 def guarded(fn: Callable) -> Callable:
-    """Run a command: InputError -> exit 2 and one line on stderr; anything else -> exit 1."""
+    """Run a command: InputError -> exit 2 and one line on stderr; anything else -> exit 1.
+    Python warnings raised on the way (a model file's code making torch warn) are held and shown
+    at the end, except after bad input, whose one line is then all that is said."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        held: list[warnings.WarningMessage] = []
+        bad_input = False
         try:
-            return fn(*args, **kwargs)
-        except InputError as exc:
-            fail(exc)
-        except (typer.Exit, typer.Abort, SystemExit, KeyboardInterrupt):
+            with warnings.catch_warnings(record=True) as held:
+                return _run(fn, args, kwargs)
+        except SystemExit as exc:
+            bad_input = exc.code == 2
             raise
-        except BrokenPipeError:
-            raise SystemExit(0)
-        except OSError as exc:  # a path the user gave that cannot be read or written
-            if exc.filename:
-                fail(InputError(str(exc.filename), None, exc.strerror or str(exc), "check the path"))
-            # no file named: the command's own output (stdout redirected to a full disk)
-            fail(InputError("stdout", None, f"cannot be written: {exc.strerror or exc}",
-                            "check where the output goes and its free space"))
-        except Exception as exc:  # a failure of ours, not bad input: keep the trace for debugging
-            logging.getLogger("octoplan").debug("failure", exc_info=True)
-            typer.echo(f"error: {type(exc).__name__}: {exc}", err=True)
-            raise SystemExit(1)
+        finally:  # outside catch_warnings: shown as Python shows them
+            if not bad_input:
+                for w in held:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
     return wrapper
+
+
+def _run(fn: Callable, args: Any, kwargs: Any) -> Any:
+    """``fn``, its failures turned into exits: 2 with one line for bad input, 1 for ours."""
+    try:
+        return fn(*args, **kwargs)
+    except InputError as exc:
+        fail(exc)
+    except (typer.Exit, typer.Abort, SystemExit, KeyboardInterrupt):
+        raise
+    except BrokenPipeError:
+        raise SystemExit(0)
+    except OSError as exc:  # a path the user gave that cannot be read or written
+        if exc.filename:
+            fail(InputError(str(exc.filename), None, exc.strerror or str(exc), "check the path"))
+        # no file named: the command's own output (stdout redirected to a full disk)
+        fail(InputError("stdout", None, f"cannot be written: {exc.strerror or exc}",
+                        "check where the output goes and its free space"))
+    except Exception as exc:  # a failure of ours, not bad input: keep the trace for debugging
+        logging.getLogger("octoplan").debug("failure", exc_info=True)
+        typer.echo(f"error: {type(exc).__name__}: {exc}", err=True)
+        raise SystemExit(1)
 
 
 def log_setup(verbose: bool) -> None:

@@ -971,3 +971,24 @@ class Masked(nn.Module):
     big = plain.with_layers([dataclasses.replace(layer, buffer_bytes=5_000_000) for layer in plain.layers])
     mb = [problem_for(Evaluator(p, plans[0].cluster), Config(pp=2, dp=1, microbatches=2), 2).static_mb for p in (big, plain)]
     assert [a - b for a, b in zip(*mb)] == [5, 5]  # MB per layer
+
+
+def test_bad_input_is_one_line_even_where_the_model_makes_python_warn(tmp_path):
+    # in a real process: pytest would catch the warnings itself
+    import subprocess
+    import sys
+
+    noisy = TWO_LINEAR.replace("def loss_fn(outputs, targets):", "def loss_fn(outputs, targets):\n"
+                               "    import warnings; warnings.warn('the model file speaks')")
+    bad = noisy.replace("mse_loss(outputs, targets)", "mse_loss(outputs, targets, reduction='none')")
+
+    def profile(source: str, name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "octoplan.cli", "profile", write_model(tmp_path, source, f"{name}.py"),
+                               "--device", "cpu", "--repeat", "1", "-o", str(tmp_path / f"{name}.yaml")],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+
+    failed = profile(bad, "bad")
+    assert failed.returncode == 2 and len(failed.stderr.splitlines()) == 1, failed.stderr
+    assert failed.stderr.startswith("error: ") and "loss_fn" in failed.stderr
+    done = profile(noisy, "good")  # a run that succeeds still shows them, once it is done
+    assert done.returncode == 0 and "UserWarning: the model file speaks" in done.stderr, done.stderr
