@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import functools
 import json
 import os
 import shutil
@@ -44,7 +43,7 @@ from octorun import checkpoint
 from octorun.runtime import model_identity
 from octorun.tied import model_state, tie_local, tied_groups
 
-__all__ = ["DTYPES", "ExportedWeights", "export_hf", "check_output_folder"]
+__all__ = ["DTYPES", "ExportedWeights", "export_hf"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the model folder's files copied beside the weights: tokenizers, processors, chat templates and
@@ -65,7 +64,7 @@ class ExportedWeights:
     copied: tuple[str, ...]  # the model folder's other files, copied
 
 
-def check_output_folder(output: Path, *, model_folder: Path, checkpoint_path: Path | None = None) -> Path:
+def _output_folder(output: Path, *, model_folder: Path, checkpoint_path: Path | None = None) -> Path:
     """The folder ``-o output`` names, absolute (a link followed); refused where it is a file, a
     link to nothing, a folder that holds anything (its old weight files would be read beside the
     new ones), the model folder, inside a checkpoint, or under a file."""
@@ -106,7 +105,7 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
         raise InputError(None, "--dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPES)}")
     model_folder = Path(found.removeprefix("hf:"))
     path = checkpoint.resolve(checkpoint_spec, save_root=None, flag="--checkpoint")
-    target = check_output_folder(output, model_folder=model_folder, checkpoint_path=path)
+    target = _output_folder(output, model_folder=model_folder, checkpoint_path=path)
 
     config = {**plan.model.config, "weights": "none"}  # every weight comes from the checkpoint
     model = load_hf_model(found, config)
@@ -188,14 +187,14 @@ def _whole_model(chain, layers: dict[int, torch.nn.Module]) -> torch.nn.Module:
     for name, buffer in list(whole.named_buffers()):
         if buffer.is_meta:
             owner, _, attr = name.rpartition(".")
-            found = next((b for b in map(functools.partial(_buffer, name=name), shells) if b is not None), None)
+            found = next((b for shell in shells if (b := _buffer(shell, name)) is not None), None)
             if found is None:
                 raise AssertionError(f"no chain layer holds the buffer {name}")
             whole.get_submodule(owner)._buffers[attr] = found.clone()
     return whole
 
 
-def _buffer(shell: torch.nn.Module, *, name: str) -> torch.Tensor | None:
+def _buffer(shell: torch.nn.Module, name: str) -> torch.Tensor | None:
     """``shell``'s buffer ``name`` where the shell holds its module (not an absent stand-in)."""
     try:
         buffer = shell.get_buffer(name)
