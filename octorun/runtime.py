@@ -621,6 +621,13 @@ def _not_formed(world: int, seconds: float, why: str) -> LaunchError:
 
 def _init_process_group(backend: str, world: int, timeout: datetime.timedelta, place: _MeetingPlace | None) -> None:
     """The default process group, formed on the store where the processes met."""
+    # torch.distributed.nn.functional takes ``group.WORLD`` as its functions' default argument
+    # when it is first imported, and torch imports it lazily (the optimizer's first step loads
+    # dynamo, which loads it). Imported once the group exists, it would hold the default group
+    # past destroy_process_group: its gloo threads then outlive the run, and the interpreter's
+    # exit now and then tears them down running (SIGABRT, "terminate called without an active
+    # exception", after a run that had ended well). Imported first, its defaults are None.
+    import torch.distributed.nn.functional  # noqa: F401
     if place is None:
         dist.init_process_group(backend, timeout=timeout)
         return

@@ -359,8 +359,9 @@ def seeds() -> Seeds:
     """The valid files every mutation starts from, made once by the project's own commands."""
     global _SEEDS
     if _SEEDS is None:
-        folder = _workdir() / "seeds"
-        folder.mkdir()
+        # a folder of its own each time: when making the seeds fails, the next case tries again
+        # and shows the same failure, not a folder already there
+        folder = Path(tempfile.mkdtemp(prefix="seeds-", dir=_workdir()))
         profile, plan, analytic = folder / "profile.yaml", folder / "plan.yaml", folder / "analytic.yaml"
         _must(octoplan("profile", REPO / "examples/models/tiny_gpt.py", *_config_flags(TINY_CONFIG), "--repeat", 1,
                        "--device", "cpu", "-o", profile, cwd=REPO), "profile")
@@ -1288,8 +1289,9 @@ _CHECKPOINTS: CheckpointSeeds | None = None
 def checkpoint_seeds() -> CheckpointSeeds:
     global _CHECKPOINTS
     if _CHECKPOINTS is None:
-        folder = _workdir() / "checkpoint-seeds"
-        folder.mkdir()
+        # a folder of its own each time: when making the seeds fails, the next case tries again
+        # and shows the same failure, not a folder already there
+        folder = Path(tempfile.mkdtemp(prefix="checkpoint-seeds-", dir=_workdir()))
         plan = folder / "plan.yaml"
         _must(octoplan("baseline", seeds().profile, "--gpus", 1, "--schedule", "1f1b", "--microbatches", 2, "-o", plan),
               "baseline")
