@@ -780,9 +780,49 @@ def _refuse_folder_outputs(argv: list[str]) -> None:
             fail(InputError(found[1], None, f"{found[0]} names a folder (it ends in /)", "give a file path"))
 
 
+def _repeated_option(argv: list[str]) -> str | None:
+    """The first single-valued option given twice with two different values, in words; None if
+    there is none. click keeps the last value without a word, so ``-o a.yaml ... -o b.yaml``
+    would write only b.yaml. The command's own options say which take a value, so a value that
+    looks like an option (``--lr -0.1``) is read as click reads it."""
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    name = next((token for token in head if not token.startswith("-")), None)
+    command = getattr(typer.main.get_command(app), "commands", {}).get(name)
+    if command is None:  # no command, or an unknown one: click says so
+        return None
+    options = {flag: param for param in command.params if getattr(param, "param_type_name", "") == "option"
+               for flag in (*param.opts, *param.secondary_opts)}
+    given: dict[str, tuple[str, str]] = {}  # the option's name -> (its first value, as typed)
+    rest = head[head.index(name) + 1:]
+    index = 0
+    while index < len(rest):
+        token = rest[index]
+        index += 1
+        flag, equals, value = token.partition("=") if token.startswith("--") else (token[:2], "", token[2:])
+        param = options.get(flag) if token.startswith("-") else None
+        if param is None:
+            continue
+        if param.is_flag or param.count:
+            value = flag  # --x and --no-x are two values of one option
+        elif not equals and not value:  # the value is the next token(s): "-o FILE", "--betas 0.9 0.95"
+            value = " ".join(rest[index:index + param.nargs])
+            index += param.nargs
+        if param.multiple or param.count:
+            continue
+        first = given.setdefault(param.name, (flag, value))
+        if first[1] != value:
+            names = "/".join(param.opts)
+            return f"{names} given twice ({first[1]!r}, then {value!r}): give it once"
+    return None
+
+
 def main() -> None:
     """Run the command line; usage errors are bad input too: one line, exit 2 (docs/FORMATS.md section 5)."""
     _refuse_folder_outputs(sys.argv[1:])
+    repeated = _repeated_option(sys.argv[1:])
+    if repeated is not None:
+        typer.echo(f"error: {repeated} (see octoplan --help)", err=True)
+        raise SystemExit(2)
     # Typer before 0.2x raises click's exceptions; later ones raise those of the click it carries
     # (typer._click), which are TyperExceptions and not click's even where click is installed too.
     problems: list[type] = []

@@ -18,7 +18,28 @@ from typing import NoReturn, Sequence
 __all__ = ["main", "build_parser"]
 
 
+class _StoreOnce(argparse._StoreAction):
+    """argparse's plain store, except that an option given twice with two different values is
+    a usage error: argparse would keep the last without a word (``--lr 0.1 ... --lr 0.01``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        first = parser.given.setdefault(self.dest, (option_string, values))
+        if first[1] != values:
+            parser.error(f"{'/'.join(self.option_strings)} given twice ({first[1]!r}, then {values!r}): give it once")
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)  # every option that stores a value
+        self.register("action", "store", _StoreOnce)
+        self.given: dict[str, tuple] = {}  # an option's dest -> (how it was first written, its value)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.given = {}
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:  # one line, exit 2, as every bad input
         from octoplan.errors import InputError  # its line cuts an echoed value that runs for pages
 

@@ -303,6 +303,47 @@ def test_no_command_says_so(tmp_path):
     assert run.returncode == 2 and run.stderr == "error: no command given (see octoplan --help)\n"
 
 
+@pytest.mark.parametrize("options, said", [
+    (["-o", "{a}", "-o", "{b}"], "-o/--output given twice ('{a}', then '{b}')"),
+    (["-o{a}", "--output={b}"], "-o/--output given twice ('{a}', then '{b}')"),
+    (["--gpus", "4", "-o", "{a}"], "--gpus given twice ('2', then '4')"),
+    (["--schedule", "zb-h1", "--recompute", "--recompute", "-o", "{a}"], "--schedule given twice ('1f1b', then 'zb-h1')"),
+])
+def test_an_option_given_twice_with_two_values_is_refused(profile_file, tmp_path, options, said):
+    """click keeps an option's last value without a word: -o a.yaml -o b.yaml wrote b.yaml only."""
+    path = profile_file(make_profile([(1, 1, 1)] * 4))
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    run = _octoplan("baseline", path, "--gpus", 2, "--schedule", "1f1b", *(o.format(a=a, b=b) for o in options))
+    assert run.returncode == 2, run.stderr
+    assert run.stderr == f"error: {said.format(a=a, b=b)}: give it once (see octoplan --help)\n"
+    assert not a.exists() and not b.exists()
+
+
+def test_an_option_given_twice_with_one_value_is_taken(profile_file, tmp_path):
+    path = profile_file(make_profile([(1, 1, 1)] * 4))
+    out = tmp_path / "plan.yaml"
+    run = _octoplan("baseline", path, "--gpus", 2, "--gpus=2", "--schedule", "1f1b", "-o", out, "--output", out)
+    assert run.returncode == 0, run.stderr
+    assert load_plan(out).cluster.gpus == 2
+
+
+def test_octorun_refuses_an_option_given_twice_with_two_values(capsys):
+    from octorun.cli import build_parser
+
+    parser = build_parser()
+    for argv, said in ((["p.yaml", "--lr", "0.1", "--lr=0.01"], "--lr given twice (0.1, then 0.01)"),
+                       (["p.yaml", "--betas", "0.9", "0.95", "--betas", "0.9", "0.99"],
+                        "--betas given twice ([0.9, 0.95], then [0.9, 0.99])"),
+                       (["p.yaml", "--st", "2", "--steps", "3"], "--steps given twice (2, then 3)")):  # argparse's abbreviation too
+        with pytest.raises(SystemExit) as stopped:
+            parser.parse_args(argv)
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == f"octorun: {said}: give it once (see octorun --help)\n"
+    # the same value twice is no conflict, and each parse starts afresh
+    assert parser.parse_args(["p.yaml", "--lr", "0.1", "--lr", "0.10"]).lr == 0.1
+    assert parser.parse_args(["p.yaml", "--lr", "0.5"]).lr == 0.5
+
+
 def test_a_model_call_that_fails_names_the_config_it_was_given(tmp_path):
     root = Path(__file__).resolve().parents[1]
     run = _octoplan("profile", "examples/models/tiny_gpt.py", "--config", "hidden=abc", "--repeat", 1,
