@@ -382,7 +382,26 @@ def _first_batch(mf: ModelFile, microbatch_size: int, device: torch.device) -> t
         if any(isinstance(t, torch.Tensor) and t.is_meta for t in (value if isinstance(value, (tuple, list)) else (value,))):
             raise InputError(mf.path, "sample_batch", f"returned {what} on the meta device (no values)",
                              "return tensors with values")
+    _check_batch_follows_its_size(mf, microbatch_size, (inputs, targets))
     return _to_device(inputs, device), _to_device(targets, device)
+
+
+def _shapes(batch: Any) -> list[tuple[int, ...]]:
+    """The shapes of a batch's tensors: (inputs, targets), each a tensor or a tuple or list of them."""
+    parts = [part for value in batch for part in (value if isinstance(value, (tuple, list)) else (value,))]
+    return [tuple(part.shape) for part in parts if isinstance(part, torch.Tensor)]
+
+
+def _check_batch_follows_its_size(mf: ModelFile, microbatch_size: int, batch: tuple[Any, Any]) -> None:
+    """A sample_batch that ignores its microbatch_size would have every layer timed, and every
+    plan's batch counted, at a size the model never drew: one more sample must change a shape."""
+    try:
+        larger = mf.sample_batch(microbatch_size + 1, step=0, replica=0, mb=0)
+    except MODEL_CODE_FAILURES as exc:
+        raise _fail(mf, "sample_batch", f"raised for microbatch_size {microbatch_size + 1}", exc, "fix sample_batch") from None
+    if _shapes(larger) == _shapes(batch):
+        raise InputError(mf.path, "sample_batch", f"returned the same shapes for microbatch_size {microbatch_size} and "
+                         f"{microbatch_size + 1}", "draw microbatch_size samples, its first argument")
 
 
 def _loss(mf: ModelFile, index: int, name: str, outputs: Any, targets: Any) -> torch.Tensor:

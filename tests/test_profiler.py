@@ -910,6 +910,22 @@ def test_meta_tensors_from_a_model_file_are_bad_input(tmp_path):
         assert found.value.field == field and "meta device" in str(found.value)
 
 
+def test_a_sample_batch_that_ignores_its_microbatch_size_is_bad_input(tmp_path):
+    """Its layers would be timed, and plans' batches counted, at a size the model never drew."""
+    fixed = TWO_LINEAR.replace("return torch.randn(microbatch_size, 8, generator=generator), torch.randn(microbatch_size, 4,",
+                               "return torch.randn(2, 8, generator=generator), torch.randn(2, 4,")
+    assert fixed != TWO_LINEAR
+    with pytest.raises(InputError) as found:
+        fast_profile(write_model(tmp_path, fixed, "fixed.py"))
+    assert found.value.field == "sample_batch"
+    assert "the same shapes for microbatch_size 4 and 5" in str(found.value), found.value  # 4: the default
+    # a size that one tensor follows is followed (here the inputs; the targets are fixed at 4)
+    inputs_only = TWO_LINEAR.replace("torch.randn(microbatch_size, 4, generator=generator)",
+                                     "torch.randn(4, 4, generator=generator)")
+    assert inputs_only != TWO_LINEAR
+    assert fast_profile(write_model(tmp_path, inputs_only, "inputs_only.py")).num_layers == 2
+
+
 def test_the_default_profile_path_is_checked_before_measuring(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
