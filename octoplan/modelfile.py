@@ -61,6 +61,16 @@ class ModelFile:
                              "characters (it names the default profile file)")
         return name
 
+    @property
+    def profile_clock(self) -> str:
+        """``PROFILE_CLOCK``: the clock ``octoplan profile --clock auto`` times this model with;
+        ``wall`` for a model whose layers wait (sleep, I/O), which a CPU-time clock does not count."""
+        clock = getattr(self.module, "PROFILE_CLOCK", "auto")
+        if clock not in ("auto", "wall"):
+            raise InputError(self.path, "PROFILE_CLOCK", f"is {shown(clock)}",
+                             "make it 'wall' for a model whose layers wait, or leave it out")
+        return clock
+
     def num_layers(self) -> int:
         try:
             count = self._call("num_layers", **self.config)

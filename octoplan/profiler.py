@@ -125,6 +125,11 @@ SETTLED_RATIO = 1.5
 """A first timed call over this many times the fastest later one is still warming up."""
 
 
+# Wall time over counted CPU time past which a profile on the thread's CPU clock is said to
+# leave waits out (_Clock.waiting_ratio)
+WAITING_RATIO = 4.0
+
+
 class _Clock:
     """Median time of a callable on one device.
 
@@ -154,6 +159,10 @@ class _Clock:
             self.now_ns = self._synced_wall_ns
         else:
             self.now_ns = time.perf_counter_ns
+        # On the thread's CPU clock, the wall time of the same calls too: a layer that sleeps or
+        # waits (the replay model, I/O) spends time this clock does not count (waiting_ratio)
+        self.timed_ns = 0
+        self.timed_wall_ns = 0
 
     @staticmethod
     def _synced_wall_ns() -> int:
@@ -172,9 +181,21 @@ class _Clock:
             end.record()
             end.synchronize()
             return start.elapsed_time(end)
+        wall = time.perf_counter_ns()
         begin = self.now_ns()
         fn()
-        return (self.now_ns() - begin) / 1e6
+        elapsed = self.now_ns() - begin
+        self.timed_ns += elapsed
+        self.timed_wall_ns += time.perf_counter_ns() - wall
+        return elapsed / 1e6
+
+    def waiting_ratio(self) -> float | None:
+        """On the thread's CPU clock: the timed calls' wall time over the time counted; None on
+        the others, which count waits. A busy machine takes a share of the wall time (about 2x
+        with two runnable processes a core); a layer that sleeps takes far more."""
+        if self.kind != "thread-cpu-time" or self.timed_ns <= 0:
+            return None
+        return self.timed_wall_ns / self.timed_ns
 
     def samples_ms(self, fn: Callable[[], Any], *, repeat: int, warmup: int) -> list[float]:
         """``repeat`` timed calls after ``warmup`` untimed ones, the leading slow ones replaced.
@@ -691,7 +712,7 @@ def profile_model_file(
     tied = _tied_parameters(mf)
     with _Threads(dev, threads) as used_threads:
         total = mf.num_layers()
-        timer = _Clock(dev, threads=used_threads, clock=clock)
+        timer = _Clock(dev, threads=used_threads, clock=mf.profile_clock if clock == "auto" else clock)
         inputs, targets = _first_batch(mf, microbatch_size, dev)
         previous = inputs
         isolated: list[Layer] = []
@@ -748,6 +769,10 @@ def profile_model_file(
         log.info("layer %d/%d %s: F %.3f ms, I %.3f ms, W %.3f ms, B %.3f ms in sequence (alone: F %.3f, B %.3f); spread %.1f%%",
                  index + 1, total, alone.name, times.forward_ms, times.backward_input_ms, times.backward_weight_ms,
                  times.backward_ms, alone.forward_ms, alone.b_ms, 100 * layers[-1].spread)
+    waiting = timer.waiting_ratio()
+    if waiting is not None and waiting > WAITING_RATIO:
+        log.warning("the layers took %.1fx longer by the wall clock than the CPU time this clock counts: they wait (sleep, "
+                    "I/O, another device), and these times leave the waits out; profile with --clock wall", waiting)
     whole_ms = least(samples.whole)  # as the layers' times: the least repeat
     whole_model = WholeModelCheck(
         ms=whole_ms, layers_sum_ms=sum(layer.forward_ms + layer.b_ms for layer in layers),
@@ -820,7 +845,8 @@ def measure_whole_model_ms(
 
         try:
             with _QuietGC():
-                return _Clock(dev, threads=used_threads, clock=clock).median_ms(step, repeat=repeat, warmup=warmup)
+                return _Clock(dev, threads=used_threads, clock=mf.profile_clock if clock == "auto" else clock).median_ms(
+                    step, repeat=repeat, warmup=warmup)
         except InputError as exc:
             raise exc.in_file(mf.path) from None
         except MODEL_CODE_FAILURES as exc:

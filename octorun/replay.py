@@ -34,7 +34,8 @@ times. The first layer's input is data, so it has only the weight branch: there 
 sleeps the weight time, which is also what the profiler measures as its fused backward.
 
 The times are wall-clock sleeps on the host: a clock that counts only CPU time (octoplan's
-profiler on a CPU with one thread) sees none of them; time this model by the wall clock.
+profiler on a CPU with one thread) sees none of them, so ``PROFILE_CLOCK`` has the profiler time
+this model by the wall clock.
 
 Sizes: the tensor after layer i has ``max(MIN_ELEMENTS, round(output_bytes * bytes_scale / 4 /
 microbatch_size))`` elements per sample, ``microbatch_size`` being the profile's. The profile
@@ -63,6 +64,7 @@ from octoplan.profile import Profile, load_profile
 
 __all__ = [
     "NAME",
+    "PROFILE_CLOCK",
     "CONFIG",
     "MIN_ELEMENTS",
     "num_layers",
@@ -75,6 +77,7 @@ __all__ = [
 ]
 
 NAME = "replay"
+PROFILE_CLOCK = "wall"  # its layers sleep: a clock of CPU time would see none of it
 MIN_ELEMENTS = 8
 CONFIG = {"profile": None, "time_scale": 1.0, "bytes_scale": 1e-3}
 

@@ -926,6 +926,36 @@ def test_a_sample_batch_that_ignores_its_microbatch_size_is_bad_input(tmp_path):
     assert fast_profile(write_model(tmp_path, inputs_only, "inputs_only.py")).num_layers == 2
 
 
+SLEEPY = TWO_LINEAR.replace("import torch\n", "import time\nimport torch\n", 1).replace(
+    "def num_layers(hidden, middle):", """class Sleepy(nn.Linear):
+    def forward(self, x):
+        time.sleep(0.004)  # waits, as the replay model's layers do
+        return super().forward(x)
+
+def num_layers(hidden, middle):""").replace("return nn.Linear(hidden, 4)", "return Sleepy(hidden, 4)")
+
+
+def test_a_model_whose_layers_wait_is_timed_by_the_wall_clock(tmp_path, caplog):
+    """On one CPU thread, auto counts the thread's CPU time, which leaves a sleep out."""
+    assert "Sleepy(hidden, 4)" in SLEEPY
+    plain = write_model(tmp_path, SLEEPY, "sleepy.py")
+    with caplog.at_level("WARNING", logger="octoplan.profiler"):
+        counted = fast_profile(plain, clock="cpu", threads=1)
+    assert counted.extra["profiler"]["clock"] == "thread-cpu-time" and counted.layers[1].forward_ms < 4
+    assert [r.message for r in caplog.records if "longer by the wall clock" in r.message], caplog.text
+    caplog.clear()
+    # the model file says that its layers wait: auto takes the wall clock, and no warning
+    said = write_model(tmp_path, SLEEPY.replace('NAME = "two-linear"', 'NAME = "two-linear"\nPROFILE_CLOCK = "wall"'),
+                       "said.py")
+    with caplog.at_level("WARNING", logger="octoplan.profiler"):
+        walled = fast_profile(said, threads=1)
+    assert walled.extra["profiler"]["clock"] == "wall" and walled.layers[1].forward_ms >= 4
+    assert "longer by the wall clock" not in caplog.text
+    with pytest.raises(InputError) as found:
+        fast_profile(write_model(tmp_path, SLEEPY.replace('NAME = "two-linear"', 'PROFILE_CLOCK = "cpu"'), "bad.py"))
+    assert found.value.field == "PROFILE_CLOCK" and "'cpu'" in str(found.value)
+
+
 def test_the_default_profile_path_is_checked_before_measuring(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

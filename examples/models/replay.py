@@ -6,6 +6,6 @@ an N-GPU pipeline of a model far too large to run here. ``octorun PLAN --replay`
 model directly on a plan's profile.
 """
 
-from octorun.replay import CONFIG, ReplayLayer, build_layer, layer_kind, layer_name, loss_fn, num_layers, sample_batch
+from octorun.replay import CONFIG, PROFILE_CLOCK, ReplayLayer, build_layer, layer_kind, layer_name, loss_fn, num_layers, sample_batch
 
-__all__ = ["CONFIG", "ReplayLayer", "num_layers", "build_layer", "sample_batch", "loss_fn", "layer_kind", "layer_name"]
+__all__ = ["CONFIG", "PROFILE_CLOCK", "ReplayLayer", "num_layers", "build_layer", "sample_batch", "loss_fn", "layer_kind", "layer_name"]
