@@ -404,6 +404,9 @@ def show(
             check_writable(path, flag, inputs=(*_plan_files(plan, plan_path), measured))
     check_runnable(plan, file=str(plan_path))
     result = run_simulation(plan, prof)
+    # the measured trace is read and checked before anything is drawn or written: a trace that
+    # is refused leaves no --svg or --trace behind
+    rows = timeline.compare_measured(plan, result, measured) if measured else None
     out = Console(width=width) if width else console
     out.print(timeline.render_terminal(plan, result, width=width))
     if svg:
@@ -412,8 +415,7 @@ def show(
     if trace:
         timeline.write_trace(plan, result, trace)
         console.print(f"trace -> {trace}")
-    if measured:
-        rows = timeline.compare_measured(plan, result, measured)
+    if rows is not None:
         out.print(timeline.render_comparison(rows, title=f"predicted vs measured ({measured})"))
 
 

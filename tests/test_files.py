@@ -303,6 +303,16 @@ def test_no_command_says_so(tmp_path):
     assert run.returncode == 2 and run.stderr == "error: no command given (see octoplan --help)\n"
 
 
+def test_show_checks_the_measured_trace_before_writing_anything(baseline_files, tmp_path):
+    _, plan = baseline_files
+    svg, trace, measured = tmp_path / "t.svg", tmp_path / "t.json", tmp_path / "empty.json"
+    measured.write_text('{"traceEvents": []}')
+    for given in (measured, tmp_path / "missing.json"):
+        run = _octoplan("show", plan, "--svg", svg, "--trace", trace, "--measured", given)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1 and str(given) in run.stderr, run.stderr
+        assert not svg.exists() and not trace.exists()
+
+
 @pytest.mark.parametrize("options, said", [
     (["-o", "{a}", "-o", "{b}"], "-o/--output given twice ('{a}', then '{b}')"),
     (["-o{a}", "--output={b}"], "-o/--output given twice ('{a}', then '{b}')"),

@@ -298,6 +298,35 @@ def test_compare_refuses_a_trace_in_another_order(zb_trace, tmp_path, change, ne
         compare_measured(plan, result, measured)
 
 
+def test_compare_leaves_out_the_iteration_where_ops_are_missing(zb_trace, tmp_path, caplog):
+    """The measured span of the ops present is not the predicted span of them all: a trace of
+    half the microbatches read as an iteration 49% faster than predicted."""
+    plan, result, path = zb_trace
+    kept = [e for e in _load_events(path) if e["ph"] == "X" and e["pid"] == 0 and e["tid"] != 3]
+    measured = tmp_path / "three_ranks.json"
+    measured.write_text(json.dumps({"traceEvents": kept}))
+    with caplog.at_level("WARNING"):
+        rows = compare_measured(plan, result, measured)
+    assert [row["kind"] for row in rows] == ["F", "I", "W"]
+    assert [row["count"] for row in rows] == [24, 24, 24]
+    assert "24 of the plan's 96 ops are not in the trace" in caplog.text
+
+
+def test_compare_refuses_a_replay_at_another_time_scale(zb_trace, tmp_path):
+    plan, result, path = zb_trace
+    doc = json.loads(path.read_text())
+    for scale, refused in ((0.1, True), (1.0, False)):
+        doc["otherData"] = {"replay_time_scale": scale}
+        measured = tmp_path / f"replay{scale}.json"
+        measured.write_text(json.dumps(doc))
+        if refused:
+            with pytest.raises(InputError) as info:
+                compare_measured(plan, result, measured)
+            assert info.value.field == "otherData.replay_time_scale" and "slept 0.1 x" in str(info.value)
+        else:
+            assert compare_measured(plan, result, measured)[-1]["abs_error_ms"] == pytest.approx(0.0, abs=1e-9)
+
+
 @pytest.mark.parametrize(
     "content, needle",
     [

@@ -314,9 +314,15 @@ def compare_measured(plan: Plan, result: SimResult, trace_path: str | Path) -> l
     thread (pid, tid) is that op in step n, so a trace of several steps compares every step. A
     step's measured iteration is the span of its op events over all threads, which assumes the
     writer stamped every process from one clock. Ops of the plan missing from the trace are
-    logged and left out.
+    logged and left out, and so is the iteration row then. A trace of ``octorun --replay`` at a
+    scale other than 1 is refused (:class:`InputError`).
     """
     path = Path(trace_path)
+    scale = replay_time_scale(path)
+    if scale is not None and scale != 1.0:  # each op slept scale x its profile time: none is the plan's
+        raise InputError(str(path), "otherData.replay_time_scale",
+                         f"is {scale:g}: its ops slept {scale:g} x the profile's times, which the plan predicts at 1 x",
+                         "compare a trace of octorun --replay at its default scale of 1, or of a run of real work")
     predicted = {span.op: span.end_ms - span.start_ms for span in result.spans()}
     per_kind: dict[Kind, tuple[list[float], list[float]]] = {kind: ([], []) for kind in KIND_ORDER}
     step_bounds: dict[int, list[float]] = {}
@@ -333,11 +339,12 @@ def compare_measured(plan: Plan, result: SimResult, trace_path: str | Path) -> l
         bounds = step_bounds.setdefault(step, [event.start_ms, end_ms])
         bounds[0] = min(bounds[0], event.start_ms)
         bounds[1] = max(bounds[1], end_ms)
-    missing = len(predicted) - len(seen_ops)
-    if missing:
-        log.warning("%s: %d of the plan's %d ops are not in the trace; compared the rest", path, missing, len(predicted))
-
     rows = [_row(kind.value, p, m) for kind, (p, m) in per_kind.items() if p]
+    missing = len(predicted) - len(seen_ops)
+    if missing:  # the measured span is of the ops present, the predicted one of them all
+        log.warning("%s: %d of the plan's %d ops are not in the trace; compared the rest, without the iteration",
+                    path, missing, len(predicted))
+        return rows
     spans = [end - start for start, end in (step_bounds[step] for step in sorted(step_bounds))]
     rows.append(_row("iteration", [_predicted_op_span(result)] * len(spans), spans))
     return rows
