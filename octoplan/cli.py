@@ -419,6 +419,10 @@ def show(
         out.print(timeline.render_comparison(rows, title=f"predicted vs measured ({measured})"))
 
 
+# the fix for a plan whose stages take microbatches out of order, which justify and bound refuse
+_IN_MICROBATCH_ORDER = "run each stage's F, I/B and W in microbatch order, as every octoplan order does"
+
+
 def _keeps(before, after) -> bool:
     """Whether a reordered plan simulated as ``after`` replaces the one simulated as ``before``:
     faster, and within memory unless the original was not either."""
@@ -448,6 +452,7 @@ def justify(
     from octoplan.costs import LayerTable, stage_costs
     from octoplan.schedules.bottleneck import bottleneck_order
     from octoplan.schedules.justify import justify as justify_order
+    from octoplan.schedules.opgraph import OutOfMicrobatchOrder
     from octoplan.simulator import simulate as run_simulation
     from octoplan.validate import check_runnable
 
@@ -458,11 +463,14 @@ def justify(
     costs = stage_costs(plan.stages, LayerTable(prof))
     ranks = [s.rank for s in plan.stages]
     start = plan.schedule
-    if reorder:
-        start, _ = bottleneck_order(plan.schedule, ranks, costs, cluster=plan.cluster, parallel=plan.parallel,
-                                    keep_memory=not unbounded)
-    order, _ = justify_order(start, ranks, costs, cluster=plan.cluster, parallel=plan.parallel,
-                             keep_memory=not unbounded)
+    try:
+        if reorder:
+            start, _ = bottleneck_order(plan.schedule, ranks, costs, cluster=plan.cluster, parallel=plan.parallel,
+                                        keep_memory=not unbounded)
+        order, _ = justify_order(start, ranks, costs, cluster=plan.cluster, parallel=plan.parallel,
+                                 keep_memory=not unbounded)
+    except OutOfMicrobatchOrder as exc:  # it runs, but justification keeps each stage's microbatches in order
+        raise InputError(str(plan_path), "schedule", f"cannot be justified: {exc}", _IN_MICROBATCH_ORDER) from None
     candidate = plan.with_schedule(order)
     after = run_simulation(candidate, prof)
     better = _keeps(before, after)
@@ -519,8 +527,7 @@ def bound(
         result = order_bound(plan.schedule, [s.rank for s in plan.stages], costs, cluster=plan.cluster,
                              parallel=plan.parallel, time_limit_s=time_limit, keep_memory=not unbounded, workers=workers)
     except ValueError as exc:  # an order that runs but takes some stage's microbatches out of order
-        raise InputError(str(plan_path), "schedule", f"cannot be bounded: {exc}",
-                         "run each stage's F, I/B and W in microbatch order, as every octoplan order does") from None
+        raise InputError(str(plan_path), "schedule", f"cannot be bounded: {exc}", _IN_MICROBATCH_ORDER) from None
     candidate = plan.with_schedule(result.order)
     after = run_simulation(candidate, prof) if result.best_ms < result.given_ms else before
     if output is not None:

@@ -193,3 +193,31 @@ def test_cli_justify_writes_the_faster_order(profile_file, tmp_path):
     # bad input: exit 2, one line naming the file
     missing = runner.invoke(app, ["justify", str(tmp_path / "nope.yaml"), "-o", str(tmp_path / "x.yaml")])
     assert missing.exit_code == 2
+
+
+def test_a_plan_whose_stage_takes_microbatches_out_of_order_is_refused_in_one_line(profile_file, tmp_path):
+    """Such a plan runs (octorun keeps any order), but justify and bound keep each stage's
+    microbatches in order: one line naming the op, not a traceback or a false cycle."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from octoplan.cli import app
+
+    zbv = heavy_head_zbv_file(profile_file, tmp_path)
+    data = yaml.safe_load(zbv.read_text())
+    ops = data["schedule"][0].split()
+    first, second = ops.index("0F0"), ops.index("0F1")
+    ops[first], ops[second] = "0F1", "0F0"
+    data["schedule"][0] = " ".join(ops)
+    swapped = tmp_path / "swapped.yaml"
+    swapped.write_text(yaml.safe_dump(data, sort_keys=False))
+    runner = CliRunner()
+    assert runner.invoke(app, ["validate", str(swapped)]).exit_code == 0
+    said = f"{swapped}: schedule: cannot be %s: rank 0 runs 0F1 before 0F0: microbatch 1 of stage 0 before microbatch 0"
+    for command, verb in ((["justify", str(swapped), "-o", str(tmp_path / "j.yaml")], "justified"),
+                          (["justify", str(swapped), "--reorder", "-o", str(tmp_path / "j.yaml")], "justified"),
+                          (["bound", str(swapped), "--time-limit", "1"], "bounded")):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2, result.output
+        assert said % verb in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "j.yaml").exists()

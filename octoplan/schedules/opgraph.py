@@ -26,11 +26,31 @@ from octoplan.plan import Cluster, Parallel
 __all__ = ["OpGraph", "heads_and_tails", "most_in_flight", "serial_schedule"]
 
 
+class OutOfMicrobatchOrder(ValueError):
+    """A schedule in which some stage runs a kind's microbatches out of order: it may run, but
+    it lies outside this model, whose edges keep each stage's microbatches in order."""
+
+
+def check_microbatch_order(schedule: Sequence[Sequence[Op]]) -> None:
+    """Raise :class:`OutOfMicrobatchOrder` naming the first op that comes before an earlier
+    microbatch's op of its stage and kind (I and B sharing one order) on its rank."""
+    for rank, rank_ops in enumerate(schedule):
+        last: dict[tuple[int, str], Op] = {}
+        for op in rank_ops:
+            key = (op.stage, "backward" if op.kind in (Kind.I, Kind.B) else op.kind.value)
+            before = last.get(key)
+            if before is not None and before.mb > op.mb:
+                raise OutOfMicrobatchOrder(f"rank {rank} runs {before} before {op}: microbatch {before.mb} of stage "
+                                           f"{op.stage} before microbatch {op.mb}")
+            last[key] = op
+
+
 class OpGraph:
     """A plan's ops as indices: duration, rank, and predecessor edges with their transfer lags."""
 
     def __init__(self, schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], costs: Sequence[StageCost],
                  cluster: Cluster, parallel: Parallel, keep_memory: bool):
+        check_microbatch_order(schedule)
         self.ops: list[Op] = [op for rank_ops in schedule for op in rank_ops]
         self.num_ranks = len(schedule)
         # each op's place in its rank's list of the order the graph is built from
