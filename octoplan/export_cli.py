@@ -49,6 +49,10 @@ def megatron_fallback(plan: Plan, profile: Profile, *, profile_path: str | Path 
 
 def run_framework_export(console: Console, plan: Plan, profile: Profile, *, plan_path: Path, profile_path: Path | None,
                          format: str, output: Path, options: FrameworkOptions) -> None:
+    from octoplan.validate import check_runnable
+
+    # before any work: a plan that cannot run (a deadlock) is bad input, not a search's failure
+    check_runnable(plan, file=str(plan_path))
     if format == "torchtitan":
         from octoplan.export_torchtitan import export_torchtitan
 

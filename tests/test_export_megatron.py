@@ -362,6 +362,21 @@ def test_cli_refuses_in_one_line_and_writes_nothing(tmp_path):
     check_layout(parse_layout(layout), 2, num_layers=3, mtp_layers=0)
 
 
+def test_cli_refuses_a_plan_that_deadlocks_before_tuning_in_its_place(tmp_path):
+    """A ZB-H1 plan needs the Megatron-confined tune; one whose last rank waits for itself is
+    bad input before that tune, as for every other command (it ended in a DeadlockError, exit 1)."""
+    save_profile(_profile(), tmp_path / "p.yaml")
+    plan = make_baseline(_profile(), schedule="zb-h1", gpus=2, microbatches=4, profile_path=tmp_path / "p.yaml")
+    last = list(plan.schedule[-1])
+    first_i = next(i for i, op in enumerate(last) if op.kind.value == "I")
+    last.insert(0, last.pop(first_i))  # its first I before the F it needs
+    save_plan(replace(plan, schedule=(*plan.schedule[:-1], tuple(last))), tmp_path / "deadlock.yaml")
+    done = _cli("export", "deadlock.yaml", "--format", "megatron", "-o", "d.sh", "--max-plans", "50", cwd=tmp_path)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "deadlock.yaml: schedule: deadlock" in done.stderr and "Tuning" not in done.stdout
+    assert not (tmp_path / "d.sh").exists()
+
+
 @pytest.mark.parametrize("option", [("--max-plans", "0"), ("--max-plans", "-1"), ("--time-limit", "-5")])
 def test_cli_checks_the_search_options_for_a_plan_megatron_runs_as_is(tmp_path, option):
     # the interleaved plan needs no search, yet a bad search option is still an error
