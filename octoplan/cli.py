@@ -600,8 +600,13 @@ def _placement_cap_line(plan, prof, iteration_ms: float, cap) -> str:
                            op_overhead_ms=plan.cluster.op_overhead_us / 1000.0)
     proof = "proven" if cap.is_proven else f"CP-SAT's bound; the best cut points it found allow {cap.found_ms:.3f}"
     return (f"no layout of {placed} (any cut points) runs faster than {cap.proven_ms:.3f} ms once the pipeline's "
-            f"fill is counted, an efficiency of at most {bound / cap.proven_ms:.3f} ({proof}); PLAN's "
-            f"{iteration_ms:.3f} ms is {bound / iteration_ms:.3f}")
+            f"fill is counted, an efficiency of at most {_efficiency(bound, cap.proven_ms)} ({proof}); PLAN's "
+            f"{iteration_ms:.3f} ms is {_efficiency(bound, iteration_ms)}")
+
+
+def _efficiency(bound_ms: float, ms: float) -> str:
+    """``bound_ms / ms``; 1 for a plan whose ops take no time (a profile of zeros), where both are 0."""
+    return f"{bound_ms / ms:.3f}" if ms > 0 else "1.000"
 
 
 def _binding_ranks(by_rank) -> str:

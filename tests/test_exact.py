@@ -208,3 +208,20 @@ def test_cli_bound_says_when_its_time_leaves_the_placement_without_a_cap(profile
     assert result.exit_code == 0, result.output
     assert ("CP-SAT found no cut points for PLAN's placement within --time-limit (0.5 deterministic s); a longer one "
             "lets it bound every layout with that placement") in " ".join(result.output.split())
+
+
+def test_cli_bound_of_a_plan_whose_ops_take_no_time(profile_file, tmp_path):
+    """A profile of zeros is a valid profile: its plan is optimal, with nothing to divide by."""
+    from typer.testing import CliRunner
+
+    from octoplan.cli import app
+    from octoplan.plan import save_plan
+
+    path = profile_file(make_profile([(0, 0, 0)] * 4))
+    plan = tmp_path / "zero.yaml"
+    save_plan(make_baseline(make_profile([(0, 0, 0)] * 4), schedule="1f1b", gpus=2, microbatches=4,
+                            cluster=free_cluster(2), profile_path=path), plan)
+    result = CliRunner().invoke(app, ["bound", str(plan), "--time-limit", "2"])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "an efficiency of at most 1.000 (proven); PLAN's 0.000 ms is 1.000" in said
