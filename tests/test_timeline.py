@@ -140,6 +140,15 @@ def test_svg_is_well_formed_with_one_rect_per_op(tmp_path):
     assert span_px == pytest.approx(1200.0, abs=0.02)
 
 
+def test_svg_stays_well_formed_with_characters_xml_cannot_hold(tmp_path):
+    """A plan file named with an escape character drew a picture no XML reader could open."""
+    plan, result = _plan(_hetero_profile(6), "zb-h1", 4, 8)
+    path = tmp_path / "t.svg"
+    write_svg(plan, result, path, title="plan\x1b[1m\x00.yaml <&>")
+    texts = [t.text for t in ET.parse(path).getroot().iter(f"{SVG_NS}text")]
+    assert texts[0].startswith("plan\\x1b[1m\\x00.yaml <&> — hetero")
+
+
 def test_svg_draws_allreduces_for_dp(tmp_path):
     plan, result = _plan(_hetero_profile(6), "1f1b", 4, 4, pp=2)
     assert plan.parallel.dp == 2 and result.allreduces

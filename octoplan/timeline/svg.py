@@ -11,6 +11,7 @@ the rank count so that 32 ranks stay legible; the time axis is always ``PLOT_WID
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
@@ -70,8 +71,19 @@ def _tag(name: str, attrs: dict[str, object], body: str | None = None) -> str:
     return f"<{name} {parts}>{body}</{name}>"
 
 
+# What XML 1.0 forbids in a document (C0 controls but tab and line breaks, the surrogates, two
+# non-characters): a plan named with one would make the picture unreadable to every viewer
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _text(text: str) -> str:
+    """``text`` as XML character data: escaped, and each character XML cannot hold written as
+    its Python escape (``\\x1b``), as the terminal's error lines write them."""
+    return escape(_NOT_XML.sub(lambda found: ascii(found.group())[1:-1], text))
+
+
 def _title(text: str) -> str:
-    return f"<title>{escape(text)}</title>"
+    return f"<title>{_text(text)}</title>"
 
 
 @dataclass(frozen=True)
@@ -146,7 +158,7 @@ def _legend(items: list[tuple[str, str, str]], *, x0: float, y0: float, max_x: f
             out.append(_tag("rect", {"x": _n(x), "y": _n(y + 8), "width": 14, "height": 4, "fill": colour}))
         else:
             out.append(_tag("rect", {"x": _n(x), "y": _n(y), "width": 14, "height": 12, "fill": colour, "stroke": "#888", "stroke_width": 0.5}))
-        out.append(_tag("text", {"x": _n(x + 19), "y": _n(y + 10.5), "font-size": 12, "fill": "#333"}, escape(text)))
+        out.append(_tag("text", {"x": _n(x + 19), "y": _n(y + 10.5), "font-size": 12, "fill": "#333"}, _text(text)))
         x += item_w + 18
     return out, y + 12
 
@@ -300,8 +312,8 @@ def svg_text(plan: Plan, result: SimResult, *, title: str | None = None, transfe
         f'viewBox="0 0 {_n(width)} {_n(height)}" font-family="{_FONT}">',
         _defs(),
         _tag("rect", {"width": _n(width), "height": _n(height), "fill": "#ffffff"}),
-        _tag("text", {"x": 12, "y": 26, "font-size": 17, "font-weight": "bold", "fill": "#222"}, escape(f"{title} — {describe_plan(plan)}" if title else describe_plan(plan))),
-        _tag("text", {"x": 12, "y": 46, "font-size": 13, "fill": "#333"}, escape(summary_line(result))),
+        _tag("text", {"x": 12, "y": 26, "font-size": 17, "font-weight": "bold", "fill": "#222"}, _text(f"{title} — {describe_plan(plan)}" if title else describe_plan(plan))),
+        _tag("text", {"x": 12, "y": 46, "font-size": 13, "fill": "#333"}, _text(summary_line(result))),
         *legend,
         *_rows_and_axis(frame, plan, span_ms, label_x),
         *_idle_boxes(frame, idle, tooltips=tooltips),
