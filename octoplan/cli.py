@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -407,7 +406,7 @@ def show(
     # the measured trace is read and checked before anything is drawn or written: a trace that
     # is refused leaves no --svg or --trace behind
     rows = timeline.compare_measured(plan, result, measured) if measured else None
-    out = Console(width=width) if width else console
+    out = terminal(width) if width else console
     out.print(timeline.render_terminal(plan, result, width=width))
     if svg:
         timeline.write_svg(plan, result, svg, title=str(plan_path))

@@ -35,11 +35,26 @@ LATENCY_US = typer.Option(10.0, "--latency-us", help="latency per point-to-point
 OP_OVERHEAD_US = typer.Option(0.0, "--op-overhead-us", help="fixed runtime cost added to every op, us (CPU stand-ins for GPUs)")
 
 
-def terminal() -> Console:
-    """The console a command prints to: the terminal's width (or ``COLUMNS``), and 130 columns
-    when the output goes to a file or a pipe, where rich's default 80 would cut the tables'
-    numbers short (and the tune table's plan names, beside its "runs on" column)."""
-    return Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 130)
+class _Terminal(Console):
+    """rich's console, except where stdout closes (``octoplan show PLAN --svg F | head``): the
+    command still writes its files and ends well, printing nothing more. rich's own handling
+    exits 1 at once, silently, before the files."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def terminal(width: int | None = None) -> Console:
+    """The console a command prints to: ``width`` columns if given, else the terminal's (or
+    ``COLUMNS``), and 130 when the output goes to a file or a pipe, where rich's default 80
+    would cut the tables' numbers short (and the tune table's plan names, beside its "runs on"
+    column)."""
+    if width is None and not (sys.stdout.isatty() or os.environ.get("COLUMNS")):
+        width = 130
+    return _Terminal(width=width)
 
 
 def fail(error: InputError) -> None:

@@ -303,6 +303,22 @@ def test_no_command_says_so(tmp_path):
     assert run.returncode == 2 and run.stderr == "error: no command given (see octoplan --help)\n"
 
 
+def test_a_closed_stdout_still_ends_well_with_the_files_written(baseline_files, tmp_path):
+    """``octoplan show PLAN --svg F | head -1``: rich exited 1 at the first print, silently,
+    and the files were never written."""
+    _, plan = baseline_files
+    svg, trace = tmp_path / "t.svg", tmp_path / "t.json"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # a reader that is gone before the first line: every write fails
+    try:
+        run = subprocess.run([sys.executable, "-m", "octoplan.cli", "show", str(plan), "--svg", str(svg), "--trace",
+                              str(trace)], stdout=write_end, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write_end)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert svg.exists() and trace.exists()
+
+
 def test_show_checks_the_measured_trace_before_writing_anything(baseline_files, tmp_path):
     _, plan = baseline_files
     svg, trace, measured = tmp_path / "t.svg", tmp_path / "t.json", tmp_path / "empty.json"
