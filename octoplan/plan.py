@@ -455,12 +455,18 @@ def plan_microbatch_size(plan: Plan, plan_path: str | Path) -> int:
     """Samples per microbatch: the plan's profile's, or (a plan with no ``profile`` field) its
     top-level ``microbatch_size`` (1 when absent). A profile named but unreadable is bad input,
     never a fall back to 1: octorun would train other microbatches than the plan's."""
-    if plan.profile is not None:
-        return load_plan_profile(plan, plan_path).microbatch_size
     size = plan.extra.get("microbatch_size", 1)
     if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_MICROBATCH_SIZE:
         raise InputError(str(plan_path), "microbatch_size", f"is {shown(size)}", f"write a whole number from 1 to {MAX_MICROBATCH_SIZE}")
-    return size
+    if plan.profile is None:
+        return size
+    measured = load_plan_profile(plan, plan_path).microbatch_size
+    if "microbatch_size" in plan.extra and size != measured:  # a hand edit the run would silently not follow
+        raise InputError(str(plan_path), "microbatch_size", f"is {size}, but the plan's profile was measured at {measured}, "
+                         "the size its times are for and octorun trains at",
+                         "remove the field, or profile the model at --microbatch-size "
+                         f"{size} and plan again")
+    return measured
 
 
 def stage_ranks(stages: Iterable[Stage]) -> list[int]:

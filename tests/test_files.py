@@ -681,6 +681,27 @@ def test_validate_refuses_the_microbatch_size_octorun_would(baseline_files):
     assert run.returncode == 2 and "microbatch_size: is 0" in run.stderr, run.stderr
 
 
+def test_a_microbatch_size_beside_a_profile_must_be_the_profiles(baseline_files):
+    """octorun trains at the profile's size, which the plan's times are for: a field saying
+    another was taken without a word."""
+    from octoplan.plan import plan_microbatch_size
+
+    ppath, path = baseline_files
+    measured = load_profile(ppath).microbatch_size
+    data = yaml.safe_load(path.read_text())
+    for size, said in ((measured + 12, f"is {measured + 12}, but the plan's profile was measured at {measured}"),
+                       ("abc", "is 'abc'"), (measured, None)):
+        data["microbatch_size"] = size
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        run = _octoplan("validate", path)
+        if said is not None:
+            assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+            assert f"{path}: microbatch_size: {said}" in run.stderr, run.stderr
+        else:
+            assert run.returncode == 0, run.stderr
+            assert plan_microbatch_size(load_plan(path), path) == measured
+
+
 def test_profiles_equally_new_are_not_chosen_by_chance(tmp_path):
     """A fresh clone's bundled profiles share one time: none of them is "the newest"."""
     folder = tmp_path / "profiles"
