@@ -140,6 +140,21 @@ def partial_path(path: str | Path) -> Path:
     return target.with_name(target.name + ".partial")
 
 
+def missing_folders(path: Path) -> list[Path]:
+    """The folders above ``path`` that do not exist yet, outermost first: those writing it makes,
+    which a write that fails removes again (:func:`remove_empty`)."""
+    return [folder for folder in reversed(path.parents) if not folder.exists()]
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """``folders`` (outermost first), each removed where it is empty, innermost first."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 class StreamedOutput:
     """A file written line by line over a long run (octorun's metrics), yet whole or not at
     all: the lines go to ``PATH.partial`` as they come (flushed, so a watcher sees them), which

@@ -24,7 +24,7 @@ import numpy as np
 
 from octoplan.errors import InputError
 from octoplan.inputs import ordinary_file_size
-from octoplan.outputs import _cannot, _mode_for, _target, check_writable
+from octoplan.outputs import _cannot, _mode_for, _target, check_writable, missing_folders, remove_empty
 
 __all__ = [
     "DTYPES",
@@ -60,8 +60,11 @@ def check_token_file(path: str | Path, *, fix: str = _FIX_TOKENIZE) -> int:
 
 
 def index_path(path: str | Path) -> Path:
-    """Where Megatron-LM keeps the index of the token file ``path``: ``PREFIX.idx`` beside ``PREFIX.bin``."""
-    return Path(path).with_suffix(".idx")
+    """Where Megatron-LM keeps the index of the token file ``path``: ``PREFIX.idx`` beside
+    ``PREFIX.bin``; ``path`` itself where it has no file name (``.``, ``/``), which is no token
+    file and is refused as a folder."""
+    path = Path(path)
+    return path.with_suffix(".idx") if path.name else path
 
 
 def megatron_index_dtype(idx: str | Path) -> str:
@@ -107,7 +110,8 @@ def resolve_dtype(path: str | Path, dtype: str | None) -> str:
         return indexed or "uint16"
     if indexed is not None and _READABLE[indexed].itemsize != DTYPES[dtype].itemsize:
         raise InputError(str(idx), "dtype", f"is {indexed}, but --data-dtype is {dtype}",
-                         f"drop --data-dtype, or give --data-dtype {'uint16' if indexed == 'uint16' else 'uint32'}")
+                         f"drop --data-dtype, or give --data-dtype {'uint16' if indexed == 'uint16' else 'uint32'}; "
+                         f"if this index is another file's, remove it")
     return dtype
 
 
@@ -131,7 +135,8 @@ def tokenize_text(source: str | Path, output: str | Path, *, dtype: str = "uint1
         text = open(source, "rb")
     except OSError as exc:
         raise InputError(str(source), None, f"cannot be read: {exc.strerror or exc}", "give a readable text file") from None
-    written, temporary = 0, None
+    written, temporary, done = 0, None, False
+    made = missing_folders(target)  # removed again when the text is refused or the write fails
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -151,7 +156,7 @@ def tokenize_text(source: str | Path, output: str | Path, *, dtype: str = "uint1
                                  "give a UTF-8 text file") from None
         os.chmod(temporary, _mode_for(target))
         os.replace(temporary, target)
-        temporary = None
+        temporary, done = None, True
     except OSError as exc:
         raise _cannot(target, "-o", exc) from None
     finally:
@@ -159,4 +164,6 @@ def tokenize_text(source: str | Path, output: str | Path, *, dtype: str = "uint1
         if temporary is not None:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
+        if not done:
+            remove_empty(made)
     return written

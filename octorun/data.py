@@ -79,6 +79,7 @@ class TokenData:
         self._tokens = tokens
         self._vocab = vocab
         self._orders: dict[int, torch.Tensor] = {}
+        self.stale_index_fix = ""  # where a Megatron index chose the dtype: what to do if it is another file's
 
     # tokens read from each end of the file for its fingerprint: a stale or cut copy on one
     # node differs there, and reading the whole file would cost a pass over terabytes
@@ -118,12 +119,15 @@ class TokenData:
         data = cls(path=file, tokens=tokens, dtype=name, tokens_per_sample=length, seed=seed, model=model,
                    vocab=model.vocab_size())
         prefix = np.asarray(tokens[:VOCAB_CHECK_TOKENS])
-        # the loose pattern only where no one named the dtype (the user, a Megatron index) and the
-        # vocabulary may hold ids above 65,535: --data-dtype uint16 is the way past it
-        loose = dtype is None and not index_path(path).exists() and (data._vocab is None or data._vocab > 1 << 16)
-        if name == "uint16" and _looks_like_uint32(prefix, loose=loose):
-            raise InputError(file, "dtype", "read as uint16, every second id is 0 or small: it looks like a file of uint32 ids",
-                             "give --data-dtype uint32 (or --data-dtype uint16 if it is one)")
+        index = index_path(path)
+        data.stale_index_fix = f"; if {index} is another file's index, remove it" if dtype is None and index.exists() else ""
+        # Not where the user named the dtype: --data-dtype uint16 is the way past this guess. The
+        # loose pattern only where no index named it either and the vocabulary may hold ids above 65,535.
+        loose = not index.exists() and (data._vocab is None or data._vocab > 1 << 16)
+        if name == "uint16" and dtype is None and _looks_like_uint32(prefix, loose=loose):
+            said = f" (as {index} says)" if index.exists() else ""
+            raise InputError(file, "dtype", f"read as uint16{said}, every second id is 0 or small: it looks like a file of "
+                             "uint32 ids", f"give --data-dtype uint32, or --data-dtype uint16 if it is one{data.stale_index_fix}")
         data._check_ids(0, prefix)
         return data
 
@@ -170,7 +174,8 @@ class TokenData:
         largest, smallest = int(ids.max()), int(ids.min())
         if smallest < 0:
             at = offset + int(np.argmin(ids))
-            raise InputError(self.path, f"token {at}", f"is {smallest}, a negative id", "the file is not a token file of this dtype")
+            raise InputError(self.path, f"token {at}", f"is {smallest}, a negative id",
+                             f"the file is not a token file of this dtype{self.stale_index_fix}")
         if self._vocab is None or largest < self._vocab:
             return
         at = offset + int(np.argmax(ids))
@@ -178,6 +183,7 @@ class TokenData:
         fix = f"train a model with a vocab above {largest}"
         if other is not None:
             fix = f"if the file holds {other} ids, give --data-dtype {other}; else {fix}"
+        fix += self.stale_index_fix
         raise InputError(self.path, f"token {at}", f"is {largest}, beyond the model's vocab {self._vocab} "
                          f"({self.model.path}) when the file is read as {self.dtype}", fix)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from octoplan.errors import InputError
-from octoplan.outputs import new_file_mode
+from octoplan.outputs import missing_folders, new_file_mode, remove_empty
 from octoplan.hf import chain_for, is_hf_source, load_hf_model, resolve_hf_source
 from octoplan.plan import Plan
 from octorun import checkpoint
@@ -116,11 +116,11 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
     _check_same_config(meta, plan.model.config, path)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    made = [folder for folder in reversed(partial.parents) if not folder.exists()]  # removed again on failure
+    made = missing_folders(partial)  # removed again on failure
     try:
         partial.mkdir(parents=True)  # now, not after the work: a folder that cannot be written fails first
     except OSError as exc:
-        _remove_empty(made)
+        remove_empty(made)
         raise InputError(str(output), "-o", f"cannot be written: {exc.strerror or exc}", "give a folder you can write") from None
     done = False
     try:
@@ -149,7 +149,7 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
     finally:
         shutil.rmtree(partial, ignore_errors=True)
         if not done:  # refused or failed: nothing of the export stays, the folders it made included
-            _remove_empty(made)
+            remove_empty(made)
     return ExportedWeights(output, path, int(meta["step"]), tensors, nbytes, str(out_dtype).removeprefix("torch."), copied)
 
 
@@ -242,14 +242,6 @@ def _readable_as_the_umask_says(folder: Path) -> None:
         if file.is_file():
             file.chmod(new_file_mode())
 
-
-def _remove_empty(folders: list[Path]) -> None:
-    """``folders`` (outermost first), each removed where it is empty, innermost first."""
-    for folder in reversed(folders):
-        try:
-            folder.rmdir()
-        except OSError:
-            return
 
 def _written(folder: Path) -> tuple[int, int]:
     """Tensors and bytes of the safetensors files in ``folder``."""

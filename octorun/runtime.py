@@ -1405,6 +1405,10 @@ def run(config: RunConfig) -> RunResult:
                 interpreter.restore(prepared.resume_from)
                 if me == 0:
                     log.warning("resumed from %s at step %d", prepared.resume_from, interpreter.first_step)
+                    trained_on = checkpoint.read_meta(prepared.resume_from).get("data")
+                    if trained_on and prepared.data is None:  # a restart script that lost its --data
+                        log.warning("the checkpoint was trained on --data %s; this run has no --data and trains on the "
+                                    "model's sample_batch", trained_on)
         except InputError as exc:
             watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
         except Exception as exc:
@@ -1426,6 +1430,12 @@ def run(config: RunConfig) -> RunResult:
     elif config.init_from is not None and me == 0:
         log.warning("resumed from %s: --init-from %s is for a fresh start and is not read", prepared.resume_from,
                     config.init_from)
+    if me == 0 and prepared.data is not None:
+        global_batch = prepared.plan.parallel.dp * prepared.plan.microbatches * prepared.microbatch_size
+        if prepared.data.num_windows < global_batch:  # each step then reads some windows twice or more
+            log.warning("%s holds %d windows of %d tokens, fewer than one global batch of %d samples: each step reads "
+                        "some of them more than once", prepared.data.path, prepared.data.num_windows,
+                        prepared.data.tokens_per_sample, global_batch)
     if me == 0 and prepared.profile_precision not in (None, config.precision):
         # a run of another precision than its profile's: the plan's times and memory are not its own
         log.warning("the plan's profile was measured at --precision %s, this run is %s: the plan's predicted times and "

@@ -206,7 +206,7 @@ def test_ids_beyond_the_checked_prefix_are_caught_when_read(tmp_path, monkeypatc
 def test_uint32_read_as_uint16_is_named(tmp_path):
     path = _tokens(tmp_path / "t.bin", range(1, 41), dtype="<u4")
     error = _open_error(tmp_path, path)
-    assert (error.field, error.fix) == ("dtype", "give --data-dtype uint32 (or --data-dtype uint16 if it is one)")
+    assert (error.field, error.fix) == ("dtype", "give --data-dtype uint32, or --data-dtype uint16 if it is one")
     data = TokenData.open(path, _model(tmp_path, {"seq": 3}), seed=0, dtype="uint32")
     assert (data.dtype, data.num_windows) == ("uint32", 13)
     assert sorted(_starts(data.windows(0, 13))) == list(range(1, 40, 3))
@@ -219,7 +219,7 @@ def test_uint32_of_a_large_vocab_read_as_uint16_is_named(tmp_path):
     assert (ids >= 65_536).any()
     path = _tokens(tmp_path / "t.bin", ids.tolist(), dtype="<u4")
     error = _open_error(tmp_path, path, config={"seq": 3, "vocab": 70_000})
-    assert (error.field, error.fix) == ("dtype", "give --data-dtype uint32 (or --data-dtype uint16 if it is one)")
+    assert (error.field, error.fix) == ("dtype", "give --data-dtype uint32, or --data-dtype uint16 if it is one")
     assert TokenData.open(path, _model(tmp_path, {"seq": 3, "vocab": 70_000}), seed=0, dtype="uint32").num_tokens == 400
     # uint16 text, byte-level (every id under 256, few of them 0) or of a 50k vocabulary, is read
     for name, text in (("bytes.bin", list(b"hello, world\n" * 20)),
@@ -259,7 +259,16 @@ def test_megatron_index_names_the_dtype(tmp_path):
     assert (conflict.file, conflict.field) == (str(tmp_path / "corpus.idx"), "dtype")
     assert TokenData.open(str(tmp_path / "corpus.bin"), _model(tmp_path), seed=0, dtype="uint32").dtype == "uint32"
     _megatron_index(tmp_path / "corpus.idx", 8)  # uint16: 80 bytes as 40 uint16 ids, half of them 0
-    assert _open_error(tmp_path, tmp_path / "corpus.bin").field == "dtype"  # the uint32 file named as uint16
+    stale = _open_error(tmp_path, tmp_path / "corpus.bin")  # the uint32 file named as uint16 by an index not its own
+    index = tmp_path / "corpus.idx"
+    assert (stale.field, stale.problem) == ("dtype", f"read as uint16 (as {index} says), every second id is 0 or small: "
+                                                     "it looks like a file of uint32 ids")
+    assert stale.fix == (f"give --data-dtype uint32, or --data-dtype uint16 if it is one; if {index} is another "
+                         "file's index, remove it")
+    # the first fix is refused by the index, whose line says the way out (it went round in circles)
+    conflict = _open_error(tmp_path, tmp_path / "corpus.bin", dtype="uint32")
+    assert conflict.fix == "drop --data-dtype, or give --data-dtype uint16; if this index is another file's, remove it"
+    assert TokenData.open(str(tmp_path / "corpus.bin"), _model(tmp_path), seed=0, dtype="uint16").dtype == "uint16"
     for code, magic, version, field in ((7, MEGATRON_INDEX_MAGIC, 1, "dtype"), (8, b"NOTANIDX\x00", 1, "header"),
                                         (8, MEGATRON_INDEX_MAGIC, 2, "version")):
         _megatron_index(tmp_path / "corpus.idx", code, magic, version)
@@ -271,6 +280,26 @@ def test_megatron_index_names_the_dtype(tmp_path):
             assert _open_error(tmp_path, tmp_path / "corpus.bin", dtype="uint32").field == "dtype"
         else:
             assert TokenData.open(str(tmp_path / "corpus.bin"), _model(tmp_path), seed=0, dtype="uint32").dtype == "uint32"
+
+
+def test_a_uint16_file_the_user_names_is_read_though_it_looks_like_uint32(tmp_path):
+    """Ids whose every second one is 0 (or UTF-16 text tokenized byte by byte) look like uint32
+    halves; --data-dtype uint16, which the refusal offers, reads them."""
+    ids = [0 if i % 2 else i % 60 + 1 for i in range(2000)]
+    path = _tokens(tmp_path / "zeros.bin", ids)
+    assert _open_error(tmp_path, path).field == "dtype"
+    data = TokenData.open(path, _model(tmp_path, {"seq": 3, "vocab": 64}), seed=0, dtype="uint16")
+    assert (data.dtype, data.num_tokens) == ("uint16", 2000)
+
+
+def test_a_path_without_a_file_name_is_refused_as_a_folder(tmp_path, monkeypatch):
+    """``--data .`` ended in a traceback: the index beside it was looked for by its suffix."""
+    from octoplan.tokenfile import index_path
+
+    monkeypatch.chdir(tmp_path)
+    for given in (".", "/", ""):
+        assert index_path(given) == Path(given)
+    assert _open_error(tmp_path, ".").problem == "is a folder"
 
 
 def test_negative_int32_ids_are_refused(tmp_path):
@@ -291,6 +320,12 @@ def test_tokenize_library_refuses_non_utf8_and_keeps_the_old_output(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(InputError, match="is empty"):
         tokenize_text(tmp_path / "empty.txt", out)
+    # the folders a refused text would have been written into are not left behind
+    with pytest.raises(InputError, match="is not UTF-8"):
+        tokenize_text(tmp_path / "bin.txt", tmp_path / "new" / "deeper" / "out.bin")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "ok.txt").write_text("ok")
+    assert tokenize_text(tmp_path / "ok.txt", tmp_path / "new" / "deeper" / "ok.bin") == 2
 
 
 def _octoplan(*args):
@@ -342,3 +377,35 @@ def test_copies_of_a_token_file_agree_and_a_stale_or_cut_copy_does_not(tmp_path)
     assert fingerprint("cut.bin", values[:-1]).startswith("a file of 999 uint16 tokens")
     assert fingerprint("last.bin", values[:-1] + [7]) != first
     assert fingerprint("first.bin", [7] + values[1:]) != first
+
+
+def test_octorun_warns_of_a_file_under_one_global_batch_and_of_a_resume_without_data(tmp_path):
+    """Two runs that train, but not as the user may think: a token file of fewer windows than a
+    step reads (so the step reads some twice), and a resume of a checkpoint trained on --data
+    by a run without it (a restart script that lost the flag trains on sample_batch)."""
+    import runtime_helpers as h
+    from octoplan.plan import save_plan
+    from training_helpers import MODEL, write_tokens
+
+    config = {"vocab": 11, "hidden": 8, "depth": 2, "seq": 5, "tie": False, "poison": -1}
+    model = tmp_path / "model.py"
+    model.write_text(MODEL)
+    plan = tmp_path / "plan.yaml"
+    save_plan(h.baseline_plan("1f1b", model, config, tmp_path, gpus=1, pp=1, microbatches=4), plan)  # 4 x 2 samples
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+
+    def octorun(*args):
+        done = subprocess.run([sys.executable, "-m", "octorun", str(plan), *map(str, args)], capture_output=True,
+                              text=True, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    small = write_tokens(tmp_path / "small.bin", count=25)  # (25 - 1) // 5 = 4 windows, under a batch of 8
+    assert f"octorun: {small} holds 4 windows of 6 tokens, fewer than one global batch of 8 samples" in octorun(
+        "--steps", 1, "--data", small)
+    large = write_tokens(tmp_path / "large.bin")
+    said = octorun("--steps", 1, "--data", large, "--save", tmp_path / "saved")
+    assert "global batch" not in said
+    resumed = octorun("--steps", 2, "--resume", "auto", "--save", tmp_path / "saved")
+    assert f"the checkpoint was trained on --data {large}; this run has no --data" in resumed, resumed
