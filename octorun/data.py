@@ -1,4 +1,4 @@
-"""Real training data: samples read from a token file (``octoplan.tokenfile``), memory-mapped.
+"""Real training data: samples read from a token file (``octoplan.tokenfile``), window by window.
 
 A sample is a window of L = ``model.tokens_per_sample()`` consecutive tokens; window k starts at
 token k * (L - 1), so consecutive windows share one boundary token (the last target of one is
@@ -19,6 +19,7 @@ in the order of a permutation seeded by (seed, e): no window repeats before all 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,17 +80,31 @@ class TokenData:
         self._tokens = tokens
         self._vocab = vocab
         self._orders: dict[int, torch.Tensor] = {}
+        self._fingerprint: str | None = None
+        # Training reads windows with pread, not through the memory map: a file cut short while
+        # the run reads it (prepared again in place, nanoGPT-style) then gives a short read that
+        # names the file, where a mapped page past the new end killed the process (SIGBUS).
+        self._fd = os.open(path, os.O_RDONLY)
+        self._itemsize = tokens.dtype.itemsize
         self.stale_index_fix = ""  # where a Megatron index chose the dtype: what to do if it is another file's
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)  # (absent where __init__ failed before it)
+        if fd is not None:
+            os.close(fd)
 
     # tokens read from each end of the file for its fingerprint: a stale or cut copy on one
     # node differs there, and reading the whole file would cost a pass over terabytes
     FINGERPRINT_TOKENS = 1 << 16
 
     def fingerprint(self) -> str:
-        """The file as the nodes of one job compare it (octorun.agreement): its length, token
-        type and a digest of its first and last tokens."""
-        ends = self._tokens[:self.FINGERPRINT_TOKENS].tobytes() + self._tokens[-self.FINGERPRINT_TOKENS:].tobytes()
-        return f"a file of {self.num_tokens} {self.dtype} tokens (digest {hashlib.sha256(ends).hexdigest()[:12]})"
+        """The file as the nodes of one job compare it (octorun.agreement) and checkpoints record
+        it: its length, token type and a digest of its first and last tokens, as it was opened."""
+        if self._fingerprint is None:
+            ends = self._tokens[:self.FINGERPRINT_TOKENS].tobytes() + self._tokens[-self.FINGERPRINT_TOKENS:].tobytes()
+            self._fingerprint = (f"a file of {self.num_tokens} {self.dtype} tokens "
+                                 f"(digest {hashlib.sha256(ends).hexdigest()[:12]})")
+        return self._fingerprint
 
     @classmethod
     def open(cls, path: str, model: "ModelFile", *, seed: int, dtype: str | None = None) -> "TokenData":
@@ -129,6 +144,7 @@ class TokenData:
             raise InputError(file, "dtype", f"read as uint16{said}, every second id is 0 or small: it looks like a file of "
                              "uint32 ids", f"give --data-dtype uint32, or --data-dtype uint16 if it is one{data.stale_index_fix}")
         data._check_ids(0, prefix)
+        data.fingerprint()  # now, as opened: a save late in the run reads no mapped page
         return data
 
     def windows(self, first: int, count: int) -> torch.Tensor:
@@ -142,7 +158,14 @@ class TokenData:
             inside = epochs == epoch
             chosen[inside] = self._order(epoch)[positions[inside]]
         starts = chosen.numpy() * (self.tokens_per_sample - 1)
-        rows = np.asarray(self._tokens[starts[:, None] + np.arange(self.tokens_per_sample)], dtype=np.int64)
+        rows = np.empty((count, self.tokens_per_sample), dtype=np.int64)
+        length = self.tokens_per_sample * self._itemsize
+        for row, start in enumerate(starts.tolist()):
+            raw = os.pread(self._fd, length, start * self._itemsize)
+            if len(raw) != length:
+                raise InputError(self.path, "size", f"is {os.fstat(self._fd).st_size} bytes, cut short since the "
+                                 f"run opened it with {self.num_tokens} tokens", "keep a token file as it is while a run reads it")
+            rows[row] = np.frombuffer(raw, dtype=self._tokens.dtype)
         if rows.size and (rows.min() < 0 or (self._vocab is not None and rows.max() >= self._vocab)):
             for start, row in zip(starts.tolist(), rows):
                 self._check_ids(start, row)

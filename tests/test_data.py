@@ -409,3 +409,18 @@ def test_octorun_warns_of_a_file_under_one_global_batch_and_of_a_resume_without_
     assert "global batch" not in said
     resumed = octorun("--steps", 2, "--resume", "auto", "--save", tmp_path / "saved")
     assert f"the checkpoint was trained on --data {large}; this run has no --data" in resumed, resumed
+
+
+def test_a_file_cut_short_while_it_is_read_is_named(tmp_path):
+    """Prepared again in place (nanoGPT's np.memmap(mode='w+')) while a run reads it: a mapped
+    page past the new end killed the process with SIGBUS and no word."""
+    path = _tokens(tmp_path / "t.bin", [i % 50 + 1 for i in range(4000)])
+    data = TokenData.open(path, _model(tmp_path, {"seq": 3, "vocab": 64}), seed=0)
+    opened = data.fingerprint()
+    assert data.windows(0, 8).shape == (8, 4)
+    os.truncate(path, 2000)  # 1000 tokens of the 4000 left
+    with pytest.raises(InputError) as error:
+        data.windows(0, 1333)  # one epoch: every window, most of them gone
+    assert (error.value.file, error.value.field) == (path, "size")
+    assert error.value.problem == "is 2000 bytes, cut short since the run opened it with 4000 tokens"
+    assert data.fingerprint() == opened  # what checkpoints record: the file as the run opened it
