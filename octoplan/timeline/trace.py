@@ -358,7 +358,7 @@ def render_comparison(rows: list[dict[str, Any]], *, title: str | None = None) -
     for index, row in enumerate(rows):
         table.add_row(
             row["kind"], str(row["count"]), f"{row['predicted_ms']:.4g}", f"{row['measured_ms']:.4g}",
-            f"{row['abs_error_ms']:.3g}",
+            f"{row['abs_error_ms']:.3f}",  # ms to the microsecond: float noise (1e-17) is no error
             "–" if row["rel_error"] is None else f"{row['rel_error']:.1%}",
             "–" if row["bias"] is None else f"{row['bias']:+.1%}",
             end_section=index == len(rows) - 2,  # a rule above the iteration row
