@@ -239,7 +239,7 @@ def prepare(config: RunConfig) -> Prepared:
     # is an output too
     partial = partial_path(config.metrics_path) if config.metrics_path else None
     check_distinct({"--metrics": config.metrics_path, "--metrics (while it is written)": partial,
-                    "--trace": config.trace_path})
+                    "--trace": config.trace_path, "--save": config.save_dir})  # (--save: a folder of checkpoints)
     # the files the job reads, which no output may overwrite: the model's files and the token
     # file (with its Megatron index) too
     data_files: tuple[str | Path, ...] = ()
@@ -260,6 +260,10 @@ def prepare(config: RunConfig) -> Prepared:
         from octorun.data import TokenData  # numpy's memmap: only for runs that read a token file
 
         data = TokenData.open(config.data_path, model, seed=config.seed, dtype=config.data_dtype)
+    if config.init_from is not None:
+        # before --resume auto looks in --save: there it would find the --init-from checkpoints
+        # themselves, resume them as this run's own, and prune them (--keep)
+        _check_init_apart(Path(config.init_from), config.save_dir)
     resume_from = None
     if config.resume is not None:
         from octorun import checkpoint  # torch.distributed.checkpoint: only for runs that use it
@@ -277,7 +281,6 @@ def prepare(config: RunConfig) -> Prepared:
         init_from = checkpoint.resolve(config.init_from, save_root=None, flag="--init-from")
         checkpoint.check_compatible(checkpoint.read_meta(init_from), model_identity(model, num_layers), init_from,
                                     weights_only=True)
-        _check_init_apart(init_from, config.save_dir)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model),
                     data=data, resume_from=resume_from, init_from=init_from,
@@ -316,12 +319,12 @@ def _check_checkpoint_flags(config: RunConfig) -> None:
 
 
 def _check_init_apart(init_from: Path, save_dir: str | None) -> None:
-    """--save must not be the folder that holds the --init-from checkpoint: the run's own saves
-    would prune it (--keep), and --resume auto would take it for one of the run's own."""
+    """--save must not be the folder that holds the --init-from checkpoint (or is it): the run's
+    own saves would prune it (--keep), and --resume auto would take it for one of the run's own."""
     if save_dir is None:
         return
-    root = Path(save_dir).resolve()
-    if init_from.resolve() == root or init_from.resolve().parent == root:
+    root, given = Path(save_dir).resolve(), init_from.resolve()
+    if given == root or given.parent == root:
         raise InputError(save_dir, "--save", f"holds the --init-from checkpoint {init_from}: the run's saves would "
                          "prune it, and --resume auto would resume from it", "give --save a folder of this run's own")
 

@@ -336,7 +336,8 @@ class Watchdog:
                         # connection to it is a symptom: report the peer's cause, not ours.
                         if self.store.check([self.key(ABORT_KEY)]):
                             cause = self.store.get(self.key(ABORT_KEY)).decode(errors="replace")
-                            self._exit(f"stopping because {cause}; this rank then saw: {problem}")
+                            # its own exit status: bad input it found is bad input, whoever spoke first
+                            self._exit(f"stopping because {cause}; this rank then saw: {problem}", code=code)
                         self.store.set(self.key(ABORT_KEY), f"rank {self.global_rank} failed: {problem}")
                     except Exception as exc:  # the store may be gone with a dead peer; exit all the same
                         log.debug("could not reach the rendezvous store while failing: %s", exc)

@@ -183,7 +183,7 @@ def test_an_output_the_filesystem_stops_taking_is_one_line(one_rank, output, tmp
 
 @pytest.mark.parametrize("case", ["missing", "partial", "other-model", "missing-shard", "auto-without-save",
                                   "other-seed", "other-data", "other-seq", "tied-head", "init-missing", "init-other-model",
-                                  "init-tied-head", "init-save-beside"])
+                                  "init-tied-head", "init-save-beside", "init-save-beside-resumed", "save-is-metrics"])
 def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     folder, good = one_rank
     plan, resume = folder / "d6.yaml", str(good)
@@ -197,6 +197,10 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
         plan = folder / "d6-tied.yaml"
     elif case == "init-save-beside":  # the run's saves would prune the checkpoint it starts from
         extra = ["--save", str(good.parent)]
+    elif case == "init-save-beside-resumed":  # and --resume auto would take it for the run's own, then prune it
+        extra = ["--save", str(good.parent), "--resume", "auto"]
+    elif case == "save-is-metrics":  # refused before training, not once its metrics cannot replace the folder
+        extra = ["--save", str(tmp_path / "m.jsonl")]
     elif case == "missing":
         resume = str(tmp_path / "nothing-here")
     elif case == "partial":
@@ -238,7 +242,10 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
                 "tied-head": "model/layers.5.out.weight: is in the checkpoint but no layer of this model takes it",
                 "init-missing": "nothing-here: --init-from: does not exist", "init-other-model": "layers",
                 "init-tied-head": "no layer of this model takes it",
-                "init-save-beside": "--save: holds the --init-from checkpoint"}[case]
+                "init-save-beside": "--save: holds the --init-from checkpoint",
+                "init-save-beside-resumed": "--save: holds the --init-from checkpoint",
+                "save-is-metrics": "--save names the file --metrics names too"}[case]
     assert expected in lines[0], lines[0]
-    if case.startswith("init-") and case != "init-save-beside":
+    assert good.is_dir() and (good / "octopipe.json").exists()  # the checkpoint given is as it was
+    if case.startswith("init-") and not case.startswith("init-save-beside"):
         assert "(give --init-from " in lines[0], lines[0]  # the fix names the flag given

@@ -317,3 +317,37 @@ def test_a_lost_store_names_its_host(monkeypatch):
     watchdog.stop()
     assert said[0] == ("lost contact with the job's rendezvous store (RuntimeError) while running op 1F0: its host "
                        "(10.1.2.3, the first node's launcher or rank 0) is gone or unreachable")
+
+
+def test_a_rank_that_finds_bad_input_after_a_peer_spoke_still_exits_2(monkeypatch):
+    """A save that cannot be written is bad input on every rank: the rank whose failure reached
+    the store second said so under the first one's words, and exited 1 (torchrun then named
+    that rank's 1 as the job's cause)."""
+    from octorun.watchdog import ABORT_KEY, EXIT_BAD_INPUT, Watchdog
+
+    class Store:  # the job's rendezvous store, as far as failing reads and writes it
+        def __init__(self):
+            self.values: dict[str, bytes] = {}
+
+        def check(self, keys):
+            return all(key in self.values for key in keys)
+
+        def get(self, key):
+            return self.values[key]
+
+        def set(self, key, value):
+            self.values[key] = value.encode()
+
+    exits = []
+
+    def leave(problem, *, code=1):
+        exits.append((problem, code))
+        raise SystemExit(code)
+
+    dog = Watchdog(global_rank=1, timeout_s=5.0, store=Store(), world=2)
+    dog.store.set(dog.key(ABORT_KEY), "rank 0 failed: ck: --save cannot be written: File too large")
+    monkeypatch.setattr(dog, "_exit", leave)
+    with pytest.raises(SystemExit):
+        dog.fail("ck: --save cannot be written: File too large", code=EXIT_BAD_INPUT)
+    assert exits == [("stopping because rank 0 failed: ck: --save cannot be written: File too large; this rank then "
+                      "saw: ck: --save cannot be written: File too large", EXIT_BAD_INPUT)]
