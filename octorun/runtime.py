@@ -329,6 +329,22 @@ def _check_init_apart(init_from: Path, save_dir: str | None) -> None:
                          "prune it, and --resume auto would resume from it", "give --save a folder of this run's own")
 
 
+def changed_settings(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key old -> new`` for each setting of ``now`` that the checkpoint's ``saved`` meta holds
+    with another value (nested keys dotted: ``lr_schedule.steps 6 -> 20``); settings an older
+    checkpoint did not record are not compared."""
+    changed = []
+    for key, value in now.items():
+        if key not in saved:
+            continue
+        old = saved[key]
+        if isinstance(value, dict) and isinstance(old, dict):
+            changed += changed_settings(old, value, f"{prefix}{key}.")
+        elif old != value:
+            changed.append(f"{prefix}{key} {old} -> {value}")
+    return changed
+
+
 def model_identity(model: ModelFile, num_layers: int) -> dict[str, Any]:
     """What a checkpoint records of its model, and what a resume checks: the same model name
     and layer count (parameter shapes are checked key by key as the state loads)."""
@@ -1159,20 +1175,32 @@ class _Interpreter:
             state[f"rng/rank{self.me}/cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
+    def settings(self) -> dict[str, Any]:
+        """The training settings a checkpoint records and a resume compares with its own (a
+        change is allowed, and said: octorun.runtime.changed_settings)."""
+        optim = self.optim_config
+        schedule: dict[str, Any] = {"schedule": optim.schedule, "lr": optim.lr, "warmup_steps": optim.warmup_steps}
+        if optim.schedule != "constant":  # where the rate decays: to what, and over how many steps
+            schedule.update(min_lr=optim.min_lr, steps=optim.decay_steps or self.config.steps)
+        return {
+            "global_batch": self.global_batch,
+            "seed": self.config.seed,
+            "precision": self.config.precision,
+            "lr_schedule": schedule,
+            "weight_decay": optim.weight_decay,
+            "betas": list(optim.betas),
+            "grad_clip": optim.grad_clip,
+        }
+
     def save(self, step: int) -> None:
         meta = {
             **model_identity(self.model, self.plan.stages[-1].end),
             "model_config": dict(self.plan.model.config),  # export --format hf writes config.json from it
             "step": step + 1,  # the next step to run
             "consumed_samples": self.consumed_samples + (step + 1 - self.first_step) * self.global_batch,
-            "global_batch": self.global_batch,
             "skipped_steps": self.skipped_steps,
-            "seed": self.config.seed,
-            "precision": self.config.precision,
             "optimizer": self.optim_config.name,
-            "lr_schedule": {"schedule": self.optim_config.schedule, "lr": self.optim_config.lr,
-                            "warmup_steps": self.optim_config.warmup_steps, "min_lr": self.optim_config.min_lr,
-                            "steps": self.optim_config.decay_steps or self.config.steps},
+            **self.settings(),
             "data": self.config.data_path,
             "tokens_per_sample": None if self.data is None else self.data.tokens_per_sample,
             "data_fingerprint": None if self.data is None else self.data.fingerprint(),
@@ -1408,7 +1436,12 @@ def run(config: RunConfig) -> RunResult:
                 interpreter.restore(prepared.resume_from)
                 if me == 0:
                     log.warning("resumed from %s at step %d", prepared.resume_from, interpreter.first_step)
-                    trained_on = checkpoint.read_meta(prepared.resume_from).get("data")
+                    saved = checkpoint.read_meta(prepared.resume_from)
+                    changed = changed_settings(saved, interpreter.settings())
+                    if changed:  # allowed (a new learning rate, a longer run), but never unsaid
+                        log.warning("this run's settings differ from the checkpoint's: %s; the run goes on with its own",
+                                    ", ".join(changed))
+                    trained_on = saved.get("data")
                     if trained_on and prepared.data is None:  # a restart script that lost its --data
                         log.warning("the checkpoint was trained on --data %s; this run has no --data and trains on the "
                                     "model's sample_batch", trained_on)

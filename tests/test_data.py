@@ -407,8 +407,10 @@ def test_octorun_warns_of_a_file_under_one_global_batch_and_of_a_resume_without_
     large = write_tokens(tmp_path / "large.bin")
     said = octorun("--steps", 1, "--data", large, "--save", tmp_path / "saved")
     assert "global batch" not in said
-    resumed = octorun("--steps", 2, "--resume", "auto", "--save", tmp_path / "saved")
+    resumed = octorun("--steps", 2, "--resume", "auto", "--save", tmp_path / "saved", "--lr", 0.5)
     assert f"the checkpoint was trained on --data {large}; this run has no --data" in resumed, resumed
+    # and a setting changed on the way is named (the run goes on with its own)
+    assert "this run's settings differ from the checkpoint's: lr_schedule.lr 0.001 -> 0.5;" in resumed, resumed
 
 
 def test_a_file_cut_short_while_it_is_read_is_named(tmp_path):

@@ -249,3 +249,14 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     assert good.is_dir() and (good / "octopipe.json").exists()  # the checkpoint given is as it was
     if case.startswith("init-") and not case.startswith("init-save-beside"):
         assert "(give --init-from " in lines[0], lines[0]  # the fix names the flag given
+
+
+def test_changed_settings_name_each_change_that_the_checkpoint_recorded():
+    from octorun.runtime import changed_settings
+
+    saved = {"seed": 3, "precision": "fp32", "lr_schedule": {"schedule": "cosine", "lr": 0.01, "steps": 6},
+             "betas": [0.9, 0.95]}
+    now = {"seed": 3, "precision": "bf16", "lr_schedule": {"schedule": "cosine", "lr": 0.01, "steps": 20},
+           "betas": [0.9, 0.95], "grad_clip": 1.0}  # grad_clip: a checkpoint from before it was recorded
+    assert changed_settings(saved, now) == ["precision fp32 -> bf16", "lr_schedule.steps 6 -> 20"]
+    assert changed_settings(saved, saved) == []
