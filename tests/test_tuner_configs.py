@@ -192,6 +192,14 @@ def test_profiles_of_different_models_or_the_same_size_are_refused():
         tune_global_batch([(None, one), (None, two_layers(2.0))], cluster(), opts)
     with pytest.raises(InputError, match="--global-batch"):
         tune_global_batch([(None, one), (None, two_layers(2.0, size=2))], cluster(), replace(opts, global_batch=None))
+    # the same layers at another sequence length (a batch of other tokens), or on another GPU
+    # (whose memory the plan would not be held to): one model config on one GPU only
+    larger = two_layers(2.0, size=2)
+    for changed, field in ((replace(larger, model=replace(larger.model, config={"seq_len": 1024})), "model.config.seq_len"),
+                           (replace(larger, device={"name": "h200", "memory_gb": 141}), "device.name")):
+        with pytest.raises(InputError) as found:
+            tune_global_batch([(None, one), (None, changed)], cluster(), opts)
+        assert found.value.field == field, found.value
 
 
 

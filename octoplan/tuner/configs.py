@@ -160,6 +160,18 @@ def check_same_model(profiles: Sequence[tuple[Path | None, Profile]]) -> None:
         if profile.precision != first.precision:
             raise InputError(where, "precision", f"is {profile.precision}, {first_path}'s is {first.precision}",
                              "profile every microbatch size at the same --precision")
+        # the same layer names over another config (a sequence length, a tp degree) or on another
+        # GPU would compare batches of other sizes in tokens, or plan for the first one's memory
+        if profile.model.config != first.model.config:
+            key = next(k for k in sorted({*profile.model.config, *first.model.config}, key=str)
+                       if profile.model.config.get(k) != first.model.config.get(k))
+            raise InputError(where, f"model.config.{key}", f"is {profile.model.config.get(key)!r}, {first_path}'s is "
+                             f"{first.model.config.get(key)!r}", "give profiles of one model config, measured at "
+                             "different --microbatch-size")
+        device, first_device = (profile.device or {}).get("name"), (first.device or {}).get("name")
+        if device != first_device:
+            raise InputError(where, "device.name", f"is {device!r}, {first_path}'s is {first_device!r}",
+                             "give profiles measured on one kind of GPU")
         if profile.microbatch_size in seen:
             raise InputError(where, "microbatch_size", f"is {profile.microbatch_size}, as is {seen[profile.microbatch_size]}'s",
                              "give one profile per microbatch size")
