@@ -18,7 +18,7 @@ import yaml
 from rich.console import Console
 
 from octoplan.errors import InputError
-from octoplan.plan import CLUSTER_RANGES, MAX_GPUS, Cluster
+from octoplan.plan import CLUSTER_RANGES, MAX_GPUS, Cluster, uneven_nodes
 from octoplan.profile import Profile, load_profile
 
 __all__ = ["terminal", "guarded", "fail", "ClusterOptions", "cluster_from", "memory_of", "read_profile", "log_setup",
@@ -139,6 +139,9 @@ def cluster_from(gpus: int, opts: ClusterOptions, profile: Profile | None = None
     for name, value in (("--gpus", gpus), ("--gpus-per-node", opts.gpus_per_node)):
         if not 1 <= value <= MAX_GPUS:
             raise InputError(None, name, f"is {value}", f"use 1 to {MAX_GPUS}")
+    if gpus > opts.gpus_per_node and gpus % opts.gpus_per_node:
+        raise InputError(None, "--gpus", uneven_nodes(gpus, opts.gpus_per_node),
+                         f"give a multiple of --gpus-per-node {opts.gpus_per_node}, or the --gpus-per-node the nodes have")
     for field_name, (least, most) in CLUSTER_RANGES.items():
         flag = "--" + field_name.replace("_", "-")
         value = getattr(opts, field_name)

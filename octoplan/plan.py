@@ -225,6 +225,13 @@ def _sha256_field(top: Fields) -> str | None:
     return digest
 
 
+def uneven_nodes(gpus: int, gpus_per_node: int) -> str:
+    """Why ``gpus`` on nodes of ``gpus_per_node`` is no cluster octorun launches: it runs the
+    plan's gpus_per_node processes on every node (LOCAL_WORLD_SIZE is checked)."""
+    return (f"is {gpus}, not a whole number of nodes of {gpus_per_node} GPUs (the last would hold "
+            f"{gpus % gpus_per_node}; octorun runs {gpus_per_node} processes on every node)")
+
+
 def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
     top = Fields.document(data, file=file, format=PLAN_FORMAT, fields=_TOP_FIELDS, fix="regenerate it with octoplan tune")
     model = ModelRef.read(top)
@@ -237,6 +244,9 @@ def plan_from_dict(data: dict[str, Any], *, file: str = "<plan>") -> Plan:
         **{name: c.number(name, getattr(defaults, name), minimum=least, maximum=most)
            for name, (least, most) in CLUSTER_RANGES.items()},
     )
+    if cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
+        raise InputError(file, "cluster.gpus", uneven_nodes(cluster.gpus, cluster.gpus_per_node),
+                         "give a whole number of nodes, or the gpus_per_node the nodes have")
     p = top.mapping("parallel")
     p.only(("pp", "dp", "microbatches", "rank_order"))
     parallel = Parallel(

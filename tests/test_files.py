@@ -319,6 +319,27 @@ def test_a_closed_stdout_still_ends_well_with_the_files_written(baseline_files, 
     assert svg.exists() and trace.exists()
 
 
+def test_a_cluster_of_a_part_node_is_refused_by_the_planner_and_in_plan_files(baseline_files, tmp_path):
+    """12 GPUs on nodes of 8: the plan was written, and its second node's launch refused."""
+    path, plan = baseline_files
+    for command in (["tune", path, "--gpus", 12, "--max-plans", 10], ["baseline", path, "--gpus", 12, "--schedule", "1f1b"]):
+        run = _octoplan(*command, "--gpus-per-node", 8, "-o", tmp_path / "x.yaml")
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+        assert "--gpus: is 12, not a whole number of nodes of 8 GPUs (the last would hold 4;" in run.stderr
+        assert not (tmp_path / "x.yaml").exists()
+    assert _octoplan("baseline", path, "--gpus", 12, "--gpus-per-node", 4, "--schedule", "1f1b", "--pp", 2,
+                     "-o", tmp_path / "x.yaml").returncode == 0  # three nodes of 4
+    data = yaml.safe_load(plan.read_text())
+    data["cluster"]["gpus_per_node"] = 3  # 2 GPUs: a part of one node is fine; 4 on nodes of 3 is not
+    plan.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert _octoplan("validate", plan).returncode == 0
+    data["cluster"].update(gpus=4)
+    data["parallel"].update(dp=2)
+    plan.write_text(yaml.safe_dump(data, sort_keys=False))
+    run = _octoplan("validate", plan)
+    assert run.returncode == 2 and f"{plan}: cluster.gpus: is 4, not a whole number of nodes of 3 GPUs" in run.stderr
+
+
 def test_show_checks_the_measured_trace_before_writing_anything(baseline_files, tmp_path):
     _, plan = baseline_files
     svg, trace, measured = tmp_path / "t.svg", tmp_path / "t.json", tmp_path / "empty.json"
