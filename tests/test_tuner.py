@@ -341,6 +341,26 @@ def test_the_verdict_says_when_no_baseline_fits():
     assert _verdict(result, 80.0) == "no baseline fits 80 GB per GPU; the tuned plan does"
 
 
+def test_the_verdict_calls_a_slower_tuned_plan_slower_and_says_why():
+    """--runs-on v confines the plan to V placements, which the fastest baseline is not: the
+    verdict read "0.895x faster: the search found nothing faster than this baseline"."""
+    from types import SimpleNamespace
+
+    from octoplan.tuner.cli import _verdict
+
+    baseline = SimpleNamespace(name="1f1b/balanced", candidate=SimpleNamespace(recompute_layers=()),
+                               config=SimpleNamespace(label=lambda: "pp=4 dp=2"),
+                               scored=SimpleNamespace(judged_ms=90.0, iteration_ms=90.0))
+    for confined, why in (("v", "--runs-on v confines it to plans that framework runs, and this baseline is not one"),
+                          ("any", "the search did not reach this baseline's layout within its budget")):
+        result = SimpleNamespace(best_baseline=lambda: baseline, scored=SimpleNamespace(judged_ms=100.0, samples=1),
+                                 stats={"runs_on": confined})
+        assert _verdict(result, 80.0) == ("fastest baseline that fits: 1f1b/balanced (pp=4 dp=2), 90.00 ms; the tuned "
+                                          f"plan is 1.111x slower: {why}")
+    result.scored.judged_ms = 90.0
+    assert _verdict(result, 80.0).endswith("1.000x faster: the search found nothing faster than this baseline")
+
+
 def test_the_baselines_have_every_interleaved_chunk_count_the_layers_allow():
     # 8 layers of F = I = W = 1 ms on 2 ranks, 2 microbatches, free links. Interleaved 1F1B with
     # v chunks per rank takes (m v + p - 1) chunk times of 12 / v ms (a chunk's F + B):

@@ -127,9 +127,14 @@ def _verdict(result, memory_gb: float) -> str:
     from octoplan.tuner.configs import per_microbatch
 
     ratio = _ratio(best.scored.judged_ms, result.scored.judged_ms)
+    head = f"fastest baseline that fits: {_label(best)} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
+    if ratio < 1 / 1.0005:  # slower: a ratio under 1 read as "0.895x faster"
+        confined = result.stats.get("runs_on", "any")
+        why = (f": --runs-on {confined} confines it to plans that framework runs, and this baseline is not one"
+               if confined != "any" else ": the search did not reach this baseline's layout within its budget")
+        return f"{head}the tuned plan is {1 / ratio:.3f}x slower{per_microbatch(result.scored)}{why}"
     tie = ": the search found nothing faster than this baseline" if ratio < 1.0005 else ""
-    return (f"fastest baseline that fits: {_label(best)} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
-            f"the tuned plan is {ratio:.3f}x faster{per_microbatch(result.scored)}{tie}")
+    return f"{head}the tuned plan is {ratio:.3f}x faster{per_microbatch(result.scored)}{tie}"
 
 
 def _framework_costs(result) -> list[str]:
@@ -149,7 +154,8 @@ def _framework_costs(result) -> list[str]:
             continue
         ratio = _ratio(best.scored.judged_ms, result.scored.judged_ms)
         also = " (or v)" if framework == "torchtitan" else ""
-        lines.append(f"staying on {framework}: its fastest baseline that fits here is {_label(best)} "
+        staying = "staying on" if ratio >= 1 else "on"  # (a framework the confined plan does not run may be faster)
+        lines.append(f"{staying} {framework}: its fastest baseline that fits here is {_label(best)} "
                      f"({best.config.label()}), {best.scored.iteration_ms:.2f} ms, {ratio:.3f}x the tuned plan's time"
                      f"{per_microbatch(result.scored)}; "
                      f"`octoplan tune --runs-on {runs_on}`{also} tunes the best plan it runs")
@@ -268,7 +274,8 @@ def _report(batch, memory_gb: float) -> None:
     if unpriced:
         console.print(f"{unpriced} baseline{'s' if unpriced > 1 else ''} (schedule/partition on a configuration) not "
                       f"priced: the baselines may take half of the time limit ({result.stats['time_limit_s']:.3g} s), and "
-                      "the table leaves these out; a longer --time-limit prices them all", soft_wrap=True)
+                      "the table leaves these out; a longer --time-limit (a larger --max-plans, where it is given) "
+                      "prices them all", soft_wrap=True)
     for line in _framework_costs(result):
         console.print(line, soft_wrap=True)
 
