@@ -49,10 +49,6 @@ def megatron_fallback(plan: Plan, profile: Profile, *, profile_path: str | Path 
 
 def run_framework_export(console: Console, plan: Plan, profile: Profile, *, plan_path: Path, profile_path: Path | None,
                          format: str, output: Path, options: FrameworkOptions) -> None:
-    from octoplan.validate import check_runnable
-
-    # before any work: a plan that cannot run (a deadlock) is bad input, not a search's failure
-    check_runnable(plan, file=str(plan_path))
     if format == "torchtitan":
         from octoplan.export_torchtitan import export_torchtitan
 
@@ -69,6 +65,11 @@ def _megatron(console: Console, plan: Plan, profile: Profile, *, plan_path: Path
     from octoplan.export_megatron import LayerLetters, export_megatron, megatron_problem, parse_kind_letters
 
     from octoplan.tuner.search import TuneOptions, check_options
+    from octoplan.validate import check_runnable
+
+    # before any work: a plan that cannot run (a deadlock) is bad input, not the failure of the
+    # search for one Megatron-LM runs in its place (torchtitan's export checks it as it reads it)
+    check_runnable(plan, file=str(plan_path))
 
     # the search's options are checked whether or not this plan needs the search: a bad value
     # must not pass only because the plan happened to fit Megatron-LM

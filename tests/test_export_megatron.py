@@ -387,3 +387,15 @@ def test_cli_checks_the_search_options_for_a_plan_megatron_runs_as_is(tmp_path, 
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and f"{option[0]}: is {option[1]} " in done.stderr
     assert not (tmp_path / "il.sh").exists()
+
+
+def test_runs_on_megatron_keeps_the_baselines_megatron_runs():
+    """Only the Megatron seed family's plans were allowed: with the budget spent on pp=1 seeds,
+    which do not fit, it said "no plan fits 80 GB" beside a fitting 1F1B baseline Megatron runs."""
+    from octoplan.arch import analytic_profile
+    from octoplan.tuner.search import tune
+
+    profile = analytic_profile("llama3-8b", "h100")
+    result = tune(profile, Cluster(gpus=8, memory_gb=80), TuneOptions(gpus=8, max_plans=200, runs_on="megatron"))
+    assert result.scored.fits and "Megatron-LM" in result.runs_on
+    assert megatron_problem(result.plan, LayerLetters(profile)) is None

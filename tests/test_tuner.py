@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from octoplan.cli import app
 from octoplan.errors import InputError
-from octoplan.plan import check_structure, load_plan, plan_to_dict
+from octoplan.plan import Cluster, check_structure, load_plan, plan_to_dict
 from octoplan.simulator import simulate
 from octoplan.tuner import TuneOptions, compare_baselines, configs_for, tune
 from octoplan.yamlio import file_sha256
@@ -133,6 +133,18 @@ def test_nothing_fits_names_the_least_memory():
              TuneOptions(gpus=4, pp=4, microbatches=8, time_limit_s=10, use_cpsat=False, max_plans=600))
     assert "no plan fits 1 GB per GPU; the leanest plan found needs 4" in str(info.value)
     assert info.value.field == "--memory-gb"
+    assert "left unpriced" not in str(info.value)  # every baseline was priced: memory is the whole story
+
+
+def test_nothing_fits_within_a_budget_that_left_baselines_unpriced_says_so():
+    """llama3-8b on 8 H100s with --max-plans 1: the plan priced first needs 167 GB, and more
+    memory was the only fix offered, though a fitting baseline lay beyond the budget."""
+    from octoplan.arch import analytic_profile
+
+    with pytest.raises(InputError) as info:
+        tune(analytic_profile("llama3-8b", "h100"), Cluster(gpus=8, memory_gb=80), TuneOptions(gpus=8, max_plans=1))
+    assert info.value.field == "--memory-gb"
+    assert "baselines were left unpriced by the budget, and one of them may fit: give a larger --max-plans" in info.value.fix
 
 
 def test_configs_follow_the_global_batch():

@@ -86,6 +86,8 @@ class Frameworks:
         if runs_on == "any":
             return True
         if runs_on == "megatron":
-            return (cand.fixed is not None and cand.fixed_id.startswith(MEGATRON_ID) and "+" not in cand.fixed_id
-                    and self.megatron_layout_ok(cand))
+            if cand.fixed is not None and cand.fixed_id.startswith(MEGATRON_ID) and "+" not in cand.fixed_id:
+                return self.megatron_layout_ok(cand)
+            # a baseline whose order is Megatron's own (1F1B, interleaved 1F1B) under another name
+            return self.megatron_runs(cand)
         return self.placement(cand) == runs_on

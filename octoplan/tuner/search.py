@@ -269,7 +269,7 @@ def tune(
     starts, later = _climb_starts(ranked, search.opts)
     climbed = _climbs(search, starts, later)
 
-    best, best_scored = _best_that_fits(search, profile_path)
+    best, best_scored = _best_that_fits(search, profile_path, unpriced=collected.unpriced)
     plan = _final_plan(search.ev, best, profile_path=profile_path)
     stats = _stats(search, best, plan, climbed=climbed, configs=len(configs), seeds=len(seeds), seeded_s=seeded_s,
                    families=ctx.stats, baselines_unpriced=collected.unpriced)
@@ -436,17 +436,31 @@ def _climbs(search: Search, starts: Sequence[Candidate], later: Sequence[Candida
     return climbed
 
 
-def _best_that_fits(search: Search, profile_path: str | Path | None) -> tuple[Candidate, Scored]:
-    """The search's best plan; ``InputError`` naming the leanest plan's memory if none fits."""
+def _best_that_fits(search: Search, profile_path: str | Path | None, *, unpriced: int = 0) -> tuple[Candidate, Scored]:
+    """The search's best plan; ``InputError`` naming the leanest plan's memory if none fits
+    (``unpriced``: baselines the budget left unpriced, among which one may fit)."""
     best, best_scored = search.best, search.best_scored
     if best is None or best_scored is None or not best_scored.fits:
         least = search.ev.least_memory()
+        flag, budget = (("--max-plans", "a larger --max-plans") if search.opts.max_plans is not None
+                        else ("--time-limit", "a longer --time-limit"))
+        if least is not None and least <= search.ev.cluster.memory_gb * 1e9:
+            # plans that fit were priced, but none the search may keep (--runs-on): its budget
+            # ran out first, which more memory would not change
+            raise InputError(
+                str(profile_path) if profile_path else None, flag,
+                f"ran out before the search found a plan that --runs-on {search.opts.runs_on} allows and that fits "
+                f"{search.ev.cluster.memory_gb:g} GB per GPU (plans it does not allow fit in {least / 1e9:.3g} GB)",
+                f"give {budget}, or tune with --runs-on any")
         needed = f"{least / 1e9:.3g} GB" if least is not None else "more memory"
+        cut_short = (f"; {unpriced} baselines were left unpriced by the budget, and one of them may fit: "
+                     f"give {budget}" if unpriced else "")
         raise InputError(
             str(profile_path) if profile_path else None, "--memory-gb",
             f"no plan fits {search.ev.cluster.memory_gb:g} GB per GPU; the leanest plan found needs {needed} per GPU",
             "use more GPUs, a larger --memory-gb, or a profile of a smaller --microbatch-size"
-            + ("" if search.opts.recompute else "; or let stages recompute their activations (drop --no-recompute)"),
+            + ("" if search.opts.recompute else "; or let stages recompute their activations (drop --no-recompute)")
+            + cut_short,
         )
     return best, best_scored
 
