@@ -35,7 +35,7 @@ from octoplan.errors import InputError
 from octoplan.ops import Kind, Op
 from octoplan.plan import CLUSTER_RANGES, Plan
 from octoplan.profile import Profile
-from octoplan.timeline.trace import check_order, measured_steps, replay_time_scale
+from octoplan.timeline.trace import check_order, check_replay_at_scale_1, measured_steps
 
 __all__ = ["OpSplit", "TraceSplit", "Calibration", "split_trace", "calibrate", "calibration_of"]
 
@@ -230,12 +230,8 @@ def calibrate(plan: Plan, profile: Profile, trace_path: str | Path, *, plan_path
         raise InputError(None if plan_path is None else str(plan_path), "parallel.pp",
                          f"is {plan.parallel.pp}: nothing is sent between ranks",
                          "calibrate from the trace of a plan with 2 or more pipeline ranks")
-    scale = replay_time_scale(Path(trace_path))
-    if scale is not None and scale != 1.0:  # every op's excess over the profile's time would be scale - 1 of it
-        raise InputError(str(trace_path), "otherData.replay_time_scale",
-                         f"is {scale:g}: its ops slept {scale:g} x the profile's times, and calibrate reads the time "
-                         "around each op as what exceeds the profile's", "calibrate from a trace of octorun --replay "
-                         "at its default scale of 1, or of a run of real work")
+    # every op's excess over the profile's time would be scale - 1 of it
+    check_replay_at_scale_1(Path(trace_path), "calibrate from")
     return within_cluster_ranges(calibration_of(split_trace(plan, profile, trace_path)), trace_path)
 
 

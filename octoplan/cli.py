@@ -803,7 +803,7 @@ def _repeated_option(argv: list[str]) -> str | None:
     head = argv[:argv.index("--")] if "--" in argv else argv
     name = next((token for token in head if not token.startswith("-")), None)
     command = getattr(typer.main.get_command(app), "commands", {}).get(name)
-    if command is None:  # no command, or an unknown one: click says so
+    if command is None or "--help" in head:  # no command or an unknown one (click says so), or help asked for
         return None
     options = {flag: param for param in command.params if getattr(param, "param_type_name", "") == "option"
                for flag in (*param.opts, *param.secondary_opts)}
@@ -825,10 +825,19 @@ def _repeated_option(argv: list[str]) -> str | None:
         if param.multiple or param.count:
             continue
         first = given.setdefault(param.name, (flag, value))
-        if first[1] != value:
+        if first[1] != value and _as_typed(first[1]) != _as_typed(value):  # --memory-gb 80 and 80.0 agree
             names = "/".join(param.opts)
             return f"{names} given twice ({first[1]!r}, then {value!r}): give it once"
     return None
+
+
+def _as_typed(value: str) -> object:
+    """``value`` as a number where it reads as one (80 and 80.0 are one --memory-gb), else as
+    typed. (Typer's options carry their types in ways that change between its versions.)"""
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 def main() -> None:

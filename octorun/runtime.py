@@ -260,10 +260,18 @@ def prepare(config: RunConfig) -> Prepared:
         from octorun.data import TokenData  # numpy's memmap: only for runs that read a token file
 
         data = TokenData.open(config.data_path, model, seed=config.seed, dtype=config.data_dtype)
-    if config.init_from is not None:
+    if config.init_from is not None and config.save_dir is not None:
         # before --resume auto looks in --save: there it would find the --init-from checkpoints
-        # themselves, resume them as this run's own, and prune them (--keep)
-        _check_init_apart(Path(config.init_from), config.save_dir)
+        # themselves, resume them as this run's own, and prune them (--keep). A path that holds
+        # no checkpoint (gone since a first attempt) is judged as given: a resume never reads it.
+        from octorun import checkpoint
+
+        given = Path(config.init_from)
+        try:
+            taken = checkpoint.resolve(str(given), save_root=None, flag="--init-from") if given.exists() else given
+        except InputError:
+            taken = given
+        _check_init_apart(given, taken, config.save_dir)
     resume_from = None
     if config.resume is not None:
         from octorun import checkpoint  # torch.distributed.checkpoint: only for runs that use it
@@ -318,13 +326,12 @@ def _check_checkpoint_flags(config: RunConfig) -> None:
         raise InputError(config.save_dir, "--save", "is a file, not a folder", "give a folder for the checkpoints")
 
 
-def _check_init_apart(init_from: Path, save_dir: str | None) -> None:
-    """--save must not be the folder that holds the --init-from checkpoint (or is it): the run's
-    own saves would prune it (--keep), and --resume auto would take it for one of the run's own."""
-    if save_dir is None:
-        return
-    root, given = Path(save_dir).resolve(), init_from.resolve()
-    if given == root or given.parent == root:
+def _check_init_apart(init_from: Path, checkpoint: Path, save_dir: str) -> None:
+    """--save must not be the --init-from folder, nor the folder that holds the checkpoint it
+    names (``checkpoint``, its newest where it names a folder of them): the run's own saves
+    would prune it (--keep), and --resume auto would take it for one of the run's own."""
+    root = Path(save_dir).resolve()
+    if root in (init_from.resolve(), checkpoint.resolve(), checkpoint.resolve().parent):
         raise InputError(save_dir, "--save", f"holds the --init-from checkpoint {init_from}: the run's saves would "
                          "prune it, and --resume auto would resume from it", "give --save a folder of this run's own")
 
@@ -1466,12 +1473,11 @@ def run(config: RunConfig) -> RunResult:
     elif config.init_from is not None and me == 0:
         log.warning("resumed from %s: --init-from %s is for a fresh start and is not read", prepared.resume_from,
                     config.init_from)
-    if me == 0 and prepared.data is not None:
-        global_batch = prepared.plan.parallel.dp * prepared.plan.microbatches * prepared.microbatch_size
-        if prepared.data.num_windows < global_batch:  # each step then reads some windows twice or more
-            log.warning("%s holds %d windows of %d tokens, fewer than one global batch of %d samples: each step reads "
-                        "some of them more than once", prepared.data.path, prepared.data.num_windows,
-                        prepared.data.tokens_per_sample, global_batch)
+    if me == 0 and prepared.data is not None and prepared.data.num_windows < interpreter.global_batch:
+        # each step then reads some windows twice or more
+        log.warning("%s holds %d windows of %d tokens, fewer than one global batch of %d samples: each step reads "
+                    "some of them more than once", prepared.data.path, prepared.data.num_windows,
+                    prepared.data.tokens_per_sample, interpreter.global_batch)
     if me == 0 and prepared.profile_precision not in (None, config.precision):
         # a run of another precision than its profile's: the plan's times and memory are not its own
         log.warning("the plan's profile was measured at --precision %s, this run is %s: the plan's predicted times and "

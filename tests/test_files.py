@@ -369,9 +369,13 @@ def test_an_option_given_twice_with_two_values_is_refused(profile_file, tmp_path
 def test_an_option_given_twice_with_one_value_is_taken(profile_file, tmp_path):
     path = profile_file(make_profile([(1, 1, 1)] * 4))
     out = tmp_path / "plan.yaml"
-    run = _octoplan("baseline", path, "--gpus", 2, "--gpus=2", "--schedule", "1f1b", "-o", out, "--output", out)
+    run = _octoplan("baseline", path, "--gpus", 2, "--gpus=2", "--schedule", "1f1b", "-o", out, "--output", out,
+                    "--memory-gb", "80", "--memory-gb", "80.0")  # one value, as the option reads it
     assert run.returncode == 0, run.stderr
-    assert load_plan(out).cluster.gpus == 2
+    assert load_plan(out).cluster.gpus == 2 and load_plan(out).cluster.memory_gb == 80
+    # help asked for is help, whatever else the line holds
+    helped = _octoplan("baseline", path, "-o", "a.yaml", "-o", "b.yaml", "--help")
+    assert helped.returncode == 0 and "Usage" in helped.stdout, helped.stderr
 
 
 def test_octorun_refuses_an_option_given_twice_with_two_values(capsys):

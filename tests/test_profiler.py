@@ -924,6 +924,12 @@ def test_a_sample_batch_that_ignores_its_microbatch_size_is_bad_input(tmp_path):
                                      "torch.randn(4, 4, generator=generator)")
     assert inputs_only != TWO_LINEAR
     assert fast_profile(write_model(tmp_path, inputs_only, "inputs_only.py")).num_layers == 2
+    # a model of pairs that refuses an odd size cannot be checked, and is profiled
+    pairs = TWO_LINEAR.replace("def sample_batch(microbatch_size, generator, hidden, middle):\n",
+                               "def sample_batch(microbatch_size, generator, hidden, middle):\n"
+                               "    assert microbatch_size % 2 == 0, 'pairs'\n")
+    assert pairs != TWO_LINEAR
+    assert fast_profile(write_model(tmp_path, pairs, "pairs.py")).num_layers == 2
 
 
 SLEEPY = TWO_LINEAR.replace("import torch\n", "import time\nimport torch\n", 1).replace(

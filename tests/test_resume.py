@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -249,6 +250,20 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     assert good.is_dir() and (good / "octopipe.json").exists()  # the checkpoint given is as it was
     if case.startswith("init-") and not case.startswith("init-save-beside"):
         assert "(give --init-from " in lines[0], lines[0]  # the fix names the flag given
+
+
+def test_init_from_a_folder_of_checkpoints_beside_the_saves_is_taken(one_rank, tmp_path):
+    """--init-from runs/pretrain (its checkpoints inside) with --save runs: the saves prune and
+    resume only runs/step_*, so the pretrained ones are safe, and the run starts."""
+    folder, good = one_rank
+    pretrain = tmp_path / "runs" / "pretrain"
+    shutil.copytree(good, pretrain / good.name)
+    done = _octorun(str(folder / "d6.yaml"), "--steps", "1", "--init-from", str(pretrain), "--save",
+                    str(tmp_path / "runs"), "--resume", "auto", cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    assert f"took the weights of {pretrain / good.name}" in done.stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["pretrain", "step_00000001"]
+    assert (pretrain / good.name / "octopipe.json").exists()
 
 
 def test_changed_settings_name_each_change_that_the_checkpoint_recorded():

@@ -437,3 +437,28 @@ def test_the_table_shows_the_default_chunk_count_and_the_fastest_other():
     assert [r["plan"] for r in shown_rows(rows)] == [
         "tuned", "interleaved-1f1b/uniform", "interleaved-1f1b(v=4)/uniform", "interleaved-1f1b(v=3)/balanced",
         "interleaved-1f1b(v=4)/balanced+recompute (first 1 layers)", "zbv/uniform"]
+
+
+def test_nothing_allowed_fits_names_the_options_that_confine_the_search():
+    """Plans that fit were priced, but --runs-on or --chunks-max let the search keep none: the
+    line names those options, and the budget only where it ran out."""
+    from types import SimpleNamespace
+
+    from octoplan.tuner.search import _best_that_fits
+
+    def search(runs_on, stage_cap, out):
+        return SimpleNamespace(best=None, best_scored=None, stage_cap=stage_cap,
+                               opts=SimpleNamespace(max_plans=None, runs_on=runs_on, recompute=True),
+                               ev=SimpleNamespace(least_memory=lambda: 52e9, cluster=SimpleNamespace(memory_gb=80)),
+                               clock=SimpleNamespace(out=lambda: out))
+
+    with pytest.raises(InputError) as info:
+        _best_that_fits(search("megatron", None, True), "p.yaml")
+    assert (info.value.field, info.value.problem, info.value.fix) == (
+        "--time-limit", "no plan that --runs-on megatron allows was found that fits 80 GB per GPU; plans it does not "
+        "allow fit in 52 GB", "give a longer --time-limit, or tune without --runs-on megatron")
+    with pytest.raises(InputError) as info:
+        _best_that_fits(search("any", 1, False), "p.yaml")
+    assert (info.value.field, info.value.problem, info.value.fix) == (
+        "--memory-gb", "no plan that --chunks-max 1 allows fits 80 GB per GPU; plans it does not allow fit in 52 GB",
+        "use more GPUs or a larger --memory-gb, or tune without --chunks-max 1")

@@ -145,6 +145,17 @@ def replay_time_scale(path: Path) -> float | None:
                          "pass the trace octorun --trace wrote") from None
 
 
+def check_replay_at_scale_1(path: Path, what: str) -> None:
+    """:class:`InputError` for the trace of a ``--replay`` at another scale than 1: each of its
+    ops slept that many times its profile's time, so no op's time is the plan's. ``what``: the
+    verb of the fix (``compare``, ``calibrate from``)."""
+    scale = replay_time_scale(path)
+    if scale is not None and scale != 1.0:
+        raise InputError(str(path), "otherData.replay_time_scale",
+                         f"is {scale:g}: its ops slept {scale:g} x the profile's times",
+                         f"{what} a trace of octorun --replay at its default scale of 1, or of a run of real work")
+
+
 def _read_document(path: Path) -> Any:
     file = str(path)
     if not path.exists():
@@ -318,11 +329,7 @@ def compare_measured(plan: Plan, result: SimResult, trace_path: str | Path) -> l
     scale other than 1 is refused (:class:`InputError`).
     """
     path = Path(trace_path)
-    scale = replay_time_scale(path)
-    if scale is not None and scale != 1.0:  # each op slept scale x its profile time: none is the plan's
-        raise InputError(str(path), "otherData.replay_time_scale",
-                         f"is {scale:g}: its ops slept {scale:g} x the profile's times, which the plan predicts at 1 x",
-                         "compare a trace of octorun --replay at its default scale of 1, or of a run of real work")
+    check_replay_at_scale_1(path, "compare")
     predicted = {span.op: span.end_ms - span.start_ms for span in result.spans()}
     per_kind: dict[Kind, tuple[list[float], list[float]]] = {kind: ([], []) for kind in KIND_ORDER}
     step_bounds: dict[int, list[float]] = {}
@@ -361,6 +368,7 @@ def render_comparison(rows: list[dict[str, Any]], *, title: str | None = None) -
             f"{row['abs_error_ms']:.3f}",  # ms to the microsecond: float noise (1e-17) is no error
             "–" if row["rel_error"] is None else f"{row['rel_error']:.1%}",
             "–" if row["bias"] is None else f"{row['bias']:+.1%}",
-            end_section=index == len(rows) - 2,  # a rule above the iteration row
+            # a rule above the iteration row, where there is one (not for a trace missing ops)
+            end_section=index + 1 < len(rows) and rows[index + 1]["kind"] == "iteration",
         )
     return table

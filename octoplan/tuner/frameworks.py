@@ -80,9 +80,10 @@ class Frameworks:
         return tuple(out)
 
     def allows(self, cand: Candidate, runs_on: str) -> bool:
-        """Whether the search confined by ``runs_on`` may keep ``cand``. For ``megatron`` a cheap
-        test: the order is one of the search's Megatron-ordered seeds' (boundary shifts keep it,
-        every reordering renames it), the layout as :meth:`megatron_layout_ok`."""
+        """Whether the search confined by ``runs_on`` may keep ``cand``. For ``megatron``: a
+        plan of the search's Megatron-ordered seeds (boundary shifts keep their order, every
+        reordering renames it) whose layout is :meth:`megatron_layout_ok`, or any other whose
+        order is Megatron's own (:meth:`megatron_runs`, which builds that order to compare)."""
         if runs_on == "any":
             return True
         if runs_on == "megatron":

@@ -444,16 +444,21 @@ def _best_that_fits(search: Search, profile_path: str | Path | None, *, unpriced
         least = search.ev.least_memory()
         flag, budget = (("--max-plans", "a larger --max-plans") if search.opts.max_plans is not None
                         else ("--time-limit", "a longer --time-limit"))
-        if least is not None and least <= search.ev.cluster.memory_gb * 1e9:
-            # plans that fit were priced, but none the search may keep (--runs-on): its budget
-            # ran out first, which more memory would not change
+        limits = ([f"--runs-on {search.opts.runs_on}"] if search.opts.runs_on != "any" else []) + \
+            ([f"--chunks-max {search.stage_cap}"] if search.stage_cap is not None else [])
+        if least is not None and least <= search.ev.cluster.memory_gb * 1e9 and limits:
+            # plans that fit were priced, but none that the options allow the search to keep
+            allowing = " and ".join(limits)
+            spent = search.clock.out() or unpriced > 0
             raise InputError(
-                str(profile_path) if profile_path else None, flag,
-                f"ran out before the search found a plan that --runs-on {search.opts.runs_on} allows and that fits "
-                f"{search.ev.cluster.memory_gb:g} GB per GPU (plans it does not allow fit in {least / 1e9:.3g} GB)",
-                f"give {budget}, or tune with --runs-on any")
+                str(profile_path) if profile_path else None, flag if spent else "--memory-gb",
+                f"no plan that {allowing} allows{' was found that' if spent else ''} fits "
+                f"{search.ev.cluster.memory_gb:g} GB per GPU; plans it does not allow fit in {least / 1e9:.3g} GB",
+                (f"give {budget}, or tune without {allowing}" if spent
+                 else f"use more GPUs or a larger --memory-gb, or tune without {allowing}"))
         needed = f"{least / 1e9:.3g} GB" if least is not None else "more memory"
-        cut_short = (f"; {unpriced} baselines were left unpriced by the budget, and one of them may fit: "
+        cut_short = (f"; {unpriced} baseline{'s were' if unpriced > 1 else ' was'} left unpriced by the budget, and one "
+                     f"of them may fit: "
                      f"give {budget}" if unpriced else "")
         raise InputError(
             str(profile_path) if profile_path else None, "--memory-gb",
