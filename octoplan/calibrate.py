@@ -138,6 +138,10 @@ def _check_matches(plan: Plan, events: list, file: str) -> None:
             if after.start_ms < before.start_ms + before.dur_ms - 1e-3:
                 raise InputError(file, "traceEvents", f"op {after.op} starts before op {before.op} ends on {thread}, "
                                  "but one rank runs one op at a time", "give the trace of a real run (octorun --trace)")
+    replicas = {e.process for e in events}
+    if len(replicas) > plan.parallel.dp:  # (fewer may be a simulated trace, whose ops share one process)
+        raise InputError(file, "traceEvents", f"holds the ops of {len(replicas)} data-parallel replicas (processes), "
+                         f"but the plan has dp {plan.parallel.dp}", "calibrate with the plan the trace was measured with")
     if len({e.lane for e in events}) < 2:
         raise InputError(file, "traceEvents", "holds the ops of one pipeline rank only",
                          "calibrate from a trace of every rank (octorun --trace writes them all)")

@@ -23,9 +23,11 @@ class _StoreOnce(argparse._StoreAction):
     a usage error: argparse would keep the last without a word (``--lr 0.1 ... --lr 0.01``)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        first = parser.given.setdefault(self.dest, (option_string, values))
-        if first[1] != values:
-            parser.error(f"{'/'.join(self.option_strings)} given twice ({first[1]!r}, then {values!r}): give it once")
+        if self.dest in parser.given:
+            first = parser.given[self.dest]
+            if first != values and not (first != first and values != values):  # (nan, once or twice, is one value)
+                parser.error(f"{'/'.join(self.option_strings)} given twice ({first!r}, then {values!r}): give it once")
+        parser.given[self.dest] = values
         super().__call__(parser, namespace, values, option_string)
 
 
@@ -34,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.register("action", None, _StoreOnce)  # every option that stores a value
         self.register("action", "store", _StoreOnce)
-        self.given: dict[str, tuple] = {}  # an option's dest -> (how it was first written, its value)
+        self.given: dict[str, object] = {}  # an option's dest -> the value it was first given
 
     def parse_known_args(self, args=None, namespace=None):
         self.given = {}

@@ -380,13 +380,20 @@ def _replay_model(plan: Plan, config: RunConfig) -> ModelFile:
         problem = f"profile {plan.profile!r} not found" if plan.profile else "is missing"
         raise InputError(config.plan_path, "profile", problem, "--replay needs the plan's profile")
     profile = load_plan_profile(plan, config.plan_path)  # the hash and layer count must still match
-    # a replayed op sleeps its profiled time x scale; one longer than --timeout would trip the
-    # watchdog of every process waiting on it, blaming a wait instead of the scale
+    # A replayed op sleeps its profiled time x scale, and a rank waits for its input as long as
+    # the ops before it on other ranks sleep: a wait the plan predicts longer than --timeout (at
+    # that scale) would trip the watchdog of the waiting process, blaming a wait, not the scale.
+    from octoplan.simulator import simulate
+
     costs = plan_stage_costs(plan, LayerTable(profile))
-    longest_s = max(op_ms(costs[op.stage], op.kind) for ops in plan.schedule for op in ops) * config.replay_time_scale / 1000
-    if longest_s >= config.timeout_s:
-        raise InputError(None, "--replay", f"{config.replay_time_scale:g} makes the longest op sleep {longest_s:.3g} s, "
-                         f"not under --timeout {config.timeout_s:g} s", "use a smaller scale or a longer --timeout")
+    longest_op_ms = max(op_ms(costs[op.stage], op.kind) for ops in plan.schedule for op in ops)
+    longest_wait_ms = max((b.end_ms - b.start_ms for b in simulate(plan, profile).bubbles if b.reason != "drain"), default=0.0)
+    scale = config.replay_time_scale / 1000
+    for what, ms in (("makes the longest op sleep", longest_op_ms), ("makes the plan's longest wait for an input",
+                                                                     longest_wait_ms)):
+        if ms * scale >= config.timeout_s:
+            raise InputError(None, "--replay", f"{config.replay_time_scale:g} {what} {ms * scale:.3g} s, not under "
+                             f"--timeout {config.timeout_s:g} s", "use a smaller scale or a longer --timeout")
     return load_model_file(replay.__file__, {"profile": str(profile_path), "time_scale": config.replay_time_scale}, seed=config.seed)
 
 
@@ -1271,7 +1278,8 @@ class _Interpreter:
             for record in records:
                 peaks[record["pp_rank"]] = max(peaks[record["pp_rank"]], record[name])
             measured[name] = tuple(peaks)
-            given = (self.plan.predicted or {}).get(name)
+            # under --replay the tensors are the profile's bytes scaled down (bytes_scale): not the plan's
+            given = None if self.config.replay_time_scale is not None else (self.plan.predicted or {}).get(name)
             valid = isinstance(given, list) and len(given) == self.plan.pp and all(isinstance(b, int) for b in given)
             predicted_peaks[name] = tuple(given) if valid else None
         return replace(metrics, **measured, **{f"predicted_{name}": value for name, value in predicted_peaks.items()})
@@ -1478,6 +1486,8 @@ def run(config: RunConfig) -> RunResult:
         log.warning("%s holds %d windows of %d tokens, fewer than one global batch of %d samples: each step reads "
                     "some of them more than once", prepared.data.path, prepared.data.num_windows,
                     prepared.data.tokens_per_sample, interpreter.global_batch)
+    if me == 0 and config.replay_time_scale is not None and config.precision != "fp32":
+        log.warning("--precision %s changes nothing under --replay: its layers sleep the profile's times", config.precision)
     if me == 0 and prepared.profile_precision not in (None, config.precision):
         # a run of another precision than its profile's: the plan's times and memory are not its own
         log.warning("the plan's profile was measured at --precision %s, this run is %s: the plan's predicted times and "

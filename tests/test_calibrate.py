@@ -155,6 +155,7 @@ def test_runtime_time_after_the_ops_is_not_counted_twice(tmp_path):
 
 def test_data_parallel_replicas_pair_within_their_pipeline(tmp_path):
     plan, path = _simulated_trace(tmp_path, "1f1b", 500.0, 100.0)
+    plan = replace(plan, cluster=replace(plan.cluster, gpus=8), parallel=replace(plan.parallel, dp=2))  # its 2 replicas
     doc = json.loads(path.read_text())
     ops = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("F", "B")]
     for event in ops:  # replica 1 runs 3 ms later than replica 0: pairing across them would show it
@@ -210,3 +211,15 @@ def test_a_single_rank_plan_is_bad_input(tmp_path):
     with pytest.raises(InputError, match="nothing is sent between ranks") as caught:
         calibrate(plan, PROFILE, path, plan_path=tmp_path / "one.yaml")
     assert (caught.value.file, caught.value.field) == (str(tmp_path / "one.yaml"), "parallel.pp")  # the plan's, not the trace's
+
+
+def test_the_trace_of_more_replicas_than_the_plan_has_is_refused(tmp_path):
+    """A pp 4 x dp 2 run's trace read against a pp 4 plan: the same ops on the same pipeline
+    ranks, twice. Its waits and the "plan has" column would be the other plan's."""
+    plan, path = _simulated_trace(tmp_path, "1f1b", 300.0, 150.0)
+    doc = json.loads(path.read_text())
+    ops = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("cat") in "FIWB"]
+    doc["traceEvents"] += [{**e, "pid": 7} for e in ops]  # a second replica, as octorun writes one
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="holds the ops of 2 data-parallel replicas \\(processes\\), but the plan has dp 1"):
+        calibrate(plan, PROFILE, path)

@@ -393,6 +393,9 @@ def test_octorun_refuses_an_option_given_twice_with_two_values(capsys):
     # the same value twice is no conflict, and each parse starts afresh
     assert parser.parse_args(["p.yaml", "--lr", "0.1", "--lr", "0.10"]).lr == 0.1
     assert parser.parse_args(["p.yaml", "--lr", "0.5"]).lr == 0.5
+    # nan is not equal to itself, yet one value given once (its own check names it, later)
+    assert parser.parse_args(["p.yaml", "--replay=nan"]).replay != parser.parse_args(["p.yaml"]).replay
+    assert capsys.readouterr().err == ""
 
 
 def test_a_model_call_that_fails_names_the_config_it_was_given(tmp_path):

@@ -185,3 +185,15 @@ def test_a_replay_scale_whose_ops_outlast_the_timeout_is_refused(tmp_path, profi
     with pytest.raises(InputError, match="makes the longest op sleep 5 s, not under --timeout 5 s"):
         prepare(RunConfig(plan_path=str(path), replay_time_scale=1250.0, timeout_s=5.0))
     assert prepare(RunConfig(plan_path=str(path), replay_time_scale=1200.0, timeout_s=5.0)).plan.pp == 2
+
+
+def test_a_replay_scale_whose_waits_outlast_the_timeout_is_refused(tmp_path, profile_file):
+    """Four stages of one layer (F 1 ms, B 2 ms), 1F1B of 2 microbatches: rank 0 runs 0F0 0F1 by
+    2 ms, then waits for 0B0's gradient, which the three other ranks' forwards and backwards
+    (3 + 6 ms, less its own 1 ms F) and six 10-us hops bring at 10.06 ms: an 8.06 ms wait. At
+    scale 700 each op sleeps at most 1.4 s, yet the wait lasts 5.64 s: the watchdog, not the
+    scale, would have ended the run (at scale 6 on llama3-8b, a review saw exactly that)."""
+    path, _ = _saved_plan(tmp_path, profile_file, layers=4, schedule="1f1b", gpus=4, microbatches=2)
+    with pytest.raises(InputError, match="makes the plan's longest wait for an input 5.64 s, not under --timeout 5 s"):
+        prepare(RunConfig(plan_path=str(path), replay_time_scale=700.0, timeout_s=5.0))
+    assert prepare(RunConfig(plan_path=str(path), replay_time_scale=600.0, timeout_s=5.0)).plan.pp == 4  # 4.84 s
