@@ -935,7 +935,7 @@ def test_a_sample_batch_that_ignores_its_microbatch_size_is_bad_input(tmp_path):
 SLEEPY = TWO_LINEAR.replace("import torch\n", "import time\nimport torch\n", 1).replace(
     "def num_layers(hidden, middle):", """class Sleepy(nn.Linear):
     def forward(self, x):
-        time.sleep(0.004)  # waits, as the replay model's layers do
+        time.sleep(0.02)  # waits, as the replay model's layers do; long beside any CPU work, on any machine
         return super().forward(x)
 
 def num_layers(hidden, middle):""").replace("return nn.Linear(hidden, 4)", "return Sleepy(hidden, 4)")
@@ -947,7 +947,7 @@ def test_a_model_whose_layers_wait_is_timed_by_the_wall_clock(tmp_path, caplog):
     plain = write_model(tmp_path, SLEEPY, "sleepy.py")
     with caplog.at_level("WARNING", logger="octoplan.profiler"):
         counted = fast_profile(plain, clock="cpu", threads=1)
-    assert counted.extra["profiler"]["clock"] == "thread-cpu-time" and counted.layers[1].forward_ms < 4
+    assert counted.extra["profiler"]["clock"] == "thread-cpu-time" and counted.layers[1].forward_ms < 20
     assert [r.message for r in caplog.records if "longer by the wall clock" in r.message], caplog.text
     caplog.clear()
     # the model file says that its layers wait: auto takes the wall clock, and no warning
@@ -955,7 +955,7 @@ def test_a_model_whose_layers_wait_is_timed_by_the_wall_clock(tmp_path, caplog):
                        "said.py")
     with caplog.at_level("WARNING", logger="octoplan.profiler"):
         walled = fast_profile(said, threads=1)
-    assert walled.extra["profiler"]["clock"] == "wall" and walled.layers[1].forward_ms >= 4
+    assert walled.extra["profiler"]["clock"] == "wall" and walled.layers[1].forward_ms >= 20
     assert "longer by the wall clock" not in caplog.text
     with pytest.raises(InputError) as found:
         fast_profile(write_model(tmp_path, SLEEPY.replace('NAME = "two-linear"', 'PROFILE_CLOCK = "cpu"'), "bad.py"))
