@@ -807,7 +807,7 @@ def _repeated_option(argv: list[str]) -> str | None:
         return None
     options = {flag: param for param in command.params if getattr(param, "param_type_name", "") == "option"
                for flag in (*param.opts, *param.secondary_opts)}
-    given: dict[str, tuple[str, str]] = {}  # the option's name -> (its first value, as typed)
+    given: dict[str, str] = {}  # the option's name -> its first value, as typed
     rest = head[head.index(name) + 1:]
     index = 0
     while index < len(rest):
@@ -824,10 +824,9 @@ def _repeated_option(argv: list[str]) -> str | None:
             index += param.nargs
         if param.multiple or param.count:
             continue
-        first = given.setdefault(param.name, (flag, value))
-        if first[1] != value and _as_typed(first[1]) != _as_typed(value):  # --memory-gb 80 and 80.0 agree
-            names = "/".join(param.opts)
-            return f"{names} given twice ({first[1]!r}, then {value!r}): give it once"
+        first = given.setdefault(param.name, value)
+        if first != value and _as_typed(first) != _as_typed(value):  # --memory-gb 80 and 80.0 agree
+            return f"{'/'.join(param.opts)} given twice ({first!r}, then {value!r}): give it once"
     return None
 
 

@@ -85,7 +85,6 @@ class TokenData:
         # the run reads it (prepared again in place, nanoGPT-style) then gives a short read that
         # names the file, where a mapped page past the new end killed the process (SIGBUS).
         self._fd = os.open(path, os.O_RDONLY)
-        self._itemsize = tokens.dtype.itemsize
         self.stale_index_fix = ""  # where a Megatron index chose the dtype: what to do if it is another file's
 
     def __del__(self) -> None:
@@ -159,9 +158,10 @@ class TokenData:
             chosen[inside] = self._order(epoch)[positions[inside]]
         starts = chosen.numpy() * (self.tokens_per_sample - 1)
         rows = np.empty((count, self.tokens_per_sample), dtype=np.int64)
-        length = self.tokens_per_sample * self._itemsize
+        itemsize = self._tokens.dtype.itemsize
+        length = self.tokens_per_sample * itemsize
         for row, start in enumerate(starts.tolist()):
-            raw = os.pread(self._fd, length, start * self._itemsize)
+            raw = os.pread(self._fd, length, start * itemsize)
             if len(raw) != length:
                 raise InputError(self.path, "size", f"is {os.fstat(self._fd).st_size} bytes, cut short since the "
                                  f"run opened it with {self.num_tokens} tokens", "keep a token file as it is while a run reads it")

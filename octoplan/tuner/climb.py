@@ -155,11 +155,12 @@ class Search:
         """``cand`` priced, and kept as the best (overall and of its configuration) if it is."""
         scored = self.ev.score(cand)
         # every candidate is priced (a baseline row is, whatever runs it), only allowed ones win
-        if not self.quiet and self.allowed(cand):
+        allowed = self.allowed(cand)
+        if not self.quiet and allowed:
             held = self.config_best.get(cand.config)
             if held is None or scored.score < held[1].score:
                 self.config_best[cand.config] = (cand, scored)
-        if (self.best_scored is None or scored.score < self.best_scored.score) and self.allowed(cand):
+        if (self.best_scored is None or scored.score < self.best_scored.score) and allowed:
             self.best, self.best_scored = cand, scored
             (log.debug if self.quiet else log.info)("best %.4f ms (fits=%s, bubble %.3f) from %s [%s]",
                                                     scored.iteration_ms, scored.fits, scored.bubble_ratio,

@@ -66,9 +66,12 @@ class Frameworks:
 
     def megatron_runs(self, cand: Candidate) -> bool:
         """Megatron-LM runs ``cand`` as planned: its layout, and Megatron's order exactly."""
-        if cand.fixed is None or not self.megatron_layout_ok(cand):
+        # the order first: a tuple compare that fails at once for most plans, where the layout
+        # check builds the stages (the search asks this of every plan under --runs-on megatron)
+        if cand.fixed is None or cand.num_stages % cand.config.pp:
             return False
-        return cand.fixed == self.order(cand.config.pp, cand.config.microbatches, cand.num_stages // cand.config.pp)
+        order = self.order(cand.config.pp, cand.config.microbatches, cand.num_stages // cand.config.pp)
+        return cand.fixed == order and self.megatron_layout_ok(cand)
 
     def runs_on(self, cand: Candidate) -> tuple[str, ...]:
         """The frameworks that run ``cand`` as planned, in :data:`FRAMEWORKS` order."""
