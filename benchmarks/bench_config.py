@@ -108,7 +108,7 @@ def megatron_grid(profile, cluster: Cluster, pipeline_gpus: int, global_batch: i
     """Megatron-LM's fastest fitting configuration at this microbatch size: (ms, label, priced)."""
     opts = TuneOptions(gpus=pipeline_gpus, global_batch=global_batch)
     try:
-        configs = configs_for(profile, opts)
+        configs = configs_for(profile, opts, cluster)
     except Exception:  # the batch does not split at this size
         return math.inf, "", 0
     search = Search(Evaluator(profile, cluster), opts, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 from octoplan.errors import InputError
@@ -83,17 +84,19 @@ def _check_can_make(folder: Path) -> None:
         raise PermissionError(13, "Permission denied", str(existing))
 
 
-def check_distinct(outputs: dict[str, str | Path | None]) -> None:
+def check_distinct(outputs: dict[str, str | Path | None], *, folders: Collection[str] = ()) -> None:
     """Two outputs of one command (``{flag: path}``) must not name one file: the second
-    written would silently replace the first."""
+    written would silently replace the first. ``folders``: the flags whose output is a folder
+    (``--save``), so the line says "path" where one of them is involved."""
     seen: dict[Path, str] = {}
     for flag, path in outputs.items():
         if path is None:
             continue
         key = Path(os.path.realpath(path))  # a/../m and a link to a folder name one file too
         if key in seen:
-            raise InputError(str(path), None, f"{flag} names the file {seen[key]} names too, so one output would be lost",
-                             "give each output its own file")
+            noun = "path" if flag in folders or seen[key] in folders else "file"
+            raise InputError(str(path), None, f"{flag} names the {noun} {seen[key]} names too, so one output would be lost",
+                             f"give each output its own {noun}")
         seen[key] = flag
 
 

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from octoplan.errors import InputError
+from octoplan.outputs import missing_folders, remove_empty
 
 __all__ = [
     "FORMAT", "VERSION", "META_FILE", "save", "latest", "resolve", "read_meta", "load", "agree",
@@ -257,6 +258,11 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise InputError(str(meta_path), "step", f"is {step!r}, not a step number", "resume from another checkpoint")
     if not isinstance(meta, dict):
         raise InputError(str(meta_path), "meta", f"is {type(meta).__name__}, not a mapping", "resume from another checkpoint")
+    crcs = record.get("crc32", {})  # absent from checkpoints written before the CRC-32s were
+    if not isinstance(crcs, dict) or not all(isinstance(value, str) for value in crcs.values()):
+        # a damaged record would otherwise leave the files' bytes unchecked
+        raise InputError(str(meta_path), "crc32", f"is {crcs!r:.60}, not a mapping of file names to CRC-32s",
+                         "resume from another checkpoint: this one's record is damaged")
     return {**meta, "step": step}
 
 
@@ -676,12 +682,12 @@ def check_one_root(root: str | os.PathLike, *, group: Any) -> None:
     ranks that do not see the marker, else those that cannot write."""
     root = Path(root)
     marker: list[str] = []
-    created: list[Path] = []  # the folder made for the marker (its parents are left: another job may use them)
+    created: list[Path] = []  # the folders made for the marker, outermost first
 
     def leave_marker() -> None:
         name = f".octorun-marker-{secrets.token_hex(8)}"
         try:
-            created.extend([root] if not root.exists() else [])
+            created.extend(missing_folders(root / name))
             root.mkdir(parents=True, exist_ok=True)
             (root / name).write_text("every rank of the job looks for this file in its --save folder\n")
         except OSError as exc:
@@ -696,9 +702,9 @@ def check_one_root(root: str | os.PathLike, *, group: Any) -> None:
     if marker:
         with suppress(OSError):  # a marker left behind is harmless: it is hidden and tiny
             (root / name).unlink()
-        for folder in created:  # a run stopped by bad input leaves nothing; the first save makes it again
-            with suppress(OSError):
-                folder.rmdir()
+        # a run stopped by bad input leaves no folder; the first save makes them again (a
+        # folder another job has put something in since is not empty, so it stays)
+        remove_empty(created)
     blind = [(rank, where) for rank, seen, where, _ in found if not seen]
     if blind:
         raise InputError(None, "--save", f"is another folder on {_listed(blind)} than on rank {found[0][0]} "

@@ -239,7 +239,7 @@ def prepare(config: RunConfig) -> Prepared:
     # is an output too
     partial = partial_path(config.metrics_path) if config.metrics_path else None
     check_distinct({"--metrics": config.metrics_path, "--metrics (while it is written)": partial,
-                    "--trace": config.trace_path, "--save": config.save_dir})  # (--save: a folder of checkpoints)
+                    "--trace": config.trace_path, "--save": config.save_dir}, folders=("--save",))
     # the files the job reads, which no output may overwrite: the model's files and the token
     # file (with its Megatron index) too
     data_files: tuple[str | Path, ...] = ()
@@ -1204,6 +1204,8 @@ class _Interpreter:
             "weight_decay": optim.weight_decay,
             "betas": list(optim.betas),
             "grad_clip": optim.grad_clip,
+            # a replayed run's ops sleep the profile's times x this (null: a run of real compute)
+            "replay_time_scale": self.config.replay_time_scale,
         }
 
     def save(self, step: int) -> None:
@@ -1465,7 +1467,11 @@ def run(config: RunConfig) -> RunResult:
         except Exception as exc:
             watchdog.fail(f"loading the checkpoint {prepared.resume_from} failed: {gist(exc)}")
         if me == 0 and interpreter.first_step >= config.steps:
-            log.warning("the checkpoint is at step %d, not below --steps %d: nothing to train", interpreter.first_step, config.steps)
+            # a restart script rerun after the job ended: not an error, but nothing is measured,
+            # so a --trace asked for is not written (an old one stays as it was)
+            untraced = f"; --trace {config.trace_path} is not written" if config.trace_path else ""
+            log.warning("the checkpoint is at step %d, not below --steps %d: nothing to train%s", interpreter.first_step,
+                        config.steps, untraced)
     if prepared.init_from is not None:  # set only where nothing was resumed (prepare)
         try:
             checkpoint.agree(int(checkpoint.read_meta(prepared.init_from)["step"]), group=groups.control,

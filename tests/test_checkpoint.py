@@ -344,8 +344,9 @@ def test_saved_by_tells_two_saves_of_one_step_apart_and_copies_alike(tmp_path):
 def test_ranks_must_save_into_one_folder_whatever_each_calls_it(tmp_path):
     """Three ranks, each with its own --save path: the same folder (rank 1 through a link) is
     fine; rank 2's other folder (a node's local disk) is bad input on every rank alike, naming
-    it; nothing is left behind (no marker, nor the folder made for it: the first save makes it)."""
-    shared, local = tmp_path / "shared", tmp_path / "local"
+    it; nothing is left behind (no marker, nor the folders made for it, parents included: the
+    first save makes them)."""
+    shared, local = tmp_path / "runs" / "today" / "shared", tmp_path / "local"
     (tmp_path / "link").symlink_to(shared, target_is_directory=True)
 
     check = _each_rank_finds(lambda root: checkpoint.check_one_root(root, group=None),
@@ -355,7 +356,7 @@ def test_ranks_must_save_into_one_folder_whatever_each_calls_it(tmp_path):
     assert results[0] == results[1] == results[2]
     assert results[0] == [None, ("--save", f"is another folder on rank 2 ({local}) than on rank 0 ({shared}): "
                                            "their shares of every checkpoint would be missing from it")]
-    assert not shared.exists() and not local.exists()
+    assert not (tmp_path / "runs").exists() and not local.exists()
 
 
 def test_a_rank_that_cannot_write_the_save_folder_stops_every_rank(tmp_path):
@@ -556,6 +557,18 @@ def test_damaged_bytes_of_the_right_size_are_bad_input(saved):
     error = _load_error(saved, blank(expected([0])))
     assert (error.file, error.field) == (str(saved), "__0_0.distcp")
     assert error.problem == f"is damaged: its bytes' CRC-32 is {zlib.crc32(content):08x}, the save recorded {recorded['__0_0.distcp']}"
+
+
+@pytest.mark.parametrize("crcs", [["00000000"], "00000000", {"__0_0.distcp": 7}])
+def test_a_damaged_crc_record_is_bad_input_not_a_skipped_check(saved, crcs):
+    """A record whose crc32 is not a mapping of names to CRC-32s would have left the shards'
+    bytes unchecked: it is named before anything loads."""
+    record = json.loads((saved / "octopipe.json").read_text())
+    (saved / "octopipe.json").write_text(json.dumps({**record, "crc32": crcs}))
+    with pytest.raises(InputError) as caught:
+        checkpoint.read_meta(saved)
+    assert (caught.value.file, caught.value.field) == (str(saved / "octopipe.json"), "crc32")
+    assert caught.value.problem.endswith("not a mapping of file names to CRC-32s")
 
 
 def test_damaged_bytes_of_a_checkpoint_without_crcs_fail_the_read_as_bad_input(saved):

@@ -301,3 +301,77 @@ def test_a_fused_backward_sleeps_the_profiles_backward_ms(monkeypatch) -> None:
     assert split_i == [7.0] and split_iw == [5.0, 7.0]  # the W pass's own sleep: 5; its I pass: 7
     assert passes(build(None))[0] == [5.0, 7.0]  # no fused time measured: B = I + W
     assert passes(build(3.0))[0] == pytest.approx([1.25, 1.75])  # a B below W alone is kept too
+
+
+def test_a_backward_pass_counts_its_sleeps_from_the_layers_entry(monkeypatch) -> None:
+    """A pass through a layer starts its clock where the layer's backward begins (the add that
+    joins the branches), so the layer's own CPU work in the pass is taken off its sleeps: on a
+    fake clock that moves 1 s at every reading, each pass's first sleep is counted from the
+    reading taken on entry, and a B's second branch from where the first was due to end."""
+    import octorun.replay as replay
+    from octoplan.splitgrad import backward_input, backward_weight
+
+    class FakeClock:
+        now = 0.0
+        sleeps: list[tuple[float, float | None, float]] = []
+
+        def clock(self) -> float:
+            self.now += 1.0
+            return self.now
+
+        def __call__(self, ms: float, since: float | None = None) -> None:
+            if ms:  # the forward's sleep is 0 here
+                self.sleeps.append((ms, since, self.now))
+
+    fake = FakeClock()
+    monkeypatch.setattr(replay, "_sleep_ms", fake)
+    layer = replay.ReplayLayer(name="l", kind="k", in_elements=3, out_elements=3, forward_ms=0.0, input_ms=7.0,
+                               weight_ms=5.0, fused_ms=9.0)
+    x = torch.randn(2, 3, requires_grad=True)
+    out, grad = layer(x), torch.randn(2, 3)
+
+    def sleeps_of(run) -> list[tuple[float, float | None, float]]:
+        fake.sleeps.clear()
+        result = run()
+        return list(fake.sleeps), result
+
+    fused, _ = sleeps_of(lambda: torch.autograd.grad(out, [x, layer.weight], grad, retain_graph=True))
+    (first_ms, entry, _), (second_ms, chained, _) = fused
+    assert sorted([first_ms, second_ms]) == pytest.approx([9.0 * 5 / 12, 9.0 * 7 / 12])
+    assert entry == fake.now and chained == pytest.approx(entry + first_ms / 1000)  # no reading since entry
+    split_i, (_, pending) = sleeps_of(lambda: backward_input([out], [grad], [x], [layer.weight]))
+    assert [(ms, since) for ms, since, _ in split_i] == [(7.0, fake.now)]  # the entry reading: the last taken
+    split_w, _ = sleeps_of(lambda: backward_weight(pending))
+    assert [(ms, since) for ms, since, _ in split_w] == [(5.0, fake.now)]  # W restarts at the add: a new entry
+    # the layer of a model's data has no input branch: its passes sleep the weight branch alone
+    first = replay.ReplayLayer(name="f", kind="k", in_elements=3, out_elements=3, forward_ms=0.0, input_ms=7.0,
+                               weight_ms=5.0, fused_ms=9.0)
+    data_out = first(torch.randn(2, 3))
+    only_w, _ = sleeps_of(lambda: torch.autograd.grad(data_out, [first.weight], grad))
+    assert [(ms, since) for ms, since, _ in only_w] == [(5.0, fake.now)]
+
+
+def test_a_backward_sleep_absorbs_the_layers_own_work() -> None:
+    """The real clock: a chain of layers whose B is 2 ms each, run back to back, takes no
+    more than its time plus the pass's fixed start: its excess grows by under 0.03 ms a layer
+    (0.08 ms before the sleeps counted from the layer's entry)."""
+    from octorun.replay import ReplayLayer
+
+    def excess_per_layer(count: int) -> float:
+        layers = [ReplayLayer(name=f"l{i}", kind="k", in_elements=64, out_elements=64, forward_ms=0.0, input_ms=1.0,
+                              weight_ms=1.0, fused_ms=2.0) for i in range(count)]
+        lasted = []
+        for _ in range(15):
+            y = x = torch.randn(2, 64, requires_grad=True)
+            for layer in layers:
+                y = layer(y)
+            began = time.perf_counter()
+            y.sum().backward()
+            lasted.append(time.perf_counter() - began - count * 0.002)
+        return statistics.median(lasted)
+
+    # the excess's growth from 2 to 12 layers: the per-layer part, free of the pass's fixed start
+    def misses(per_layer_s: float) -> list[str]:
+        return [] if per_layer_s < 0.03e-3 else [f"{per_layer_s * 1e3:.3f} ms over per layer"]
+
+    assert remeasured(lambda: (excess_per_layer(12) - excess_per_layer(2)) / 10, misses) == []

@@ -159,6 +159,20 @@ def one_rank(tmp_path_factory) -> tuple[Path, Path]:
     return folder, folder / "ck" / "step_00000002"
 
 
+def test_a_resume_with_nothing_left_to_train_ends_well_and_says_what_it_did_not_write(one_rank, tmp_path):
+    """A restart script rerun after its job ended: the checkpoint is at --steps already. The run
+    exits 0 and says so; no step ran, so the metrics hold no line and the trace asked for is not
+    written (the old one stays as it was), which the warning names."""
+    folder, good = one_rank
+    metrics, trace = tmp_path / "m.jsonl", tmp_path / "t.json"
+    trace.write_text("the last run's trace")
+    done = _octorun(str(folder / "d6.yaml"), "--steps", "2", "--resume", str(good), "--metrics", str(metrics),
+                    "--trace", str(trace), cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    assert f"the checkpoint is at step 2, not below --steps 2: nothing to train; --trace {trace} is not written" in done.stderr
+    assert trace.read_text() == "the last run's trace" and metrics.read_text() == ""
+
+
 @pytest.mark.parametrize("output", ["--metrics", "--save"])
 def test_an_output_the_filesystem_stops_taking_is_one_line(one_rank, output, tmp_path):
     """A full disk, here a file size limit of 1 KiB (ulimit -f 1): the metrics file stops taking
@@ -245,7 +259,7 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
                 "init-tied-head": "no layer of this model takes it",
                 "init-save-beside": "--save: holds the --init-from checkpoint",
                 "init-save-beside-resumed": "--save: holds the --init-from checkpoint",
-                "save-is-metrics": "--save names the file --metrics names too"}[case]
+                "save-is-metrics": "--save names the path --metrics names too"}[case]
     assert expected in lines[0], lines[0]
     assert good.is_dir() and (good / "octopipe.json").exists()  # the checkpoint given is as it was
     if case.startswith("init-") and not case.startswith("init-save-beside"):

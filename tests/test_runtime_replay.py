@@ -197,3 +197,24 @@ def test_a_replay_scale_whose_waits_outlast_the_timeout_is_refused(tmp_path, pro
     with pytest.raises(InputError, match="makes the plan's longest wait for an input 5.64 s, not under --timeout 5 s"):
         prepare(RunConfig(plan_path=str(path), replay_time_scale=700.0, timeout_s=5.0))
     assert prepare(RunConfig(plan_path=str(path), replay_time_scale=600.0, timeout_s=5.0)).plan.pp == 4  # 4.84 s
+
+
+def test_a_resume_at_another_replay_scale_is_named(tmp_path, profile_file):
+    """The checkpoint records the --replay scale its run slept at; a resume at another scale
+    goes on with its own and says so, as for any changed setting."""
+    import os
+    import subprocess
+    import sys
+
+    path, _ = _saved_plan(tmp_path, profile_file, layers=2, schedule="1f1b", gpus=1, microbatches=2)
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+    def octorun(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "octorun", str(path), *args], env=clean, capture_output=True,
+                              text=True, timeout=120)
+
+    saved = octorun("--replay", "0", "--steps", "1", "--save", str(tmp_path / "ck"))
+    assert saved.returncode == 0, saved.stderr
+    resumed = octorun("--replay", "0.5", "--steps", "2", "--resume", str(tmp_path / "ck"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "this run's settings differ from the checkpoint's: replay_time_scale 0.0 -> 0.5;" in resumed.stderr

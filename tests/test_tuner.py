@@ -153,6 +153,16 @@ def test_configs_follow_the_global_batch():
     assert [(c.pp, c.dp, c.microbatches, c.rank_order) for c in configs] == [
         (1, 4, 4, "pp-inner"), (1, 4, 4, "dp-inner"), (2, 2, 8, "pp-inner"), (2, 2, 8, "dp-inner"), (4, 1, 16, "pp-inner"),
     ]
+    # given the cluster, a second rank order is searched only where it puts other ranks on
+    # shared nodes: 2 nodes of 2 GPUs, not 1 node of 4 nor 4 nodes of 1
+    def orders(gpus_per_node: int, rank_order: str | None = None) -> list[tuple[int, str]]:
+        cluster = Cluster(gpus=4, gpus_per_node=gpus_per_node)
+        opts = TuneOptions(gpus=4, global_batch=16, rank_order=rank_order)
+        return [(c.pp, c.rank_order) for c in configs_for(profile, opts, cluster)]
+
+    assert orders(2) == [(c.pp, c.rank_order) for c in configs]
+    assert orders(4) == orders(1) == [(1, "pp-inner"), (2, "pp-inner"), (4, "pp-inner")]
+    assert orders(4, "dp-inner") == [(1, "dp-inner"), (2, "dp-inner"), (4, "pp-inner")]  # as asked
     with pytest.raises(InputError):
         configs_for(profile, TuneOptions(gpus=4, pp=3))
     with pytest.raises(InputError):

@@ -72,7 +72,8 @@ def test_every_configuration_of_a_batch_is_priced_and_its_parts_add_up():
     batch = tune_global_batch([(None, two_layers())], cluster(),
                               TuneOptions(gpus=2, global_batch=4, max_plans=200, time_limit_s=60))
     labels = {row.config.label() for row in batch.configs}
-    assert labels == {"pp=1 dp=2 mb=2 pp-inner", "pp=1 dp=2 mb=2 dp-inner", "pp=2 dp=1 mb=4"}
+    # one node: the two rank orders are the same hardware, so pp-inner alone is searched
+    assert labels == {"pp=1 dp=2 mb=2 pp-inner", "pp=2 dp=1 mb=4"}
     assert batch.configs[0].scored == batch.result.scored  # the table's first row is the plan written
     for row in batch.configs:
         assert sum(row.parts[p] for p in TIME_PARTS) == pytest.approx(row.scored.iteration_ms, abs=1e-9)

@@ -5,7 +5,7 @@ A user fixes the GPUs and the global batch; everything else is the tuner's choic
 microbatch size changes every layer's time and memory, so it is priced from a profile measured
 at that size: :func:`tune_global_batch` takes one profile per size (of the same model), tunes
 each with :func:`octoplan.tuner.search.tune` on an equal share of the budget (every pp dividing
-the GPUs, both rank orders, recomputation where memory is short, the data-parallel all-reduce
+the GPUs, both rank orders where they differ, recomputation where memory is short, the data-parallel all-reduce
 overlapped with the last backwards as the simulator prices it), and keeps the fastest plan of
 one global batch. Sizes whose best baseline is more than :data:`MAX_TUNER_GAIN` slower than
 another size's are priced but not tuned. Every configuration the searches priced becomes a :class:`ConfigRow`, whose

@@ -3,7 +3,8 @@
 :func:`tune` runs these steps, each a function below:
 1. Check the options (:func:`check_options`, :func:`_checked`) and enumerate the outer choices (:class:`Config`):
    every pp dividing the GPU count (``pp`` pins it) with the microbatch count a global batch
-   implies, and both global rank orders when dp > 1 (:func:`configs_for`).
+   implies, and both global rank orders when dp > 1 and they differ on the cluster's nodes
+   (:func:`configs_for`).
 2. Seed (:func:`_seeds`): every baseline of FORMATS.md section 6 that applies
    (:mod:`octoplan.tuner.seeds.baselines`: schedule x partition, interleaved 1F1B with every
    chunk count the layers allow up to ``MAX_BASELINE_CHUNKS``, or up to ``chunks_max`` where it
@@ -153,8 +154,12 @@ class TuneResult:
         return min(fitting, key=lambda row: row.scored.judged_ms, default=None)
 
 
-def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
-    """Every (pp, dp, microbatches, rank order) the options allow."""
+def configs_for(profile: Profile, opts: TuneOptions, cluster: Cluster | None = None) -> list[Config]:
+    """Every (pp, dp, microbatches, rank order) the options allow. Given the ``cluster``, a
+    configuration whose two rank orders are the same hardware (every GPU on one node, or each
+    on its own) is searched in one order only, pp-inner, unless ``opts.rank_order`` names one:
+    the costs see only which ranks share a node, so a second order would spend the search's
+    time on the same plans again."""
     gpus = opts.gpus
     if gpus < 1:
         raise InputError(None, "--gpus", f"is {gpus}", "use a positive number")
@@ -190,7 +195,13 @@ def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
             if num_mb > MAX_MICROBATCHES:
                 too_many = max(too_many, num_mb)
                 continue
-        for order in (("pp-inner",) if dp == 1 else (opts.rank_order,) if opts.rank_order else ("pp-inner", "dp-inner")):
+        if opts.rank_order and dp > 1:
+            orders: tuple[str, ...] = (opts.rank_order,)
+        elif dp == 1 or (cluster is not None and _orders_alike(cluster, gpus)):
+            orders = ("pp-inner",)
+        else:
+            orders = ("pp-inner", "dp-inner")
+        for order in orders:
             out.append(Config(pp, dp, num_mb, order))
     if not out and too_many:
         raise InputError(None, "--global-batch", f"{opts.global_batch} samples make {too_many} microbatches per pipeline, "
@@ -204,13 +215,19 @@ def configs_for(profile: Profile, opts: TuneOptions) -> list[Config]:
     return out
 
 
+def _orders_alike(cluster: Cluster, gpus: int) -> bool:
+    """Whether both rank orders put the same ranks on shared nodes: all ``gpus`` on one node,
+    or every GPU a node of its own."""
+    return gpus <= cluster.gpus_per_node or cluster.gpus_per_node == 1
+
+
 def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions, *,
                       evaluator: Evaluator | None = None, until_s: float | None = None) -> list[BaselineRow]:
     """The baselines alone (``octoplan compare`` adds the tuned plan to them). ``evaluator``:
     one to price them with and keep them in (see :func:`tune`). ``until_s``: seconds (of
     ``opts``' clock) after which no more are priced (:func:`collect_baselines`); None: all."""
-    configs = configs_for(profile, opts)
     cluster = _with_gpus(cluster, opts.gpus)
+    configs = configs_for(profile, opts, cluster)
     search = Search(_evaluator_for(profile, cluster, evaluator), opts, None)
     search.ev.judge_per_sample(configs)
     rows = collect_baselines(profile, cluster, configs, opts, search, until_s=until_s).rows
@@ -247,8 +264,8 @@ def tune(
     priced plans of this profile and cluster (its ``gpus`` set to ``opts.gpus``) before, such as
     :func:`compare_baselines`'s, so they cost nothing again; its plans count as the search's."""
     opts = _checked(profile, opts, profile_path)
-    configs = configs_for(profile, opts)
     cluster = _with_gpus(cluster, opts.gpus)
+    configs = configs_for(profile, opts, cluster)
     # the search's own bound on stages per rank: no rank can hold more stages than there are
     # layers, so a larger --chunks-max changes nothing (the baselines read the bound as given)
     search = Search(_evaluator_for(profile, cluster, evaluator),
