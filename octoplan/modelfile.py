@@ -220,6 +220,7 @@ def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, s
         raise InputError(str(path), None, "no such model file", "check the path")
     check_input_file(path, fix="give a model file (.py)")  # importing /dev/zero would never end
     module_name = f"_octopipe_model_{abs(hash(str(path.resolve())))}"
+    _put_on_import_path(path.resolve().parent)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise InputError(str(path), None, "cannot be imported as Python", "give a .py file")
@@ -243,6 +244,17 @@ def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, s
     model = ModelFile(path=str(path), module=module, config={**defaults, **(config or {})}, seed=seed)
     model.name  # checked now, not after a whole profile is measured
     return model
+
+
+def _put_on_import_path(folder: Path) -> None:
+    """The model file's folder goes first on the import path, as ``python model.py`` puts a
+    script's, and stays there: a model file imports the modules beside it by name
+    (``import my_layers``), at its top or inside its functions as they run. As for a script, a
+    module beside it shadows an installed one of the same name, and one name is one module per
+    process (the first model file's ``my_layers`` serves the next that imports that name)."""
+    entry = str(folder)
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
 
 
 def _check_config(path: str, defaults: dict[str, Any], overrides: dict[str, Any], *, keys: bool) -> None:

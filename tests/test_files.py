@@ -406,6 +406,32 @@ def test_a_model_call_that_fails_names_the_config_it_was_given(tmp_path):
     assert "num_layers: call failed with" in run.stderr and "hidden='abc'" in run.stderr
 
 
+def test_a_model_file_imports_the_modules_beside_it_by_name(tmp_path, monkeypatch):
+    """As ``python model.py`` would: a module beside the model file is imported by name at its
+    top and inside a function it runs later, and through the command line too."""
+    from octoplan.modelfile import load_model_file
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder this test puts on it goes again
+    folder = tmp_path / "my model"
+    folder.mkdir()
+    (folder / "octo_test_widths.py").write_text("WIDTH = 3\n")
+    (folder / "octo_test_blocks.py").write_text("import torch\n\ndef block(width):\n    return torch.nn.Linear(width, width)\n")
+    (folder / "model.py").write_text(
+        "import torch\n"
+        "import octo_test_widths\n\n"
+        "def num_layers():\n    return 2\n\n"
+        "def build_layer(index):\n    import octo_test_blocks  # a lazy import, as the run builds its stages\n"
+        "    return octo_test_blocks.block(octo_test_widths.WIDTH)\n\n"
+        "def sample_batch(microbatch_size, generator):\n"
+        "    x = torch.randn(microbatch_size, octo_test_widths.WIDTH, generator=generator)\n    return x, x\n\n"
+        "def loss_fn(outputs, targets):\n    return (outputs - targets).pow(2).mean()\n")
+    model = load_model_file(folder / "model.py")
+    assert model.build_layer(1).in_features == 3
+    run = _octoplan("profile", folder / "model.py", "--repeat", 1, "--device", "cpu", "-o", tmp_path / "p.yaml")
+    assert run.returncode == 0, run.stderr
+    assert load_profile(tmp_path / "p.yaml").num_layers == 2
+
+
 def test_an_output_over_the_input_profile_is_refused(profile_file, tmp_path):
     path = profile_file(make_profile([(1, 1, 1)] * 4))
     before = path.read_bytes()

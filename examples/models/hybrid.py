@@ -61,15 +61,13 @@ block or either half of a split one), "attention", "moe", "head-shard" (a head s
 "head" is reserved for the last layer), "head" (last); ``layer_name(index, **config)`` returns
 "embed", "<kind>.<block index>", "mamba.<block index>.conv" / ".scan", "head" or "head.<shard>".
 
-Shared pieces come from the sibling ``tiny_gpt.py`` (same folder).
+Shared pieces come from ``tiny_gpt.py`` beside it, imported by name: a model file's folder is on
+the import path.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -96,18 +94,7 @@ __all__ = [
 NAME = "hybrid"
 
 
-def _load_sibling(stem: str):
-    """Import ``<stem>.py`` from this file's folder; model files are loaded by path, not as a package."""
-    module_name = f"_octopipe_example_{stem}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, Path(__file__).with_name(f"{stem}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-_gpt = _load_sibling("tiny_gpt")
+import tiny_gpt as _gpt  # noqa: E402  (beside this file: a model file's folder is on the import path)
 
 _BLOCK_KINDS = {"m": "mamba", "a": "attention", "e": "moe"}
 

@@ -32,10 +32,7 @@ Transformer pieces come from the sibling ``tiny_gpt.py`` (same folder).
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -61,18 +58,7 @@ __all__ = [
 NAME = "vlm"
 
 
-def _load_sibling(stem: str):
-    """Import ``<stem>.py`` from this file's folder; model files are loaded by path, not as a package."""
-    module_name = f"_octopipe_example_{stem}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, Path(__file__).with_name(f"{stem}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-_gpt = _load_sibling("tiny_gpt")
+import tiny_gpt as _gpt  # noqa: E402  (beside this file: a model file's folder is on the import path)
 
 BOS = 0
 _TEMPLATE_SEED = 1234  # fixed: the image classes and captions are part of the task, not the stream
