@@ -171,6 +171,20 @@ def test_configs_follow_the_global_batch():
         tune(profile, free_cluster(4), TuneOptions(gpus=4, time_limit_s=0))
 
 
+def test_the_final_plans_work_is_kept_out_of_the_search_by_its_size():
+    """The search leaves the final plan's work (its stats, quick bound and file) 20 us per op of
+    the largest configuration's one-stage-per-rank plan, at most a quarter of the limit, and
+    nothing under --max-plans, whose plans must not depend on the machine."""
+    from octoplan.tuner.search import final_work_s
+    from octoplan.tuner.space import Config
+
+    configs = [Config(4, 1, 4096), Config(2, 2, 2048)]
+    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=5)) == pytest.approx(4 * 4096 * 3 * 2e-5)  # 0.98 s
+    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=2)) == pytest.approx(0.5)  # a quarter of it
+    assert final_work_s([Config(4, 1, 8)], TuneOptions(gpus=4, time_limit_s=60)) == pytest.approx(96 * 2e-5)
+    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=5, max_plans=100)) == 0.0
+
+
 def test_max_plans_writes_the_same_plan_file_byte_for_byte(tmp_path):
     # it differed in the tuner's wall seconds and in a time limit less the wall time spent
     # before the search: a diff or a hash could not show that two runs agree

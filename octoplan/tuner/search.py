@@ -99,6 +99,12 @@ MAX_WORKERS = 1024  # --workers: far above any machine's cores, below where proc
 MAX_SEED = 2**31 - 1  # --seed: CP-SAT's random_seed is a 32-bit signed int
 # The share of the time limit the baselines may take (they are seeds and the table's rows)
 BASELINES_SHARE = 0.5
+# Seconds per op of the final plan's work after the search (its structure check, its stats and
+# quick order bound, the plan file): 0.5 s for a plan of 49,152 ops (4 ranks x 4096
+# microbatches x 3 ops) here, taken twice for a loaded machine
+FINAL_S_PER_OP = 2e-5
+# the most of the time limit the final plan's work is given before the search
+FINAL_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -268,8 +274,11 @@ def tune(
     configs = configs_for(profile, opts, cluster)
     # the search's own bound on stages per rank: no rank can hold more stages than there are
     # layers, so a larger --chunks-max changes nothing (the baselines read the bound as given)
+    # the search ends early enough for the final plan's work to end within the time limit too
+    reserve_s = final_work_s(configs, opts)
     search = Search(_evaluator_for(profile, cluster, evaluator),
-                    replace(opts, chunks_max=min(opts.chunks_max or DEFAULT_CHUNKS, profile.num_layers)),
+                    replace(opts, chunks_max=min(opts.chunks_max or DEFAULT_CHUNKS, profile.num_layers),
+                            time_limit_s=opts.time_limit_s - reserve_s),
                     progress, neighbourhoods=neighbourhoods, stage_cap=opts.chunks_max)
     search.ev.judge_per_sample(configs)
     # the baselines may take up to half the time limit: at thousands of microbatches they alone
@@ -289,7 +298,7 @@ def tune(
     best, best_scored = _best_that_fits(search, profile_path, unpriced=collected.unpriced)
     plan = _final_plan(search.ev, best, profile_path=profile_path)
     stats = _stats(search, best, plan, climbed=climbed, configs=len(configs), seeds=len(seeds), seeded_s=seeded_s,
-                   families=ctx.stats, baselines_unpriced=collected.unpriced)
+                   families=ctx.stats, baselines_unpriced=collected.unpriced, time_limit_s=opts.time_limit_s)
     plan = replace(plan, extra={"tuner": stats if opts.max_plans is None else _without_wall_times(stats)})
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     frameworks = search.frameworks
@@ -487,8 +496,19 @@ def _best_that_fits(search: Search, profile_path: str | Path | None, *, unpriced
     return best, best_scored
 
 
+def final_work_s(configs: Sequence[Config], opts: TuneOptions) -> float:
+    """Seconds kept out of the search for the final plan's work, by the size of the largest
+    configuration's plan of one stage per rank (F, I and W of every microbatch): a tune of
+    thousands of microbatches spends a second on it. None under ``--max-plans``, whose search
+    stops by plans, not seconds (and must stay the same on any machine)."""
+    if opts.max_plans is not None:
+        return 0.0
+    ops = max(config.pp * config.microbatches * 3 for config in configs)
+    return min(FINAL_SHARE * opts.time_limit_s, FINAL_S_PER_OP * ops)
+
+
 def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs: int, seeds: int, seeded_s: float,
-           families: dict[str, list], baselines_unpriced: int) -> dict:
+           families: dict[str, list], baselines_unpriced: int, time_limit_s: float) -> dict:
     """The plan's ``extra.tuner``: how the search went, and where the best plan's time goes."""
     from octoplan.schedules.exact import relaxation_bound  # OR-Tools only when the tuner runs
 
@@ -504,7 +524,7 @@ def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs
     warm_up, between, drain = timeline.idle_parts(busiest)
     stats = {
         "seed": opts.seed,
-        "time_limit_s": opts.time_limit_s,
+        "time_limit_s": time_limit_s,  # the search's own ends earlier by final_work_s
         # real seconds, also under --max-plans (whose clock counts plans as seconds)
         "wall_s": round(time.perf_counter() - search.clock.start, 3),
         # with workers, a plan simulated in two processes (each has its own cache) counts twice
@@ -517,7 +537,9 @@ def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs
         "configs": configs,
         "seeds": seeds,
         "baselines_unpriced": baselines_unpriced,
-        "seeding_s": round(seeded_s, 3),
+        # the seeds' share of the budget: seconds, or under --max-plans the plans they took
+        **({"seeding_s": round(seeded_s, 3)} if opts.max_plans is None else
+           {"seeding_plans": round(seeded_s / opts.time_limit_s * opts.max_plans)}),
         "origin": best.origin,
         "moves_accepted": len(search.accepted_moves),
         "order_bound_ms": round(order_bound, 4),
