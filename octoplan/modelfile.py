@@ -203,13 +203,16 @@ class ModelFile:
 
 
 def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, seed: int = 0,
-                    config_given: bool = False) -> ModelFile:
+                    config_given: bool = False, folder_importable: bool = True) -> ModelFile:
     """Import a model file and check it has the FORMATS.md section 4 functions.
 
     ``config`` overrides the file's ``CONFIG`` defaults. ``config_given``: the user typed it
     (``--config``), so each key must be one of CONFIG's; a plan's config, merged from CONFIG
     when the profile was made, is the file's own business (its functions say what they take).
     ``hf:FOLDER`` is a Hugging Face transformers model instead (octoplan.hf).
+    ``folder_importable``: put the file's folder on the import path (:func:`_put_on_import_path`);
+    False for a model file of OctoPipe's own packages (the replay model), whose folder's modules
+    must stay ``octorun.*`` and not shadow other packages' names.
     """
     if str(path).startswith("hf:"):
         from octoplan.hf import load_hf_model
@@ -220,7 +223,8 @@ def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, s
         raise InputError(str(path), None, "no such model file", "check the path")
     check_input_file(path, fix="give a model file (.py)")  # importing /dev/zero would never end
     module_name = f"_octopipe_model_{abs(hash(str(path.resolve())))}"
-    _put_on_import_path(path.resolve().parent)
+    if folder_importable:
+        _put_on_import_path(path.resolve().parent)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise InputError(str(path), None, "cannot be imported as Python", "give a .py file")

@@ -9,6 +9,7 @@ file beside the target, which then replaces the target in one rename.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Collection
@@ -16,7 +17,8 @@ from pathlib import Path
 
 from octoplan.errors import InputError
 
-__all__ = ["check_writable", "check_distinct", "write_text", "StreamedOutput", "partial_path", "new_file_mode"]
+__all__ = ["check_writable", "check_distinct", "write_text", "StreamedOutput", "partial_path", "new_file_mode",
+           "make_folders", "remove_empty"]
 
 
 def _cannot(path: Path, flag: str | None, exc: OSError) -> InputError:
@@ -143,10 +145,27 @@ def partial_path(path: str | Path) -> Path:
     return target.with_name(target.name + ".partial")
 
 
-def missing_folders(path: Path) -> list[Path]:
-    """The folders above ``path`` that do not exist yet, outermost first: those writing it makes,
-    which a write that fails removes again (:func:`remove_empty`)."""
-    return [folder for folder in reversed(path.parents) if not folder.exists()]
+def make_folders(path: Path) -> list[Path]:
+    """Make the folder ``path`` and those above it that do not exist; the ones this call made,
+    outermost first, which a write that fails removes again (:func:`remove_empty`). Only those:
+    in ``typo/../runs/ck`` the folder ``typo/../runs`` is ``runs``, which may be the user's own
+    (a check of each path before the making would take it for a new one). On an error the
+    folders made so far are removed before it is raised."""
+    made: list[Path] = []
+    try:
+        for folder in [*reversed(path.parents), path]:
+            try:
+                os.mkdir(folder)
+            except FileExistsError:
+                continue
+            made.append(folder)
+    except OSError:
+        remove_empty(made)
+        raise
+    if not path.is_dir():  # the name of a file, or of a link to one
+        remove_empty(made)
+        raise FileExistsError(errno.EEXIST, "is a file, not a folder", str(path))
+    return made
 
 
 def remove_empty(folders: list[Path]) -> None:
@@ -154,7 +173,9 @@ def remove_empty(folders: list[Path]) -> None:
     for folder in reversed(folders):
         try:
             folder.rmdir()
-        except OSError:
+        except FileNotFoundError:  # removed already, with what it held
+            continue
+        except OSError:  # not empty: neither is any folder above it
             return
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from octoplan.errors import InputError
 from octoplan.inputs import ordinary_file_size
-from octoplan.outputs import _cannot, _mode_for, _target, check_writable, missing_folders, remove_empty
+from octoplan.outputs import _cannot, _mode_for, _target, check_writable, make_folders, remove_empty
 
 __all__ = [
     "DTYPES",
@@ -136,9 +136,9 @@ def tokenize_text(source: str | Path, output: str | Path, *, dtype: str = "uint1
     except OSError as exc:
         raise InputError(str(source), None, f"cannot be read: {exc.strerror or exc}", "give a readable text file") from None
     written, temporary, done = 0, None, False
-    made = missing_folders(target)  # removed again when the text is refused or the write fails
+    made: list[Path] = []  # removed again when the text is refused or the write fails
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        made = make_folders(target.parent)
         handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         with os.fdopen(handle, "wb") as out:
             while chunk := text.read(_CHUNK_BYTES):

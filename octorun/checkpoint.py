@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from octoplan.errors import InputError
-from octoplan.outputs import missing_folders, remove_empty
+from octoplan.outputs import make_folders, remove_empty
 
 __all__ = [
     "FORMAT", "VERSION", "META_FILE", "save", "latest", "resolve", "read_meta", "load", "agree",
@@ -687,10 +687,12 @@ def check_one_root(root: str | os.PathLike, *, group: Any) -> None:
     def leave_marker() -> None:
         name = f".octorun-marker-{secrets.token_hex(8)}"
         try:
-            created.extend(missing_folders(root / name))
-            root.mkdir(parents=True, exist_ok=True)
+            created.extend(make_folders(root))
             (root / name).write_text("every rank of the job looks for this file in its --save folder\n")
-        except OSError as exc:
+        except OSError as exc:  # (a full disk, a quota): nothing stays behind, the marker nor its folders
+            with suppress(OSError):
+                (root / name).unlink()
+            remove_empty(created)
             raise _unwritable(root, exc) from None
         marker.append(name)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from octoplan.errors import InputError
-from octoplan.outputs import missing_folders, new_file_mode, remove_empty
+from octoplan.outputs import make_folders, new_file_mode, remove_empty
 from octoplan.hf import chain_for, is_hf_source, load_hf_model, resolve_hf_source
 from octoplan.plan import Plan
 from octorun import checkpoint
@@ -116,11 +116,9 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
     _check_same_config(meta, plan.model.config, path)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    made = missing_folders(partial)  # removed again on failure
-    try:
-        partial.mkdir(parents=True)  # now, not after the work: a folder that cannot be written fails first
+    try:  # now, not after the work: a folder that cannot be written fails first
+        made = make_folders(partial)  # removed again on failure
     except OSError as exc:
-        remove_empty(made)
         raise InputError(str(output), "-o", f"cannot be written: {exc.strerror or exc}", "give a folder you can write") from None
     done = False
     try:

@@ -394,7 +394,8 @@ def _replay_model(plan: Plan, config: RunConfig) -> ModelFile:
         if ms * scale >= config.timeout_s:
             raise InputError(None, "--replay", f"{config.replay_time_scale:g} {what} {ms * scale:.3g} s, not under "
                              f"--timeout {config.timeout_s:g} s", "use a smaller scale or a longer --timeout")
-    return load_model_file(replay.__file__, {"profile": str(profile_path), "time_scale": config.replay_time_scale}, seed=config.seed)
+    return load_model_file(replay.__file__, {"profile": str(profile_path), "time_scale": config.replay_time_scale},
+                           seed=config.seed, folder_importable=False)
 
 
 def _model_path(plan: Plan, plan_path: str) -> str:

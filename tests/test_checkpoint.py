@@ -359,6 +359,24 @@ def test_ranks_must_save_into_one_folder_whatever_each_calls_it(tmp_path):
     assert not (tmp_path / "runs").exists() and not local.exists()
 
 
+def test_the_folders_made_for_the_check_are_only_those_it_made(tmp_path, monkeypatch):
+    """``typo/../mine/ck``: ``typo/../mine`` is the user's own (empty) folder ``mine``, which
+    the check must not take for one it made and remove; ``typo`` and ``ck`` it made, and
+    removes. A marker the disk refuses (a full disk) leaves nothing behind either."""
+    monkeypatch.chdir(tmp_path)
+    Path("mine").mkdir()
+    checkpoint.check_one_root("typo/../mine/ck", group=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"] and not any(Path("mine").iterdir())
+    refused = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with mock.patch.object(Path, "write_text", side_effect=refused), pytest.raises(InputError, match="No space left"):
+        checkpoint.check_one_root("new/ck", group=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    with pytest.raises(InputError):  # a file where a folder should be: nothing made stays
+        Path("afile").write_text("x")
+        checkpoint.check_one_root("made/../afile/ck", group=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "mine"]
+
+
 def test_a_rank_that_cannot_write_the_save_folder_stops_every_rank(tmp_path):
     """Rank 1 sees the folder but may not write in it (a node with a read-only mount; the tests
     run as root, who writes anywhere, so that process's file writes are refused instead):

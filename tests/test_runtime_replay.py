@@ -218,3 +218,17 @@ def test_a_resume_at_another_replay_scale_is_named(tmp_path, profile_file):
     resumed = octorun("--replay", "0.5", "--steps", "2", "--resume", str(tmp_path / "ck"))
     assert resumed.returncode == 0, resumed.stderr
     assert "this run's settings differ from the checkpoint's: replay_time_scale 0.0 -> 0.5;" in resumed.stderr
+
+
+def test_the_replay_model_leaves_octoruns_folder_off_the_import_path(tmp_path, profile_file, monkeypatch):
+    """The replay model is a model file of octorun's own: loading it must not put octorun/ on
+    the import path, where its modules would import a second time under bare names
+    (``checkpoint``, ``watchdog``) and shadow other packages of those names."""
+    import sys
+
+    import octorun
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    path, _ = _saved_plan(tmp_path, profile_file, layers=2, schedule="1f1b", gpus=2, microbatches=2)
+    assert prepare(RunConfig(plan_path=str(path), replay_time_scale=1.0)).model.name == "replay"
+    assert str(Path(octorun.__file__).parent) not in sys.path

@@ -173,16 +173,20 @@ def test_configs_follow_the_global_batch():
 
 def test_the_final_plans_work_is_kept_out_of_the_search_by_its_size():
     """The search leaves the final plan's work (its stats, quick bound and file) 20 us per op of
-    the largest configuration's one-stage-per-rank plan, at most a quarter of the limit, and
-    nothing under --max-plans, whose plans must not depend on the machine."""
+    the largest configuration's plan of as many stages per rank as its layouts hold (3, or
+    --chunks-max, or as many as the layers allow), at most a quarter of the limit, and nothing
+    under --max-plans, whose plans must not depend on the machine."""
     from octoplan.tuner.search import final_work_s
     from octoplan.tuner.space import Config
 
     configs = [Config(4, 1, 4096), Config(2, 2, 2048)]
-    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=5)) == pytest.approx(4 * 4096 * 3 * 2e-5)  # 0.98 s
-    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=2)) == pytest.approx(0.5)  # a quarter of it
-    assert final_work_s([Config(4, 1, 8)], TuneOptions(gpus=4, time_limit_s=60)) == pytest.approx(96 * 2e-5)
-    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=5, max_plans=100)) == 0.0
+    one_stage = 4 * 4096 * 3 * 2e-5  # 0.98 s for 4 ranks of one stage each
+    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=60), 12) == pytest.approx(3 * one_stage)
+    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=60, chunks_max=2), 12) == pytest.approx(2 * one_stage)
+    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=60), 4) == pytest.approx(one_stage)  # a layer a rank
+    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=5), 12) == pytest.approx(1.25)  # a quarter of 5 s
+    assert final_work_s([Config(4, 1, 8)], TuneOptions(gpus=4, time_limit_s=60), 4) == pytest.approx(96 * 2e-5)
+    assert final_work_s(configs, TuneOptions(gpus=4, time_limit_s=5, max_plans=100), 12) == 0.0
 
 
 def test_max_plans_writes_the_same_plan_file_byte_for_byte(tmp_path):

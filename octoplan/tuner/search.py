@@ -275,7 +275,7 @@ def tune(
     # the search's own bound on stages per rank: no rank can hold more stages than there are
     # layers, so a larger --chunks-max changes nothing (the baselines read the bound as given)
     # the search ends early enough for the final plan's work to end within the time limit too
-    reserve_s = final_work_s(configs, opts)
+    reserve_s = final_work_s(configs, opts, profile.num_layers)
     search = Search(_evaluator_for(profile, cluster, evaluator),
                     replace(opts, chunks_max=min(opts.chunks_max or DEFAULT_CHUNKS, profile.num_layers),
                             time_limit_s=opts.time_limit_s - reserve_s),
@@ -496,14 +496,16 @@ def _best_that_fits(search: Search, profile_path: str | Path | None, *, unpriced
     return best, best_scored
 
 
-def final_work_s(configs: Sequence[Config], opts: TuneOptions) -> float:
+def final_work_s(configs: Sequence[Config], opts: TuneOptions, num_layers: int) -> float:
     """Seconds kept out of the search for the final plan's work, by the size of the largest
-    configuration's plan of one stage per rank (F, I and W of every microbatch): a tune of
-    thousands of microbatches spends a second on it. None under ``--max-plans``, whose search
-    stops by plans, not seconds (and must stay the same on any machine)."""
+    configuration's plan of as many stages per rank as the search's layouts hold (F, I and W of
+    every microbatch on each): a tune of thousands of microbatches spends a second or more on
+    it. None under ``--max-plans``, whose search stops by plans, not seconds (and must stay the
+    same on any machine)."""
     if opts.max_plans is not None:
         return 0.0
-    ops = max(config.pp * config.microbatches * 3 for config in configs)
+    stages_per_rank = [min(opts.chunks_max or DEFAULT_CHUNKS, max(1, num_layers // config.pp)) for config in configs]
+    ops = max(config.pp * chunks * config.microbatches * 3 for config, chunks in zip(configs, stages_per_rank))
     return min(FINAL_SHARE * opts.time_limit_s, FINAL_S_PER_OP * ops)
 
 
