@@ -43,6 +43,7 @@ from octoplan.outputs import write_text
 from octoplan.plan import Plan, Stage, check_structure
 from octoplan.profile import Profile
 from octoplan.schedules.looped import interleaved_1f1b, looped_schedule
+from octoplan.schedules.placement import framework_placement
 
 __all__ = ["KIND_LETTERS", "LayerLetters", "MegatronExport", "megatron_order", "layout_string", "parse_layout",
            "check_layout", "megatron_problem", "megatron_export", "export_megatron", "parse_kind_letters",
@@ -173,10 +174,6 @@ def megatron_order(pp: int, microbatches: int, chunks: int) -> list[list[Op]] | 
     return interleaved_1f1b(pp, microbatches, chunks)
 
 
-def _is_loop(ranks: Sequence[int], pp: int) -> bool:
-    return len(ranks) % pp == 0 and all(r == s % pp for s, r in enumerate(ranks))
-
-
 def uniform_recompute(stages: Sequence[Stage], letters: Sequence[str] | None = None) -> int | None | bool:
     """Megatron's ``--recompute-num-layers`` for these stages: False when none recomputes, the
     N every stage recomputes its first N layers with (all of a shorter stage's), None when no
@@ -205,7 +202,10 @@ def megatron_problem(plan: Plan, letters: LayerLetters) -> str | None:
     """Why Megatron-LM cannot run ``plan`` as planned (None: it can)."""
     pp, num_stages = plan.pp, plan.num_stages
     ranks = [s.rank for s in plan.stages]
-    if not _is_loop(ranks, pp):
+    if framework_placement(pp, ranks) != "loop":
+        if pp == 1:
+            return (f"a rank of {num_stages} stages needs a pipeline: Megatron-LM's virtual stages need pp 2 or more, "
+                    "and it runs pp 1 as one stage")
         wrong = next((s for s, r in enumerate(ranks) if r != s % pp), None)
         where = (f"stage {wrong} is on rank {ranks[wrong]}, not {wrong % pp}" if wrong is not None
                  else f"{num_stages} stages are not a multiple of pp {pp}")

@@ -36,7 +36,7 @@ from octoplan.hf import is_hf_source
 from octoplan.outputs import check_distinct, write_text
 from octoplan.plan import Plan, check_structure
 from octoplan.profile import Profile
-from octoplan.schedules import loop_placement, v_placement
+from octoplan.schedules import framework_placement
 
 __all__ = ["FQN_STYLES", "TorchtitanExport", "torchtitan_placement", "module_fqns", "torchtitan_export",
            "export_torchtitan", "csv_path_for"]
@@ -50,12 +50,7 @@ _SPLIT_PARTS = ("mixer", "ffn")
 
 def torchtitan_placement(plan: Plan) -> str | None:
     """``"loop"`` or ``"v"``: the torchtitan stage placement that is ``plan``'s (None: neither)."""
-    ranks = [s.rank for s in plan.stages]
-    if plan.num_stages % plan.pp == 0 and ranks == loop_placement(plan.pp, plan.num_stages):
-        return "loop"
-    if plan.num_stages == 2 * plan.pp and ranks == v_placement(plan.pp, plan.num_stages):
-        return "v"
-    return None
+    return framework_placement(plan.pp, [s.rank for s in plan.stages])
 
 
 def module_fqns(plan: Plan, profile: Profile, *, style: str = "llama", file: str = "<plan>") -> list[list[str]]:

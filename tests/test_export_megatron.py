@@ -23,7 +23,7 @@ from octoplan.export_megatron import (
 )
 from octoplan.plan import Cluster, Parallel, Plan, Stage, load_plan, save_plan
 from octoplan.profile import Layer, ModelRef, Profile, save_profile
-from octoplan.schedules.looped import one_f_one_b
+from octoplan.schedules.looped import looped_schedule, one_f_one_b
 from octoplan.tuner.frameworks import Frameworks
 from octoplan.tuner.search import TuneOptions, tune
 from octoplan.tuner.space import Candidate, Config
@@ -188,6 +188,12 @@ def test_plans_megatron_cannot_run_are_refused_with_the_reason():
     assert "rank 1's op order" in megatron_problem(base.with_schedule(reordered), letters)
     early_mtp = _plan((0, 2, 4, 8, 9), (0, 1, 0, 1), megatron_order(2, 4, 2), pp=2, microbatches=4)
     assert megatron_problem(early_mtp, letters) is None  # m in stage 2, rank 0's last virtual stage
+    # pp 1: Megatron-LM refuses virtual stages without a pipeline ("pipeline-model-parallel size
+    # should be greater than 1 with interleaved schedule"); one stage is plain data parallelism
+    one_rank = _plan((0, 3, 5, 7, 9), (0, 0, 0, 0), looped_schedule(1, 4, chunks=4, warmup=lambda r: 16), pp=1, microbatches=4)
+    assert megatron_problem(one_rank, letters) == ("a rank of 4 stages needs a pipeline: Megatron-LM's virtual stages "
+                                                   "need pp 2 or more, and it runs pp 1 as one stage")
+    assert megatron_problem(_plan((0, 9), (0,), megatron_order(1, 4, 1), pp=1, microbatches=4), letters) is None
     too_early = _plan((0, 3, 8, 9), (0, 1, 2), one_f_one_b(3, 3), pp=3, microbatches=3)
     assert megatron_problem(too_early, letters) is None  # one stage per rank: every stage is its rank's last
     with pytest.raises(InputError, match="Megatron-LM cannot run this plan: .*splits backwards"):

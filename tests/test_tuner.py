@@ -171,6 +171,30 @@ def test_configs_follow_the_global_batch():
         tune(profile, free_cluster(4), TuneOptions(gpus=4, time_limit_s=0))
 
 
+def test_where_ops_cost_nothing_a_near_tie_goes_to_the_plan_of_fewest_stages():
+    """pp 1 on the hybrid example's H200 profile: the search's fastest plan cuts the 4 replicas'
+    model into 9 stages, whose gradients' all-reduce overlaps more, 0.05% faster, and only
+    because each extra op is free. Without a priced per-op cost the tie goes to one stage (a plan
+    every framework runs); with one (calibrated), the search's own choice stands."""
+    from octoplan.profile import load_profile
+
+    profile = load_profile(Path(__file__).resolve().parents[1] / "profiles" / "h200" / "hybrid.yaml")
+    opts = TuneOptions(gpus=4, pp=1, max_plans=300)
+    result = tune(profile, Cluster(gpus=4), opts)
+    (fastest, fastest_scored), *_ = result.configs
+    assert fastest.num_stages == 9 and result.candidate.num_stages == 1
+    assert fastest_scored.iteration_ms < result.scored.iteration_ms <= fastest_scored.iteration_ms * 1.001
+    assert "torchtitan" in result.runs_on and "torchtitan" not in _runs_on(profile, fastest)
+    priced = tune(profile, Cluster(gpus=4, op_overhead_us=1.0), opts)
+    assert priced.candidate.num_stages > 1 and priced.scored == priced.configs[0][1]
+
+
+def _runs_on(profile, cand) -> tuple[str, ...]:
+    from octoplan.tuner.frameworks import Frameworks
+
+    return Frameworks(profile).runs_on(cand)
+
+
 def test_the_final_plans_work_is_kept_out_of_the_search_by_its_size():
     """The search leaves the final plan's work (its stats, quick bound and file) 20 us per op of
     the largest configuration's plan of as many stages per rank as its layouts hold (3, or

@@ -13,9 +13,9 @@ from typing import Callable
 
 from octoplan.ops import Op
 from octoplan.schedules import dualpipev, gpipe, looped, zbv
-from octoplan.schedules.placement import loop_placement, v_placement
+from octoplan.schedules.placement import framework_placement, loop_placement, v_placement
 
-__all__ = ["ScheduleSpec", "SCHEDULES", "get_schedule", "loop_placement", "v_placement"]
+__all__ = ["ScheduleSpec", "SCHEDULES", "get_schedule", "framework_placement", "loop_placement", "v_placement"]
 
 
 @dataclass(frozen=True)

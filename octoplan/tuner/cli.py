@@ -381,7 +381,7 @@ def register(app: typer.Typer) -> None:
         # soft_wrap: long lines wrap at the terminal's edge, never inside a path or a number
         recomputing = plan.num_recomputing
         some = plan.num_recomputing_part
-        stages = f"{plan.num_stages} stages" + (f", {recomputing} recomputing their activations" if recomputing else "") + (
+        stages = f"{plan.num_stages} stage{'s' if plan.num_stages != 1 else ''}" + (f", {recomputing} recomputing their activations" if recomputing else "") + (
             f" ({some} only their first layers)" if some else "")
         size = f"microbatches of {batch.microbatch_size}, " if len(sources) > 1 else ""
         console.print(f"tuned plan for {gpus} GPUs ({size}{result.candidate.config.label()}, {stages}) -> "

@@ -18,7 +18,7 @@ from typing import Mapping
 from octoplan.errors import InputError
 from octoplan.export_megatron import LayerLetters, megatron_order, one_recompute_count
 from octoplan.profile import Profile
-from octoplan.schedules import loop_placement, v_placement
+from octoplan.schedules import framework_placement
 from octoplan.tuner.space import Candidate
 
 __all__ = ["RUNS_ON", "FRAMEWORKS", "Frameworks", "MEGATRON_ID"]
@@ -49,12 +49,7 @@ class Frameworks:
 
     @staticmethod
     def placement(cand: Candidate) -> str | None:
-        pp, count = cand.config.pp, cand.num_stages
-        if count % pp == 0 and list(cand.ranks) == loop_placement(pp, count):
-            return "loop"
-        if count == 2 * pp and list(cand.ranks) == v_placement(pp, count):
-            return "v"
-        return None
+        return framework_placement(cand.config.pp, cand.ranks)
 
     def megatron_layout_ok(self, cand: Candidate) -> bool:
         """Loop placement, boundaries Megatron's letters allow, one recomputation count."""
