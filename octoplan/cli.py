@@ -67,6 +67,8 @@ def profile(
                                       help="one layer per block's mixer and per its MLP/MoE (analytic): finer stage boundaries"),
     repeat: Optional[int] = typer.Option(None, "--repeat", help="timed repeats per layer, round-robin; each time is the least of them \\[default: 10]"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads to time the layers with; octorun then trains "
+                                          "with as many per process (a CPU profile) \\[default: 1]"),
     clock: Optional[str] = typer.Option(None, "--clock",
                                         help="auto, wall or cpu (thread CPU time; wall for models that sleep) \\[default: auto]"),
     config: List[str] = typer.Option([], "--config", help="model config override key=value (repeatable)"),
@@ -81,7 +83,7 @@ def profile(
     """Measure every layer of a model file, or write an analytic profile of a known architecture."""
     # an option of the other kind of profile, or any with --list, would be ignored without a word: refuse it
     given = {"--gpu": gpu, "--tp": tp, "--seq-len": seq_len, "--split-blocks": split_blocks or None,
-             "--repeat": repeat, "--device": device, "--clock": clock, "--config": config or None,
+             "--repeat": repeat, "--device": device, "--threads": threads, "--clock": clock, "--config": config or None,
              "--check-whole": check_whole or None, "--precision": precision}
     if list_known:
         from octoplan.arch import list_architectures, list_gpus
@@ -107,7 +109,7 @@ def profile(
     if arch is not None and model is not None:
         raise InputError(None, "--arch", f"given with the model file {model}", "profile either a model file or --arch NAME")
     if arch is not None:
-        for flag in ("--repeat", "--device", "--clock", "--config", "--check-whole", "--precision"):
+        for flag in ("--repeat", "--device", "--threads", "--clock", "--config", "--check-whole", "--precision"):
             if given[flag] is not None:
                 raise InputError(None, flag, "applies to measuring a model file, not to --arch",
                                  f"drop {flag}, or profile a model file")
@@ -143,6 +145,8 @@ def profile(
         precision = check_precision(precision or DEFAULT_PRECISION)
         if not 1 <= repeat <= MAX_REPEAT:
             raise InputError(None, "--repeat", f"is {repeat}", f"use 1 to {MAX_REPEAT} timed runs per layer")
+        if threads is not None and not 1 <= threads <= MAX_THREADS:
+            raise InputError(None, "--threads", f"is {threads}", f"use 1 to {MAX_THREADS} threads")
         overrides = parse_config_overrides(config)
         chosen: list[Path] = [output] if output is not None else []
 
@@ -163,7 +167,8 @@ def profile(
 
             result = profile_model_file(
                 str(model), config=overrides, microbatch_size=microbatch_size or 4, repeat=repeat,
-                device=device, on_layer=on_layer, clock=clock, precision=precision, on_loaded=check_default_path,
+                device=device, threads=threads, on_layer=on_layer, clock=clock, precision=precision,
+                on_loaded=check_default_path,
             )
         out = chosen[0]
     else:
@@ -216,6 +221,7 @@ def _check_default_path(path: Path, *, inputs=()) -> None:
 
 
 MAX_REPEAT = 10_000  # timed runs per layer: beyond it a profile would take days, and a typo looks like it
+MAX_THREADS = 1024  # --threads: more than any CPU has cores
 UNSTEADY_NAMED = 6  # layers the unsteady-layers warning names: the line stays one readable line
 
 

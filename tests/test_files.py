@@ -252,6 +252,8 @@ def test_an_unknown_dtype_is_refused_not_guessed(tmp_path):
     (["profile", "examples/models/tiny_gpt.py", "--gpu", "a100"], "--gpu"),
     (["profile", "--arch", "llama3-8b", "--repeat", "3"], "--repeat"),
     (["profile", "--arch", "llama3-8b", "--check-whole"], "--check-whole"),
+    (["profile", "--arch", "llama3-8b", "--threads", "2"], "--threads"),
+    (["profile", "examples/models/tiny_gpt.py", "--threads", "0"], "--threads"),
     # small layers at seq-len 1, but a microbatch size no reader of the profile accepts
     (["profile", "--arch", "gemma2-27b", "--seq-len", "1", "--microbatch-size", "2000000"], "--microbatch-size"),
     (["profile", "examples/models/tiny_gpt.py", "--microbatch-size", "2000000"], "--microbatch-size"),
@@ -408,7 +410,8 @@ def test_a_model_call_that_fails_names_the_config_it_was_given(tmp_path):
 
 def test_a_model_file_imports_the_modules_beside_it_by_name(tmp_path, monkeypatch):
     """As ``python model.py`` would: a module beside the model file is imported by name at its
-    top and inside a function it runs later, and through the command line too."""
+    top and inside a function it runs later, and through the command line too (profiled there
+    with 2 threads, which the profile records)."""
     from octoplan.modelfile import load_model_file
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # the folder this test puts on it goes again
@@ -427,9 +430,11 @@ def test_a_model_file_imports_the_modules_beside_it_by_name(tmp_path, monkeypatc
         "def loss_fn(outputs, targets):\n    return (outputs - targets).pow(2).mean()\n")
     model = load_model_file(folder / "model.py")
     assert model.build_layer(1).in_features == 3
-    run = _octoplan("profile", folder / "model.py", "--repeat", 1, "--device", "cpu", "-o", tmp_path / "p.yaml")
+    run = _octoplan("profile", folder / "model.py", "--repeat", 1, "--device", "cpu", "--threads", 2,
+                    "-o", tmp_path / "p.yaml")
     assert run.returncode == 0, run.stderr
-    assert load_profile(tmp_path / "p.yaml").num_layers == 2
+    profile = load_profile(tmp_path / "p.yaml")
+    assert profile.num_layers == 2 and profile.extra["profiler"]["threads"] == 2  # --threads, which octorun follows
 
 
 def test_an_output_over_the_input_profile_is_refused(profile_file, tmp_path):
