@@ -7,15 +7,47 @@ CLI prints it.
 
 from __future__ import annotations
 
+import os
 import reprlib
+import sysconfig
+from pathlib import Path
 from typing import Any
 
-__all__ = ["MODEL_CODE_FAILURES", "InputError", "shown"]
+__all__ = ["MODEL_CODE_FAILURES", "InputError", "shown", "where_raised"]
 
 # What a model file's code may raise that is its own failure, to be reported as one: any
 # Exception, and an exit (sys.exit, exit(), argparse's error, GeneratorExit), which would
 # otherwise end the command silently with the model's own status. Ctrl-C is not among them.
 MODEL_CODE_FAILURES = (Exception, SystemExit, GeneratorExit)
+
+
+# Code that is not the user's: where an exception passed through only these, no line of the
+# user's is named (octoplan and octorun, torch and the other installed packages, the stdlib)
+_NOT_USERS = tuple(str(Path(p).resolve()) + os.sep for p in {
+    str(Path(__file__).resolve().parents[1] / "octoplan"), str(Path(__file__).resolve().parents[1] / "octorun"),
+    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+})
+
+
+def where_raised(exc: BaseException) -> str:
+    """`` (at FILE:LINE in FUNCTION)``: the last line of the user's code (a model file, or a
+    module of theirs it imports) that an exception passed through, so a one-line error still
+    says where a model's bug is; empty where none of its frames is the user's."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = str(Path(code.co_filename).resolve()) if not code.co_filename.startswith("<") else None
+        if path is not None and not path.startswith(_NOT_USERS):
+            found = (path, tb.tb_lineno, code.co_name)
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    path, line, function = found
+    shown_path = os.path.relpath(path)
+    if shown_path.startswith(".."):
+        shown_path = path
+    return f" (at {shown_path}:{line} in {function})"
 
 
 # A part of the line longer than this is cut in its middle: a bad value echoed back may be a

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from octoplan.errors import MODEL_CODE_FAILURES, InputError, shown
+from octoplan.errors import MODEL_CODE_FAILURES, InputError, shown, where_raised
 from octoplan.inputs import check_input_file
 
 __all__ = [
@@ -233,7 +233,8 @@ def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, s
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # a broken model file is the user's input, not our failure
-        raise InputError(str(path), None, f"import failed: {type(exc).__name__}: {exc}", "fix the model file") from None
+        raise InputError(str(path), None, f"import failed: {type(exc).__name__}: {exc}{where_raised(exc)}",
+                         "fix the model file") from None
     except SystemExit as exc:  # exit() at import would end the command silently, with its status
         raise InputError(str(path), None, f"exits when imported (status {exc.code!r})",
                          "guard the script part with if __name__ == '__main__'") from None

@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import yaml
 
-from octoplan.errors import MODEL_CODE_FAILURES, InputError
+from octoplan.errors import MODEL_CODE_FAILURES, InputError, where_raised
 from octoplan.host_malloc import steady_malloc
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.precision import DEFAULT_PRECISION, PROFILE_DTYPE, autocast, check_precision
@@ -338,11 +338,12 @@ def _layer_inputs(previous: Any, *, first: bool) -> tuple[torch.Tensor, ...]:
 
 
 def _exc_text(exc: BaseException) -> str:
-    """``Type: message`` on one line (the CLI prints one line), shortened if long."""
+    """``Type: message`` on one line (the CLI prints one line), shortened if long, and the line
+    of the model's code it was raised in (:func:`~octoplan.errors.where_raised`)."""
     text = " ".join(str(exc).split())
     if len(text) > 300:
         text = text[:297] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return (f"{type(exc).__name__}: {text}" if text else type(exc).__name__) + where_raised(exc)
 
 
 def _fail(mf: ModelFile, field_name: str, problem: str, exc: BaseException, fix: str) -> InputError:

@@ -67,7 +67,9 @@ def check_optimizer_config(config: OptimizerConfig, *, steps: int) -> None:
         raise InputError(None, "--decay-steps", f"is {config.decay_steps}", "give the schedule's length in steps, >= 1")
     span = config.decay_steps or steps
     if not 0 <= config.warmup_steps <= span:
-        raise InputError(None, "--warmup-steps", f"is {config.warmup_steps}", f"give 0 to the schedule's {span} steps")
+        length = "--decay-steps" if config.decay_steps else "--steps"
+        raise InputError(None, "--warmup-steps", f"is {config.warmup_steps}, more than the schedule's {span} steps "
+                         f"({length})", f"give a number from 0 to {span}, or a longer {length}")
     if not (math.isfinite(config.min_lr) and 0 <= config.min_lr <= config.lr):
         raise InputError(None, "--min-lr", f"is {config.min_lr}", f"give 0 to --lr ({config.lr:g})")
 

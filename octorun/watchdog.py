@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
+from octoplan.errors import where_raised
+
 __all__ = ["Watchdog", "gist", "ABORT_KEY", "EXIT_FAILURE", "EXIT_BAD_INPUT"]
 
 log = logging.getLogger("octorun.watchdog")
@@ -68,12 +70,13 @@ _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 def gist(exc: BaseException) -> str:
     """An exception in one short line: its type and its first sentence, without the C++ source
-    location and the advice that gloo and c10d append."""
+    location and the advice that gloo and c10d append, and the line of the user's code (a
+    model file's) it was raised in, if any (:func:`octoplan.errors.where_raised`)."""
     text = str(exc).strip()
     if not text:
-        return type(exc).__name__
+        return type(exc).__name__ + where_raised(exc)
     line = _SOURCE_LOCATION.sub("", text.splitlines()[0]).split(". ")[0][:300]
-    return f"{type(exc).__name__}: {line}"
+    return f"{type(exc).__name__}: {line}{where_raised(exc)}"
 
 
 @dataclass

@@ -437,6 +437,43 @@ def test_a_model_file_imports_the_modules_beside_it_by_name(tmp_path, monkeypatc
     assert profile.num_layers == 2 and profile.extra["profiler"]["threads"] == 2  # --threads, which octorun follows
 
 
+def test_a_model_bug_is_named_by_the_line_of_the_users_code_it_raised_in(tmp_path, monkeypatch):
+    """One line, still: the error names the deepest line of the user's own code the exception
+    passed through (here a helper module beside the model file), not torch's or octoplan's, in
+    octoplan's messages and in octorun's (watchdog.gist); an exception raised in torch alone
+    names none."""
+    import torch
+
+    from octorun.watchdog import gist
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "octo_test_gather.py").write_text("def gather(x):\n    return x[:, 999]\n")
+    (tmp_path / "model.py").write_text(
+        "import torch\nimport octo_test_gather\n\n"
+        "def num_layers():\n    return 1\n\n"
+        "class Layer(torch.nn.Module):\n"
+        "    def forward(self, x):\n        return octo_test_gather.gather(x)\n\n"
+        "def build_layer(index):\n    return Layer()\n\n"
+        "def sample_batch(microbatch_size, generator):\n"
+        "    x = torch.randn(microbatch_size, 8, generator=generator)\n    return x, x\n\n"
+        "def loss_fn(outputs, targets):\n    return (outputs - targets).pow(2).mean()\n")
+    run = _octoplan("profile", "model.py", "--repeat", 1, "-o", "p.yaml", cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "IndexError: index 999 is out of bounds for dimension 1 with size 8 (at octo_test_gather.py:2 in gather)" \
+        in run.stderr
+    sys.path.insert(0, str(tmp_path))
+    import octo_test_gather
+
+    with pytest.raises(IndexError) as caught:
+        octo_test_gather.gather(torch.zeros(1, 8))
+    # outside the working folder: the whole path
+    assert gist(caught.value).endswith(f"(at {(tmp_path / 'octo_test_gather.py').resolve()}:2 in gather)")
+    with pytest.raises(Exception) as inside_torch:
+        torch.nn.functional.pad(torch.zeros(2), (1,), mode="no such mode")
+    raised = inside_torch.value.with_traceback(inside_torch.tb.tb_next)  # torch's own frames only
+    assert raised.__traceback__ is not None and "(at " not in gist(raised)
+
+
 def test_an_output_over_the_input_profile_is_refused(profile_file, tmp_path):
     path = profile_file(make_profile([(1, 1, 1)] * 4))
     before = path.read_bytes()

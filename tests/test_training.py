@@ -43,6 +43,21 @@ def test_learning_rate_schedules_by_hand():
     assert [lr_at(warm3, s, 6) for s in range(6)] == pytest.approx([0.1 / 3, 0.2 / 3, 0.1, 0.1, 0.01, 0.01])
 
 
+def test_a_warm_up_longer_than_the_schedule_names_the_range_and_the_length():
+    """--warmup-steps 5 with --steps 4: the line says what the schedule's length is and where
+    it comes from (it read "give 0 to the schedule's 4 steps", taken for "give 0")."""
+    from octoplan.errors import InputError
+    from octorun.optim import check_optimizer_config
+
+    with pytest.raises(InputError) as caught:
+        check_optimizer_config(OptimizerConfig(lr=0.1, warmup_steps=5), steps=4)
+    assert caught.value.line() == ("--warmup-steps: is 5, more than the schedule's 4 steps (--steps) "
+                                   "(give a number from 0 to 4, or a longer --steps)")
+    with pytest.raises(InputError, match=r"schedule's 3 steps \(--decay-steps\)"):
+        check_optimizer_config(OptimizerConfig(lr=0.1, warmup_steps=5, decay_steps=3), steps=10)
+    check_optimizer_config(OptimizerConfig(lr=0.1, warmup_steps=4), steps=4)  # the whole schedule: allowed
+
+
 def test_adamw_decays_matrices_only_with_the_configs_betas_and_eps():
     from octorun.optim import build_optimizer
 
