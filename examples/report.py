@@ -15,15 +15,30 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from octoplan.errors import InputError
 from octoplan.plan import load_plan
+
+
+def _steps(metrics_path: str) -> list[dict]:
+    try:
+        with open(metrics_path) as lines:
+            steps = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise InputError(metrics_path, None, f"cannot be read as octorun --metrics: {exc}",
+                         "give PLAN=METRICS, the metrics file octorun wrote for PLAN") from None
+    if not steps:
+        raise InputError(metrics_path, None, "holds no step", "give the --metrics file of a run that trained")
+    return steps
 
 
 def main(pairs: list[str]) -> None:
     rows = []
     for pair in pairs:
         plan_path, _, metrics_path = pair.partition("=")
+        if not metrics_path:
+            raise InputError(None, pair, "is no PLAN=METRICS pair", "give each plan with its metrics: plans/x.yaml=out/x.jsonl")
         plan = load_plan(plan_path)
-        steps = [json.loads(line) for line in open(metrics_path) if line.strip()]
+        steps = _steps(metrics_path)
         measured = statistics.median(s["iteration_ms"] for s in (steps[1:] or steps))
         rows.append((plan_path, plan.predicted["iteration_ms"], measured, steps[-1]["loss"]))
     table = Table(title="predicted vs measured iteration")
@@ -37,4 +52,10 @@ def main(pairs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if len(sys.argv) < 2:
+        sys.exit("usage: python examples/report.py PLAN=METRICS [PLAN=METRICS ...]")
+    try:
+        main(sys.argv[1:])
+    except InputError as exc:
+        sys.stderr.write(f"error: {exc.line()}\n")
+        sys.exit(2)

@@ -47,8 +47,18 @@ def _plan_files(plan: Plan, path: Path) -> tuple[Path, Path | None]:
     return path, resolve_profile_path(plan, path)
 
 
+def _print_version(given: bool) -> None:
+    if given:
+        from octoplan import __version__
+
+        print(f"octoplan (octopipe) {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="log what the library does")) -> None:
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="log what the library does"),
+          version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
     log_setup(verbose)
 
 

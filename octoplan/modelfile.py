@@ -110,6 +110,8 @@ class ModelFile:
         fn: Callable = getattr(self.module, name)
         try:
             return fn(*args, **kwargs)
+        except InputError as exc:  # the model file's own words: about the file the user gave, if about none
+            raise exc.in_file(self.path) from None
         except TypeError as exc:
             # most often a config key the model does not take, or a value of the wrong type
             given = ", ".join(f"{key}={shown(value)}" for key, value in self.config.items()) or "no config"

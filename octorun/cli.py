@@ -15,6 +15,8 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
+from octoplan import __version__
+
 __all__ = ["main", "build_parser"]
 
 
@@ -52,6 +54,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="octorun", description="Train a plan's model with pipeline and data parallelism (launch with torchrun).")
     parser.add_argument("plan", help="plan file (octoplan tune / baseline)")
+    parser.add_argument("--version", action="version", version=f"octorun (octopipe) {__version__}")
     parser.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (docs/FORMATS.md section 4)")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="sgd is plain: no momentum, no weight decay (default sgd)")

@@ -103,14 +103,14 @@ def _load(path: str, mtime_ns: int) -> Profile:
 
 def _replay(profile: str | None = None, time_scale: float = 1.0, bytes_scale: float = 1e-3) -> _Replay:
     if not profile:
-        raise InputError(__file__, "config.profile", "is not set", "set model.config.profile to the profile YAML to replay")
+        raise InputError(None, "config.profile", "is not set", "set model.config.profile to the profile YAML to replay")
     try:
         mtime_ns = os.stat(profile).st_mtime_ns
     except OSError:
         raise InputError(str(profile), None, "no such profile to replay", "check config.profile of the replay model") from None
     for field, value in (("time_scale", time_scale), ("bytes_scale", bytes_scale)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise InputError(__file__, f"config.{field}", f"is {value!r}", "give a number >= 0")
+            raise InputError(None, f"config.{field}", f"is {value!r}", "give a number >= 0")
     return _Replay(profile=_load(str(profile), mtime_ns), time_scale=float(time_scale), bytes_scale=float(bytes_scale))
 
 

@@ -216,6 +216,7 @@ def test_bad_config_is_an_input_error(profile_path: Path, config: dict, field: s
     with pytest.raises(InputError) as excinfo:
         model.num_layers()
     assert excinfo.value.field == field
+    assert excinfo.value.file == str(REPLAY)  # the model file given, not octorun/replay.py behind it
 
 
 def test_missing_profile_file_names_it(tmp_path: Path) -> None:
