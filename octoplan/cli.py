@@ -169,7 +169,7 @@ def profile(
                 chosen.append(Path("profiles") / f"{loaded.name}.yaml")
                 _check_default_path(chosen[0], inputs=model_source_files(model))
 
-        with Progress(console=console, transient=True) as progress:
+        with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
             task = progress.add_task(f"profiling {model.name}", total=None)
 
             def on_layer(index: int, total: int, name: str) -> None:
