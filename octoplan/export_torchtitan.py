@@ -63,6 +63,17 @@ def module_fqns(plan: Plan, profile: Profile, *, style: str = "llama", file: str
                          "layers.N, norm+lm_head) are the pipeline's pieces, not module names of a transformers model",
                          "give --fqn-style llama for a model torchtitan builds with Llama-style names, or set "
                          "module_fqns_per_model_part by hand from the stages")
+    if style == "profile":
+        seen: dict[str, int] = {}
+        for index, layer in enumerate(profile.layers):
+            if layer.name in seen:
+                # two model parts would claim one module name (a model file without layer_name
+                # names each layer by its class)
+                raise InputError(file, "--fqn-style profile", f"layers {seen[layer.name]} and {index} are both named "
+                                 f"{layer.name!r}; torchtitan would give one module to two stages",
+                                 "give the model file a layer_name hook that returns each layer's module name, and "
+                                 "profile again")
+            seen[layer.name] = index
     names: list[list[str]] = []  # per layer
     owner: list[str | None] = []  # per layer, the split block it is part of
     block_index = -1

@@ -172,6 +172,19 @@ def test_profile_names_of_an_hf_model_are_refused():
     assert module_fqns(plan, profile)[-1][-2:] == ["norm", "output"]  # the llama style is the user's to choose
 
 
+def test_profile_names_that_repeat_are_refused():
+    """A model file without layer_name names each layer by its class: Block, Block, ... would
+    give one module name to two stages, so torchtitan's split would differ from the plan."""
+    profile = _profile(kinds=["embedding", "moe", "moe", "moe", "mtp", "head"],
+                       names=["Embed", "Block", "Block", "Block", "Mtp", "Head"])
+    plan = make_baseline(profile, schedule="1f1b", gpus=2, microbatches=2)
+    with pytest.raises(InputError) as caught:
+        module_fqns(plan, profile, style="profile", file="p.yaml")
+    assert (caught.value.file, caught.value.field) == ("p.yaml", "--fqn-style profile")
+    assert caught.value.problem == ("layers 1 and 2 are both named 'Block'; torchtitan would give one module to two "
+                                    "stages")
+
+
 def test_llama_names_refuse_layers_a_llama_style_model_does_not_have():
     # DeepSeek-V3's MTP layer would have become layers.4, a module torchtitan's split silently skips
     profile = _profile(kinds=["embedding", "moe", "moe", "moe", "mtp", "head"],
