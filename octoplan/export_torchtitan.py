@@ -164,6 +164,10 @@ def torchtitan_export(plan: Plan, profile: Profile, *, style: str = "llama", fil
     needs) for a plan it would place otherwise."""
     check_structure(plan, file=file, num_layers=profile.num_layers)
     placement = torchtitan_placement(plan)
+    if placement is None and plan.pp == 1:
+        raise InputError(file, "stages", f"are {plan.num_stages} on one pipeline rank (pp 1): torchtitan builds no "
+                         "pipeline at pp 1, so it runs the model as one stage, not as the plan's",
+                         "octoplan tune --runs-on loop finds the best plan torchtitan runs (at pp 1: one stage)")
     if placement is None:
         ranks = ", ".join(str(s.rank) for s in plan.stages)
         raise InputError(file, "stages", f"are placed on ranks [{ranks}]; torchtitan places stage s on rank s mod pp "

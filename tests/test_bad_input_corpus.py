@@ -1185,7 +1185,8 @@ def test_a_model_file_that_raises_a_line_break_at_import_gets_one_line(tmp_path)
     model.write_text("raise ValueError('carriage\\rreturn\\nand a new line')\n")
     outcome = octoplan("profile", model, "--repeat", 1, "-o", tmp_path / "p.yaml")
     assert outcome.code == 2 and outcome.stderr == (
-        f"error: {model}: import failed: ValueError: carriage\\rreturn\\nand a new line (fix the model file)\n"), outcome
+        f"error: {model}: import failed: ValueError: carriage\\rreturn\\nand a new line (at {model.resolve()}:1 in "
+        "<module>) (fix the model file)\n"), outcome
 
 
 @pytest.mark.parametrize("body,problem", [

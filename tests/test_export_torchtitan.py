@@ -172,6 +172,19 @@ def test_profile_names_of_an_hf_model_are_refused():
     assert module_fqns(plan, profile)[-1][-2:] == ["norm", "output"]  # the llama style is the user's to choose
 
 
+def test_a_pp_1_plan_of_several_stages_is_refused_for_what_it_is():
+    """torchtitan turns pipelining off at a degree of 1: a pp-1 plan of two stages (a loop by
+    the letter, stage s on rank s mod 1) would run as one stage."""
+    profile = _profile()
+    plan = make_baseline(profile, schedule="interleaved-1f1b", gpus=1, microbatches=2, chunks=2)
+    with pytest.raises(InputError) as caught:
+        torchtitan_export(plan, profile, file="p.yaml")
+    assert caught.value.problem == ("are 2 on one pipeline rank (pp 1): torchtitan builds no pipeline at pp 1, so it "
+                                    "runs the model as one stage, not as the plan's")
+    one = make_baseline(profile, schedule="1f1b", gpus=1, microbatches=2)
+    assert torchtitan_export(one, profile).placement == "loop"
+
+
 def test_profile_names_that_repeat_are_refused():
     """A model file without layer_name names each layer by its class: Block, Block, ... would
     give one module name to two stages, so torchtitan's split would differ from the plan."""

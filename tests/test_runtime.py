@@ -252,7 +252,10 @@ def test_a_model_that_exits_mid_step_fails_the_run_naming_the_exit(tmp_path):
     done = subprocess.run([sys.executable, "-m", "octorun", str(tmp_path / "plan.yaml"), "--steps", "1"],
                           capture_output=True, text=True, cwd=h.ROOT, env=env, timeout=120)
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1] == "octorun: rank 0: failed while running op 0F0 of step 0: SystemExit: 0"
+    where = path.resolve()  # outside the working folder: named by its whole path
+    line = next(number for number, text in enumerate(path.read_text().splitlines(), 1) if "sys.exit(0)" in text)
+    assert done.stderr.strip().splitlines()[-1] == (f"octorun: rank 0: failed while running op 0F0 of step 0: SystemExit: 0 "
+                                                    f"(at {where}:{line} in loss_fn)")
 
 
 def test_a_run_at_another_precision_than_its_profiles_says_so(tmp_path):

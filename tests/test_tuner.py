@@ -185,6 +185,11 @@ def test_where_ops_cost_nothing_a_near_tie_goes_to_the_plan_of_fewest_stages():
     assert fastest.num_stages == 9 and result.candidate.num_stages == 1
     assert fastest_scored.iteration_ms < result.scored.iteration_ms <= fastest_scored.iteration_ms * 1.001
     assert "torchtitan" in result.runs_on and "torchtitan" not in _runs_on(profile, fastest)
+    from octoplan.tuner.cli import _verdict  # the line under tune's table says why a baseline is faster
+
+    assert _verdict(result, 141).endswith("the tuned plan is 1.001x slower: a tie within 0.1% goes to the plan of "
+                                          "fewer stages where no per-op cost is given (--op-overhead-us), whose extra "
+                                          "ops would cost more than that")
     priced = tune(profile, Cluster(gpus=4, op_overhead_us=1.0), opts)
     assert priced.candidate.num_stages > 1 and priced.scored == priced.configs[0][1]
 

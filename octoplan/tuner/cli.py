@@ -129,9 +129,17 @@ def _verdict(result, memory_gb: float) -> str:
     ratio = _ratio(best.scored.judged_ms, result.scored.judged_ms)
     head = f"fastest baseline that fits: {_label(best)} ({best.config.label()}), {best.scored.iteration_ms:.2f} ms; "
     if ratio < 1 / 1.0005:  # slower: a ratio under 1 read as "0.895x faster"
+        from octoplan.tuner.search import NEAR_TIE
+
         confined = result.stats.get("runs_on", "any")
-        why = (f": --runs-on {confined} confines it to plans that framework runs, and this baseline is not one"
-               if confined != "any" else ": the search did not reach this baseline's layout within its budget")
+        if (result.plan.cluster.op_overhead_us == 0 and 1 / ratio <= 1 + NEAR_TIE
+                and result.candidate.num_stages < best.candidate.num_stages):
+            why = (f": a tie within {NEAR_TIE:.1%} goes to the plan of fewer stages where no per-op cost is given "
+                   "(--op-overhead-us), whose extra ops would cost more than that")
+        elif confined != "any":
+            why = f": --runs-on {confined} confines it to plans that framework runs, and this baseline is not one"
+        else:
+            why = ": the search did not reach this baseline's layout within its budget"
         return f"{head}the tuned plan is {1 / ratio:.3f}x slower{per_microbatch(result.scored)}{why}"
     tie = ": the search found nothing faster than this baseline" if ratio < 1.0005 else ""
     return f"{head}the tuned plan is {ratio:.3f}x faster{per_microbatch(result.scored)}{tie}"
