@@ -28,6 +28,10 @@ def _steps(metrics_path: str) -> list[dict]:
                          "give PLAN=METRICS, the metrics file octorun wrote for PLAN") from None
     if not steps:
         raise InputError(metrics_path, None, "holds no step", "give the --metrics file of a run that trained")
+    for number, step in enumerate(steps, 1):
+        if not (isinstance(step, dict) and all(isinstance(step.get(key), (int, float)) for key in ("iteration_ms", "loss"))):
+            raise InputError(metrics_path, f"line {number}", "is no step of octorun --metrics (iteration_ms and loss)",
+                             "give PLAN=METRICS, the metrics file octorun wrote for PLAN")
     return steps
 
 

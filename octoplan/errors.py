@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import site
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -22,32 +23,42 @@ MODEL_CODE_FAILURES = (Exception, SystemExit, GeneratorExit)
 
 
 # Code that is not the user's: where an exception passed through only these, no line of the
-# user's is named (octoplan and octorun, torch and the other installed packages, the stdlib)
+# user's is named (octoplan and octorun, the stdlib, and torch and the other installed packages,
+# wherever the interpreter, the venv, the system or the user's site keeps them)
 _NOT_USERS = tuple(str(Path(p).resolve()) + os.sep for p in {
     str(Path(__file__).resolve().parents[1] / "octoplan"), str(Path(__file__).resolve().parents[1] / "octorun"),
     *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+    *getattr(site, "getsitepackages", lambda: [])(), site.getusersitepackages(),
 })
+_PACKAGE_FOLDERS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+_WHERE_CHARS = 300  # a path longer than this is cut in its middle: the line stays readable
 
 
 def where_raised(exc: BaseException) -> str:
     """`` (at FILE:LINE in FUNCTION)``: the last line of the user's code (a model file, or a
     module of theirs it imports) that an exception passed through, so a one-line error still
-    says where a model's bug is; empty where none of its frames is the user's."""
-    found = None
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        path = str(Path(code.co_filename).resolve()) if not code.co_filename.startswith("<") else None
-        if path is not None and not path.startswith(_NOT_USERS):
-            found = (path, tb.tb_lineno, code.co_name)
-        tb = tb.tb_next
-    if found is None:
+    says where a model's bug is; empty where none of its frames is the user's. One line, always
+    (a path's line breaks escaped), and never an error of its own."""
+    try:
+        found = None
+        tb = exc.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            path = str(Path(code.co_filename).resolve()) if not code.co_filename.startswith("<") else None
+            if path is not None and not path.startswith(_NOT_USERS) and not any(p in path for p in _PACKAGE_FOLDERS):
+                found = (path, tb.tb_lineno, code.co_name)
+            tb = tb.tb_next
+        if found is None:
+            return ""
+        path, line, function = found
+        shown_path = os.path.relpath(path)  # getcwd(): fails where the working folder is gone
+        if shown_path.startswith(".."):
+            shown_path = path
+    except (OSError, ValueError, RuntimeError):
         return ""
-    path, line, function = found
-    shown_path = os.path.relpath(path)
-    if shown_path.startswith(".."):
-        shown_path = path
-    return f" (at {shown_path}:{line} in {function})"
+    if len(shown_path) > _WHERE_CHARS:
+        shown_path = f"{shown_path[:_WHERE_CHARS // 2]}...{shown_path[-_WHERE_CHARS // 2:]}"
+    return f" (at {shown_path}:{line} in {function})".translate(_LINE_BREAKS)
 
 
 # A part of the line longer than this is cut in its middle: a bad value echoed back may be a

@@ -66,7 +66,9 @@ def check_optimizer_config(config: OptimizerConfig, *, steps: int) -> None:
     if config.decay_steps is not None and not 1 <= config.decay_steps <= 10**9:
         raise InputError(None, "--decay-steps", f"is {config.decay_steps}", "give the schedule's length in steps, >= 1")
     span = config.decay_steps or steps
-    if not 0 <= config.warmup_steps <= span:
+    if config.warmup_steps < 0:
+        raise InputError(None, "--warmup-steps", f"is {config.warmup_steps}", "give 0 or more steps")
+    if config.warmup_steps > span:
         length = "--decay-steps" if config.decay_steps else "--steps"
         raise InputError(None, "--warmup-steps", f"is {config.warmup_steps}, more than the schedule's {span} steps "
                          f"({length})", f"give a number from 0 to {span}, or a longer {length}")

@@ -468,6 +468,22 @@ def test_a_model_bug_is_named_by_the_line_of_the_users_code_it_raised_in(tmp_pat
         octo_test_gather.gather(torch.zeros(1, 8))
     # outside the working folder: the whole path
     assert gist(caught.value).endswith(f"(at {(tmp_path / 'octo_test_gather.py').resolve()}:2 in gather)")
+    # a folder whose name breaks lines keeps the line one line; a working folder that is gone
+    # costs the location, not the error
+    odd = tmp_path / "a\nb"
+    odd.mkdir()
+    (odd / "octo_test_odd.py").write_text("def fail():\n    raise ValueError('x')\n")
+    sys.path.insert(0, str(odd))
+    import octo_test_odd
+
+    with pytest.raises(ValueError) as odd_one:
+        octo_test_odd.fail()
+    assert "\n" not in gist(odd_one.value) and gist(odd_one.value).endswith("octo_test_odd.py:2 in fail)")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert gist(odd_one.value) == "ValueError: x"
     with pytest.raises(Exception) as inside_torch:
         torch.nn.functional.pad(torch.zeros(2), (1,), mode="no such mode")
     raised = inside_torch.value.with_traceback(inside_torch.tb.tb_next)  # torch's own frames only

@@ -56,6 +56,9 @@ def test_a_warm_up_longer_than_the_schedule_names_the_range_and_the_length():
     with pytest.raises(InputError, match=r"schedule's 3 steps \(--decay-steps\)"):
         check_optimizer_config(OptimizerConfig(lr=0.1, warmup_steps=5, decay_steps=3), steps=10)
     check_optimizer_config(OptimizerConfig(lr=0.1, warmup_steps=4), steps=4)  # the whole schedule: allowed
+    with pytest.raises(InputError) as negative:
+        check_optimizer_config(OptimizerConfig(lr=0.1, warmup_steps=-1), steps=4)
+    assert negative.value.line() == "--warmup-steps: is -1 (give 0 or more steps)"
 
 
 def test_adamw_decays_matrices_only_with_the_configs_betas_and_eps():

@@ -298,8 +298,8 @@ def tune(
     starts, later = _climb_starts(ranked, search.opts)
     climbed = _climbs(search, starts, later)
 
-    best, best_scored = _fewest_stages_of_a_tie(search, *_best_that_fits(search, profile_path, unpriced=collected.unpriced),
-                                                 baselines)
+    best, best_scored = _fewest_stages_of_a_tie(search, *_best_that_fits(search, profile_path, unpriced=collected.unpriced))
+    search.config_best[best.config] = (best, best_scored)  # the configurations' table shows the plan written
     plan = _final_plan(search.ev, best, profile_path=profile_path)
     stats = _stats(search, best, plan, climbed=climbed, configs=len(configs), seeds=len(seeds), seeded_s=seeded_s,
                    families=ctx.stats, baselines_unpriced=collected.unpriced, time_limit_s=opts.time_limit_s)
@@ -513,21 +513,22 @@ def final_work_s(configs: Sequence[Config], opts: TuneOptions, num_layers: int) 
     return min(FINAL_SHARE * opts.time_limit_s, FINAL_S_PER_OP * ops)
 
 
-def _fewest_stages_of_a_tie(search: Search, best: Candidate, best_scored: Scored,
-                            baselines: Sequence[BaselineRow]) -> tuple[Candidate, Scored]:
+def _fewest_stages_of_a_tie(search: Search, best: Candidate, best_scored: Scored) -> tuple[Candidate, Scored]:
     """Where the cluster prices no cost per op (``op_overhead_us`` 0, as before ``octoplan
-    calibrate``), the plan of fewest stages among the fitting plans within :data:`NEAR_TIE` of
-    the fastest (each configuration's best, and the baselines): a plan that gains less than that
-    by cutting the layers into more stages gains it only because its extra ops are free. A pp-1
-    plan of 10 stages on one rank, 0.03% faster here than the same replicas' one stage, ran 25%
-    slower on this machine's CPU, at 0.45 ms a op."""
+    calibrate``), the plan of fewest stages among every fitting plan this process priced (the
+    baselines among them) within :data:`NEAR_TIE` of the fastest: a plan that gains less than
+    that by cutting the layers into more stages gains it only because its extra ops are free. A
+    pp-1 plan of 10 stages on one rank, 0.03% faster here than the same replicas' one stage, ran
+    25% slower on this machine's CPU, at 0.45 ms an op."""
     if search.ev.cluster.op_overhead_us > 0:
         return best, best_scored
     near = best_scored.judged_ms * (1 + NEAR_TIE)
-    others = [*search.config_best.values(), *((row.candidate, row.scored) for row in baselines)]
-    ties = [(cand, scored) for cand, scored in others if scored.fits and scored.judged_ms <= near
-            and search.frameworks.allows(cand, search.opts.runs_on)]
-    return min([(best, best_scored), *ties], key=lambda item: (item[0].num_stages, item[1].judged_ms))
+    ties = [(cand, scored) for cand, scored in search.ev.priced_plans()
+            if scored.fits and scored.judged_ms <= near and cand.num_stages < best.num_stages]
+    for cand, scored in sorted(ties, key=lambda item: (item[0].num_stages, item[1].judged_ms, item[0].config)):
+        if search.frameworks.allows(cand, search.opts.runs_on):
+            return cand, scored
+    return best, best_scored
 
 
 def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs: int, seeds: int, seeded_s: float,

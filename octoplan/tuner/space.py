@@ -307,6 +307,10 @@ class Evaluator:
         """Whether ``cand``'s score is known: asking for it again costs no plan."""
         return cand in self._cache
 
+    def priced_plans(self) -> list[tuple[Candidate, Scored]]:
+        """Every candidate priced so far, with its score."""
+        return list(self._cache.items())
+
     def least_memory(self) -> int | None:
         return min((s.peak_memory_bytes for s in self._cache.values()), default=None)
 
