@@ -16,21 +16,38 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 WIDTH, HEIGHT = 720, 360
 LEFT, RIGHT, TOP, BOTTOM = 64, 24, 40, 48
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 
 
+def _bad(path: str, problem: str) -> NoReturn:
+    """Bad input, as the octoplan commands report it: one line, exit 2."""
+    sys.stderr.write(f"loss_curve: {path}: {problem} (give LABEL=METRICS, a --metrics file octorun wrote)\n")
+    sys.exit(2)
+
+
 def read_segment(path: str) -> list[tuple[int, float]]:
     points = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        _bad(path, f"cannot be read: {getattr(exc, 'strerror', None) or exc}")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             record = json.loads(line)
-            if isinstance(record.get("loss"), (int, float)) and math.isfinite(record["loss"]):
-                points.append((int(record["step"]), float(record["loss"])))
+        except ValueError:
+            _bad(path, f"line {number} is not JSON")
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            _bad(path, f"line {number} is no step of octorun --metrics")
+        if isinstance(record.get("loss"), (int, float)) and math.isfinite(record["loss"]):
+            points.append((record["step"], float(record["loss"])))
     if not points:
-        raise SystemExit(f"loss_curve: {path}: no finite losses (a --metrics file of octorun?)")
+        _bad(path, "holds no finite loss")
     return points
 
 

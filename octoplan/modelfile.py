@@ -234,6 +234,8 @@ def load_model_file(path: str | Path, config: dict[str, Any] | None = None, *, s
     sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
     try:
         spec.loader.exec_module(module)
+    except InputError as exc:  # the file's own words, or a model file it loads that is bad (named by its error)
+        raise exc.in_file(str(path)) from None
     except Exception as exc:  # a broken model file is the user's input, not our failure
         raise InputError(str(path), None, f"import failed: {type(exc).__name__}: {exc}{where_raised(exc)}",
                          "fix the model file") from None

@@ -468,6 +468,13 @@ def test_a_model_bug_is_named_by_the_line_of_the_users_code_it_raised_in(tmp_pat
         octo_test_gather.gather(torch.zeros(1, 8))
     # outside the working folder: the whole path
     assert gist(caught.value).endswith(f"(at {(tmp_path / 'octo_test_gather.py').resolve()}:2 in gather)")
+    # a model file that loads another, broken, one: that file's error, named once
+    (tmp_path / "outer.py").write_text("from octoplan.modelfile import load_model_file\n"
+                                       "inner = load_model_file(__file__.replace('outer', 'inner'))\n")
+    (tmp_path / "inner.py").write_text("raise ValueError('broken')\n")
+    run = _octoplan("profile", "outer.py", "--repeat", 1, "-o", "q.yaml", cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.count("(at ") == 1, run.stderr
+    assert f"{tmp_path / 'inner.py'}: import failed: ValueError: broken (at inner.py:1 in <module>)" in run.stderr
     # a folder whose name breaks lines keeps the line one line; a working folder that is gone
     # costs the location, not the error
     odd = tmp_path / "a\nb"
