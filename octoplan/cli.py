@@ -3,6 +3,7 @@ write the file, render with rich."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -865,18 +866,14 @@ def main() -> None:
     # Typer before 0.2x raises click's exceptions; later ones raise those of the click it carries
     # (typer._click), which are TyperExceptions and not click's even where click is installed too.
     problems: list[type] = []
-    try:
+    with contextlib.suppress(ImportError):  # an older typer has no exception of its own: click's covers it
         from typer.exceptions import TyperException
 
         problems.append(TyperException)
-    except ImportError:
-        pass  # an older typer without its own exception: click's below covers it
-    try:
+    with contextlib.suppress(ImportError):  # a typer built without click raises no usage error of that kind
         from click import ClickException
 
         problems.append(ClickException)
-    except ImportError:
-        pass  # a typer built without click: no usage error of that kind can be raised
     UsageProblem = tuple(problems)
     try:
         # without standalone mode, click turns Ctrl-C into a returned 130 instead of raising

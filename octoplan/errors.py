@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import reprlib
-import site
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,12 @@ MODEL_CODE_FAILURES = (Exception, SystemExit, GeneratorExit)
 
 
 # Code that is not the user's: where an exception passed through only these, no line of the
-# user's is named (octoplan and octorun, the stdlib, and torch and the other installed packages,
-# wherever the interpreter, the venv, the system or the user's site keeps them)
+# user's is named: octoplan and octorun, the stdlib, and torch and the other installed packages
+# (in a site-packages or dist-packages folder, wherever the venv, the system or the user's site
+# keeps one)
 _NOT_USERS = tuple(str(Path(p).resolve()) + os.sep for p in {
     str(Path(__file__).resolve().parents[1] / "octoplan"), str(Path(__file__).resolve().parents[1] / "octorun"),
-    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
-    *getattr(site, "getsitepackages", lambda: [])(), site.getusersitepackages(),
+    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")),
 })
 _PACKAGE_FOLDERS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 _WHERE_CHARS = 300  # a path longer than this is cut in its middle: the line stays readable
@@ -56,9 +55,7 @@ def where_raised(exc: BaseException) -> str:
             shown_path = path
     except (OSError, ValueError, RuntimeError):
         return ""
-    if len(shown_path) > _WHERE_CHARS:
-        shown_path = f"{shown_path[:_WHERE_CHARS // 2]}...{shown_path[-_WHERE_CHARS // 2:]}"
-    return f" (at {shown_path}:{line} in {function})".translate(_LINE_BREAKS)
+    return f" (at {_clipped(shown_path, _WHERE_CHARS)}:{line} in {function})".translate(_LINE_BREAKS)
 
 
 # A part of the line longer than this is cut in its middle: a bad value echoed back may be a
@@ -67,10 +64,10 @@ def where_raised(exc: BaseException) -> str:
 _PART_CHARS = 4000
 
 
-def _clipped(part):
-    if not isinstance(part, str) or len(part) <= _PART_CHARS:
+def _clipped(part, chars: int = _PART_CHARS):
+    if not isinstance(part, str) or len(part) <= chars:
         return part
-    half = _PART_CHARS // 2
+    half = chars // 2
     return f"{part[:half]}...[{len(part) - 2 * half} characters]...{part[-half:]}"
 
 

@@ -73,10 +73,8 @@ def gist(exc: BaseException) -> str:
     location and the advice that gloo and c10d append, and the line of the user's code (a
     model file's) it was raised in, if any (:func:`octoplan.errors.where_raised`)."""
     text = str(exc).strip()
-    if not text:
-        return type(exc).__name__ + where_raised(exc)
-    line = _SOURCE_LOCATION.sub("", text.splitlines()[0]).split(". ")[0][:300]
-    return f"{type(exc).__name__}: {line}{where_raised(exc)}"
+    line = _SOURCE_LOCATION.sub("", text.splitlines()[0]).split(". ")[0][:300] if text else ""
+    return f"{type(exc).__name__}{': ' if line else ''}{line}{where_raised(exc)}"
 
 
 @dataclass
@@ -377,12 +375,11 @@ class Watchdog:
             for rank, pid in peers.items():
                 if not _alive(pid) or self.store.add(self.key(f"reaped/{rank}"), 1) != 1:  # one reaper says it
                     continue
-                try:
+                # a process that left between the liveness check and the kill has nothing to reap
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                     sys.stderr.write(f"octorun: rank {self.global_rank}: killed global rank {rank} (pid {pid}), "
                                      f"which did not leave within {_GRACE_S:g} s of the job's failure\n")
-                except ProcessLookupError:
-                    pass  # it left between the liveness check and the kill: nothing to reap
         except Exception as exc:  # the store may be gone with its host; leave all the same
             log.debug("could not reap hung peers: %s", exc)
 

@@ -132,8 +132,7 @@ def _verdict(result, memory_gb: float) -> str:
         from octoplan.tuner.search import NEAR_TIE
 
         confined = result.stats.get("runs_on", "any")
-        if (1 / ratio <= 1 + NEAR_TIE and result.plan.cluster.op_overhead_us == 0
-                and result.candidate.num_stages < best.candidate.num_stages):
+        if result.stats.get("near_tie") and 1 / ratio <= 1 + NEAR_TIE:
             why = (f": a tie within {NEAR_TIE:.1%} goes to the plan of fewer stages where no per-op cost is given "
                    "(--op-overhead-us), whose extra ops would cost more than that")
         elif confined != "any":

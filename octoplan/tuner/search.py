@@ -276,12 +276,11 @@ def tune(
     cluster = _with_gpus(cluster, opts.gpus)
     configs = configs_for(profile, opts, cluster)
     # the search's own bound on stages per rank: no rank can hold more stages than there are
-    # layers, so a larger --chunks-max changes nothing (the baselines read the bound as given)
-    # the search ends early enough for the final plan's work to end within the time limit too
-    reserve_s = final_work_s(configs, opts, profile.num_layers)
+    # layers, so a larger --chunks-max changes nothing (the baselines read the bound as given);
+    # and its end, early enough for the final plan's work to end within the time limit too
     search = Search(_evaluator_for(profile, cluster, evaluator),
                     replace(opts, chunks_max=min(opts.chunks_max or DEFAULT_CHUNKS, profile.num_layers),
-                            time_limit_s=opts.time_limit_s - reserve_s),
+                            time_limit_s=opts.time_limit_s - final_work_s(configs, opts, profile.num_layers)),
                     progress, neighbourhoods=neighbourhoods, stage_cap=opts.chunks_max)
     search.ev.judge_per_sample(configs)
     # the baselines may take up to half the time limit: at thousands of microbatches they alone
@@ -298,11 +297,13 @@ def tune(
     starts, later = _climb_starts(ranked, search.opts)
     climbed = _climbs(search, starts, later)
 
-    best, best_scored = _fewest_stages_of_a_tie(search, *_best_that_fits(search, profile_path, unpriced=collected.unpriced))
+    fastest = _best_that_fits(search, profile_path, unpriced=collected.unpriced)
+    best, best_scored = _fewest_stages_of_a_tie(search, *fastest)
     search.config_best[best.config] = (best, best_scored)  # the configurations' table shows the plan written
     plan = _final_plan(search.ev, best, profile_path=profile_path)
     stats = _stats(search, best, plan, climbed=climbed, configs=len(configs), seeds=len(seeds), seeded_s=seeded_s,
                    families=ctx.stats, baselines_unpriced=collected.unpriced, time_limit_s=opts.time_limit_s)
+    stats["near_tie"] = best is not fastest[0]  # fewer stages won within NEAR_TIE of the fastest (tune's verdict says so)
     plan = replace(plan, extra={"tuner": stats if opts.max_plans is None else _without_wall_times(stats)})
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     frameworks = search.frameworks
