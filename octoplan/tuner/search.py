@@ -519,8 +519,8 @@ def _fewest_stages_of_a_tie(search: Search, best: Candidate, best_scored: Scored
     calibrate``), the plan of fewest stages among every fitting plan this process priced (the
     baselines among them) within :data:`NEAR_TIE` of the fastest: a plan that gains less than
     that by cutting the layers into more stages gains it only because its extra ops are free. A
-    pp-1 plan of 10 stages on one rank, 0.03% faster here than the same replicas' one stage, ran
-    25% slower on this machine's CPU, at 0.45 ms an op."""
+    pp-1 plan of 10 stages on one rank, 0.05% faster in the simulator than the same replicas'
+    one stage, ran 1.5x slower replayed on this machine's CPU (docs/BENCHMARKS.md)."""
     if search.ev.cluster.op_overhead_us > 0:
         return best, best_scored
     near = best_scored.judged_ms * (1 + NEAR_TIE)
