@@ -421,13 +421,20 @@ def test_the_verdict_calls_a_slower_tuned_plan_slower_and_says_why():
 
     baseline = SimpleNamespace(name="1f1b/balanced", candidate=SimpleNamespace(recompute_layers=()),
                                config=SimpleNamespace(label=lambda: "pp=4 dp=2"),
-                               scored=SimpleNamespace(judged_ms=90.0, iteration_ms=90.0))
+                               scored=SimpleNamespace(judged_ms=90.0, iteration_ms=90.0), allowed=False)
     for confined, why in (("v", "--runs-on v confines it to plans that framework runs, and this baseline is not one"),
                           ("any", "the search did not reach this baseline's layout within its budget")):
         result = SimpleNamespace(best_baseline=lambda: baseline, scored=SimpleNamespace(judged_ms=100.0, samples=1),
                                  stats={"runs_on": confined})
         assert _verdict(result, 80.0) == ("fastest baseline that fits: 1f1b/balanced (pp=4 dp=2), 90.00 ms; the tuned "
                                           f"plan is 1.111x slower: {why}")
+    # within the near tie, the cause is --runs-on where it refuses the baseline, the tie where it allows it
+    tie = ": a tie within 0.1% goes to the plan of fewer stages"
+    result.scored.judged_ms = 90.05
+    for confined, allowed, why in (("v", False, ": --runs-on v confines"), ("v", True, tie), ("any", True, tie)):
+        baseline.allowed = allowed
+        result.stats = {"runs_on": confined, "near_tie": True}
+        assert why in _verdict(result, 80.0), (confined, allowed)
     result.scored.judged_ms = 90.0
     assert _verdict(result, 80.0).endswith("1.000x faster: the search found nothing faster than this baseline")
 

@@ -132,11 +132,12 @@ def _verdict(result, memory_gb: float) -> str:
         from octoplan.tuner.search import NEAR_TIE
 
         confined = result.stats.get("runs_on", "any")
-        if result.stats.get("near_tie") and 1 / ratio <= 1 + NEAR_TIE:
+        # a baseline --runs-on refuses could not have been written, whatever the tie rule chose
+        if confined != "any" and not best.allowed:
+            why = f": --runs-on {confined} confines it to plans that framework runs, and this baseline is not one"
+        elif result.stats.get("near_tie") and 1 / ratio <= 1 + NEAR_TIE:
             why = (f": a tie within {NEAR_TIE:.1%} goes to the plan of fewer stages where no per-op cost is given "
                    "(--op-overhead-us), whose extra ops would cost more than that")
-        elif confined != "any":
-            why = f": --runs-on {confined} confines it to plans that framework runs, and this baseline is not one"
         else:
             why = ": the search did not reach this baseline's layout within its budget"
         return f"{head}the tuned plan is {1 / ratio:.3f}x slower{per_microbatch(result.scored)}{why}"

@@ -240,7 +240,8 @@ def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions, *,
     search = Search(_evaluator_for(profile, cluster, evaluator), opts, None)
     search.ev.judge_per_sample(configs)
     rows = collect_baselines(profile, cluster, configs, opts, search, until_s=until_s).rows
-    return [replace(row, runs_on=search.frameworks.runs_on(row.candidate)) for row in rows]
+    return [replace(row, runs_on=search.frameworks.runs_on(row.candidate),
+                    allowed=search.frameworks.allows(row.candidate, opts.runs_on)) for row in rows]
 
 
 def _with_gpus(cluster: Cluster, gpus: int) -> Cluster:
@@ -307,7 +308,8 @@ def tune(
     plan = replace(plan, extra={"tuner": stats if opts.max_plans is None else _without_wall_times(stats)})
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     frameworks = search.frameworks
-    rows = tuple(replace(row, runs_on=frameworks.runs_on(row.candidate)) for row in baselines)
+    rows = tuple(replace(row, runs_on=frameworks.runs_on(row.candidate),
+                         allowed=frameworks.allows(row.candidate, opts.runs_on)) for row in baselines)
     configs_best = tuple(sorted(search.config_best.values(),  # the tuned plan's configuration first among equals
                                 key=lambda item: (item[1].score, item[0].config != best.config, item[0].config)))
     return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best), configs_best)

@@ -51,6 +51,7 @@ class BaselineRow:
     scored: Scored
     candidate: Candidate
     runs_on: tuple[str, ...] = ()  # the frameworks that run it as planned (frameworks.FRAMEWORKS)
+    allowed: bool = True  # whether the tune's --runs-on lets it be the plan written
 
 
 def baseline_chunks(opts: TuneOptions) -> int:
