@@ -103,6 +103,29 @@ def test_the_microbatch_size_that_runs_the_batch_fastest_wins():
     assert min(row.scored.iteration_ms for row in batch.configs if row.microbatch_size == 2) > batch.result.scored.iteration_ms
 
 
+def test_the_near_tie_spans_the_microbatch_sizes():
+    """Where ops cost nothing, each size's tune gives a near tie to its plan of fewest stages;
+    across sizes the same rule holds: of the sizes' plans within 0.1% of the fastest any size
+    priced, the one of fewest stage passes per sample (stages / microbatch size) is written,
+    though another size's plan is 0.05% faster. Priced ops, or a plan outside the 0.1%: the
+    fastest."""
+    from types import SimpleNamespace
+
+    from octoplan.tuner.configs import _winning_size
+
+    def size(mbs, stages, written_ms, fastest_ms):
+        result = SimpleNamespace(scored=Scored(written_ms, 0.0, 0.0, 1, True),
+                                 fastest=Scored(fastest_ms, 0.0, 0.0, 1, True),
+                                 candidate=SimpleNamespace(num_stages=stages))
+        return (None, SimpleNamespace(microbatch_size=mbs), result)
+
+    four_stages = size(1, 4, 100.0, 100.0)  # 4 passes a sample
+    two_stages = size(2, 2, 100.05, 100.04)  # 1 pass a sample: its own tie left a faster plan of 6 stages
+    assert _winning_size([four_stages, two_stages], cluster()) is two_stages
+    assert _winning_size([four_stages, two_stages], replace(cluster(), op_overhead_us=1.0)) is four_stages
+    assert _winning_size([four_stages, size(2, 2, 100.2, 100.2)], cluster()) is four_stages
+
+
 @pytest.mark.parametrize("memory_gb", [None, 4.0])
 def test_each_size_keeps_the_baselines_its_pricing_priced_under_a_plan_budget(memory_gb):
     """Under --max-plans a size's pricing counts among its tune's plans, so its tune's clock

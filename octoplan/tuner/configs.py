@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from fractions import Fraction
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -26,8 +27,8 @@ from octoplan.errors import InputError
 from octoplan.ops import Kind, Op
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
-from octoplan.tuner.search import (BASELINES_SHARE, BaselineRow, ProgressFn, TuneOptions, TuneResult, check_options,
-                                   compare_baselines, tune)
+from octoplan.tuner.search import (BASELINES_SHARE, NEAR_TIE, BaselineRow, ProgressFn, TuneOptions, TuneResult,
+                                   check_options, compare_baselines, tune)
 from octoplan.tuner.space import Candidate, Config, Evaluator, Scored
 
 __all__ = ["ConfigRow", "BatchResult", "TIME_PARTS", "time_parts", "why_slower", "tune_global_batch", "check_same_model"]
@@ -178,6 +179,22 @@ def check_same_model(profiles: Sequence[tuple[Path | None, Profile]]) -> None:
         seen[profile.microbatch_size] = path
 
 
+def _winning_size(tuned: list[tuple[Path | None, Profile, TuneResult]],
+                  cluster: Cluster) -> tuple[Path | None, Profile, TuneResult]:
+    """The microbatch size whose plan is written: the fastest, or, where no per-op cost is priced,
+    the near tie of :func:`octoplan.tuner.search.tune` across the sizes: of the sizes' plans
+    within ``NEAR_TIE`` of the fastest any size priced, the one of fewest stage passes per sample
+    (its stages over its microbatch size, as the GPUs and the batch are the same)."""
+    fastest = min(tuned, key=lambda item: (item[2].scored.score, item[1].microbatch_size))
+    if cluster.op_overhead_us > 0:
+        return fastest
+    floor = min((result.fastest.judged_ms for _, _, result in tuned if result.fastest and result.fastest.fits),
+                default=math.inf)
+    near = [item for item in tuned if item[2].scored.fits and item[2].scored.judged_ms <= floor * (1 + NEAR_TIE)]
+    return min(near, key=lambda item: (Fraction(item[2].candidate.num_stages, item[1].microbatch_size),
+                                       item[2].scored.judged_ms, item[1].microbatch_size), default=fastest)
+
+
 def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: Cluster, opts: TuneOptions, *,
                       progress: ProgressFn | None = None) -> BatchResult:
     """Tune every microbatch size's profile for ``opts.global_batch`` samples on ``opts.gpus``
@@ -253,8 +270,7 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
         for row in best.values():
             parts, cross = time_parts(evaluator, row.candidate)
             rows.append(ConfigRow(profile.microbatch_size, row.candidate, row.scored, parts, cross))
-    winner_path, winner_profile, winner = min(
-        tuned, key=lambda item: (item[2].scored.score, item[1].microbatch_size))
+    winner_path, winner_profile, winner = _winning_size(tuned, cluster)
     # the written plan's configuration first among equals: the table's winner is the plan's
     won = (winner_profile.microbatch_size, winner.candidate.config)
     rows.sort(key=lambda row: (row.scored.score, (row.microbatch_size, row.config) != won, row.microbatch_size, row.config))

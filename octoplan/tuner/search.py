@@ -157,6 +157,9 @@ class TuneResult:
     runs_on: tuple[str, ...] = ()  # the frameworks that run the tuned plan as planned
     # every configuration's best candidate the search priced, best first (the winner's first)
     configs: tuple[tuple[Candidate, Scored], ...] = ()
+    # the fastest plan priced, before the near tie gave the plan to one of fewer stages
+    # (_fewest_stages_of_a_tie); the near tie across microbatch sizes starts from it
+    fastest: Scored | None = None
 
     def best_baseline(self) -> BaselineRow | None:
         fitting = [row for row in self.baselines if row.scored.fits]
@@ -312,7 +315,7 @@ def tune(
                          allowed=frameworks.allows(row.candidate, opts.runs_on)) for row in baselines)
     configs_best = tuple(sorted(search.config_best.values(),  # the tuned plan's configuration first among equals
                                 key=lambda item: (item[1].score, item[0].config != best.config, item[0].config)))
-    return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best), configs_best)
+    return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best), configs_best, fastest[1])
 
 
 def check_options(opts: TuneOptions) -> None:
