@@ -121,7 +121,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         _train(args)
     except KeyboardInterrupt:  # at any point, the imports included
-        if os.environ.get("RANK", "0") == "0":  # every process gets the signal: one of them speaks
+        # a terminal's Ctrl-C reaches every process of its node: the node's first one speaks, so
+        # that each node's terminal says why its job ended (torchrun's summary names no signal)
+        if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
             kept = " (--metrics replaces its file only when a run ends well)" if args.metrics else ""
             sys.stderr.write(f"octorun: interrupted{kept}\n")
         # no interpreter shutdown: the transport's receiver threads wait inside gloo, and tearing

@@ -231,6 +231,33 @@ def test_ctrl_c_ends_every_rank_with_130_and_no_abort(setup, tmp_path):
     assert not any("terminate called" in err for err in errors), errors
 
 
+def test_on_ctrl_c_each_nodes_first_process_says_so(setup, tmp_path):
+    """A Ctrl-C on the second node's terminal reaches only that node's processes: its first one
+    (LOCAL_RANK 0, global rank 2 here) says why the job ended there, the others stay quiet. Both
+    wait for a rank 0 that never comes (no store on the port), as a node does that starts first."""
+    from octorun.runtime import LAUNCH_VARIABLES, free_port
+
+    folder, _, _ = setup
+    plan = tmp_path / "pp4.yaml"
+    save_plan(h.baseline_plan("1f1b", folder / "fault_model.py", CONFIG, tmp_path / "pp4", gpus=4, pp=4, microbatches=4),
+              plan)
+    port = str(free_port())
+    workers = []
+    for rank, local in ((2, 0), (3, 1)):
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+        env.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        workers.append(subprocess.Popen([sys.executable, "-m", "octorun", str(plan), "--steps", "1"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=h.ROOT,
+                                        env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
+    time.sleep(3)
+    for worker in workers:
+        worker.send_signal(signal.SIGINT)
+    errors = [worker.communicate(timeout=60)[1] for worker in workers]
+    assert [worker.returncode for worker in workers] == [130, 130], errors
+    assert errors[0].strip() == "octorun: interrupted" and errors[1] == "", errors
+
+
 # What each process runs: octorun to its end, then the names of the threads it has left.
 _THREADS_LEFT = """
 import os, sys
