@@ -11,8 +11,8 @@ the last of its rank's virtual stages. The stage count is a multiple of pp and s
 on rank ``i mod pp`` (Megatron's virtual stages, as in octoplan's loop placement).
 
 Megatron runs only that placement, with its own order: 1F1B with one stage per rank, interleaved
-1F1B with several (then the microbatches must be a multiple of pp; with exactly pp of them it
-runs every forward before any backward), never a split backward (I/W). A plan is
+1F1B with several (then the microbatches must be a multiple of pp, and rank r warms up with
+2 (pp - 1 - r) + (chunks - 1) pp forwards), never a split backward (I/W). A plan is
 *Megatron-runnable* when it has that placement and that order (:func:`megatron_order`); only
 such a plan is exported, so the iteration time octoplan predicts is the one Megatron runs.
 Recomputation maps to ``--recompute-method block --recompute-num-layers N`` when every stage
@@ -42,7 +42,7 @@ from octoplan.ops import Kind, Op
 from octoplan.outputs import write_text
 from octoplan.plan import Plan, Stage, check_structure
 from octoplan.profile import Profile
-from octoplan.schedules.looped import interleaved_1f1b, looped_schedule
+from octoplan.schedules.looped import interleaved_1f1b
 from octoplan.schedules.placement import framework_placement
 
 __all__ = ["KIND_LETTERS", "LayerLetters", "MegatronExport", "megatron_order", "layout_string", "parse_layout",
@@ -162,15 +162,13 @@ class LayerLetters:
 
 def megatron_order(pp: int, microbatches: int, chunks: int) -> list[list[Op]] | None:
     """The op order Megatron-LM runs for ``chunks`` stages per rank in a loop: 1F1B, or its
-    interleaved 1F1B (microbatches taken in groups of pp; with exactly pp microbatches, every
-    forward before any backward). None where Megatron refuses (interleaved with microbatches
-    not a multiple of pp)."""
-    if chunks == 1:
-        return interleaved_1f1b(pp, microbatches, 1)
-    if microbatches % pp:
+    interleaved 1F1B (microbatches taken in groups of pp, each rank warming up with
+    2 (pp - 1 - r) + (chunks - 1) pp forwards, all of them where that is every forward: with
+    exactly pp microbatches only the first ranks run every forward first, as megatron-core's
+    ``get_pp_rank_microbatches`` counts them; Megatron-LM before it ran every rank so). None
+    where Megatron refuses (interleaved with microbatches not a multiple of pp)."""
+    if chunks > 1 and microbatches % pp:
         return None
-    if microbatches == pp:
-        return looped_schedule(pp, microbatches, chunks=chunks, warmup=lambda r: microbatches * chunks)
     return interleaved_1f1b(pp, microbatches, chunks)
 
 

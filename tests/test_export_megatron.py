@@ -98,9 +98,12 @@ def test_mtp_must_sit_in_its_ranks_last_virtual_stage():
 def test_megatron_orders():
     assert megatron_order(3, 5, 1) == one_f_one_b(3, 5)
     assert megatron_order(2, 5, 2) is None  # interleaved needs a multiple of pp
-    # exactly pp microbatches: every forward before any backward, in Megatron's chunk order
-    rank0 = megatron_order(2, 2, 2)[0]
+    # exactly pp microbatches: rank 0 warms up with 2 (pp - 1) + (v - 1) pp = 4 forwards, all it
+    # has, and runs them before any backward; rank 1 with 2, then alternates (megatron-core's
+    # get_pp_rank_microbatches: no case of its own for microbatches = pp, as before it)
+    rank0, rank1 = megatron_order(2, 2, 2)
     assert [str(op) for op in rank0] == ["0F0", "0F1", "2F0", "2F1", "2B0", "2B1", "0B0", "0B1"]
+    assert [str(op) for op in rank1] == ["1F0", "1F1", "3F0", "3B0", "3F1", "3B1", "1B0", "1B1"]
     # 4 microbatches on pp 2: rank 1 warms up with (v-1) x pp = 2 forwards, then alternates
     rank1 = megatron_order(2, 4, 2)[1]
     assert [str(op) for op in rank1[:5]] == ["1F0", "1F1", "3F0", "3B0", "3F1"]
