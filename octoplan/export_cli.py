@@ -36,14 +36,20 @@ class FrameworkOptions:
 
 def megatron_fallback(plan: Plan, profile: Profile, *, profile_path: str | Path | None, time_limit_s: float,
                       max_plans: int | None = None, letters: Mapping[str, str] | None = None):
-    """The best plan Megatron-LM can run on ``plan``'s GPUs, pipeline degree, microbatches and rank order:
+    """The best plan Megatron-LM can run on ``plan``'s GPUs, pipeline degree, microbatches and rank order
+    (its own, dp-inner, where it cannot number ranks as the plan does):
     the tuner confined to Megatron's placement and order (``--runs-on megatron``), reading the
     layers' kinds with ``letters`` (``--kind-letter``) as the export does."""
+    from octoplan.export_megatron import MEGATRON_RANK_ORDER, expert_parallel, megatron_rank_order_problem
     from octoplan.tuner.search import TuneOptions, tune
 
+    # the plan's rank order where Megatron-LM can number ranks so, else its own
+    order = (plan.parallel.rank_order if megatron_rank_order_problem(plan.parallel, plan.cluster,
+                                                                     expert_parallel(profile)) is None
+             else MEGATRON_RANK_ORDER)
     opts = TuneOptions(gpus=plan.pp * plan.parallel.dp, pp=plan.pp, microbatches=plan.microbatches,
                        time_limit_s=time_limit_s, max_plans=max_plans, runs_on="megatron", baselines=False,
-                       kind_letters=tuple(sorted((letters or {}).items())), rank_order=plan.parallel.rank_order)
+                       kind_letters=tuple(sorted((letters or {}).items())), rank_order=order)
     return tune(profile, plan.cluster, opts, profile_path=profile_path)
 
 
@@ -62,7 +68,8 @@ def run_framework_export(console: Console, plan: Plan, profile: Profile, *, plan
 
 def _megatron(console: Console, plan: Plan, profile: Profile, *, plan_path: Path, profile_path: Path | None,
               output: Path, options: FrameworkOptions) -> None:
-    from octoplan.export_megatron import LayerLetters, export_megatron, megatron_problem, parse_kind_letters
+    from octoplan.export_megatron import (LayerLetters, expert_parallel, export_megatron, megatron_problem,
+                                          parse_kind_letters)
 
     from octoplan.tuner.search import TuneOptions, check_options
     from octoplan.validate import check_runnable
@@ -75,7 +82,8 @@ def _megatron(console: Console, plan: Plan, profile: Profile, *, plan_path: Path
     # must not pass only because the plan happened to fit Megatron-LM
     check_options(TuneOptions(gpus=plan.pp * plan.parallel.dp, time_limit_s=options.time_limit_s, max_plans=options.max_plans))
     letters = parse_kind_letters(options.kind_letters)
-    problem = megatron_problem(plan, LayerLetters(profile, letters=letters, file=str(profile_path or plan_path)))
+    problem = megatron_problem(plan, LayerLetters(profile, letters=letters, file=str(profile_path or plan_path)),
+                               ep=expert_parallel(profile))
     chosen, title = plan, f"Megatron-LM arguments for {plan_path} (octoplan export --format megatron)"
     if problem is not None:
         from octoplan.simulator import simulate

@@ -40,14 +40,14 @@ from typing import Mapping, Sequence
 from octoplan.errors import InputError, one_line
 from octoplan.ops import Kind, Op
 from octoplan.outputs import write_text
-from octoplan.plan import Plan, Stage, check_structure
+from octoplan.plan import Cluster, Parallel, Plan, Stage, check_structure
 from octoplan.profile import Profile
 from octoplan.schedules.looped import interleaved_1f1b
 from octoplan.schedules.placement import framework_placement
 
 __all__ = ["KIND_LETTERS", "LayerLetters", "MegatronExport", "megatron_order", "layout_string", "parse_layout",
            "check_layout", "megatron_problem", "megatron_export", "export_megatron", "parse_kind_letters",
-           "check_kind_letters"]
+           "check_kind_letters", "MEGATRON_RANK_ORDER", "expert_parallel", "megatron_rank_order_problem"]
 
 # A profile layer's kind -> its letter in the layout (a split block's K.mixer / K.ffn read as K's).
 KIND_LETTERS: dict[str, str] = {
@@ -196,8 +196,32 @@ def one_recompute_count(stages: Sequence[Stage], letters: LayerLetters) -> bool:
     return uniform_recompute(stages) is not None or uniform_recompute(stages, letters.letter) is not None
 
 
-def megatron_problem(plan: Plan, letters: LayerLetters) -> str | None:
-    """Why Megatron-LM cannot run ``plan`` as planned (None: it can)."""
+# Megatron-LM's own rank order, tp-cp-ep-dp-pp: a stage's data-parallel replicas on consecutive
+# ranks; --use-tp-pp-dp-mapping gives pp-inner instead, which it refuses with expert parallelism
+MEGATRON_RANK_ORDER = "dp-inner"
+
+
+def expert_parallel(profile: Profile) -> int:
+    """The expert-parallel degree a profile was made for (``model.config.ep``; 1 without one)."""
+    try:
+        return max(1, int(profile.model.config.get("ep") or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
+def megatron_rank_order_problem(parallel: Parallel, cluster: Cluster, ep: int) -> str | None:
+    """Why Megatron-LM cannot number the ranks as ``parallel`` does on ``cluster`` (None: it
+    can, by its own order, by ``--use-tp-pp-dp-mapping``, or because both orders put the same
+    ranks on each node)."""
+    if parallel.runs_in_order(MEGATRON_RANK_ORDER, cluster) or ep == 1:
+        return None
+    return (f"its {parallel.rank_order} rank order needs --use-tp-pp-dp-mapping, which Megatron-LM refuses with "
+            f"expert parallelism (the profile's ep {ep}); its own order is {MEGATRON_RANK_ORDER}")
+
+
+def megatron_problem(plan: Plan, letters: LayerLetters, *, ep: int = 1) -> str | None:
+    """Why Megatron-LM cannot run ``plan`` as planned (None: it can); ``ep``: the profile's
+    expert-parallel degree (:func:`expert_parallel`)."""
     pp, num_stages = plan.pp, plan.num_stages
     ranks = [s.rank for s in plan.stages]
     if framework_placement(pp, ranks) != "loop":
@@ -226,7 +250,7 @@ def megatron_problem(plan: Plan, letters: LayerLetters) -> str | None:
     if not one_recompute_count(plan.stages, letters):
         return ("its stages recompute different numbers of layers; Megatron-LM's --recompute-num-layers is one N "
                 "for every stage")
-    return None
+    return megatron_rank_order_problem(plan.parallel, plan.cluster, ep)
 
 
 def _compress_stage(letters: str) -> str:
@@ -353,7 +377,7 @@ def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] 
     it (the layer kinds, the placement, the order, the recomputation)."""
     check_structure(plan, file=file, num_layers=profile.num_layers)
     table = LayerLetters(profile, letters=letters, file=plan.profile or file)
-    problem = megatron_problem(plan, table)
+    problem = megatron_problem(plan, table, ep=expert_parallel(profile))
     if problem:
         raise InputError(file, None, f"Megatron-LM cannot run this plan: {problem}",
                          "octoplan tune --runs-on megatron finds the best plan it can run")
@@ -374,11 +398,13 @@ def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] 
              "the layout sets the virtual stages per rank; give no --num-layers-per-virtual-pipeline-stage, "
              "--num-virtual-stages-per-pipeline-rank, --decoder-first/last-pipeline-num-layers or "
              "--account-for-embedding/loss-in-pipeline-split beside it"]
-    if dp > 1 and plan.parallel.rank_order == "pp-inner":
-        args.append("--use-tp-pp-dp-mapping")  # a pipeline's ranks consecutive, as the plan's pp-inner order
+    if not plan.parallel.runs_in_order(MEGATRON_RANK_ORDER, plan.cluster):
+        # a pipeline's ranks consecutive, as the plan's pp-inner order; where both orders put the
+        # same ranks on each node, Megatron-LM's own order runs the plan as planned without it
+        args.append("--use-tp-pp-dp-mapping")
         notes.append("--use-tp-pp-dp-mapping puts a pipeline's ranks next to each other, as the plan's pp-inner rank "
-                     "order does; Megatron-LM refuses it with context or expert parallelism: there, drop it and plan "
-                     "with the dp-inner order (Megatron-LM's default)")
+                     "order does; Megatron-LM refuses it with context parallelism: there, plan with the dp-inner "
+                     "order (Megatron-LM's default)")
     if any(stage.recomputed_layers for stage in plan.stages):
         args += _recompute_arguments(plan, table, notes)
     return MegatronExport(layout, tuple(stages), tuple(args), tuple(notes))
@@ -408,6 +434,11 @@ def _recompute_arguments(plan: Plan, table: LayerLetters, notes: list[str]) -> l
     if n == 0:
         notes.append("the plan recomputes no decoder layer, and Megatron-LM recomputes only decoder layers")
         return []
+    if n > 1:  # (with one layer the two agree)
+        notes.append(f"Megatron-LM checkpoints each of the {n} layers on its own: it keeps each one's input, where "
+                     "the plan keeps the stage's input only, and reruns them one at a time in the backward, where the "
+                     "plan reruns them together; its peak memory differs from the plan's by those inputs less the "
+                     "rerun layers' activations but one")
     return ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(n)]
 
 

@@ -18,7 +18,9 @@ finds the best plan of that placement.
 Module names (``fqn_style``): ``llama`` names the modules as torchtitan's Llama-style models
 do — the embedding layer ``tok_embeddings``, the head ``norm`` and ``output``, every other layer
 ``layers.N`` with N counting those layers from 0 (a split block's mixer and MLP are one
-``layers.N``; a stage boundary between them is refused). That is an assumption about the
+``layers.N``; a stage boundary between them is refused). A profile without an embedding or a
+head layer still gets ``tok_embeddings`` in the first stage and ``norm`` and ``output`` in the
+last: torchtitan drops the modules no stage names. That is an assumption about the
 model's module tree that holds for torchtitan's Llama, Llama-4-style and DeepSeek-V3
 models' decoder layers; ``profile`` takes each layer's name from the profile instead, for a
 model whose profile names its modules.
@@ -38,10 +40,13 @@ from octoplan.plan import Plan, check_structure
 from octoplan.profile import Profile
 from octoplan.schedules import framework_placement
 
-__all__ = ["FQN_STYLES", "TorchtitanExport", "torchtitan_placement", "module_fqns", "torchtitan_export",
+__all__ = ["FQN_STYLES", "TORCHTITAN_RANK_ORDER", "TorchtitanExport", "torchtitan_placement", "module_fqns", "torchtitan_export",
            "export_torchtitan", "csv_path_for"]
 
 FQN_STYLES = ("llama", "profile")
+# torchtitan's device mesh is ["pp", "dp_replicate", "dp_shard", "cp", "tp"], pp outermost: a
+# stage's data-parallel replicas take consecutive ranks
+TORCHTITAN_RANK_ORDER = "dp-inner"
 # layer kinds that are no decoder layer of torchtitan's Llama-style models (layers.N): an MTP
 # module, a vision tower and its projector, a Mamba mixer
 _NOT_LLAMA_LAYERS = frozenset({"mtp", "vision", "projector", "mamba"})
@@ -110,6 +115,14 @@ def module_fqns(plan: Plan, profile: Profile, *, style: str = "llama", file: str
         for layer in stage.layers:
             fqns.extend(name for name in names[layer] if name not in fqns)
         out.append(fqns)
+    if style == "llama":
+        # the model has them whether or not the profile timed them: a module no stage names is
+        # dropped, and the first stage would take token ids, the last give no logits
+        kinds = {layer.kind for layer in profile.layers}
+        if "embedding" not in kinds:
+            out[0].insert(0, "tok_embeddings")
+        if "head" not in kinds:
+            out[-1].extend(["norm", "output"])
     return out
 
 
@@ -175,6 +188,13 @@ def torchtitan_export(plan: Plan, profile: Profile, *, style: str = "llama", fil
                          f"of exactly two stages per rank (rank r holds r and {2 * plan.pp - 1}-r), and would run "
                          "these stages on other ranks than the plan's",
                          "octoplan tune --runs-on loop (or --runs-on v) finds the best plan of that placement")
+    if not plan.parallel.runs_in_order(TORCHTITAN_RANK_ORDER, plan.cluster):
+        cluster = plan.cluster
+        raise InputError(file, "parallel.rank_order", f"is {plan.parallel.rank_order} with dp {plan.parallel.dp} on "
+                         f"{plan.pp * plan.parallel.dp} GPUs of {cluster.gpus_per_node} a node: torchtitan's device "
+                         "mesh puts pp outermost, so a stage's replicas take consecutive ranks (dp-inner) and its "
+                         "pipelines would share nodes otherwise than the plan's",
+                         "octoplan tune --runs-on loop (or --runs-on v) plans in torchtitan's rank order")
     fqns = module_fqns(plan, profile, style=style, file=file)
     rows = torch_csv_rows(plan, file=file)
     # the name's only effect is the placement: ZB-V's V, or a loop of one or several stages per rank

@@ -73,6 +73,11 @@ class Cluster:
     def node_of(self, global_rank: int) -> int:
         return global_rank // self.gpus_per_node
 
+    def rank_orders_alike(self, gpus: int) -> bool:
+        """Whether both rank orders (:attr:`Parallel.rank_order`) put the same ranks on shared
+        nodes for a job of ``gpus``: all of them on one node, or every GPU a node of its own."""
+        return gpus <= self.gpus_per_node or self.gpus_per_node == 1
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "gpus": self.gpus,
@@ -105,6 +110,11 @@ class Parallel:
 
     def to_dict(self) -> dict[str, Any]:
         return {"pp": self.pp, "dp": self.dp, "microbatches": self.microbatches, "rank_order": self.rank_order}
+
+    def runs_in_order(self, order: str, cluster: Cluster) -> bool:
+        """Whether a framework that numbers ranks in ``order`` runs this parallelism on the nodes
+        it was planned on: one pipeline, the same order, or a cluster where the orders are alike."""
+        return self.dp == 1 or self.rank_order == order or cluster.rank_orders_alike(self.pp * self.dp)
 
 
 @dataclass(frozen=True)

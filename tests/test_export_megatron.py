@@ -39,11 +39,13 @@ def _profile(kinds=KINDS, times=TIMES, names=None, microbatch_size=2) -> Profile
     return Profile(model=ModelRef("m"), layers=layers, microbatch_size=microbatch_size)
 
 
-def _plan(bounds, ranks, schedule, *, pp, microbatches, dp=1, rank_order="pp-inner", recompute=None) -> Plan:
+def _plan(bounds, ranks, schedule, *, pp, microbatches, dp=1, rank_order="pp-inner", recompute=None,
+          gpus_per_node=8) -> Plan:
     recompute = recompute or {}
     stages = tuple(Stage(a, b, r, s in recompute, recompute.get(s)) for s, (a, b, r) in
                    enumerate(zip(bounds, bounds[1:], ranks)))
-    return Plan(model=ModelRef("m"), cluster=Cluster(gpus=pp * dp), parallel=Parallel(pp, microbatches, dp, rank_order),
+    return Plan(model=ModelRef("m"), cluster=Cluster(gpus=pp * dp, gpus_per_node=gpus_per_node),
+                parallel=Parallel(pp, microbatches, dp, rank_order),
                 stages=stages, schedule=tuple(tuple(ops) for ops in schedule))
 
 
@@ -110,7 +112,7 @@ def test_megatron_orders():
 
 
 def test_interleaved_plan_exports_exact_arguments(tmp_path):
-    plan = _interleaved_plan(dp=2)
+    plan = _interleaved_plan(dp=2, gpus_per_node=2)  # pp-inner: each pipeline on a node of its own
     export = megatron_export(plan, _profile())
     assert export.stages == ("Ett", "tt", "tt", "mL")
     assert export.layout == "Ett(|tt)*2|mL"
@@ -131,8 +133,29 @@ def test_interleaved_plan_exports_exact_arguments(tmp_path):
     words = subprocess.run(["bash", "-c", f'source {script}; printf "%s\\n" "${{MEGATRON_PP_ARGS[@]}}"'],
                            capture_output=True, text=True, check=True).stdout.splitlines()
     assert tuple(words) == export.arguments
-    # dp-inner is Megatron's default rank order: no mapping flag
-    assert "--use-tp-pp-dp-mapping" not in megatron_export(_interleaved_plan(dp=2, rank_order="dp-inner"), _profile()).arguments
+    # dp-inner is Megatron's default rank order: no mapping flag; nor where both orders put the
+    # same ranks on each node (all 4 GPUs on one)
+    assert "--use-tp-pp-dp-mapping" not in megatron_export(
+        _interleaved_plan(dp=2, rank_order="dp-inner", gpus_per_node=2), _profile()).arguments
+    assert "--use-tp-pp-dp-mapping" not in megatron_export(_interleaved_plan(dp=2), _profile()).arguments
+
+
+def test_megatron_numbers_pp_inner_ranks_across_nodes_only_without_expert_parallelism():
+    """Megatron-LM refuses --use-tp-pp-dp-mapping with expert parallelism ("context_parallel and
+    expert_model_parallel can't be used with tp-pp-dp mapping"): a pp-inner plan whose pipelines
+    sit on other nodes than dp-inner's is one it cannot run; one node, or dp-inner, it can."""
+    moe = replace(_profile(), model=ModelRef("m", config={"ep": 4}))
+    letters = LayerLetters(moe)
+    across = _interleaved_plan(dp=2, gpus_per_node=2)
+    assert megatron_problem(across, letters, ep=4) == ("its pp-inner rank order needs --use-tp-pp-dp-mapping, which "
+                                                       "Megatron-LM refuses with expert parallelism (the profile's ep "
+                                                       "4); its own order is dp-inner")
+    with pytest.raises(InputError, match="expert parallelism"):
+        megatron_export(across, moe)
+    for runnable in (_interleaved_plan(dp=2, gpus_per_node=2, rank_order="dp-inner"), _interleaved_plan(dp=2)):
+        assert megatron_problem(runnable, letters, ep=4) is None
+        assert "--use-tp-pp-dp-mapping" not in megatron_export(runnable, moe).arguments
+    assert megatron_problem(across, letters) is None  # without experts: the mapping flag
 
 
 def test_one_stage_per_rank_and_missing_embedding_and_head():
@@ -149,8 +172,16 @@ def test_one_stage_per_rank_and_missing_embedding_and_head():
 
 def test_block_recomputation_maps_to_decoder_layers():
     uniform = _interleaved_plan(recompute={0: 2, 1: 2, 2: 2, 3: 2})
-    args = megatron_export(uniform, _profile()).arguments
+    args, notes = megatron_export(uniform, _profile()).arguments, megatron_export(uniform, _profile()).notes
     assert args[-6:] == ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2")
+    # Megatron-LM's block method checkpoints layer by layer (a checkpoint per layer index), the
+    # plan its N layers as one: the memory differs, and a note says how
+    assert [note for note in notes if "on its own" in note] == [
+        "Megatron-LM checkpoints each of the 2 layers on its own: it keeps each one's input, where the plan keeps the "
+        "stage's input only, and reruns them one at a time in the backward, where the plan reruns them together; its "
+        "peak memory differs from the plan's by those inputs less the rerun layers' activations but one"]
+    one = _interleaved_plan(recompute={0: 2, 1: 1, 2: 1, 3: 1})  # E t | t | t | m: one decoder layer each
+    assert not [note for note in megatron_export(one, _profile()).notes if "on its own" in note]
     export = megatron_export(_interleaved_plan(recompute={0: 3, 1: 3, 2: 3, 3: 3}), _profile())
     # stage 0's first 3 layers are E t t: 2 decoder layers, as every other stage's (all of theirs)
     assert export.arguments[-1] == "2"

@@ -210,6 +210,16 @@ def test_llama_names_refuse_layers_a_llama_style_model_does_not_have():
     assert module_fqns(plan, profile, style="profile") == [["embed", "l0", "l1"], ["l2", "mtp.0", "head"]]
 
 
+def test_llama_names_give_the_first_and_last_stage_the_embedding_and_head_a_profile_lacks():
+    """Four decoder layers and nothing else timed: torchtitan's split sets every module no stage
+    names to None, so stage 0 would take token ids and the last stage give no logits."""
+    profile = _profile(kinds=["transformer"] * 4)
+    plan = make_baseline(profile, schedule="1f1b", gpus=2, microbatches=2)
+    assert module_fqns(plan, profile) == [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm",
+                                                                                       "output"]]
+    assert module_fqns(plan, profile, style="profile") == [["l0", "l1"], ["l2", "l3"]]  # the profile's own names
+
+
 def test_tune_runs_on_loop_and_v():
     profile = _profile()
     for runs_on, placement in (("loop", "loop"), ("v", "v")):
@@ -220,6 +230,33 @@ def test_tune_runs_on_loop_and_v():
     free = tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=300))
     loop = tune(profile, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=300, runs_on="loop"))
     assert free.scored.iteration_ms <= loop.scored.iteration_ms + 1e-9 or "torchtitan" not in free.runs_on
+
+
+def test_torchtitan_numbers_ranks_dp_inner_across_nodes():
+    """torchtitan's device mesh is ["pp", "dp_replicate", ...]: pp outermost, so a stage's
+    replicas take consecutive ranks (dp-inner). On 2 nodes of 2 GPUs a pp-inner plan keeps each
+    pipeline on one node, where torchtitan would put each across both: refused, and not counted
+    as torchtitan's; dp-inner, or all 4 GPUs on one node, it runs as planned. `--runs-on loop`
+    searches dp-inner only there."""
+    from octoplan.tuner.frameworks import Frameworks
+    from octoplan.tuner.space import Candidate, Config
+
+    profile, nodes = _profile(), Cluster(gpus=4, gpus_per_node=2)
+    plan = make_baseline(profile, schedule="1f1b", gpus=4, pp=2, microbatches=4, cluster=nodes)
+    with pytest.raises(InputError) as caught:
+        torchtitan_export(plan, profile, file="p.yaml")
+    assert (caught.value.file, caught.value.field) == ("p.yaml", "parallel.rank_order")
+    assert caught.value.problem.startswith("is pp-inner with dp 2 on 4 GPUs of 2 a node")
+    torchtitan_export(make_baseline(profile, schedule="1f1b", gpus=4, pp=2, microbatches=4, cluster=nodes,
+                                    rank_order="dp-inner"), profile)
+    torchtitan_export(make_baseline(profile, schedule="1f1b", gpus=4, pp=2, microbatches=4), profile)  # one node
+    loop = lambda order: Candidate(Config(2, 2, 4, order), (0, 4, 8), (0, 1))
+    assert "torchtitan" not in Frameworks(profile, cluster=nodes).runs_on(loop("pp-inner"))
+    assert "torchtitan" in Frameworks(profile, cluster=nodes).runs_on(loop("dp-inner"))
+    assert "torchtitan" in Frameworks(profile, cluster=Cluster(gpus=4)).runs_on(loop("pp-inner"))
+    result = tune(profile, nodes, TuneOptions(gpus=4, pp=2, microbatches=4, max_plans=200, runs_on="loop"))
+    assert result.plan.parallel.rank_order == "dp-inner" and "torchtitan" in result.runs_on
+    torchtitan_export(result.plan, profile)
 
 
 def test_cli_writes_both_files_or_refuses_with_exit_2(tmp_path):

@@ -122,7 +122,7 @@ class Search:
         self.shaken: Evaluator | None = None  # the evaluator of the restart climbing now
         self.clock = clock or Clock(opts.time_limit_s, max_plans=opts.max_plans, plans=self.plans_simulated)
         self.rng = random.Random(opts.seed)
-        self.frameworks = Frameworks(evaluator.profile, letters=dict(opts.kind_letters))
+        self.frameworks = Frameworks(evaluator.profile, letters=dict(opts.kind_letters), cluster=evaluator.cluster)
         self.best: Candidate | None = None
         self.best_scored: Scored | None = None
         self.accepted_moves: list[str] = []

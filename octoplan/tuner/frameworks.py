@@ -4,7 +4,9 @@ octorun and torch.distributed.pipelining (octoplan's ``torch-csv`` export) run a
 torchtitan runs a plan whose stages sit in a loop (stage s on rank s mod pp) or in a V of two
 stages per rank (:mod:`octoplan.export_torchtitan`); Megatron-LM one in a loop with its own
 1F1B or interleaved 1F1B order, a layout its layer letters can express, and one recomputation
-count for every stage (:mod:`octoplan.export_megatron`).
+count for every stage (:mod:`octoplan.export_megatron`). Across nodes, each also numbers the
+ranks its own way: torchtitan dp-inner only, Megatron-LM either way but for expert parallelism
+(dp-inner only).
 
 ``--runs-on`` confines the search to the plans one of them runs: ``megatron`` (only the
 partition is tuned, under Megatron's order; recomputation only as Megatron's block method),
@@ -16,29 +18,53 @@ from __future__ import annotations
 from typing import Mapping
 
 from octoplan.errors import InputError
-from octoplan.export_megatron import LayerLetters, megatron_order, one_recompute_count
+from octoplan.export_megatron import (MEGATRON_RANK_ORDER, LayerLetters, expert_parallel, megatron_order,
+                                      megatron_rank_order_problem, one_recompute_count)
+from octoplan.export_torchtitan import TORCHTITAN_RANK_ORDER
+from octoplan.plan import Cluster
 from octoplan.profile import Profile
 from octoplan.schedules import framework_placement
 from octoplan.tuner.space import Candidate
 
-__all__ = ["RUNS_ON", "FRAMEWORKS", "Frameworks", "MEGATRON_ID"]
+__all__ = ["RUNS_ON", "FRAMEWORKS", "Frameworks", "MEGATRON_ID", "frameworks_order"]
 
 RUNS_ON = ("any", "megatron", "loop", "v")
 FRAMEWORKS = ("octorun", "torch", "torchtitan", "Megatron-LM")
 MEGATRON_ID = "megatron"  # the fixed_id prefix of the search's Megatron-ordered seeds
 
 
-class Frameworks:
-    """The frameworks of one profile's candidates; ``letters`` are None when Megatron-LM's layout
-    cannot express the profile's layers (``megatron_reason`` says why)."""
+def frameworks_order(runs_on: str, profile: Profile) -> str | None:
+    """The one rank order that ``--runs-on`` allows where the two put different ranks on a node
+    (None: either): torchtitan's for its placements; Megatron-LM's own under expert
+    parallelism, where it refuses the mapping that gives the other."""
+    if runs_on in ("loop", "v"):
+        return TORCHTITAN_RANK_ORDER
+    if runs_on == "megatron" and expert_parallel(profile) > 1:
+        return MEGATRON_RANK_ORDER
+    return None
 
-    def __init__(self, profile: Profile, *, letters: Mapping[str, str] | None = None):
+
+class Frameworks:
+    """The frameworks of one profile's candidates on ``cluster`` (None: rank orders are not
+    checked); ``letters`` are None when Megatron-LM's layout cannot express the profile's
+    layers (``megatron_reason`` says why)."""
+
+    def __init__(self, profile: Profile, *, letters: Mapping[str, str] | None = None, cluster: Cluster | None = None):
         try:
             self.letters: LayerLetters | None = LayerLetters(profile, letters=letters)
             self.megatron_reason = ""
         except InputError as exc:
             self.letters, self.megatron_reason = None, f"{exc.field} {exc.problem}"
         self._orders: dict[tuple[int, int, int], tuple | None] = {}
+        self.cluster, self.ep = cluster, expert_parallel(profile)
+
+    def torchtitan_numbers(self, cand: Candidate) -> bool:
+        """torchtitan numbers the ranks as ``cand`` does, or alike on its nodes."""
+        return self.cluster is None or cand.config.parallel().runs_in_order(TORCHTITAN_RANK_ORDER, self.cluster)
+
+    def megatron_numbers(self, cand: Candidate) -> bool:
+        """Megatron-LM can number the ranks as ``cand`` does (:func:`megatron_rank_order_problem`)."""
+        return self.cluster is None or megatron_rank_order_problem(cand.config.parallel(), self.cluster, self.ep) is None
 
     def order(self, pp: int, microbatches: int, chunks: int) -> tuple | None:
         key = (pp, microbatches, chunks)
@@ -71,9 +97,9 @@ class Frameworks:
     def runs_on(self, cand: Candidate) -> tuple[str, ...]:
         """The frameworks that run ``cand`` as planned, in :data:`FRAMEWORKS` order."""
         out = ["octorun", "torch"]
-        if self.placement(cand) is not None:
+        if self.placement(cand) is not None and self.torchtitan_numbers(cand):
             out.append("torchtitan")
-        if self.megatron_runs(cand):
+        if self.megatron_runs(cand) and self.megatron_numbers(cand):
             out.append("Megatron-LM")
         return tuple(out)
 
@@ -85,8 +111,10 @@ class Frameworks:
         if runs_on == "any":
             return True
         if runs_on == "megatron":
+            if not self.megatron_numbers(cand):
+                return False
             if cand.fixed is not None and cand.fixed_id.startswith(MEGATRON_ID) and "+" not in cand.fixed_id:
                 return self.megatron_layout_ok(cand)
             # a baseline whose order is Megatron's own (1F1B, interleaved 1F1B) under another name
             return self.megatron_runs(cand)
-        return self.placement(cand) == runs_on
+        return self.placement(cand) == runs_on and self.torchtitan_numbers(cand)

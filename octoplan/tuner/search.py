@@ -74,7 +74,7 @@ from octoplan.ops import Kind
 from octoplan.plan import MAX_MICROBATCHES, Cluster, Plan, check_structure
 from octoplan.profile import Profile
 from octoplan.tuner.climb import DEFAULT_CHUNKS, ProgressFn, Restarts, Search, climbs_end_s
-from octoplan.tuner.frameworks import RUNS_ON, Frameworks
+from octoplan.tuner.frameworks import RUNS_ON, Frameworks, frameworks_order
 from octoplan.tuner.moves import DIMENSIONS
 from octoplan.tuner.neighbourhoods import Neighbourhood
 from octoplan.tuner.seeds import SEED_FAMILIES, Ranked, SeedContext, SeedFamily
@@ -171,7 +171,8 @@ def configs_for(profile: Profile, opts: TuneOptions, cluster: Cluster | None = N
     configuration whose two rank orders are the same hardware (every GPU on one node, or each
     on its own) is searched in one order only, pp-inner, unless ``opts.rank_order`` names one:
     the costs see only which ranks share a node, so a second order would spend the search's
-    time on the same plans again."""
+    time on the same plans again. Where they differ, ``--runs-on`` may allow one order only
+    (:func:`octoplan.tuner.frameworks.frameworks_order`)."""
     gpus = opts.gpus
     if gpus < 1:
         raise InputError(None, "--gpus", f"is {gpus}", "use a positive number")
@@ -209,10 +210,11 @@ def configs_for(profile: Profile, opts: TuneOptions, cluster: Cluster | None = N
                 continue
         if opts.rank_order and dp > 1:
             orders: tuple[str, ...] = (opts.rank_order,)
-        elif dp == 1 or (cluster is not None and _orders_alike(cluster, gpus)):
+        elif dp == 1 or (cluster is not None and cluster.rank_orders_alike(gpus)):
             orders = ("pp-inner",)
-        else:
-            orders = ("pp-inner", "dp-inner")
+        else:  # where the orders differ, the one that --runs-on's framework runs, or both
+            only = frameworks_order(opts.runs_on, profile)
+            orders = ("pp-inner", "dp-inner") if only is None else (only,)
         for order in orders:
             out.append(Config(pp, dp, num_mb, order))
     if not out and too_many:
@@ -225,12 +227,6 @@ def configs_for(profile: Profile, opts: TuneOptions, cluster: Cluster | None = N
             f"use a multiple of {mbs} x a dp that divides {gpus}, e.g. {mbs * gpus}",
         )
     return out
-
-
-def _orders_alike(cluster: Cluster, gpus: int) -> bool:
-    """Whether both rank orders put the same ranks on shared nodes: all ``gpus`` on one node,
-    or every GPU a node of its own."""
-    return gpus <= cluster.gpus_per_node or cluster.gpus_per_node == 1
 
 
 def compare_baselines(profile: Profile, cluster: Cluster, opts: TuneOptions, *,
