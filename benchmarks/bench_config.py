@@ -112,6 +112,8 @@ def megatron_grid(profile, cluster: Cluster, pipeline_gpus: int, global_batch: i
     except Exception:  # the batch does not split at this size
         return math.inf, "", 0
     search = Search(Evaluator(profile, cluster), opts, None)
+    # no cluster: both rank orders count as Megatron-LM's, though under expert parallelism it runs
+    # only dp-inner across nodes; that can only flatter Megatron-LM's best configuration
     frameworks = Frameworks(profile)
     best, label, priced = math.inf, "", 0
     for config in configs:
