@@ -989,7 +989,8 @@ class _Interpreter:
                 raise NonFiniteStep(f"step {step}: non-finite {'loss' if not loss_finite else 'gradient norm'}; "
                                     f"it first appeared {where} (--skip-nonfinite skips such updates)")
             self.skipped_steps += 1
-            log.warning("step %d: non-finite values (first %s); update skipped", step, where)
+            if self.me == 0:  # every rank skips alike: one line says so
+                log.warning("step %d: non-finite values (first %s); update skipped", step, where)
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
             return {"grad_norm": norm, "lr": lr, "skipped_steps": self.skipped_steps}
@@ -1227,7 +1228,8 @@ class _Interpreter:
         }
         from octorun import checkpoint
 
-        self.watchdog.doing(f"saving the checkpoint of step {step}")
+        # named as the folder is: by the steps done, one more than the last step's number
+        self.watchdog.doing(f"saving the checkpoint after step {step} ({checkpoint.folder_name(step + 1)})")
         started = time.perf_counter()
         # a slow shard is waited for up to --init-timeout; a hung peer still ends the job in --timeout
         with self.watchdog.watching_beats(), _save_timeouts(self.groups, self.config.first_timeout_s,
