@@ -144,6 +144,9 @@ class TokenData:
                              "uint32 ids", f"give --data-dtype uint32, or --data-dtype uint16 if it is one{data.stale_index_fix}")
         data._check_ids(0, prefix)
         data.fingerprint()  # now, as opened: a save late in the run reads no mapped page
+        # the model's batch_from_tokens on one window, before any rank starts: one that refuses
+        # token files (a vision-language model's) or fails on them says so before the launch
+        model.batch_from_tokens(data.windows(0, 1))
         return data
 
     def windows(self, first: int, count: int) -> torch.Tensor:

@@ -157,6 +157,9 @@ def test_bad_batch_from_tokens(tmp_path):
     with pytest.raises(InputError) as error:
         model.batch_from_tokens(torch.zeros(2, 4, dtype=torch.int64))
     assert error.value.field == "batch_from_tokens" and "not (inputs, targets)" in error.value.problem
+    # and as the file opens, before any rank starts: not at the first step
+    with pytest.raises(InputError, match="not \\(inputs, targets\\)"):
+        TokenData.open(_tokens(tmp_path / "t.bin", range(20)), model, seed=0)
 
 
 def _open_error(tmp_path, path, *, config=None, dtype=None) -> InputError:

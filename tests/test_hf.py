@@ -162,7 +162,7 @@ def test_a_router_loss_in_the_config_is_left_out_and_said(saved, family, tmp_pat
     assert "output_router_logits is set to false" in capsys.readouterr().err
 
 
-def test_chain_layers_names_and_kinds(saved):
+def test_chain_layers_names_and_kinds(saved, tmp_path):
     model, _ = _chain(saved["qwen3_next"][0], weights="none")
     names = [model.module.layer_name(i, **model.config) for i in range(model.num_layers())]
     kinds = [model.module.layer_kind(i, **model.config) for i in range(model.num_layers())]
@@ -177,6 +177,13 @@ def test_chain_layers_names_and_kinds(saved):
     assert model.tokens_per_sample() == SEQ + 1
     # a token file's ids are held to config.json's vocab_size (the text model's, for a VLM)
     assert (model.vocab_size(), vlm.vocab_size()) == (96, 96)
+    # a token file holds no images: a VLM refuses one as the file opens, before any rank starts
+    from octorun.data import TokenData
+
+    tokens = tmp_path / "t.bin"
+    tokens.write_bytes(bytes(2 * 4 * (SEQ + 1)))
+    with pytest.raises(InputError, match="holds no images"):
+        TokenData.open(tokens, vlm, seed=0)
     assert _chain(saved["qwen3_next"][0], weights="none", vocab_size=120)[0].vocab_size() == 120
 
 
