@@ -86,7 +86,7 @@ def identity(config: Any, plan: Plan, model_path: str, backend: str, data: Any =
     for name, flag in GIVEN_OR_NOT.items():
         parts[flag] = "given" if getattr(config, name) is not None else "not given"
     if data is not None:
-        parts["--data"] = data.fingerprint()
+        parts["--data"] = f"{data.fingerprint()}, sampled {data.sampled_digest()}"
     return parts
 
 

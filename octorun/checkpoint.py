@@ -271,7 +271,7 @@ def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path:
     """Raise :class:`InputError` if the checkpoint at ``path`` is of another model than this run's
     (its ``model`` name or ``num_layers`` differ) or was trained with another ``optimizer`` (whose
     state the run cannot take up), or if both read a token file and the file
-    (``data_fingerprint``), the windows' length (``tokens_per_sample``) or the seed of their
+    (``data_fingerprint``, ``data_sampled_digest``), the windows' length (``tokens_per_sample``) or the seed of their
     order (``seed``) differ: the checkpoint's
     position in the data belongs to its own order. A checkpoint lacking a field is not judged on
     it, and a run without ``--data`` is not judged on the data. ``weights_only`` (``--init-from``,
@@ -295,6 +295,13 @@ def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path:
         raise InputError(str(path), "data_fingerprint",
                          f"the checkpoint was trained on {saved_file} ({meta_saved['data']}), this run's --data is "
                          f"{meta_now['data_fingerprint']}",
+                         "give --data the token file the checkpoint was trained on: its position is a place in that file's order")
+    sampled = meta_saved.get("data_sampled_digest")
+    if sampled is not None and meta_now.get("data_sampled_digest") not in (None, sampled):
+        raise InputError(str(path), "data_sampled_digest",
+                         f"this run's --data holds as many tokens as the checkpoint's ({meta_saved['data']}), alike at "
+                         f"both ends, but blocks sampled through it differ (digest {meta_now['data_sampled_digest']}, "
+                         f"the checkpoint's {sampled}): it was changed inside",
                          "give --data the token file the checkpoint was trained on: its position is a place in that file's order")
     saved_length, length = meta_saved.get("tokens_per_sample"), meta_now.get("tokens_per_sample")
     if saved_length is not None and length is not None and saved_length != length:

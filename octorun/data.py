@@ -81,6 +81,7 @@ class TokenData:
         self._vocab = vocab
         self._orders: dict[int, torch.Tensor] = {}
         self._fingerprint: str | None = None
+        self._sampled: str | None = None
         # Training reads windows with pread, not through the memory map: a file cut short while
         # the run reads it (prepared again in place, nanoGPT-style) then gives a short read that
         # names the file, where a mapped page past the new end killed the process (SIGBUS).
@@ -104,6 +105,24 @@ class TokenData:
             self._fingerprint = (f"a file of {self.num_tokens} {self.dtype} tokens "
                                  f"(digest {hashlib.sha256(ends).hexdigest()[:12]})")
         return self._fingerprint
+
+    # blocks read evenly through the whole file for its sampled digest: a file edited in place
+    # between a save and its resume (a shard re-tokenized) differs there, at the cost of a few
+    # hundred kilobytes read, not the whole file
+    SAMPLED_BLOCKS, SAMPLED_BLOCK_TOKENS = 64, 1 << 10
+
+    def sampled_digest(self) -> str:
+        """A digest of :attr:`SAMPLED_BLOCKS` blocks spread evenly over the file, as it was opened
+        (checkpoints record it beside :meth:`fingerprint`, which reads only the ends)."""
+        if self._sampled is None:
+            block = min(self.SAMPLED_BLOCK_TOKENS, self.num_tokens)
+            last = self.num_tokens - block
+            starts = sorted({last * i // (self.SAMPLED_BLOCKS - 1) for i in range(self.SAMPLED_BLOCKS)})
+            digest = hashlib.sha256()
+            for start in starts:
+                digest.update(self._tokens[start:start + block].tobytes())
+            self._sampled = digest.hexdigest()[:12]
+        return self._sampled
 
     @classmethod
     def open(cls, path: str, model: "ModelFile", *, seed: int, dtype: str | None = None) -> "TokenData":
@@ -143,7 +162,7 @@ class TokenData:
             raise InputError(file, "dtype", f"read as uint16{said}, every second id is 0 or small: it looks like a file of "
                              "uint32 ids", f"give --data-dtype uint32, or --data-dtype uint16 if it is one{data.stale_index_fix}")
         data._check_ids(0, prefix)
-        data.fingerprint()  # now, as opened: a save late in the run reads no mapped page
+        data.fingerprint(), data.sampled_digest()  # now, as opened: a save late in the run reads no mapped page
         # the model's batch_from_tokens on one window, before any rank starts: one that refuses
         # token files (a vision-language model's) or fails on them says so before the launch
         model.batch_from_tokens(data.windows(0, 1))

@@ -362,11 +362,12 @@ def model_identity(model: ModelFile, num_layers: int) -> dict[str, Any]:
 
 def _data_identity(seed: int, data: Any) -> dict[str, Any]:
     """What a checkpoint records of its token file, and what a resume that reads one checks: the
-    file (its fingerprint), the seed of its window order and the windows' length (the model's
+    file (its fingerprint and sampled digest), the seed of its window order and the windows' length (the model's
     tokens_per_sample: the order is one of that many windows). ``consumed_samples`` is a position
     in that order, so under another seed, file or length the resumed run would read windows the
     run before it already read, and skip others. Empty without ``--data``."""
     return {} if data is None else {"seed": seed, "data_fingerprint": data.fingerprint(),
+                                    "data_sampled_digest": data.sampled_digest(),
                                     "tokens_per_sample": data.tokens_per_sample}
 
 
@@ -1222,6 +1223,7 @@ class _Interpreter:
             "data": self.config.data_path,
             "tokens_per_sample": None if self.data is None else self.data.tokens_per_sample,
             "data_fingerprint": None if self.data is None else self.data.fingerprint(),
+            "data_sampled_digest": None if self.data is None else self.data.sampled_digest(),
             "plan": self.config.plan_path,
             "layout": self._layout(),
             "init_from": self.initialized_from,

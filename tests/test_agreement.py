@@ -184,18 +184,24 @@ def test_identity_holds_the_plan_the_model_file_and_every_shared_option_but_no_p
         error = agreement.mismatch(other, parts, "node 0", rank=1, node="node 1", plan_path="p.yaml", model_path="m.py")
         assert error is not None and error.field == flag
     assert agreement.identity(base, plan, model_path, "nccl")["--backend"] == "nccl"
-    # a token file: its fingerprint (octorun.data.TokenData), where its path alone was compared
+    # a token file: its fingerprint and sampled digest (octorun.data.TokenData), where its path
+    # alone was compared
 
     class Tokens:
-        def __init__(self, text):
-            self.text = text
+        def __init__(self, text, sampled="abc"):
+            self.text, self.sampled = text, sampled
 
         def fingerprint(self):
             return self.text
 
+        def sampled_digest(self):
+            return self.sampled
+
     given = dataclasses.replace(base, data_path="tokens.bin")
-    one, other = (agreement.identity(given, plan, model_path, "gloo", Tokens(text)) for text in ("1000 tokens", "999 tokens"))
-    assert one["--data"] == "1000 tokens" and [key for key in one if one[key] != other[key]] == ["--data"]
+    one, other, inside = (agreement.identity(given, plan, model_path, "gloo", tokens) for tokens in
+                          (Tokens("1000 tokens"), Tokens("999 tokens"), Tokens("1000 tokens", "abd")))
+    assert one["--data"] == "1000 tokens, sampled abc" and [key for key in one if one[key] != other[key]] == ["--data"]
+    assert [key for key in one if one[key] != inside[key]] == ["--data"]
     other_plan = dataclasses.replace(plan, schedule=plan.schedule[::-1])
     assert [k for k, v in agreement.identity(base, other_plan, model_path, "gloo").items() if parts[k] != v] == ["plan"]
     Path(model_path).write_text(Path(model_path).read_text() + "\n# edited on one node\n")

@@ -703,6 +703,13 @@ def test_check_compatible_holds_a_token_files_position_to_its_order(tmp_path):
         checkpoint.check_compatible(saved, {**now, "data_fingerprint": "a file of 2999 uint16 tokens (digest 0123456789ab)"},
                                     tmp_path)
     assert caught.value.field == "data_fingerprint" and "old/place/tokens.bin" in caught.value.problem
+    # the same length and ends, other blocks inside (a file edited in place)
+    sampled = {**saved, "data_sampled_digest": "aaaaaaaaaaaa"}
+    checkpoint.check_compatible(sampled, {**now, "data_sampled_digest": "aaaaaaaaaaaa"}, tmp_path)
+    with pytest.raises(InputError) as caught:
+        checkpoint.check_compatible(sampled, {**now, "data_sampled_digest": "bbbbbbbbbbbb"}, tmp_path)
+    assert caught.value.field == "data_sampled_digest" and caught.value.problem.endswith("it was changed inside")
+    checkpoint.check_compatible(saved, {**now, "data_sampled_digest": "bbbbbbbbbbbb"}, tmp_path)  # saved before it
     older = {key: value for key, value in saved.items() if key != "data_fingerprint"}
     checkpoint.check_compatible(older, {**now, "data_fingerprint": "another file"}, tmp_path)
     with pytest.raises(InputError):

@@ -115,6 +115,22 @@ def test_a_resumed_run_reads_what_the_uninterrupted_run_reads(tmp_path):
         assert torch.equal(inputs, through[step][0]) and torch.equal(targets, through[step][1])
 
 
+def test_a_file_changed_inside_keeps_its_fingerprint_but_not_its_sampled_digest(tmp_path):
+    """The fingerprint reads 65,536 tokens at each end; blocks sampled evenly through the file
+    see an edit of its middle (a shard re-tokenized in place), which a resume then refuses."""
+    values = np.arange(300_000) % 1000
+    before = TokenData.open(_tokens(tmp_path / "a.bin", values), _model(tmp_path, {"seq": 7, "vocab": 1000}), seed=0)
+    values[100_000:200_000] = (values[100_000:200_000] + 1) % 1000
+    after = TokenData.open(_tokens(tmp_path / "b.bin", values), _model(tmp_path, {"seq": 7, "vocab": 1000}), seed=0)
+    assert before.fingerprint() == after.fingerprint()
+    assert before.sampled_digest() != after.sampled_digest()
+    again = TokenData.open(_tokens(tmp_path / "c.bin", np.arange(300_000) % 1000),
+                           _model(tmp_path, {"seq": 7, "vocab": 1000}), seed=0)
+    assert again.sampled_digest() == before.sampled_digest()
+    tiny = TokenData.open(_tokens(tmp_path / "t.bin", range(10)), _model(tmp_path, {"seq": 3}), seed=0)
+    assert len(tiny.sampled_digest()) == 12  # a file shorter than a block: the whole file
+
+
 def test_default_hooks_are_next_token_prediction(tmp_path):
     model = _model(tmp_path, {"seq": 5})
     assert model.tokens_per_sample() == 6
