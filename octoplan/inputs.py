@@ -7,13 +7,16 @@ machine's memory before any parse error could name it; both are refused up front
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from octoplan.errors import InputError
 
-__all__ = ["MAX_INPUT_BYTES", "ordinary_file_size", "check_input_file", "read_input_text", "read_input_bytes"]
+__all__ = ["MAX_INPUT_BYTES", "ordinary_file_size", "check_input_file", "read_input_text", "read_input_bytes",
+           "parse_json"]
 
 # Far above any plan, profile or trace of a 1024-GPU job (a trace of 1024 ranks x 2048 ops is
 # about 200 MB), far below what would exhaust the memory of the machines octoplan runs on.
@@ -72,3 +75,17 @@ def read_input_text(path: str | Path, *, field: str | int | None = None, fix: st
         return read_input_bytes(path, field=field, fix=fix).decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(str(path), field, "is not readable as UTF-8 text", fix) from None
+
+
+def parse_json(text: str, *, file: str, field: str | int | None = None, fix: str) -> Any:
+    """``text`` as JSON; :class:`InputError` naming ``file`` for text that is not JSON, that
+    nests deeper than the parser recurses, or that holds an integer past Python's digit limit
+    for converting one (4,300 digits), each of which would otherwise end in a traceback."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(file, field, f"is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", fix) from None
+    except RecursionError:
+        raise InputError(file, field, "is nested too deeply to be read", fix) from None
+    except ValueError as exc:  # an integer literal of too many digits
+        raise InputError(file, field, f"cannot be read: {exc}", fix) from None

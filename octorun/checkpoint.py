@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from octoplan.errors import InputError
+from octoplan.inputs import parse_json
 from octoplan.outputs import make_folders, remove_empty
 
 __all__ = [
@@ -244,9 +245,10 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             raise InputError(where, name, problem, "resume from a complete checkpoint (a step_* folder without .partial)")
     meta_path = folder / META_FILE
     try:
-        record = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = meta_path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
         raise InputError(str(meta_path), None, f"cannot be read: {exc}", "resume from another checkpoint") from None
+    record = parse_json(text, file=str(meta_path), fix="resume from another checkpoint")
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise InputError(str(meta_path), "format", f"is not {FORMAT!r}: not an octopipe checkpoint",
                          "resume from a folder octorun --save wrote")
@@ -258,6 +260,11 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise InputError(str(meta_path), "step", f"is {step!r}, not a step number", "resume from another checkpoint")
     if not isinstance(meta, dict):
         raise InputError(str(meta_path), "meta", f"is {type(meta).__name__}, not a mapping", "resume from another checkpoint")
+    for key in ("consumed_samples", "skipped_steps"):  # counts a resume continues from
+        value = meta.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InputError(str(meta_path), f"meta.{key}", f"is {value!r:.60}, not a count of 0 or more",
+                             "resume from another checkpoint: this one's record is damaged")
     crcs = record.get("crc32", {})  # absent from checkpoints written before the CRC-32s were
     if not isinstance(crcs, dict) or not all(isinstance(value, str) for value in crcs.values()):
         # a damaged record would otherwise leave the files' bytes unchecked
@@ -609,7 +616,7 @@ def _recorded_crcs(folder: Path) -> dict[str, str]:
     """The CRC-32s octopipe.json records (none in checkpoints written before they were)."""
     try:
         crcs = json.loads((folder / META_FILE).read_text()).get("crc32")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # (read_meta has refused such a record)
         return {}
     return crcs if isinstance(crcs, dict) else {}
 

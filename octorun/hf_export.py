@@ -205,7 +205,7 @@ def _folder_config(model_folder: Path) -> dict:
     """The model folder's config.json as written (no --config overrides)."""
     try:
         saved = json.loads((model_folder / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return saved if isinstance(saved, dict) else {}
 

@@ -95,6 +95,14 @@ def test_times_no_run_could_have_are_bad_input(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(InputError, match=r"traceEvents\[\d+\]\.ts: of op \S+ is 1e\+300 us, more than 1e\+12"):
         calibrate(plan, PROFILE, path)
+    # JSON's integers have no bound: one past a float's range, one past Python's digit limit
+    last["ts"] = 10**400
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=r"\.ts: of op \S+ is a 401-digit number of us, more than 1e\+12"):
+        calibrate(plan, PROFILE, path)
+    path.write_text(json.dumps(doc).replace("1" + "0" * 400, "1" + "0" * 5000))
+    with pytest.raises(InputError, match="cannot be read: Exceeds the limit"):
+        calibrate(plan, PROFILE, path)
 
 
 def test_a_trace_of_another_plan_is_bad_input(tmp_path):

@@ -508,7 +508,7 @@ def test_read_meta_rejects_what_is_no_complete_checkpoint(saved, tmp_path):
     (saved / "octopipe.json").write_text("{not json")
     with pytest.raises(InputError) as caught:
         checkpoint.read_meta(saved)
-    assert caught.value.file == str(saved / "octopipe.json") and caught.value.problem.startswith("cannot be read")
+    assert caught.value.file == str(saved / "octopipe.json") and caught.value.problem.startswith("is not JSON")
     (saved / "octopipe.json").write_text(json.dumps({"format": "other", "step": 5, "meta": {}}))
     with pytest.raises(InputError) as caught:
         checkpoint.read_meta(saved)
@@ -587,6 +587,34 @@ def test_a_damaged_crc_record_is_bad_input_not_a_skipped_check(saved, crcs):
         checkpoint.read_meta(saved)
     assert (caught.value.file, caught.value.field) == (str(saved / "octopipe.json"), "crc32")
     assert caught.value.problem.endswith("not a mapping of file names to CRC-32s")
+
+
+@pytest.mark.parametrize("text,field,problem", [
+    ("[" * 100_000 + "]" * 100_000, None, "is nested too deeply to be read"),
+    ('{"step": ' + "9" * 5000 + "}", None, "cannot be read: Exceeds the limit"),
+])
+def test_a_record_json_cannot_hold_is_bad_input_not_a_traceback(saved, text, field, problem):
+    """Nesting past the parser's recursion, or an integer past Python's 4,300-digit limit for
+    converting one: each raised out of json.loads as RecursionError / ValueError (exit 1)."""
+    (saved / "octopipe.json").write_text(text)
+    with pytest.raises(InputError) as caught:
+        checkpoint.read_meta(saved)
+    assert (caught.value.file, caught.value.field) == (str(saved / "octopipe.json"), field)
+    assert caught.value.problem.startswith(problem)
+
+
+@pytest.mark.parametrize("key,value", [("consumed_samples", float("nan")), ("consumed_samples", "x"),
+                                       ("consumed_samples", -1), ("skipped_steps", 1.5)])
+def test_a_damaged_count_is_bad_input(saved, key, value):
+    """A resume continues from the record's counts: one that is no count of 0 or more (NaN
+    failed the load as 'cannot convert float NaN to integer', -1 read data from before the
+    file's start) is named before anything loads."""
+    record = json.loads((saved / "octopipe.json").read_text())
+    record["meta"][key] = value
+    (saved / "octopipe.json").write_text(json.dumps(record))
+    with pytest.raises(InputError) as caught:
+        checkpoint.read_meta(saved)
+    assert (caught.value.file, caught.value.field) == (str(saved / "octopipe.json"), f"meta.{key}")
 
 
 def test_damaged_bytes_of_a_checkpoint_without_crcs_fail_the_read_as_bad_input(saved):

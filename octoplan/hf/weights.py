@@ -33,7 +33,7 @@ def _indexed_files(index: Path) -> list[Path]:
         names = sorted(set(weight_map.values()))
         if not all(isinstance(name, str) and name for name in names):
             raise TypeError("its values must be file names")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise InputError(str(index), "weight_map", f"cannot be read: {type(exc).__name__}: {exc}",
                          "give the index transformers wrote with the safetensors files, or remove it") from None
     files = [index.parent / name for name in names]

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from rich.table import Table
 
 from octoplan.errors import InputError
-from octoplan.inputs import read_input_text
+from octoplan.inputs import parse_json, read_input_text
 from octoplan.ops import Kind, Op, parse_op
 from octoplan.outputs import write_text
 from octoplan.plan import Plan, Stage
@@ -161,14 +161,7 @@ def _read_document(path: Path) -> Any:
     if not path.exists():
         raise InputError(file, 0, "no such file", "pass the trace octorun --trace wrote")
     raw = read_input_text(path, field=0, fix="pass a Chrome trace-event JSON file")
-    try:
-        doc = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise InputError(file, 0, f"is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
-                         "pass a Chrome trace-event JSON file") from None
-    except RecursionError:
-        raise InputError(file, 0, "is nested too deeply to be a trace", "pass a Chrome trace-event JSON file") from None
-    return doc
+    return parse_json(raw, file=file, field=0, fix="pass a Chrome trace-event JSON file")
 
 
 def _read_events(path: Path) -> list[Any]:
@@ -220,10 +213,13 @@ def measured_ops(path: Path, plan: Plan) -> list[MeasuredOp]:
         values = []
         for key in ("ts", "dur"):
             value = event.get(key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            # (an int is finite however long: isfinite would convert it to a float, and overflow)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                    isinstance(value, float) and not math.isfinite(value)):
                 raise InputError(file, f"{where}.{key}", f"of op {name} is {value!r}", "give a number of microseconds")
             if abs(value) > _MAX_TRACE_US:  # no run's clock reads that: the file is not a trace of one
-                raise InputError(file, f"{where}.{key}", f"of op {name} is {value:g} us, more than {_MAX_TRACE_US:g} "
+                shown = f"{value:g}" if isinstance(value, float) or value.bit_length() < 1000 else f"a {len(str(value))}-digit number of"
+                raise InputError(file, f"{where}.{key}", f"of op {name} is {shown} us, more than {_MAX_TRACE_US:g} "
                                  "(11.6 days)", "pass the trace octorun --trace wrote")
             values.append(float(value))
         ts, dur = values
