@@ -60,7 +60,7 @@ from octoplan.outputs import make_folders, remove_empty
 
 __all__ = [
     "FORMAT", "VERSION", "META_FILE", "save", "latest", "resolve", "read_meta", "load", "agree",
-    "check_compatible", "checkpoint_bytes", "folder_name",
+    "check_compatible", "check_save_root", "checkpoint_bytes", "folder_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,24 @@ def latest(root: str | os.PathLike) -> tuple[int, Path] | None:
     ``.replaced`` one that an interrupted save left as its step's only copy."""
     found = _complete(Path(root))
     return found[-1] if found else None
+
+
+def check_save_root(root: str | os.PathLike, model: dict[str, Any]) -> None:
+    """:class:`InputError` where ``root`` (``--save``) holds a complete checkpoint of another
+    model than ``model`` (``model`` name and ``num_layers``) or one whose record cannot be read:
+    this run's saves would replace the one of the same step and prune the others (``--keep``)."""
+    for _, path in _complete(Path(root)):
+        fix = f"give --save a folder of this model's checkpoints or a new one, or move {path} away"
+        try:
+            meta = read_meta(path)
+        except InputError as exc:
+            raise InputError(exc.file, exc.field, f"{exc.problem}; it lies in --save, whose saves would replace or "
+                             "prune it", fix) from None
+        for key, what in (("model", "model"), ("num_layers", "layer count")):
+            if key in meta and meta[key] != model[key]:
+                raise InputError(str(path), "--save", f"holds a checkpoint of another {what} ({meta[key]!r}, this "
+                                 f"run's is {model[key]!r}): this run's saves would replace it or prune it (--keep)",
+                                 fix)
 
 
 def resolve(spec: str, *, save_root: str | os.PathLike | None, flag: str = "--resume") -> Path | None:

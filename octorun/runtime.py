@@ -282,6 +282,10 @@ def prepare(config: RunConfig) -> Prepared:
                                         {**model_identity(model, num_layers), "optimizer": config.optimizer,
                                          **_data_identity(config.seed, data)},
                                         resume_from)
+    if config.save_dir is not None:
+        from octorun import checkpoint
+
+        checkpoint.check_save_root(config.save_dir, model_identity(model, num_layers))
     init_from = None
     if config.init_from is not None and resume_from is None:  # a run that resumes never reads it
         from octorun import checkpoint

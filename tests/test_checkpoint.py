@@ -525,6 +525,25 @@ def test_read_meta_rejects_what_is_no_complete_checkpoint(saved, tmp_path):
     assert _load_error(saved, blank(expected([0]))).field == "octopipe.json"
 
 
+def test_a_save_folder_of_another_models_checkpoints_is_refused(saved):
+    """--save into a folder of another model's checkpoints replaced the one of the same step and
+    pruned the rest (--keep) with exit 0; now the run refuses the folder before it trains. This
+    model's own checkpoints are its to continue or replace, and .partial leftovers its own."""
+    root = saved.parent
+    checkpoint.check_save_root(root, {"model": "tiny", "num_layers": 4})
+    checkpoint.check_save_root(root / "absent", {"model": "other", "num_layers": 4})
+    for model, what in (({"model": "other", "num_layers": 4}, "model ('tiny', this run's is 'other')"),
+                        ({"model": "tiny", "num_layers": 6}, "layer count (4, this run's is 6)")):
+        with pytest.raises(InputError) as caught:
+            checkpoint.check_save_root(root, model)
+        assert (caught.value.file, caught.value.field) == (str(saved), "--save")
+        assert caught.value.problem.startswith(f"holds a checkpoint of another {what}")
+    (saved / "octopipe.json").write_text("{damaged")
+    with pytest.raises(InputError) as caught:
+        checkpoint.check_save_root(root, {"model": "tiny", "num_layers": 4})
+    assert caught.value.file == str(saved / "octopipe.json") and "whose saves would replace or prune it" in caught.value.problem
+
+
 def test_a_missing_or_truncated_data_file_is_named(saved):
     data = saved / "__0_0.distcp"
     content = data.read_bytes()
