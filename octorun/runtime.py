@@ -1142,7 +1142,7 @@ class _Interpreter:
                     if metrics_file:
                         metrics_file.write_line(json.dumps(step_metrics.to_dict()))
                     if self.config.trace_path and step == self.config.steps - 1:
-                        _write_trace(self.config.trace_path, gathered, self.config.replay_time_scale)
+                        _write_trace(self.config.trace_path, gathered, self.config.replay_time_scale, self.plan.model.name)
                 if step == steps[0]:
                     _lower_timeouts(self.watchdog, self.groups, self.config.timeout_s)
                 if self._save_due(step) or (self.stopping and self.config.save_dir is not None):
@@ -1357,9 +1357,10 @@ def _align_clocks(records: list[dict[str, Any]]) -> None:
             record["reduced_s"] += shift
 
 
-def _write_trace(path: str, records: list[dict[str, Any]], replay_time_scale: float | None) -> None:
+def _write_trace(path: str, records: list[dict[str, Any]], replay_time_scale: float | None, model_name: str) -> None:
     """Chrome trace-event JSON of the last step; time 0 is the first op's start. ``otherData``
-    says whether the ops were replayed and at what scale of the profile's times."""
+    names the model and says whether the ops were replayed and at what scale of the profile's
+    times."""
     first = min((s[3] for r in records for s in r["spans"]), default=0.0)
     events = []
     for record in sorted(records, key=lambda r: r["rank"]):
@@ -1369,7 +1370,7 @@ def _write_trace(path: str, records: list[dict[str, Any]], replay_time_scale: fl
                 "ts": round((start - first) * 1e6, 3), "dur": round((end - start) * 1e6, 3), "cat": kind,
                 "args": {"stage": stage, "mb": mb, "rank": record["rank"]},
             })
-    other = {"source": "octorun", "replay_time_scale": replay_time_scale}
+    other = {"source": "octorun", "model": model_name, "replay_time_scale": replay_time_scale}
     write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}), flag="--trace")
 
 

@@ -105,6 +105,31 @@ def test_times_no_run_could_have_are_bad_input(tmp_path):
         calibrate(plan, PROFILE, path)
 
 
+def test_an_octorun_trace_of_another_model_or_holding_an_op_twice_is_bad_input(tmp_path):
+    """octorun's trace names the model it ran and holds one step: one of another model with the
+    same ops, or one whose events are each written twice, is no run of this plan (calibrate read
+    the first as figures and the second as two steps)."""
+    plan, path = _simulated_trace(tmp_path, "1f1b", 100.0, 0.0)
+    doc = json.loads(path.read_text())
+    doc["otherData"] = {"source": "octorun", "model": "another-model", "replay_time_scale": None}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError) as caught:
+        calibrate(plan, PROFILE, path)
+    assert (caught.value.field, caught.value.problem) == ("otherData.model", "is 'another-model', and the plan's "
+                                                          f"model is {plan.model.name!r}")
+    doc["otherData"]["model"] = plan.model.name
+    path.write_text(json.dumps(doc))
+    calibrate(plan, PROFILE, path)
+    doc["traceEvents"] += [event for event in doc["traceEvents"] if event.get("ph") == "X"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="op 0F0 appears twice in one step"):
+        calibrate(plan, PROFILE, path)
+    from octoplan.timeline.trace import compare_measured  # show --measured
+
+    with pytest.raises(InputError, match="appears twice in step 0"):
+        compare_measured(plan, simulate(plan, PROFILE), path)
+
+
 def test_a_trace_of_another_plan_is_bad_input(tmp_path):
     plan, _ = _simulated_trace(tmp_path, "1f1b", 100.0, 0.0)
     other = make_baseline(PROFILE, schedule="1f1b", gpus=4, microbatches=2, cluster=plan.cluster)

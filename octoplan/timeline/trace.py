@@ -164,9 +164,9 @@ def _read_document(path: Path) -> Any:
     return parse_json(raw, file=file, field=0, fix="pass a Chrome trace-event JSON file")
 
 
-def _read_events(path: Path) -> list[Any]:
+def _read_events(path: Path, doc: Any = None) -> list[Any]:
     file = str(path)
-    doc = _read_document(path)
+    doc = _read_document(path) if doc is None else doc
     # The trace-event format allows a bare event array as well as {"traceEvents": [...]}.
     if isinstance(doc, dict):
         if "traceEvents" not in doc:
@@ -198,8 +198,17 @@ def measured_ops(path: Path, plan: Plan) -> list[MeasuredOp]:
     """Every op event of a measured trace, in file order; anything else is skipped."""
     file = str(path)
     stage_count, num_mb = plan.num_stages, plan.microbatches
+    doc = _read_document(path)
+    other = doc.get("otherData") if isinstance(doc, dict) else None
+    other = other if isinstance(other, dict) else {}
+    # octorun names the model it ran, and writes one step: an op twice on a rank is no run's
+    model = other.get("model")
+    if other.get("source") == "octorun" and model is not None and model != plan.model.name:
+        raise InputError(file, "otherData.model", f"is {model!r:.80}, and the plan's model is {plan.model.name!r:.80}",
+                         "pass a trace of a run of this plan")
+    one_step = 0 if other.get("source") == "octorun" else None
     out = []
-    for index, event in enumerate(_read_events(path)):
+    for index, event in enumerate(_read_events(path, doc)):
         if not isinstance(event, dict) or event.get("ph") != "X":
             continue
         name = event.get("name")
@@ -233,7 +242,8 @@ def measured_ops(path: Path, plan: Plan) -> list[MeasuredOp]:
         args = event.get("args")
         step = args.get("step") if isinstance(args, dict) else None
         process, lane = repr(event.get("pid", 0)), repr(event.get("tid", 0))
-        out.append(MeasuredOp(f"{process}/{lane}", process, lane, step if isinstance(step, int) and not isinstance(step, bool) else None,
+        out.append(MeasuredOp(f"{process}/{lane}", process, lane,
+                              step if isinstance(step, int) and not isinstance(step, bool) else one_step,
                              op, ts / _US_PER_MS, dur / _US_PER_MS))
     if not out:
         raise InputError(file, "traceEvents", "holds no op events", 'expect "ph": "X" events named like 0F3 (octorun --trace)')
