@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument("--save", metavar="DIR", help="write checkpoints into DIR (at the last step, and every --save-every steps)")
     ckpt.add_argument("--save-every", type=int, metavar="N", help="also save after every N steps")
-    ckpt.add_argument("--keep", type=int, default=2, metavar="N", help="how many newest checkpoints to keep (default 2)")
+    ckpt.add_argument("--keep", type=int, metavar="N", help="how many newest checkpoints to keep (default 2)")
     ckpt.add_argument("--resume", metavar="DIR|auto",
                       help="continue from a checkpoint (written under any plan of this model); auto: the newest in "
                            "--save DIR, or a fresh start when there is none. --steps still counts from step 0")

@@ -74,6 +74,14 @@ def check_optimizer_config(config: OptimizerConfig, *, steps: int) -> None:
                          f"({length})", f"give a number from 0 to {span}, or a longer {length}")
     if not (math.isfinite(config.min_lr) and 0 <= config.min_lr <= config.lr):
         raise InputError(None, "--min-lr", f"is {config.min_lr}", f"give 0 to --lr ({config.lr:g})")
+    # options that would be ignored without a word (as --weight-decay with sgd, above)
+    if tuple(config.betas) != OptimizerConfig.betas and config.name != "adamw":
+        raise InputError(None, "--betas", "needs --optimizer adamw", "add --optimizer adamw or drop --betas")
+    if config.schedule == "constant":
+        for flag, given in (("--min-lr", config.min_lr != 0), ("--decay-steps", config.decay_steps is not None)):
+            if given:
+                raise InputError(None, flag, "shapes a falling schedule, and --lr-schedule is constant",
+                                 f"add --lr-schedule cosine (or linear), or drop {flag}")
 
 
 def lr_at(config: OptimizerConfig, step: int, total_steps: int) -> float:

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 # Far beyond any run of one octorun job, small enough that a typo is caught (a job of 10**20
 # steps would only ever end by being killed)
 MAX_STEPS = 10**7
+DEFAULT_KEEP = 2  # checkpoints kept in --save when --keep is not given
 # A wait of more than 11 days is a typo: the process group's store and the launcher's clocks take
 # waits in milliseconds and overflow on values not far above (1e10 s), and would hang that long
 MAX_TIMEOUT_S = 1e6
@@ -102,7 +103,7 @@ class RunConfig:
     # checkpoints (octorun.checkpoint)
     save_dir: str | None = None
     save_every: int | None = None  # also at the last step; None: only at the last step
-    keep: int = 2
+    keep: int | None = None  # None: DEFAULT_KEEP (--keep given only with --save)
     resume: str | None = None  # a checkpoint folder, a folder of them, or "auto" (--save's latest)
     # a checkpoint (or a folder of them) whose weights alone a fresh start takes: the optimizer,
     # the schedule and the data start afresh; a run that resumes ignores it
@@ -321,8 +322,14 @@ def _check_checkpoint_flags(config: RunConfig) -> None:
         raise InputError(None, "--save-every", f"is {config.save_every}", "give a number of steps >= 1")
     if config.save_every is not None and config.save_dir is None:
         raise InputError(None, "--save-every", "needs --save DIR", "add --save DIR")
-    if not 1 <= config.keep <= 10_000:
+    if config.keep is not None and not 1 <= config.keep <= 10_000:
         raise InputError(None, "--keep", f"is {config.keep}", "keep 1 or more checkpoints")
+    # options of checkpoints or data that would be ignored without a word
+    for flag, value, needs in (("--keep", config.keep, config.save_dir), ("--data-dtype", config.data_dtype,
+                                                                           config.data_path)):
+        if value is not None and needs is None:
+            other = "--save DIR" if flag == "--keep" else "--data FILE"
+            raise InputError(None, flag, f"needs {other}", f"add {other} or drop {flag}")
     if config.resume == "auto" and config.save_dir is None:
         raise InputError(None, "--resume", "auto needs --save DIR (it resumes from that folder's latest checkpoint)",
                          "add --save DIR, or give --resume a checkpoint folder")
@@ -1241,7 +1248,8 @@ class _Interpreter:
         with self.watchdog.watching_beats(), _save_timeouts(self.groups, self.config.first_timeout_s,
                                                               self.watchdog.timeout_s):
             path = checkpoint.save(self.config.save_dir, step + 1, self._checkpoint_state(), meta=meta,
-                                   group=self.groups.control, keep=self.config.keep)
+                                   group=self.groups.control,
+                                   keep=DEFAULT_KEEP if self.config.keep is None else self.config.keep)
         if self.me == 0:
             log.warning("saved %s (%.2f s)", path, time.perf_counter() - started)
 

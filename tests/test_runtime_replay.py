@@ -107,6 +107,12 @@ def test_replay_without_the_profile_is_bad_input(tmp_path, profile_file):
     ({"replay_time_scale": float("nan")}, "--replay"),
     ({"replay_time_scale": float("inf")}, "--replay"),
     ({"replay_time_scale": -1.0}, "--replay"),
+    # options that need another to mean anything were ignored without a word
+    ({"keep": 3}, "--keep"),
+    ({"data_dtype": "uint32"}, "--data-dtype"),
+    ({"betas": (0.8, 0.9)}, "--betas"),  # sgd has none
+    ({"min_lr": 1e-4}, "--min-lr"),  # the constant schedule never falls to it
+    ({"decay_steps": 100}, "--decay-steps"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(tmp_path, override, flag):
     with pytest.raises(InputError) as info:
