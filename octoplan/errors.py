@@ -73,9 +73,13 @@ def _clipped(part, chars: int = _PART_CHARS):
 
 # Every character that ends a line for str.splitlines() (and for a terminal or a log reader),
 # written as its escape instead: a message a model file raised, or a file name, may hold one,
-# and the error must stay one line.
+# and the error must stay one line. With them, the other control characters (a NUL, an escape
+# sequence that would drive the terminal) and the bidirectional overrides that show text in
+# another order than it has: the line must read as what it says. Tabs stay.
 _LINE_BREAKS = {ord(c): c.encode("unicode_escape").decode("ascii")
-                for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+                for c in ("\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+                          + "".join(map(chr, [*range(0x00, 0x09), *range(0x0e, 0x1c), 0x1f, *range(0x7f, 0xa0)]))
+                          + "\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")}
 
 
 def one_line(text: str) -> str:

@@ -1178,6 +1178,10 @@ def test_an_error_line_stays_one_line_whatever_its_parts_hold():
 
     error = InputError("a\nb.py", "f\u2028", "x\ry\x0cz\x85", "fix\n")
     assert error.line() == "a\\nb.py: f\\u2028: x\\ry\\x0cz\\x85 (fix\\n)"
+    # nor a NUL, a terminal's escape sequence or a bidirectional override (a layer name a model
+    # file returned, echoed by export): the line reads as what it holds; a tab and é stay
+    error = InputError("m.yaml", "layers.1.name", "is 'é\u202e\x00z\tq\x1b[31m'", "rename it")
+    assert error.line() == "m.yaml: layers.1.name: is 'é\\u202e\\x00z\tq\\x1b[31m' (rename it)"
 
 
 def test_a_model_file_that_raises_a_line_break_at_import_gets_one_line(tmp_path):
