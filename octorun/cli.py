@@ -121,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         _train(args)
     except KeyboardInterrupt:  # at any point, the imports included
+        from octorun.native_stderr import restore_stderr
+
+        restore_stderr()  # (an interrupt may have cut short the hold of c10d's messages)
         # a terminal's Ctrl-C reaches every process of its node: the node's first one speaks, so
         # that each node's terminal says why its job ended (torchrun's summary names no signal)
         if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":

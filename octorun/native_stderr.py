@@ -16,6 +16,19 @@ import tempfile
 from typing import Iterator
 
 
+# the real stderr's descriptor, saved by each hold in effect (outermost first)
+_saved: list[int] = []
+
+
+def restore_stderr() -> None:
+    """Give file descriptor 2 back to the real stderr where a hold still has it. A Ctrl-C that
+    lands while a hold unwinds (c10d's connection retries end in an error, and the interrupt is
+    raised at the first Python line after them) leaves the hold's file in its place, and the
+    line that says the run was interrupted would go there."""
+    if _saved:
+        os.dup2(_saved[0], 2)
+
+
 @contextlib.contextmanager
 def native_stderr_held(*, replay: bool = True) -> Iterator[None]:
     try:
@@ -24,6 +37,7 @@ def native_stderr_held(*, replay: bool = True) -> Iterator[None]:
         yield
         return
     sys.stderr.flush()
+    _saved.append(saved)
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
         ok = False
@@ -31,9 +45,12 @@ def native_stderr_held(*, replay: bool = True) -> Iterator[None]:
             yield
             ok = True
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+            try:
+                sys.stderr.flush()
+            finally:  # even where an interrupt is raised in the flush
+                os.dup2(saved, 2)
+                _saved.remove(saved)
+                os.close(saved)
             if ok and replay:
                 held.seek(0)
                 text = held.read()

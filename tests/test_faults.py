@@ -33,6 +33,20 @@ pytestmark = pytest.mark.slow  # each case starts torchrun and 4 fresh interpret
 TIMEOUT = 5
 HERE = Path(__file__).resolve().parent
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _worker(rank: int, world: int, port: str, args: list[str], *, local_rank: int | None = None,
+            stdout=subprocess.DEVNULL, from_terminal: bool = False, **env: str) -> subprocess.Popen:
+    """One process of a job launched by hand, as torchrun would (2 a node): ``python ARGS``,
+    stderr captured. ``from_terminal``: Ctrl-C reaches it, as it does a terminal's processes (a
+    shell without job control starts background commands with SIGINT ignored; test_files)."""
+    launched = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    launched.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world),
+                    LOCAL_RANK=str(rank if local_rank is None else local_rank), LOCAL_WORLD_SIZE="2",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env)
+    return subprocess.Popen([sys.executable, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=h.ROOT,
+                            env=launched,
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if from_terminal else None)
 CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1}
 
 
@@ -210,15 +224,8 @@ def test_ctrl_c_ends_every_rank_with_130_and_no_abort(setup, tmp_path):
               plan)
     metrics = tmp_path / "m.jsonl"
     port = str(free_port())
-    workers = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-        env.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        workers.append(subprocess.Popen(
-            [sys.executable, "-m", "octorun", str(plan), "--steps", "100000", "--data", str(tokens), "--metrics", str(metrics)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=h.ROOT, env=env,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))  # as from a terminal (test_files)
+    workers = [_worker(rank, 2, port, ["-m", "octorun", str(plan), "--steps", "100000", "--data", str(tokens),
+                                       "--metrics", str(metrics)], from_terminal=True) for rank in range(2)]
     partial = Path(f"{metrics}.partial")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not partial.exists() or len(partial.read_text().splitlines()) < 3):
@@ -235,22 +242,16 @@ def test_on_ctrl_c_each_nodes_first_process_says_so(setup, tmp_path):
     """A Ctrl-C on the second node's terminal reaches only that node's processes: its first one
     (LOCAL_RANK 0, global rank 2 here) says why the job ended there, the others stay quiet. Both
     wait for a rank 0 that never comes (no store on the port), as a node does that starts first."""
-    from octorun.runtime import LAUNCH_VARIABLES, free_port
+    from octorun.runtime import free_port
 
     folder, _, _ = setup
     plan = tmp_path / "pp4.yaml"
     save_plan(h.baseline_plan("1f1b", folder / "fault_model.py", CONFIG, tmp_path / "pp4", gpus=4, pp=4, microbatches=4),
               plan)
     port = str(free_port())
-    workers = []
-    for rank, local in ((2, 0), (3, 1)):
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-        env.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        workers.append(subprocess.Popen([sys.executable, "-m", "octorun", str(plan), "--steps", "1"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=h.ROOT,
-                                        env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
-    time.sleep(3)
+    workers = [_worker(rank, 4, port, ["-m", "octorun", str(plan), "--steps", "1"], local_rank=local, from_terminal=True)
+               for rank, local in ((2, 0), (3, 1))]
+    time.sleep(5)  # imports done: waiting in c10d's connection retries, whose stderr is held
     for worker in workers:
         worker.send_signal(signal.SIGINT)
     errors = [worker.communicate(timeout=60)[1] for worker in workers]
@@ -284,15 +285,9 @@ def test_a_run_that_ends_well_leaves_no_gloo_thread_behind(setup, tmp_path):
     save_plan(h.baseline_plan("1f1b", folder / "fault_model.py", CONFIG, tmp_path / "pp2", gpus=2, pp=2, microbatches=4),
               plan)
     port = str(free_port())
-    workers = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-        env.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(h.ROOT))
-        workers.append(subprocess.Popen(
-            [sys.executable, "-c", _THREADS_LEFT, str(plan), "--steps", "2", "--data", str(tokens),
-             "--save", str(tmp_path / "saved")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=h.ROOT,
-            env=env))
+    workers = [_worker(rank, 2, port, ["-c", _THREADS_LEFT, str(plan), "--steps", "2", "--data", str(tokens),
+                                       "--save", str(tmp_path / "saved")], stdout=subprocess.PIPE,
+                       PYTHONPATH=str(h.ROOT)) for rank in range(2)]
     ended = [worker.communicate(timeout=120) for worker in workers]
     last_lines = [out.strip().splitlines()[-1] if out.strip() else f"nothing printed: {err[-400:]}" for out, err in ended]
     # the main thread alone: no gloo run loop, no gloo transport loop, no TCP store server

@@ -81,6 +81,32 @@ def test_native_stderr_is_dropped_when_the_step_fails_or_the_caller_says(fails, 
     assert done.stderr.decode().splitlines() == ["before", *middle, "after"]
 
 
+def test_an_interrupt_while_the_hold_unwinds_leaves_the_real_stderr_in_place():
+    """c10d's retries end in an error, and a Ctrl-C that came during them is raised at the first
+    Python line after: in the hold's own flush. The real stderr is put back all the same, and
+    restore_stderr (which octorun's Ctrl-C handler calls) puts it back from inside a hold."""
+    script = (
+        "import os, sys\n"
+        "from octorun.native_stderr import native_stderr_held, restore_stderr\n"
+        "class Interrupting:\n"
+        "    def __init__(self, stream): self.stream = stream\n"
+        "    def flush(self): sys.stderr = self.stream; raise KeyboardInterrupt\n"
+        "    def __getattr__(self, name): return getattr(self.stream, name)\n"
+        "try:\n"
+        "    with native_stderr_held(replay=False):\n"
+        "        sys.stderr = Interrupting(sys.stderr)\n"
+        "        raise RuntimeError('the connection failed')\n"
+        "except KeyboardInterrupt:\n"
+        "    os.write(2, b'interrupted\\n')\n"
+        "with native_stderr_held():\n"
+        "    restore_stderr()\n"
+        "    os.write(2, b'said at once\\n')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert done.stderr.decode().splitlines() == ["interrupted", "said at once"]
+
+
 def test_bad_plan_file_exits_2_with_one_line(tmp_path):
     missing = _octorun(str(tmp_path / "missing.yaml"))
     assert missing.returncode == 2
