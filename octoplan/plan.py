@@ -113,8 +113,10 @@ class Parallel:
 
     def runs_in_order(self, order: str, cluster: Cluster) -> bool:
         """Whether a framework that numbers ranks in ``order`` runs this parallelism on the nodes
-        it was planned on: one pipeline, the same order, or a cluster where the orders are alike."""
-        return self.dp == 1 or self.rank_order == order or cluster.rank_orders_alike(self.pp * self.dp)
+        it was planned on: one pipeline or one stage (either order numbers ranks alike), the same
+        order, or a cluster where the orders are alike."""
+        return (self.dp == 1 or self.pp == 1 or self.rank_order == order
+                or cluster.rank_orders_alike(self.pp * self.dp))
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ def identity(config: Any, plan: Plan, model_path: str, backend: str, data: Any =
         "--backend": backend,
     }
     for name, flag in AGREED_OPTIONS.items():
-        value = getattr(config, name)
+        # --keep as it acts: not given and given as the default are the same run
+        value = config.checkpoints_kept if name == "keep" else getattr(config, name)
         parts[flag] = " ".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
     for name, flag in GIVEN_OR_NOT.items():
         parts[flag] = "given" if getattr(config, name) is not None else "not given"

@@ -349,7 +349,7 @@ def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:
 # -- saving ----------------------------------------------------------------------------------------
 
 def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, meta: dict[str, Any], group: Any,
-         keep: int = 2) -> Path:
+         keep: int) -> Path:
     """Write ``state`` (this rank's share) as the checkpoint of ``step`` in ``root``; collective.
 
     ``meta`` (the group's first rank's is kept) must be JSON; ``read_meta`` returns it with

@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         restore_stderr()  # (an interrupt may have cut short the hold of c10d's messages)
         # a terminal's Ctrl-C reaches every process of its node: the node's first one speaks, so
         # that each node's terminal says why its job ended (torchrun's summary names no signal)
-        if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
+        if _speaks_for_its_node():
             kept = " (--metrics replaces its file only when a run ends well)" if args.metrics else ""
             sys.stderr.write(f"octorun: interrupted{kept}\n")
         # no interpreter shutdown: the transport's receiver threads wait inside gloo, and tearing
@@ -188,8 +188,8 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _speaks_for_its_node() -> bool:
-    """Whether this process reports the bad input all of its node's processes found: the node's
-    first (LOCAL_RANK 0), or the only one when no launcher set the variables."""
+    """Whether this process reports what all of its node's processes met (bad input, a Ctrl-C):
+    the node's first (LOCAL_RANK 0), or the only one when no launcher set the variables."""
     return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
 
 

@@ -111,6 +111,11 @@ class RunConfig:
     init_timeout_s: float | None = None  # the deadline until the first step ends (None: max(--timeout, 300))
 
     @property
+    def checkpoints_kept(self) -> int:
+        """``--keep`` as it acts: :data:`DEFAULT_KEEP` where it is not given."""
+        return DEFAULT_KEEP if self.keep is None else self.keep
+
+    @property
     def first_timeout_s(self) -> float:
         return self.init_timeout_s if self.init_timeout_s is not None else max(self.timeout_s, 300.0)
 
@@ -1248,8 +1253,7 @@ class _Interpreter:
         with self.watchdog.watching_beats(), _save_timeouts(self.groups, self.config.first_timeout_s,
                                                               self.watchdog.timeout_s):
             path = checkpoint.save(self.config.save_dir, step + 1, self._checkpoint_state(), meta=meta,
-                                   group=self.groups.control,
-                                   keep=DEFAULT_KEEP if self.config.keep is None else self.config.keep)
+                                   group=self.groups.control, keep=self.config.checkpoints_kept)
         if self.me == 0:
             log.warning("saved %s (%.2f s)", path, time.perf_counter() - started)
 
@@ -1581,7 +1585,7 @@ def _earlier_metrics(path: str, first_step: int) -> list[str]:
         for line in text.splitlines():
             try:
                 step = json.loads(line)["step"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 continue  # a line cut by a crash, or not ours
             if isinstance(step, int) and 0 <= step < first_step:
                 lines[step] = line

@@ -184,6 +184,7 @@ def test_identity_holds_the_plan_the_model_file_and_every_shared_option_but_no_p
         error = agreement.mismatch(other, parts, "node 0", rank=1, node="node 1", plan_path="p.yaml", model_path="m.py")
         assert error is not None and error.field == flag
     assert agreement.identity(base, plan, model_path, "nccl")["--backend"] == "nccl"
+    assert agreement.identity(dataclasses.replace(base, keep=2), plan, model_path, "gloo") == parts  # the default
     # a token file: its fingerprint and sampled digest (octorun.data.TokenData), where its path
     # alone was compared
 

@@ -167,7 +167,7 @@ def test_a_checkpoint_loads_under_another_split_and_world(tmp_path):
     saved_layers = {0: [0, 1], 1: [2, 3]}
 
     def save(rank, world):
-        return str(checkpoint.save(root, 10, expected(saved_layers[rank], rank, tied=True), meta=META, group=None))
+        return str(checkpoint.save(root, 10, expected(saved_layers[rank], rank, tied=True), meta=META, group=None, keep=2))
 
     assert values(launch(2, save, tmp_path / "save")) == [str(root / "step_00000010")] * 2
     assert checkpoint.read_meta(root / "step_00000010") == {**META, "step": 10}
@@ -206,7 +206,7 @@ def test_replicas_are_written_once(tmp_path):
     shared = torch.arange(262144, dtype=torch.float32)  # 1 MiB
 
     def save(rank, world):
-        checkpoint.save(root, 1, {"model/layers.0.weight": shared.clone(), **rank_state(rank)}, meta=META, group=None)
+        checkpoint.save(root, 1, {"model/layers.0.weight": shared.clone(), **rank_state(rank)}, meta=META, group=None, keep=2)
 
     values(launch(2, save, tmp_path / "save"))
     sizes = checkpoint.checkpoint_bytes(root / "step_00000001")
@@ -227,7 +227,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
 
     def save_at(step):
         def save(rank, world):
-            return str(checkpoint.save(root, step, expected([rank], rank), meta={**META, "step": step}, group=None))
+            return str(checkpoint.save(root, step, expected([rank], rank), meta={**META, "step": step}, group=None, keep=2))
         return save
 
     values(launch(2, save_at(1), tmp_path / "save1"))
@@ -264,7 +264,7 @@ def test_errors_are_raised_on_every_rank_alike(tmp_path):
     both ranks raise the same InputError (none waits for the other), and neither rank's
     tensors change. A save into a folder that cannot be made fails on both ranks alike."""
     root = tmp_path / "ckpt"
-    checkpoint.save(root, 5, expected([0, 1]), meta=META, group=None)
+    checkpoint.save(root, 5, expected([0, 1]), meta=META, group=None, keep=2)
     path = root / "step_00000005"
 
     def load(rank, world):
@@ -289,7 +289,7 @@ def test_errors_are_raised_on_every_rank_alike(tmp_path):
     blocker.write_text("")
 
     def save(rank, world):
-        checkpoint.save(blocker / "ckpt", 1, expected([rank]), meta=META, group=None)
+        checkpoint.save(blocker / "ckpt", 1, expected([rank]), meta=META, group=None, keep=2)
 
     outcomes = launch(2, save, tmp_path / "save")
     assert outcomes[0] == outcomes[1] and outcomes[0][0] == "InputError"
@@ -334,7 +334,7 @@ def test_saved_by_tells_two_saves_of_one_step_apart_and_copies_alike(tmp_path):
     import shutil
 
     for run in ("x", "y"):
-        checkpoint.save(tmp_path / run, 1, expected([0]), meta=META, group=None)
+        checkpoint.save(tmp_path / run, 1, expected([0]), meta=META, group=None, keep=2)
     x, y = tmp_path / "x" / "step_00000001", tmp_path / "y" / "step_00000001"
     shutil.copytree(x, tmp_path / "copy")
     assert checkpoint.saved_by(x) == checkpoint.saved_by(tmp_path / "copy") != checkpoint.saved_by(y)
@@ -405,7 +405,7 @@ def test_objects_round_trip_in_one_process(tmp_path):
     rng_bytes = bytes(torch.Generator().manual_seed(3).get_state().numpy())
     state = {"count": 12, "nested": {"a": [1, 2.5, "x", None], "b": (1, 2)}, "rng/bytes": rng_bytes,
              "rng/python": random.Random(5).getstate(), "zero_d": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
-    path = checkpoint.save(tmp_path, 7, state, meta={"model": "m"}, group=None)
+    path = checkpoint.save(tmp_path, 7, state, meta={"model": "m"}, group=None, keep=2)
     got = blank(state)
     assert checkpoint.load(path, got, group=None) == set()
     assert_identical(got, state)
@@ -435,7 +435,7 @@ def test_keep_prunes_the_oldest(tmp_path):
 
 
 def test_a_save_clears_what_interrupted_saves_left(tmp_path):
-    checkpoint.save(tmp_path, 1, {"x": torch.tensor([1])}, meta={}, group=None)
+    checkpoint.save(tmp_path, 1, {"x": torch.tensor([1])}, meta={}, group=None, keep=2)
     (tmp_path / "step_00000009.partial").mkdir()
     (tmp_path / "step_00000009.partial" / "__0_0.distcp").write_bytes(b"junk")
     # a crash between moving a same-step checkpoint aside and renaming its successor
@@ -446,7 +446,7 @@ def test_a_save_clears_what_interrupted_saves_left(tmp_path):
     checkpoint.load(checkpoint.resolve("auto", save_root=tmp_path), state, group=None)
     assert state["x"].tolist() == [1]
     (tmp_path / "mine.partial").mkdir()  # not a name a save makes: left alone
-    checkpoint.save(tmp_path, 2, {"x": torch.tensor([2])}, meta={}, group=None)
+    checkpoint.save(tmp_path, 2, {"x": torch.tensor([2])}, meta={}, group=None, keep=2)
     assert sorted(os.listdir(tmp_path)) == ["mine.partial", "step_00000001", "step_00000002"]
 
 
@@ -471,7 +471,7 @@ def test_resolve(tmp_path):
 
     root = tmp_path / "root"
     for step in (8, 12):
-        checkpoint.save(root, step, {"x": torch.tensor([step])}, meta={}, group=None)
+        checkpoint.save(root, step, {"x": torch.tensor([step])}, meta={}, group=None, keep=2)
     assert checkpoint.resolve("auto", save_root=str(root)) == root / "step_00000012"
     assert checkpoint.resolve(str(root), save_root=None) == root / "step_00000012"
     assert checkpoint.resolve(str(root / "step_00000008"), save_root=None) == root / "step_00000008"
@@ -483,7 +483,7 @@ def test_resolve(tmp_path):
 
 @pytest.fixture
 def saved(tmp_path) -> Path:
-    return checkpoint.save(tmp_path / "ckpt", 5, expected([0, 1]), meta=META, group=None)
+    return checkpoint.save(tmp_path / "ckpt", 5, expected([0, 1]), meta=META, group=None, keep=2)
 
 
 def _load_error(path, state, **kwargs) -> InputError:

@@ -250,6 +250,8 @@ def test_torchtitan_numbers_ranks_dp_inner_across_nodes():
     torchtitan_export(make_baseline(profile, schedule="1f1b", gpus=4, pp=2, microbatches=4, cluster=nodes,
                                     rank_order="dp-inner"), profile)
     torchtitan_export(make_baseline(profile, schedule="1f1b", gpus=4, pp=2, microbatches=4), profile)  # one node
+    # pp 1: both orders number the replicas alike (rank = dp rank)
+    torchtitan_export(make_baseline(profile, schedule="1f1b", gpus=4, pp=1, microbatches=4, cluster=nodes), profile)
     loop = lambda order: Candidate(Config(2, 2, 4, order), (0, 4, 8), (0, 1))
     assert "torchtitan" not in Frameworks(profile, cluster=nodes).runs_on(loop("pp-inner"))
     assert "torchtitan" in Frameworks(profile, cluster=nodes).runs_on(loop("dp-inner"))

@@ -167,7 +167,8 @@ def test_metrics_and_trace_are_written(hand_batches):
         assert "predicted_iteration_ms" not in record  # hand plans carry no prediction
     assert [r["loss"] for r in records] == pytest.approx([m.loss for m in launched.result("v-shape-iw", 0)["metrics"]])
     trace = json.loads((batch.folder / "v-shape-iw.trace.json").read_text())
-    assert trace["otherData"] == {"source": "octorun", "replay_time_scale": None}  # real work, not replayed
+    # real work, not replayed, of the plan's model
+    assert trace["otherData"] == {"source": "octorun", "model": plan.model.name, "replay_time_scale": None}
     events = trace["traceEvents"]
     expected = {(rank, str(op)) for rank, ops in enumerate(plan.schedule) for op in ops}
     assert {(e["tid"], e["name"]) for e in events} == expected

@@ -68,7 +68,8 @@ def test_replay_of_a_profile_without_model_file_matches_the_prediction(tmp_path,
         assert times[f"0B{mb}"][0] >= times[f"1B{mb}"][1]
     # octoplan calibrate reads this trace: every op but rank 0's first either waited for its
     # message or followed a runtime gap, or sat in between (its message possibly in flight)
-    assert json.loads(trace.read_text())["otherData"] == {"source": "octorun", "replay_time_scale": 1.0}
+    assert json.loads(trace.read_text())["otherData"] == {"source": "octorun", "model": plan.model.name,
+                                                          "replay_time_scale": 1.0}
     cal = calibrate(plan, profile, trace)
     assert cal.counts["ops"] == 16 and cal.counts["pairs"] == 1
     assert cal.counts["transfers"] >= 2  # rank 1's first forward; rank 0's first backward

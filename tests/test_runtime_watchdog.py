@@ -98,7 +98,7 @@ def test_an_interrupt_while_the_hold_unwinds_leaves_the_real_stderr_in_place():
         "        raise RuntimeError('the connection failed')\n"
         "except KeyboardInterrupt:\n"
         "    os.write(2, b'interrupted\\n')\n"
-        "with native_stderr_held():\n"
+        "with native_stderr_held(replay=False):\n"
         "    restore_stderr()\n"
         "    os.write(2, b'said at once\\n')\n"
     )

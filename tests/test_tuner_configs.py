@@ -126,6 +126,27 @@ def test_the_near_tie_spans_the_microbatch_sizes():
     assert _winning_size([four_stages, size(2, 2, 100.2, 100.2)], cluster()) is four_stages
 
 
+def test_a_size_won_by_the_near_tie_is_the_one_the_table_and_lines_name():
+    """Two microbatches of 2 in 2.0018x the time of one: per sample 0.09% slower, in half the
+    stage passes. The tie writes size 2; the configurations table starts with it, the line under
+    it says it was written (not that it is the fastest), the plan records the tie, and the
+    verdict gives the tie as the reason a baseline is faster."""
+    from octoplan.tuner.cli import _config_verdict, _merged, _verdict
+
+    opts = TuneOptions(gpus=2, global_batch=8, max_plans=300, time_limit_s=60)
+    batch = tune_global_batch([(None, two_layers(1.0, size=1)), (None, two_layers(2.0018, size=2))], cluster(), opts)
+    assert batch.microbatch_size == 2 and batch.configs[0].microbatch_size == 2
+    faster = min(row.scored.judged_ms for row in batch.configs if row.microbatch_size == 1)
+    assert faster < batch.result.scored.judged_ms <= faster * 1.001
+    assert batch.result.stats["near_tie"] and batch.result.plan.extra["tuner"]["near_tie"]
+    line = _config_verdict(batch)
+    assert line.startswith("configuration written: mbs=2 ") and line.endswith("a near tie: faster, in more stages, "
+                                                                             "which the tie gives up where no per-op "
+                                                                             "cost is priced")
+    result, _ = _merged(batch)
+    assert "a tie within 0.1% goes to the plan of fewer stages" in _verdict(result, 80.0)
+
+
 @pytest.mark.parametrize("memory_gb", [None, 4.0])
 def test_each_size_keeps_the_baselines_its_pricing_priced_under_a_plan_budget(memory_gb):
     """Under --max-plans a size's pricing counts among its tune's plans, so its tune's clock

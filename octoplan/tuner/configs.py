@@ -138,6 +138,8 @@ def why_slower(row: ConfigRow, winner: ConfigRow) -> str:
         return "fastest"
     if not row.scored.fits:
         return f"memory: needs {row.scored.peak_memory_bytes / 1e9:.1f} GB on its fullest GPU even recomputing"
+    if row.scored.judged_ms < winner.scored.judged_ms:  # the winner won a near tie (tune's rule)
+        return "a near tie: faster, in more stages, which the tie gives up where no per-op cost is priced"
     # rows that train different batches (tune --microbatches without --pp) compare per microbatch
     deltas = {part: row.parts[part] / row.scored.samples - winner.parts[part] / winner.scored.samples
               for part in TIME_PARTS}
@@ -271,9 +273,14 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
             parts, cross = time_parts(evaluator, row.candidate)
             rows.append(ConfigRow(profile.microbatch_size, row.candidate, row.scored, parts, cross))
     winner_path, winner_profile, winner = _winning_size(tuned, cluster)
-    # the written plan's configuration first among equals: the table's winner is the plan's
+    fastest = min(result.scored.score for _, _, result in tuned)
+    if winner.scored.score > fastest and not winner.stats.get("near_tie"):  # the tie across sizes chose it
+        tuner = {**winner.plan.extra.get("tuner", {}), "near_tie": True}
+        winner = replace(winner, stats={**winner.stats, "near_tie": True},
+                         plan=replace(winner.plan, extra={**winner.plan.extra, "tuner": tuner}))
+    # the written plan's configuration first (the table's winner is the plan's), then by time
     won = (winner_profile.microbatch_size, winner.candidate.config)
-    rows.sort(key=lambda row: (row.scored.score, (row.microbatch_size, row.config) != won, row.microbatch_size, row.config))
+    rows.sort(key=lambda row: ((row.microbatch_size, row.config) != won, row.scored.score, row.microbatch_size, row.config))
     baselines = tuple((profile.microbatch_size, row) for _, profile, result in tuned for row in result.baselines)
     baselines += tuple((profile.microbatch_size, row) for _, profile in untuned for row in priced[profile.microbatch_size])
     return BatchResult(winner, winner_path, winner_profile.microbatch_size, tuple(rows), baselines,

@@ -168,8 +168,8 @@ class TuneResult:
 
 def configs_for(profile: Profile, opts: TuneOptions, cluster: Cluster | None = None) -> list[Config]:
     """Every (pp, dp, microbatches, rank order) the options allow. Given the ``cluster``, a
-    configuration whose two rank orders are the same hardware (every GPU on one node, or each
-    on its own) is searched in one order only, pp-inner, unless ``opts.rank_order`` names one:
+    configuration whose two rank orders are the same hardware (every GPU on one node, each on
+    its own, or pp 1, where they number ranks alike) is searched in one order only, pp-inner, unless ``opts.rank_order`` names one:
     the costs see only which ranks share a node, so a second order would spend the search's
     time on the same plans again. Where they differ, ``--runs-on`` may allow one order only
     (:func:`octoplan.tuner.frameworks.frameworks_order`)."""
@@ -210,7 +210,7 @@ def configs_for(profile: Profile, opts: TuneOptions, cluster: Cluster | None = N
                 continue
         if opts.rank_order and dp > 1:
             orders: tuple[str, ...] = (opts.rank_order,)
-        elif dp == 1 or (cluster is not None and cluster.rank_orders_alike(gpus)):
+        elif dp == 1 or pp == 1 or (cluster is not None and cluster.rank_orders_alike(gpus)):
             orders = ("pp-inner",)
         else:  # where the orders differ, the one that --runs-on's framework runs, or both
             only = frameworks_order(opts.runs_on, profile)
@@ -309,8 +309,9 @@ def tune(
     frameworks = search.frameworks
     rows = tuple(replace(row, runs_on=frameworks.runs_on(row.candidate),
                          allowed=frameworks.allows(row.candidate, opts.runs_on)) for row in baselines)
-    configs_best = tuple(sorted(search.config_best.values(),  # the tuned plan's configuration first among equals
-                                key=lambda item: (item[1].score, item[0].config != best.config, item[0].config)))
+    configs_best = tuple(sorted(search.config_best.values(),  # the written plan's configuration first (a near tie
+                                # may have written it over a faster one), then the rest by their time
+                                key=lambda item: (item[0].config != best.config, item[1].score, item[0].config)))
     return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best), configs_best, fastest[1])
 
 
