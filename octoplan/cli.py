@@ -462,9 +462,15 @@ def justify(
     reorder: bool = typer.Option(False, "--reorder",
                                  help="first build a new order by the shifting-bottleneck procedure, then justify "
                                       "that (slower: seconds on plans of thousands of ops and tens of ranks)"),
+    time_limit: Optional[float] = typer.Option(None, "--time-limit", metavar="S",
+                                               help="with --reorder: after S seconds the procedure orders the ranks "
+                                                    "left one pass each, without re-optimizing (a worse order, in "
+                                                    "bounded time; default: no limit)"),
 ) -> None:
     """Repair PLAN's op order: every op as late, then as early as its inputs and its rank's gaps
     allow (same stages, same placement); writes the faster order that fits memory."""
+    import time
+
     from octoplan.costs import LayerTable, stage_costs
     from octoplan.schedules.bottleneck import bottleneck_order
     from octoplan.schedules.justify import justify as justify_order
@@ -472,6 +478,10 @@ def justify(
     from octoplan.simulator import simulate as run_simulation
     from octoplan.validate import check_runnable
 
+    if time_limit is not None and not reorder:
+        raise InputError(None, "--time-limit", "limits --reorder only", "add --reorder, or drop --time-limit")
+    if time_limit is not None and not 0 < time_limit <= 1e9:  # (NaN fails both)
+        raise InputError(None, "--time-limit", f"is {time_limit:g}", "give a number of seconds above 0")
     plan, prof = _load_plan_with_profile(plan_path)
     check_writable(output, "-o", inputs=_plan_files(plan, plan_path))
     check_runnable(plan, file=str(plan_path))
@@ -481,8 +491,9 @@ def justify(
     start = plan.schedule
     try:
         if reorder:
+            deadline = None if time_limit is None else time.perf_counter() + time_limit
             start, _ = bottleneck_order(plan.schedule, ranks, costs, cluster=plan.cluster, parallel=plan.parallel,
-                                        keep_memory=not unbounded)
+                                        keep_memory=not unbounded, deadline=deadline)
         order, _ = justify_order(start, ranks, costs, cluster=plan.cluster, parallel=plan.parallel,
                                  keep_memory=not unbounded)
     except OutOfMicrobatchOrder as exc:  # it runs, but justification keeps each stage's microbatches in order

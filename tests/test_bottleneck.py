@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hypothesis import given, settings
 
@@ -99,7 +101,9 @@ def test_a_plan_without_gaps_keeps_its_time():
     assert simulate(_plan(profile, cluster, parallel, stages, order), profile).iteration_ms == 33.0
 
 
-@pytest.mark.parametrize("rebuild", [bottleneck_order, longest_tail_order])
+@pytest.mark.parametrize("rebuild", [bottleneck_order, longest_tail_order,
+                                     # past its deadline from the start: each rank ordered in turn
+                                     functools.partial(bottleneck_order, deadline=0.0)])
 @settings(max_examples=60, deadline=None)
 @given(placements())
 def test_rebuilt_orders_are_valid_and_never_beat_the_bound(rebuild, case):
@@ -157,3 +161,11 @@ def test_cli_justify_reorder_writes_the_bottleneck_order(profile_file, tmp_path)
     assert "reordered, justified" in result.output and "1.077x faster" in result.output  # 28 / 26
     assert load_plan(out).predicted["iteration_ms"] == 26.0
     assert runner.invoke(app, ["validate", str(out)]).exit_code == 0
+    # a time limit for the procedure: given, it runs; without --reorder, or not above 0, refused
+    limited = runner.invoke(app, ["justify", str(given), "--reorder", "--time-limit", "60", "-o", str(out)])
+    assert limited.exit_code == 0 and "1.077x faster" in limited.output, limited.output
+    for args, says in ((["--time-limit", "5"], "limits --reorder only"), (["--reorder", "--time-limit", "0"], "is 0"),
+                       (["--reorder", "--time-limit", "nan"], "is nan")):
+        refused = runner.invoke(app, ["justify", str(given), *args, "-o", str(tmp_path / "x.yaml")])
+        assert refused.exit_code == 2 and f"--time-limit: {says}" in refused.output, refused.output
+        assert not (tmp_path / "x.yaml").exists()

@@ -35,6 +35,7 @@ included.
 from __future__ import annotations
 
 import heapq
+import time
 from typing import Sequence
 
 from octoplan.costs import StageCost
@@ -101,17 +102,26 @@ def _even(ms: float) -> float:
 
 
 def bottleneck_order(schedule: Sequence[Sequence[Op]], rank_of_stage: Sequence[int], costs: Sequence[StageCost], *,
-                     cluster: Cluster, parallel: Parallel, keep_memory: bool = True) -> tuple[list[list[Op]], float]:
+                     cluster: Cluster, parallel: Parallel, keep_memory: bool = True,
+                     deadline: float | None = None) -> tuple[list[list[Op]], float]:
     """Per-rank op lists for ``schedule``'s ops on its layout by the shifting-bottleneck
     procedure, and their makespan in the order model. ``keep_memory``: no stage holds more
     microbatches in flight than in ``schedule``. Its cost grows with the square of the rank
-    count: a pass over every op per rank fixed or re-ordered."""
+    count: a pass over every op per rank fixed or re-ordered. ``deadline`` (a
+    ``time.perf_counter()`` reading): past it, each rank still unordered is ordered and fixed
+    in turn, without looking for the bottleneck and without re-optimizing: one pass a rank,
+    a worse order in bounded time."""
     graph = OpGraph(schedule, rank_of_stage, costs, cluster, parallel, keep_memory)
     seq = _Sequencer(graph)
     num_ranks = graph.num_ranks
     fixed_in_turn: list[int] = []
     while len(fixed_in_turn) < num_ranks:
         head, tail, place = seq.heads_tails()
+        if deadline is not None and time.perf_counter() > deadline:
+            rank = next(r for r in range(num_ranks) if r not in seq.fixed)
+            seq.fix(rank, seq.schrage(rank, head, tail, place)[0])
+            fixed_in_turn.append(rank)
+            continue
         worst: tuple[float, int, list[int]] | None = None
         for r in range(num_ranks):
             if r not in seq.fixed and seq.by_rank[r]:
