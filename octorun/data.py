@@ -162,7 +162,9 @@ class TokenData:
             raise InputError(file, "dtype", f"read as uint16{said}, every second id is 0 or small: it looks like a file of "
                              "uint32 ids", f"give --data-dtype uint32, or --data-dtype uint16 if it is one{data.stale_index_fix}")
         data._check_ids(0, prefix)
-        data.fingerprint(), data.sampled_digest()  # now, as opened: a save late in the run reads no mapped page
+        # both now, as opened: a save late in the run reads no mapped page
+        data.fingerprint()
+        data.sampled_digest()
         # the model's batch_from_tokens on one window, before any rank starts: one that refuses
         # token files (a vision-language model's) or fails on them says so before the launch
         model.batch_from_tokens(data.windows(0, 1))

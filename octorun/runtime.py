@@ -330,10 +330,9 @@ def _check_checkpoint_flags(config: RunConfig) -> None:
     if config.keep is not None and not 1 <= config.keep <= 10_000:
         raise InputError(None, "--keep", f"is {config.keep}", "keep 1 or more checkpoints")
     # options of checkpoints or data that would be ignored without a word
-    for flag, value, needs in (("--keep", config.keep, config.save_dir), ("--data-dtype", config.data_dtype,
-                                                                           config.data_path)):
-        if value is not None and needs is None:
-            other = "--save DIR" if flag == "--keep" else "--data FILE"
+    for flag, value, needed, other in (("--keep", config.keep, config.save_dir, "--save DIR"),
+                                       ("--data-dtype", config.data_dtype, config.data_path, "--data FILE")):
+        if value is not None and needed is None:
             raise InputError(None, flag, f"needs {other}", f"add {other} or drop {flag}")
     if config.resume == "auto" and config.save_dir is None:
         raise InputError(None, "--resume", "auto needs --save DIR (it resumes from that folder's latest checkpoint)",

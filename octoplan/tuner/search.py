@@ -169,9 +169,9 @@ class TuneResult:
 def configs_for(profile: Profile, opts: TuneOptions, cluster: Cluster | None = None) -> list[Config]:
     """Every (pp, dp, microbatches, rank order) the options allow. Given the ``cluster``, a
     configuration whose two rank orders are the same hardware (every GPU on one node, each on
-    its own, or pp 1, where they number ranks alike) is searched in one order only, pp-inner, unless ``opts.rank_order`` names one:
-    the costs see only which ranks share a node, so a second order would spend the search's
-    time on the same plans again. Where they differ, ``--runs-on`` may allow one order only
+    its own, or pp 1, where they number ranks alike) is searched in one order only, pp-inner,
+    unless ``opts.rank_order`` names one: the costs see only which ranks share a node, so a
+    second order would spend the search's time on the same plans again. Where they differ, ``--runs-on`` may allow one order only
     (:func:`octoplan.tuner.frameworks.frameworks_order`)."""
     gpus = opts.gpus
     if gpus < 1:
