@@ -40,8 +40,10 @@ AGREED_OPTIONS = {
     "min_lr": "--min-lr", "decay_steps": "--decay-steps", "skip_nonfinite": "--skip-nonfinite",
     "precision": "--precision", "replay_time_scale": "--replay", "dynamic_shapes": "--dynamic-shapes",
     "activation_memory": "--activation-memory", "save_every": "--save-every", "keep": "--keep",
+    "eval_every": "--eval-every",
 }
-GIVEN_OR_NOT = {"save_dir": "--save", "data_path": "--data", "resume": "--resume", "init_from": "--init-from"}
+GIVEN_OR_NOT = {"save_dir": "--save", "data_path": "--data", "resume": "--resume", "init_from": "--init-from",
+                "eval_data_path": "--eval-data"}
 SAME_EVERYWHERE_FIX = "launch every process with the same plan, model file and options"
 
 # A process may run several jobs in one process group (the tests do): each meets under keys of
@@ -70,10 +72,13 @@ def where() -> str:
     return f"node {group}, host {host}" if group is not None else f"host {host}"
 
 
-def identity(config: Any, plan: Plan, model_path: str, backend: str, data: Any = None) -> dict[str, str]:
+def identity(config: Any, plan: Plan, model_path: str, backend: str, data: Any = None,
+             evaluation: Any = None) -> dict[str, str]:
     """What every process must share, by name: the plan's contents, the model file's bytes (a
-    digest of each), the training options as they would be printed, and the token file
-    (``data``, octorun.data.TokenData: its fingerprint; each node may read its own copy)."""
+    digest of each), the training options as they would be printed, and the token files
+    (``data``, octorun.data.TokenData, and ``evaluation``'s, octorun.evaluation.Evaluation: their
+    fingerprints; each node may read its own copy). The evaluation's batches are compared as
+    they act: every process must pass the same messages."""
     parts = {
         "plan": _digest(json.dumps(plan_to_dict(plan), sort_keys=True, default=str).encode()),
         # a Hugging Face model ("hf:FOLDER") is its folder, which the plan's source names
@@ -88,6 +93,9 @@ def identity(config: Any, plan: Plan, model_path: str, backend: str, data: Any =
         parts[flag] = "given" if getattr(config, name) is not None else "not given"
     if data is not None:
         parts["--data"] = f"{data.fingerprint()}, sampled {data.sampled_digest()}"
+    if evaluation is not None:
+        parts["--eval-data"] = f"{evaluation.data.fingerprint()}, sampled {evaluation.data.sampled_digest()}"
+        parts["--eval-batches"] = str(evaluation.batches)
     return parts
 
 

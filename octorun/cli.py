@@ -3,7 +3,8 @@
 ``torchrun --nproc-per-node N octorun PLAN [--steps K] [--seed S] [--optimizer sgd|adamw]
 [--lr LR] [--metrics FILE.jsonl] [--trace FILE.json] [--timeout S] [--replay [SCALE]]
 [--dynamic-shapes] [--backend auto|gloo|nccl] [--activation-memory]``, and the training flags:
-precision, the optimizer step and its schedule, token data, checkpoints (``octorun --help``). Without torchrun it runs
+precision, the optimizer step and its schedule, token data and held-out data, checkpoints
+(``octorun --help``). Without torchrun it runs
 as one process. Exit status: 0 success, 2 bad input (one line on stderr), 1 any other failure.
 """
 
@@ -100,7 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="train on a flat binary token file (uint16/uint32, as nanoGPT and Megatron-LM write them; "
                            "octoplan tokenize makes one from text) instead of the model's sample_batch")
     data.add_argument("--data-dtype", choices=("uint16", "uint32"),
-                      help="the token file's dtype (default: from a Megatron .idx beside it, else uint16)")
+                      help="the token files' dtype (default: from a Megatron .idx beside each, else uint16)")
+    data.add_argument("--eval-data", metavar="TOKENS.bin",
+                      help="a held-out token file: after the last step (and every --eval-every steps) a forward-only "
+                           "pass through the plan's pipeline measures the mean loss on it, in eval mode")
+    data.add_argument("--eval-every", type=int, metavar="N", help="also evaluate after every N steps")
+    data.add_argument("--eval-batches", type=int, metavar="K",
+                      help="global batches of --eval-data per evaluation, the same samples every time "
+                           "(default: every whole global batch the file holds)")
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument("--save", metavar="DIR", help="write checkpoints into DIR (at the last step, and every --save-every steps)")
     ckpt.add_argument("--save-every", type=int, metavar="N", help="also save after every N steps")
@@ -148,6 +156,7 @@ def _train(args: argparse.Namespace) -> None:
         precision=args.precision, weight_decay=args.weight_decay, betas=tuple(args.betas), grad_clip=args.grad_clip,
         lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr, decay_steps=args.decay_steps,
         skip_nonfinite=args.skip_nonfinite, data_path=args.data, data_dtype=args.data_dtype,
+        eval_data_path=args.eval_data, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_dir=args.save, save_every=args.save_every, keep=args.keep, resume=args.resume,
         init_from=args.init_from, init_timeout_s=args.init_timeout, print_steps=True,
     )

@@ -176,7 +176,7 @@ class Transport:
         outgoing: dict[int, Channel],
         incoming: dict[int, Channel],
         device: torch.device,
-        steps: int,
+        rounds: Sequence[bool],
         timeout_s: float,
         static_shapes: bool = True,
         meter: ActivationMeter | None = None,
@@ -184,7 +184,10 @@ class Transport:
         self.outgoing = outgoing  # dst global rank -> channel
         self.incoming = incoming  # src global rank -> channel
         self.device = device
-        self.steps = steps
+        # one entry per round of messages this run exchanges, in order: False for a training
+        # step (every message of the program), True for an evaluation's forward-only pass (its
+        # activations only, octorun.lowering.forward_only); both sides number rounds alike
+        self.rounds = tuple(rounds)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.static_shapes = static_shapes
         self.mailbox = Mailbox()
@@ -273,9 +276,10 @@ class Transport:
         """How many tensors this rank still holds for sends (a test's view of the release)."""
         return len(self._pending)
 
-    def _header_in(self, step: int) -> bool:
-        """Whether the messages of ``step`` carry a header (the same answer on both sides)."""
-        return step == 0 or not self.static_shapes
+    def _header_in(self, round_: int) -> bool:
+        """Whether the messages of round ``round_`` carry a header (the same answer on both
+        sides). Round 0 is a training step, so it sends every message an evaluation sends too."""
+        return round_ == 0 or not self.static_shapes
 
     # -- receiving (one thread per incoming channel) ------------------------------------------
     def _receive_loop(self, channel: Channel) -> None:
@@ -291,8 +295,10 @@ class Transport:
 
     def _receive_all(self, channel: Channel) -> None:
         try:
-            for step in range(self.steps):
+            for step, forward_only in enumerate(self.rounds):
                 for message in channel.messages:
+                    if forward_only and message.kind != ACT:
+                        continue
                     if self._header_in(step):
                         header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
                         _receive(header, channel.src, group=channel.meta_group, tag=channel.next_tag())

@@ -23,7 +23,7 @@ the simulator's model too. Lowering is a pure function of the plan: no torch, no
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from octoplan.ops import Kind, Op
 from octoplan.plan import Plan
@@ -36,6 +36,7 @@ __all__ = [
     "RankProgram",
     "Lowered",
     "lower",
+    "forward_only",
 ]
 
 ACT = "act"
@@ -146,3 +147,24 @@ def lower(plan: Plan) -> Lowered:
         )
     channels = tuple(sorted((src, dst) for src, per in outgoing.items() for dst, msgs in per.items() if msgs))
     return Lowered(programs=tuple(programs), channels=channels)
+
+
+def forward_only(program: RankProgram) -> RankProgram:
+    """``program`` as an evaluation runs it (octorun ``--eval-data``): its F ops in the plan's
+    order, each with the activations it receives and sends; no backward, no gradient message, no
+    all-reduce.
+
+    It runs to the end wherever the plan's orders do: an F waits only for the F of the stage
+    before it, and every rank keeps its Fs in the plan's order, so a wait here that could never
+    end would be one in the plan's own orders too."""
+    def activations(channels: dict[int, tuple[Message, ...]]) -> dict[int, tuple[Message, ...]]:
+        kept = {peer: tuple(m for m in messages if m.kind == ACT) for peer, messages in channels.items()}
+        return {peer: messages for peer, messages in kept.items() if messages}
+
+    return RankProgram(
+        rank=program.rank,
+        instrs=tuple(replace(instr, allreduce_stage=None) for instr in program.instrs if instr.op.kind is Kind.F),
+        stages=program.stages,
+        incoming=activations(program.incoming),
+        outgoing=activations(program.outgoing),
+    )

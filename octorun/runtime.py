@@ -45,7 +45,7 @@ from octoplan.plan import (MAX_GPUS, MAX_MICROBATCHES, Plan, load_plan, load_pla
                            resolve_profile_path, resolve_written_path)
 from octoplan.validate import check_runnable
 from octorun.comm import RECEIVE_LAST_RESORT, Channel, SendFailed, Transport, wait_work
-from octorun.lowering import ACT, Lowered, Message, RankProgram, lower
+from octorun.lowering import ACT, Instr, Lowered, Message, RankProgram, forward_only, lower
 from octorun.native_stderr import native_stderr_held
 from octorun.optim import OPTIMIZERS, OptimizerConfig, build_optimizer, check_optimizer_config, clip_factor, lr_at, squared_norms
 from octorun.tied import TiedGroup, model_state, parameter_key, tie_local, tied_groups
@@ -100,6 +100,10 @@ class RunConfig:
     # real data (octorun.data): a token file, read in windows; None: the model's sample_batch
     data_path: str | None = None
     data_dtype: str | None = None
+    # evaluation (octorun.evaluation): a held-out token file, and when and how much of it to read
+    eval_data_path: str | None = None
+    eval_every: int | None = None  # also after every N steps; None: after the last step only
+    eval_batches: int | None = None  # global batches per evaluation; None: every whole one the file holds
     # checkpoints (octorun.checkpoint)
     save_dir: str | None = None
     save_every: int | None = None  # also at the last step; None: only at the last step
@@ -155,6 +159,10 @@ class StepMetrics:
     lr: float | None = None  # the learning rate this step's update used
     grad_norm: float | None = None  # the global gradient 2-norm before clipping
     skipped_steps: int = 0  # updates skipped so far for non-finite values (--skip-nonfinite)
+    # where an evaluation followed the step (--eval-data): the mean loss of its microbatches, and
+    # its time on the slowest process
+    eval_loss: float | None = None
+    eval_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -174,6 +182,9 @@ class StepMetrics:
         for name in ("predicted_peak_activation_bytes", "peak_with_message_bytes", "predicted_peak_with_message_bytes"):
             if getattr(self, name) is not None:
                 out[name] = list(getattr(self, name))
+        if self.eval_loss is not None:
+            out["eval_loss"] = self.eval_loss
+            out["eval_ms"] = round(self.eval_ms, 4)
         return out
 
 
@@ -202,6 +213,7 @@ class Prepared:
     lowered: Lowered
     tied: tuple[TiedGroup, ...] = ()  # the model file's tied parameters
     data: Any = None  # --data's token file (octorun.data.TokenData)
+    evaluation: Any = None  # --eval-data's token file and schedule (octorun.evaluation.Evaluation)
     resume_from: Path | None = None  # the checkpoint --resume names (None: a fresh start)
     init_from: Path | None = None  # the checkpoint --init-from names
     profile_precision: str | None = None  # what the plan's profile was measured at (None: no profile to read, or a replay)
@@ -249,10 +261,11 @@ def prepare(config: RunConfig) -> Prepared:
     # the files the job reads, which no output may overwrite: the model's files and the token
     # file (with its Megatron index) too
     data_files: tuple[str | Path, ...] = ()
-    if config.data_path is not None:
-        from octoplan.tokenfile import index_path  # numpy: only for runs that read a token file
+    for path in (config.data_path, config.eval_data_path):
+        if path is not None:
+            from octoplan.tokenfile import index_path  # numpy: only for runs that read a token file
 
-        data_files = (config.data_path, index_path(config.data_path))
+            data_files += (path, index_path(path))
     inputs = (config.plan_path, resolve_profile_path(plan, config.plan_path),
               *(() if config.replay_time_scale is not None else model_source_files(model.path)), *data_files)
     for flag, path in (("--metrics", config.metrics_path), ("--metrics (while it is written)", partial),
@@ -266,6 +279,14 @@ def prepare(config: RunConfig) -> Prepared:
         from octorun.data import TokenData  # numpy's memmap: only for runs that read a token file
 
         data = TokenData.open(config.data_path, model, seed=config.seed, dtype=config.data_dtype)
+    evaluation = None
+    if config.eval_data_path is not None:
+        if config.replay_time_scale is not None:
+            raise InputError(None, "--eval-data", "cannot feed a --replay run (its layers only sleep)",
+                             "drop --eval-data or --replay")
+        from octorun.evaluation import Evaluation
+
+        evaluation = Evaluation.open(config, model, global_batch=plan.microbatches * microbatch_size * plan.parallel.dp)
     if config.init_from is not None and config.save_dir is not None:
         # before --resume auto looks in --save: there it would find the --init-from checkpoints
         # themselves, resume them as this run's own, and prune them (--keep). A path that holds
@@ -301,7 +322,7 @@ def prepare(config: RunConfig) -> Prepared:
                                     weights_only=True)
     return Prepared(plan=plan, plan_path=config.plan_path, model=model,
                     microbatch_size=microbatch_size, lowered=lower(plan), tied=tied_groups(model),
-                    data=data, resume_from=resume_from, init_from=init_from,
+                    data=data, evaluation=evaluation, resume_from=resume_from, init_from=init_from,
                     # a replay only sleeps its ops: its precision is the profile's by construction
                     **({} if replayed is not None else _profile_settings(plan, config.plan_path)))
 
@@ -330,8 +351,15 @@ def _check_checkpoint_flags(config: RunConfig) -> None:
     if config.keep is not None and not 1 <= config.keep <= 10_000:
         raise InputError(None, "--keep", f"is {config.keep}", "keep 1 or more checkpoints")
     # options of checkpoints or data that would be ignored without a word
+    if config.eval_every is not None and not 1 <= config.eval_every <= MAX_STEPS:
+        raise InputError(None, "--eval-every", f"is {config.eval_every}", "give a number of steps >= 1")
+    if config.eval_batches is not None and not 1 <= config.eval_batches <= MAX_STEPS:
+        raise InputError(None, "--eval-batches", f"is {config.eval_batches}", "give a number of global batches >= 1")
     for flag, value, needed, other in (("--keep", config.keep, config.save_dir, "--save DIR"),
-                                       ("--data-dtype", config.data_dtype, config.data_path, "--data FILE")):
+                                       ("--data-dtype", config.data_dtype, config.data_path or config.eval_data_path,
+                                        "--data FILE or --eval-data FILE"),
+                                       ("--eval-every", config.eval_every, config.eval_data_path, "--eval-data FILE"),
+                                       ("--eval-batches", config.eval_batches, config.eval_data_path, "--eval-data FILE")):
         if value is not None and needed is None:
             raise InputError(None, flag, f"needs {other}", f"add {other} or drop {flag}")
     if config.resume == "auto" and config.save_dir is None:
@@ -652,7 +680,7 @@ def _agree(place: _MeetingPlace, config: RunConfig, error: InputError | None, pr
     (octorun.agreement): all go on, or all stop."""
     parts = None
     if prepared is not None and backend is not None:
-        parts = agreement.identity(config, prepared.plan, prepared.model.path, backend, prepared.data)
+        parts = agreement.identity(config, prepared.plan, prepared.model.path, backend, prepared.data, prepared.evaluation)
     try:
         with native_stderr_held():
             agreement.agree(agreement.meeting_store(place.store), rank=place.rank, world=place.world, error=error, parts=parts,
@@ -717,6 +745,7 @@ class _StepState:
     grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)  # output grads
     tapes: dict[tuple[int, int], Tape] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
+    evaluating: bool = False  # a forward-only pass of an evaluation (octorun.evaluation): no tapes
 
 
 class _Timer:
@@ -802,6 +831,10 @@ class _Interpreter:
         self.param_keys = {id(p): tied_keys.get(id(p), parameter_key(i, name))
                            for i in sorted(self.layers) for name, p in self.layers[i].named_parameters()}
         self.reduce_params, self.norm_params = self._assign_parameters(tied_keys)
+        # the buffers a checkpoint holds (BatchNorm's running statistics): each replica updates
+        # them from its own samples, so after every update all take replica 0's, as DDP's
+        # broadcast_buffers does; else a checkpoint (one copy per key) mixed replicas key by key
+        self.synced_buffers = _persistent_buffers(self.layers) if self.groups.dp_group is not None else []
         self.optim_config = config.optim
         self.optimizer = build_optimizer(self.params, self.optim_config)  # None on a rank without parameters
         self.first_step = 0  # a resumed run starts later (restore)
@@ -814,6 +847,9 @@ class _Interpreter:
         # per stage of this rank: whether a non-finite value came out of its forward this step
         self.nonfinite_forward = {s: torch.zeros((), dtype=torch.bool, device=device) for s in self.program.stages}
         self.transport: Transport | None = None  # made in train(), once the first step is known
+        self.rounds_begun = 0  # rounds of messages begun in this run: training steps and evaluation passes
+        self.evaluation = prepared.evaluation  # --eval-data (octorun.evaluation.Evaluation), or None
+        self.eval_program = None if self.evaluation is None else forward_only(self.program)
         self.timer = _Timer(device)
 
     def _assign_parameters(self, tied_keys: dict[int, str]) -> tuple[dict[int, list], dict[int, list]]:
@@ -880,18 +916,29 @@ class _Interpreter:
         return self.data.microbatch(consumed=consumed, replica=self.dp_rank, mb=mb,
                                     microbatches=self.plan.microbatches, microbatch_size=self.mbs)
 
+    def _next_round(self) -> int:
+        """The transport's number for the round of messages about to begin."""
+        self.rounds_begun += 1
+        return self.rounds_begun - 1
+
+    def _feed(self, state: _StepState, what: str, sample) -> None:
+        """The first stage's inputs and the last stage's targets of every microbatch, where this
+        rank holds them: ``sample(mb)`` gives them."""
+        stages = set(self.program.stages)
+        if 0 not in stages and self.last_stage not in stages:
+            return
+        self.watchdog.doing(f"sampling the batches of {what}")
+        for mb in range(self.plan.microbatches):
+            inputs, targets = sample(mb)
+            if 0 in stages:
+                state.inputs[(0, mb)] = self._to_device(inputs)
+            if self.last_stage in stages:
+                state.targets[mb] = self._to_device(targets)
+
     def step(self, step: int) -> dict[str, Any]:
         state = _StepState()
-        stages = set(self.program.stages)
-        local = step - self.first_step  # the transport counts the steps of this run
-        self.watchdog.doing(f"sampling the batches of step {step}")
-        for mb in range(self.plan.microbatches):
-            if 0 in stages or self.last_stage in stages:
-                inputs, targets = self._sample(step, mb)
-                if 0 in stages:
-                    state.inputs[(0, mb)] = self._to_device(inputs)
-                if self.last_stage in stages:
-                    state.targets[mb] = self._to_device(targets)
+        local = self._next_round()
+        self._feed(state, f"step {step}", lambda mb: self._sample(step, mb))
         for flag in self.nonfinite_forward.values():
             flag.zero_()
         self._control_barrier(f"waiting at the barrier before step {step}")
@@ -900,35 +947,8 @@ class _Interpreter:
             self.meter.reset()
         self.timer.begin_step()
         reductions: list[tuple[Any, torch.Tensor, list[torch.Tensor], int]] = []
-        for instr in self.program.instrs:
-            op = instr.op
-            self.watchdog.doing(f"letting go of the sends before op {op} of step {step}")
-            self._check_sends(step, self.transport.begin_op, self.watchdog.deadline())
-            # the received messages' holds in the meter: each stays until its op has run (an
-            # F's input is its tape's by then, a gradient the backward's to read until it ends)
-            reading = [hold for message in instr.recvs for hold in self._receive(step, local, op, message, state)]
-            self.watchdog.doing(f"running op {op} of step {step}")
-            begin = self.timer.mark()
-            try:
-                outgoing = self._run_op(op, state)
-            except InputError as exc:  # the model file's fault (a loss that is not a scalar ...)
-                self.watchdog.fail(f"op {op} of step {step}: {exc.line()}", code=EXIT_BAD_INPUT)
-            except Exception as exc:
-                self.watchdog.fail(f"op {op} of step {step} raised {gist(exc)}")
-            self.timer.add(op, begin, self.timer.mark())
-            del reading
-            for message in instr.sends:
-                try:
-                    self.transport.send(message, outgoing, dst=self._global(message.dst), step=local)
-                except (TypeError, ValueError) as exc:  # a dtype gloo cannot send, a shape that changed
-                    self.watchdog.fail(f"op {op} of step {step}: {exc}")
-            if instr.allreduce_stage is not None and self.groups.dp_group is not None:
-                started_reduction = self._start_allreduce(instr.allreduce_stage)
-                if started_reduction is not None:
-                    reductions.append(started_reduction)
+        self._run_program(self.program.instrs, f"step {step}", local, state, reductions)
         deadline = self.watchdog.deadline()
-        self.watchdog.doing(f"waiting for the sends of step {step} to complete")
-        self._check_sends(step, self.transport.wait_sends, deadline)
         for work, flat, params, sent, stage in reductions:
             self._wait_reduction(work, f"gradient all-reduce of stage {stage}, step {step}", deadline)
             *reduced, used = torch._utils._unflatten_dense_tensors(flat, sent)
@@ -939,6 +959,7 @@ class _Interpreter:
         reduced_at = self.timer.mark() if reductions or any(g is not None for g in self.groups.tied) else None
         self.watchdog.doing(f"running the optimizer of step {step}")
         update = self._update(step, state)
+        self._sync_buffers(step)
         spans = self.timer.resolve()
         step_s = time.perf_counter() - started
         loss_sum = float(sum(loss.item() for loss in state.losses))
@@ -951,6 +972,90 @@ class _Interpreter:
             "peak_activation_bytes": None if self.meter is None else self.meter.peak,
             "peak_with_message_bytes": None if self.meter is None else self.meter.peak_with_messages,
         }
+
+    def _run_program(self, instrs: Sequence[Instr], what: str, local: int, state: _StepState,
+                     reductions: list | None) -> None:
+        """Run ``instrs`` (a rank program's, or its forward-only one's) as round ``local`` of the
+        transport, then wait for its sends; ``what`` names the round in every activity and error
+        ("step 3"). A training step's all-reduces start into ``reductions`` as their stages' last
+        weight-gradient ops end."""
+        for instr in instrs:
+            op = instr.op
+            self.watchdog.doing(f"letting go of the sends before op {op} of {what}")
+            self._check_sends(what, self.transport.begin_op, self.watchdog.deadline())
+            # the received messages' holds in the meter: each stays until its op has run (an
+            # F's input is its tape's by then, a gradient the backward's to read until it ends)
+            reading = [hold for message in instr.recvs for hold in self._receive(what, local, op, message, state)]
+            self.watchdog.doing(f"running op {op} of {what}")
+            begin = None if state.evaluating else self.timer.mark()
+            try:
+                outgoing = self._run_op(op, state)
+            except InputError as exc:  # the model file's fault (a loss that is not a scalar ...)
+                self.watchdog.fail(f"op {op} of {what}: {exc.line()}", code=EXIT_BAD_INPUT)
+            except Exception as exc:
+                self.watchdog.fail(f"op {op} of {what} raised {gist(exc)}")
+            if begin is not None:
+                self.timer.add(op, begin, self.timer.mark())
+            del reading
+            for message in instr.sends:
+                try:
+                    self.transport.send(message, outgoing, dst=self._global(message.dst), step=local)
+                except (TypeError, ValueError) as exc:  # a dtype gloo cannot send, a shape that changed
+                    self.watchdog.fail(f"op {op} of {what}: {exc}")
+            if instr.allreduce_stage is not None and self.groups.dp_group is not None and reductions is not None:
+                started_reduction = self._start_allreduce(instr.allreduce_stage)
+                if started_reduction is not None:
+                    reductions.append(started_reduction)
+        deadline = self.watchdog.deadline()
+        self.watchdog.doing(f"waiting for the sends of {what} to complete")
+        self._check_sends(what, self.transport.wait_sends, deadline)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """The evaluation after ``step`` (octorun.evaluation): --eval-batches forward-only passes
+        of the plan, every layer in eval mode meanwhile. Returns this rank's loss sum and count
+        (on the last stage's rank) and its seconds."""
+        started = time.perf_counter()
+        modes = [(module, module.training) for layer in self.layers.values() for module in layer.modules()]
+        for module, _ in modes:
+            module.train(False)
+        losses: list[torch.Tensor] = []
+        try:
+            for batch in range(self.evaluation.batches):
+                what = f"evaluation batch {batch} after step {step}"
+                state = _StepState(evaluating=True)
+                self._feed(state, what, lambda mb: self.evaluation.microbatch(
+                    batch=batch, replica=self.dp_rank, mb=mb, microbatches=self.plan.microbatches,
+                    microbatch_size=self.mbs))
+                self._run_program(self.eval_program.instrs, what, self._next_round(), state, None)
+                losses += state.losses
+        finally:  # each module as the model file left it (one built in eval mode stays so)
+            for module, training in modes:
+                module.train(training)
+        return {"eval_loss_sum": float(sum(loss.item() for loss in losses)), "eval_loss_count": len(losses),
+                "eval_s": time.perf_counter() - started}
+
+    def _sync_buffers(self, step: int) -> None:
+        """Every replica takes data-parallel replica 0's :attr:`synced_buffers` (one broadcast
+        per dtype)."""
+        if not self.synced_buffers:
+            return
+        source = self.plan.parallel.global_rank(self.pp_rank, 0)
+        self.watchdog.doing(f"taking replica 0's buffers after step {step}")
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in self.synced_buffers:
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        deadline = self.watchdog.deadline()
+        for dtype, buffers in by_dtype.items():
+            flat = torch._utils._flatten_dense_tensors(buffers)
+            try:
+                work = dist.broadcast(flat, src=source, group=self.groups.dp_group, async_op=True)
+            except Exception as exc:
+                self.watchdog.fail_on(f"broadcasting replica 0's buffers after step {step}", exc)
+            self._wait_reduction(work, f"broadcast of replica 0's {str(dtype).removeprefix('torch.')} buffers, step {step}",
+                                 deadline)
+            if self.dp_rank != 0:
+                for buffer, value in zip(buffers, torch._utils._unflatten_dense_tensors(flat, buffers)):
+                    buffer.copy_(value)
 
     def _wait_reduction(self, work: Any, what: str, deadline: float) -> None:
         self.watchdog.doing(f"waiting for the {what}")
@@ -1039,29 +1144,29 @@ class _Interpreter:
             return f"in the gradients of {described(backward[-1])}"
         return "in the loss"
 
-    def _check_sends(self, step: int, wait, deadline: float) -> None:
-        """``wait(deadline=deadline)``, a wait of the transport's for sends; a send it reports
-        late or failed ends the job."""
+    def _check_sends(self, what: str, wait, deadline: float) -> None:
+        """``wait(deadline=deadline)``, a wait of the transport's for sends in round ``what``
+        ("step 3"); a send it reports late or failed ends the job."""
         try:
             late = wait(deadline=deadline)
         except SendFailed as exc:  # a peer that died closed the connection: not a timeout
-            self.watchdog.fail(f"step {step}: {exc} (global rank {self._global(exc.message.dst)})")
+            self.watchdog.fail(f"{what}: {exc} (global rank {self._global(exc.message.dst)})")
         if late is not None:
-            self.watchdog.fail_waiting(f"step {step}: the send of the {late} (global rank {self._global(late.dst)}) "
+            self.watchdog.fail_waiting(f"{what}: the send of the {late} (global rank {self._global(late.dst)}) "
                                f"did not complete within {self.watchdog.timeout_s:g} s")
 
-    def _receive(self, step: int, local: int, op: Op, message: Message, state: _StepState) -> list:
-        """Take ``message`` for ``op`` into the step's state; returns its holds in the meter."""
+    def _receive(self, what: str, local: int, op: Op, message: Message, state: _StepState) -> list:
+        """Take ``message`` for ``op`` into the round's state; returns its holds in the meter."""
         src = self._global(message.src)
-        self.watchdog.doing(f"op {op} of step {step} waiting for the {message} (global rank {src})")
+        self.watchdog.doing(f"op {op} of {what} waiting for the {message} (global rank {src})")
         try:
             value, holds = self.transport.mailbox.take(local, message, src=src, deadline=self.watchdog.deadline())
         except TimeoutError:
             self.watchdog.fail_waiting(
-                f"op {op} of step {step} waited {self.watchdog.timeout_s:g} s for the {message} (global rank {src}) {self._where()}"
+                f"op {op} of {what} waited {self.watchdog.timeout_s:g} s for the {message} (global rank {src}) {self._where()}"
             )
         except ConnectionError as exc:
-            self.watchdog.fail(f"op {op} of step {step} cannot receive the {message} (global rank {src}): {exc}")
+            self.watchdog.fail(f"op {op} of {what} cannot receive the {message} (global rank {src}): {exc}")
         if message.kind == ACT:
             state.inputs[(message.stage, message.mb)] = value[0] if len(value) == 1 else value
         else:
@@ -1074,14 +1179,18 @@ class _Interpreter:
         key = (op.stage, op.mb)
         if op.kind is Kind.F:
             targets = state.targets.pop(op.mb) if op.stage == self.last_stage else None
-            output, tape = executor.forward(state.inputs.pop(key), targets)
-            state.tapes[key] = tape
-            # on the device, without a sync: read once, at the step's end (octorun.optim)
-            flag = self.nonfinite_forward[op.stage]
-            for value in (tape.loss,) if tape.loss is not None else floating(as_args(output)):
-                flag.logical_or_(~torch.isfinite(value).all())
-            if tape.loss is not None:
-                state.losses.append(tape.loss)
+            if state.evaluating:
+                output, loss = executor.evaluate(state.inputs.pop(key), targets)
+            else:
+                output, tape = executor.forward(state.inputs.pop(key), targets)
+                state.tapes[key] = tape
+                loss = tape.loss
+                # on the device, without a sync: read once, at the step's end (octorun.optim)
+                flag = self.nonfinite_forward[op.stage]
+                for value in (loss,) if loss is not None else floating(as_args(output)):
+                    flag.logical_or_(~torch.isfinite(value).all())
+            if loss is not None:
+                state.losses.append(loss)
                 return ()
             if op.stage + 1 <= self.last_stage and self.rank_of[op.stage + 1] == self.pp_rank:
                 state.inputs[(op.stage + 1, op.mb)] = output
@@ -1118,8 +1227,9 @@ class _Interpreter:
     # -- the run ------------------------------------------------------------------------------
     def train(self) -> tuple[StepMetrics, ...]:
         steps = range(self.first_step, self.config.steps)
+        rounds = [False] * len(steps) if self.evaluation is None else self.evaluation.rounds(steps)
         self.transport = Transport(outgoing=self.groups.outgoing, incoming=self.groups.incoming, device=self.device,
-                                   steps=len(steps), timeout_s=self.config.timeout_s,
+                                   rounds=rounds, timeout_s=self.config.timeout_s,
                                    static_shapes=not self.config.dynamic_shapes, meter=self.meter)
         self.transport.start()
         metrics: list[StepMetrics] = []
@@ -1137,6 +1247,10 @@ class _Interpreter:
                     if metrics_file:  # the steps before it are kept: what a user reads to see the run go wrong
                         metrics_file.commit()
                     raise
+                # not when a SIGTERM stops the run: its grace period is the checkpoint's (every
+                # rank knows alike, from the update's all-reduce)
+                if self.evaluation is not None and self.evaluation.due(step, steps[-1]) and not self.stopping:
+                    record.update(self.evaluate(step))
                 self.watchdog.doing(f"gathering the metrics of step {step}")
                 gathered = [None] * self.world if self.me == 0 else None
                 try:
@@ -1292,6 +1406,10 @@ class _Interpreter:
         metrics = summarize_step(step, records, predicted if isinstance(predicted, (int, float)) else None)
         mine = records[0]  # every rank took the same update: the same norm, lr and count
         metrics = replace(metrics, lr=mine["lr"], grad_norm=mine["grad_norm"], skipped_steps=mine["skipped_steps"])
+        if "eval_loss_count" in mine:  # every process evaluated, or none
+            count = sum(r["eval_loss_count"] for r in records)
+            metrics = replace(metrics, eval_loss=sum(r["eval_loss_sum"] for r in records) / max(count, 1),
+                              eval_ms=max(r["eval_s"] for r in records) * 1e3)
         if self.meter is None:
             return metrics
         measured, predicted_peaks = {}, {}
@@ -1316,6 +1434,19 @@ def _used_flags(params: Sequence[torch.nn.Parameter], like: torch.Tensor) -> tor
     return torch.tensor([float(p.grad is not None) for p in params], dtype=like.dtype, device=like.device)
 
 
+def _persistent_buffers(layers: dict[int, torch.nn.Module]) -> list[torch.Tensor]:
+    """The buffers of ``layers`` that their state_dicts hold, each once, in layer order (the same
+    order on every replica of a pipeline rank). A non-persistent buffer (a rotary table, a mask)
+    is derived, not learned: alike on every replica without a word."""
+    found: dict[int, torch.Tensor] = {}
+    for index in sorted(layers):
+        for module in layers[index].modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    found.setdefault(id(buffer), buffer)
+    return list(found.values())
+
+
 def _unique_trainable(layers) -> list[torch.nn.Parameter]:
     """The trainable parameters of ``layers``, each once: a module two layers of one rank share
     (a tied embedding and head) would otherwise be stepped twice by the optimizer."""
@@ -1326,8 +1457,9 @@ def step_line(m: StepMetrics) -> str:
     """The line ``octorun`` prints for a step."""
     predicted = f" (predicted {m.predicted_iteration_ms:.2f} ms)" if m.predicted_iteration_ms is not None else ""
     skipped = f"  skipped {m.skipped_steps}" if m.skipped_steps else ""
+    evaluated = f"  eval loss {m.eval_loss:.6f} ({m.eval_ms:.0f} ms)" if m.eval_loss is not None else ""
     return (f"step {m.step}: loss {m.loss:.6f}  lr {m.lr:.3g}  grad norm {m.grad_norm:.4g}{skipped}  "
-            f"iteration {m.iteration_ms:.2f} ms{predicted}  bubble {m.bubble_ratio:.3f}")
+            f"iteration {m.iteration_ms:.2f} ms{predicted}  bubble {m.bubble_ratio:.3f}{evaluated}")
 
 
 def summarize_step(step: int, records: list[dict[str, Any]], predicted_ms: float | None) -> StepMetrics:
@@ -1513,6 +1645,9 @@ def run(config: RunConfig) -> RunResult:
         log.warning("%s holds %d windows of %d tokens, fewer than one global batch of %d samples: each step reads "
                     "some of them more than once", prepared.data.path, prepared.data.num_windows,
                     prepared.data.tokens_per_sample, interpreter.global_batch)
+    if me == 0 and prepared.evaluation is not None and prepared.data is not None and \
+            _same_file(prepared.evaluation.data.path, prepared.data.path):
+        log.warning("--eval-data is the --data file: the evaluation measures the loss on the training data")
     if me == 0 and config.replay_time_scale is not None and config.precision != "fp32":
         log.warning("--precision %s changes nothing under --replay: its layers sleep the profile's times", config.precision)
     if me == 0 and prepared.profile_precision not in (None, config.precision):
@@ -1545,6 +1680,13 @@ def run(config: RunConfig) -> RunResult:
         dist.destroy_process_group()
     watchdog.close_record(keep=False)  # the record is for runs that fail
     return result
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _leave_together(groups: _Groups, owns_group: bool) -> None:

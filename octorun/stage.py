@@ -161,6 +161,14 @@ class StageExecutor:
             output, kept = self._forward(output, targets, begin=self.recompute_layers)
         return output, Tape(layers=kept.layers, loss=tape.loss if kept.loss is None else kept.loss, stash=stash)
 
+    def evaluate(self, value: Any, targets: Any = None) -> tuple[Any, torch.Tensor | None]:
+        """The stage's forward in an evaluation (octorun.evaluation): under no_grad, at the run's
+        precision, keeping nothing for a backward. Returns (output, or None on the last stage;
+        the loss there, else None)."""
+        with torch.no_grad():
+            output, tape = self._forward(value, targets)
+        return output, tape.loss
+
     def _forward(self, value: Any, targets: Any, *, begin: int = 0, stop: int | None = None) -> tuple[Any, Tape]:
         """The one forward implementation, of layers ``begin`` to ``stop`` (the stage's end):
         F, and the rebuild of a recomputing stage's tapes."""

@@ -100,10 +100,10 @@ def install(fault: Fault) -> None:
         else:
             receive = runtime._Interpreter._receive
 
-            def receiving(self, step, local, op, message, state):
-                if step == fault.step and (message.kind, message.stage, message.mb) == key:
+            def receiving(self, what, local, op, message, state):
+                if now["step"] == fault.step and (message.kind, message.stage, message.mb) == key:
                     strike(fault)
-                return receive(self, step, local, op, message, state)
+                return receive(self, what, local, op, message, state)
 
             runtime._Interpreter._receive = receiving
     elif kind == "optimizer":

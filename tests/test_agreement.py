@@ -175,7 +175,8 @@ def test_identity_holds_the_plan_the_model_file_and_every_shared_option_but_no_p
                "grad_clip": 1.0, "lr_schedule": "cosine", "warmup_steps": 1, "min_lr": 1e-5, "decay_steps": 3,
                "skip_nonfinite": True, "precision": "bf16", "replay_time_scale": 1.0, "dynamic_shapes": True,
                "activation_memory": True, "save_every": 1, "keep": 3,
-               "save_dir": "ckpt", "data_path": "tokens.bin", "resume": "auto", "init_from": "ckpt/step_00000001"}
+               "eval_every": 2, "save_dir": "ckpt", "data_path": "tokens.bin", "resume": "auto",
+               "init_from": "ckpt/step_00000001", "eval_data_path": "held_out.bin"}
     assert set(changed) == set(agreement.AGREED_OPTIONS) | set(agreement.GIVEN_OR_NOT)
     for name, value in changed.items():
         other = agreement.identity(dataclasses.replace(base, **{name: value}), plan, model_path, "gloo")
@@ -203,6 +204,19 @@ def test_identity_holds_the_plan_the_model_file_and_every_shared_option_but_no_p
                           (Tokens("1000 tokens"), Tokens("999 tokens"), Tokens("1000 tokens", "abd")))
     assert one["--data"] == "1000 tokens, sampled abc" and [key for key in one if one[key] != other[key]] == ["--data"]
     assert [key for key in one if one[key] != inside[key]] == ["--data"]
+    # a held-out file likewise, with the global batches an evaluation reads as they act (every
+    # process must pass the same messages): not given and given as the default are one run
+
+    class Held:
+        def __init__(self, tokens, batches):
+            self.data, self.batches = tokens, batches
+
+    judged = dataclasses.replace(base, eval_data_path="held_out.bin")
+    held = agreement.identity(judged, plan, model_path, "gloo", None, Held(Tokens("50 tokens"), 3))
+    assert held["--eval-data"] == "50 tokens, sampled abc" and held["--eval-batches"] == "3"
+    for changed_held in (Held(Tokens("51 tokens"), 3), Held(Tokens("50 tokens"), 2)):
+        differs = agreement.identity(judged, plan, model_path, "gloo", None, changed_held)
+        assert len([key for key in held if held[key] != differs[key]]) == 1
     other_plan = dataclasses.replace(plan, schedule=plan.schedule[::-1])
     assert [k for k, v in agreement.identity(base, other_plan, model_path, "gloo").items() if parts[k] != v] == ["plan"]
     Path(model_path).write_text(Path(model_path).read_text() + "\n# edited on one node\n")

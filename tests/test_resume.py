@@ -43,7 +43,12 @@ def world4(tmp_path_factory) -> Jobs:
     # generator is restored
     _case(jobs, "full-dropout", "1f1b", pp=4, config={"dropout": 0.5}, save_dir=str(ck / "dropout"), save_every=SAVED,
           **common)
+    # batch statistics under data parallelism: each replica's running means are its own samples'
+    _case(jobs, "full-bn-pp2dp2", "1f1b", pp=2, config={"batchnorm": True}, microbatches=2, save_dir=str(ck / "bn"),
+          save_every=SAVED, **common)
     step3 = f"step_{SAVED:08d}"
+    _case(jobs, "same-bn-pp2dp2", "1f1b", pp=2, config={"batchnorm": True}, microbatches=2, resume=str(ck / "bn" / step3),
+          **common)
     # resumed under the same plan: bit for bit
     _case(jobs, "same", "1f1b", pp=4, config={}, resume=str(ck / "full" / step3), **common)
     _case(jobs, "same-dropout", "1f1b", pp=4, config={"dropout": 0.5}, resume=str(ck / "dropout" / step3), **common)
@@ -80,6 +85,29 @@ def test_resume_under_the_same_plan_is_bit_identical(world4, full, resumed):
     assert sorted(cont) == list(range(SAVED, STEPS))  # --steps counts from step 0
     assert [cont[s] for s in cont] == [whole[s] for s in cont]  # ==: bit for bit
     a, b = _final(world4, full), _final(world4, resumed)
+    assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
+
+
+@pytest.mark.slow
+def test_replicas_hold_one_set_of_buffers_and_resume_it_bit_for_bit(world4):
+    """BatchNorm's running statistics under pp 2 x dp 2: each replica updates them from its own
+    samples, then takes replica 0's after every update (DDP's broadcast_buffers), so both
+    replicas end alike and the checkpoint holds one replica's set. Without it the replicas'
+    statistics drifted apart, the checkpoint (one copy a key) mixed them key by key, and a
+    resume under the same plan ended with other statistics than the uninterrupted run."""
+    launched = world4.run()
+    assert launched.exitcodes == [0] * world4.world, "\n".join(launched.logs)
+    for name in ("full-bn-pp2dp2", "same-bn-pp2dp2"):
+        by_pp: dict[int, dict[int, dict]] = {}
+        for rank in range(world4.world):
+            out = launched.result(name, rank)
+            by_pp.setdefault(out["pp_rank"], {})[out["dp_rank"]] = out["state"]
+        for replicas in by_pp.values():
+            assert all(torch.equal(replicas[0][i][k], replicas[1][i][k]) for i in replicas[0] for k in replicas[0][i])
+    whole, cont = _losses(world4, "full-bn-pp2dp2"), _losses(world4, "same-bn-pp2dp2")
+    assert [cont[s] for s in cont] == [whole[s] for s in cont]
+    a, b = _final(world4, "full-bn-pp2dp2"), _final(world4, "same-bn-pp2dp2")
+    assert any(k.endswith("running_mean") for i in a for k in a[i])
     assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
 
 

@@ -13,7 +13,7 @@ import runtime_helpers as h
 from octoplan.ops import Kind
 from octorun.comm import HEADER_SLOTS, decode_header, encode_header, layout_of
 from octoplan.validate import check_runnable
-from octorun.lowering import Message, lower
+from octorun.lowering import Message, forward_only, lower
 
 MODEL = Path("/nonexistent/model.py")  # lowering never reads the model
 
@@ -47,6 +47,49 @@ def test_adjacent_stages_on_one_rank_exchange_no_message():
     ])
     # the last weight op of each stage starts that stage's all-reduce (3W0, not 3I0)
     assert [i.allreduce_stage for i in lowered.programs[0].instrs] == [None, None, None, 3, 0]
+
+
+def test_an_evaluation_runs_the_forwards_and_their_activations_alone():
+    # the V above: rank 0 runs 0F0 then 3F0, rank 1 1F0 then 2F0; no gradient, no all-reduce,
+    # and no channel that carried only gradients (none here: both directions carry activations)
+    plan = _plan([0, 1, 1, 0], ["0F0 3F0 3I0 3W0 0B0", "1F0 2F0 2B0 1B0"], 1)
+    programs = [forward_only(program) for program in lower(plan).programs]
+    assert str(programs[0]) == "rank 0: 0F0 SEND_act1.0->1 | RECV_act3.0<-1 3F0"
+    assert str(programs[1]) == "rank 1: RECV_act1.0<-0 1F0 | 2F0 SEND_act3.0->0"
+    assert programs[0].incoming == {1: (Message("act", 3, 0, 1, 0),)}
+    assert programs[0].outgoing == {1: (Message("act", 1, 0, 0, 1),)}
+    one_way = forward_only(lower(_plan([0, 1], ["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"], 2)).programs[0])
+    assert one_way.incoming == {}  # rank 1 sends rank 0 gradients only
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_an_evaluation_of_a_runnable_plan_runs_to_the_end(seed):
+    """Each rank's forwards in the plan's order, each waiting for the forward before it: run
+    as a list machine (every rank runs its next op once its input is there), no rank stops
+    short, and each channel's activations leave in the order the receiver expects them."""
+    plan = _random_plan(seed)
+    programs = [forward_only(program) for program in lower(plan).programs]
+    done, position, sent = set(), [0] * plan.pp, {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, program in enumerate(programs):
+            if position[rank] == len(program.instrs):
+                continue
+            instr = program.instrs[position[rank]]
+            op = instr.op
+            if op.stage > 0 and (op.stage - 1, op.mb) not in done:
+                continue
+            done.add((op.stage, op.mb))
+            for message in instr.sends:
+                sent.setdefault((message.src, message.dst), []).append(message)
+            position[rank] += 1
+            progressed = True
+    assert position == [len(p.instrs) for p in programs]
+    assert len(done) == plan.num_stages * plan.microbatches
+    for program in programs:
+        for src, messages in program.incoming.items():
+            assert sent[(src, program.rank)] == list(messages)
 
 
 def _random_plan(seed: int):

@@ -92,6 +92,9 @@ def test_replay_without_the_profile_is_bad_input(tmp_path, profile_file):
     path, ppath = _saved_plan(tmp_path, profile_file, layers=2, schedule="gpipe", gpus=1, microbatches=1)
     with pytest.raises(InputError, match="an analytic plan has no model to train"):
         prepare(RunConfig(plan_path=str(path)))
+    with pytest.raises(InputError) as evaluated:  # a replay's layers only sleep: nothing to evaluate
+        prepare(RunConfig(plan_path=str(path), replay_time_scale=1.0, eval_data_path=str(tmp_path / "held_out.bin")))
+    assert evaluated.value.field == "--eval-data"
     ppath.unlink()
     with pytest.raises(InputError, match="--replay needs the plan's profile"):
         prepare(RunConfig(plan_path=str(path), replay_time_scale=1.0))
@@ -114,6 +117,10 @@ def test_replay_without_the_profile_is_bad_input(tmp_path, profile_file):
     ({"betas": (0.8, 0.9)}, "--betas"),  # sgd has none
     ({"min_lr": 1e-4}, "--min-lr"),  # the constant schedule never falls to it
     ({"decay_steps": 100}, "--decay-steps"),
+    ({"eval_every": 5}, "--eval-every"),
+    ({"eval_batches": 2}, "--eval-batches"),
+    ({"eval_every": 0, "eval_data_path": "held_out.bin"}, "--eval-every"),
+    ({"eval_batches": 0, "eval_data_path": "held_out.bin"}, "--eval-batches"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(tmp_path, override, flag):
     with pytest.raises(InputError) as info:

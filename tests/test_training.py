@@ -93,9 +93,16 @@ def test_clip_factor_is_torchs():
 def jobs(tmp_path_factory) -> Jobs:
     batch = Jobs(tmp_path_factory.mktemp("training"), 4)
     tokens = str(write_tokens(batch.folder / "tokens.bin"))
-    # one global batch of 8 samples: pp 4 x 4 microbatches of 2, and pp 2 x dp 2 x 2 microbatches
-    batch.add("data-pp4", "1f1b", pp=4, config={}, data_path=tokens)
-    batch.add("data-pp2dp2", "1f1b", pp=2, config={}, microbatches=2, data_path=tokens)
+    held_out = str(write_tokens(batch.folder / "held_out.bin", count=200, seed=6))  # 39 windows: 4 global batches of 8
+    # one global batch of 8 samples: pp 4 x 4 microbatches of 2, and pp 2 x dp 2 x 2 microbatches;
+    # both evaluate 2 global batches of held_out.bin after steps 1 and 3
+    evaluated = {"eval_data_path": held_out, "eval_every": 2, "eval_batches": 2}
+    batch.add("data-pp4", "1f1b", pp=4, config={}, data_path=tokens, **evaluated)
+    batch.add("data-pp2dp2", "1f1b", pp=2, config={}, microbatches=2, data_path=tokens, **evaluated)
+    # a V (activations pass both ways between two ranks) whose blocks drop out: the evaluation,
+    # after the last step only, reads every whole global batch of 16 (2) and drops nothing
+    batch.add("eval-dropout-zbv-pp4", "zbv", pp=4, config={"depth": 10, "dropout": 0.5}, microbatches=8, steps=2,
+              eval_data_path=held_out)
     batch.add("adamw-clip-pp2dp2", "1f1b", pp=2, config={})
     batch.add("adamw-clip-zbv-pp2dp2", "zbv", pp=2, config={})
     batch.add("unused-pp2dp2", "1f1b", pp=2, config={"unused": True})
@@ -200,22 +207,20 @@ def test_nonfinite_stops_every_rank_naming_step_and_stage(tmp_path):
                         f"(layers {first.start}-{first.end - 1}, pp rank {first.rank}) (--skip-nonfinite skips such updates)")
 
 
-@pytest.mark.slow
-def test_token_data_reads_one_global_batch_whatever_pp_and_dp(jobs):
-    """pp 4 and pp 2 x dp 2 read the same 8 windows per step: their losses agree, and equal a
-    single process that reads TokenData.windows(step * 8, 8) in microbatches of 2."""
+def _token_reference(jobs) -> tuple[list[float], list[float | None]]:
+    """One process trained as data-pp4 and data-pp2dp2 train: each step reads
+    TokenData.windows(step * 8, 8) in microbatches of 2. Returns each step's loss, and the
+    held-out loss after steps 1 and 3 (None after the others), as --eval-every 2 evaluates."""
     from octoplan.modelfile import load_model_file
     from octorun.data import TokenData
 
-    pp4, _ = jobs.results("data-pp4")
-    pp2dp2, _ = jobs.results("data-pp2dp2")
     config = jobs.cases["data-pp4"][0]
     model = load_model_file(jobs.model, config)
     data = TokenData.open(str(jobs.folder / "tokens.bin"), model, seed=0)
     layers = [model.build_layer(i) for i in range(config["depth"])]
     params = [p for layer in layers for p in layer.parameters()]
     opt = h.reference_optimizer(params, ADAMW)
-    expected = []
+    expected, evaluated = [], []
     for step in range(STEPS):
         windows = data.windows(step * 8, 8)
         losses = []
@@ -232,5 +237,100 @@ def test_token_data_reads_one_global_batch_whatever_pp_and_dp(jobs):
         opt.step()
         opt.zero_grad()
         expected.append(loss.item())
+        evaluated.append(_held_out_loss(jobs, model, layers, batches=2, global_batch=8) if step in (1, 3) else None)
+    return expected, evaluated
+
+
+@pytest.mark.slow
+def test_token_data_reads_one_global_batch_whatever_pp_and_dp(jobs):
+    """pp 4 and pp 2 x dp 2 read the same 8 windows per step: their losses agree, and equal a
+    single process that reads TokenData.windows(step * 8, 8) in microbatches of 2."""
+    pp4, _ = jobs.results("data-pp4")
+    pp2dp2, _ = jobs.results("data-pp2dp2")
+    expected, _ = _token_reference(jobs)
     assert [m.loss for m in pp4] == pytest.approx(expected, abs=TOL)
     assert [m.loss for m in pp2dp2] == pytest.approx(expected, abs=TOL)
+
+
+def _held_out_loss(jobs, model, layers, *, batches: int, global_batch: int, train_mode: bool = False) -> float:
+    """The mean loss of microbatches of 2 over the first ``batches`` global batches of
+    held_out.bin in its seed-0 window order, every layer in eval mode (or, with ``train_mode``,
+    in train mode), without gradients."""
+    from octorun.data import TokenData
+
+    held_out = TokenData.open(str(jobs.folder / "held_out.bin"), model, seed=0)
+    windows = held_out.windows(0, batches * global_batch)
+    losses = []
+    with torch.no_grad():
+        for layer in layers:
+            layer.train(train_mode)
+        for first in range(0, len(windows), 2):
+            value, targets = model.batch_from_tokens(windows[first: first + 2])
+            for layer in layers:
+                value = layer(value)
+            losses.append(model.loss(value, targets))
+        for layer in layers:
+            layer.train()
+    return torch.stack(losses).mean().item()
+
+
+@pytest.mark.slow
+def test_evaluation_is_the_held_out_loss_of_the_weights_after_its_step(jobs):
+    """--eval-every 2 --eval-batches 2 over 4 steps: after steps 1 and 3 the held-out loss of
+    the single-process model trained as far, under pp 4 and pp 2 x dp 2 alike; the steps
+    between carry none. The evaluation changes nothing: the training losses that follow it are
+    the reference's (the test above)."""
+    _, expected = _token_reference(jobs)
+    for name in ("data-pp4", "data-pp2dp2"):
+        metrics, _ = jobs.results(name)
+        assert [m.eval_loss for m in metrics] == pytest.approx(expected, abs=TOL), name
+        assert [m.eval_ms is not None for m in metrics] == [False, True, False, True]
+        assert [("eval_loss" in m.to_dict()) for m in metrics] == [False, True, False, True]
+    assert expected[3] < expected[1]  # it learns
+
+
+@pytest.mark.slow
+def test_evaluation_drops_nothing_and_reads_every_whole_global_batch(jobs):
+    """A V whose blocks drop out half their values: the evaluation after the last step equals
+    the final weights' held-out loss in eval mode over both whole global batches of 16 (of 39
+    windows); in train mode the loss would differ."""
+    from octoplan.modelfile import load_model_file
+
+    metrics, replicas = jobs.results("eval-dropout-zbv-pp4")
+    config = jobs.cases["eval-dropout-zbv-pp4"][0]
+    model = load_model_file(jobs.model, config)
+    layers = [model.build_layer(i) for i in range(config["depth"])]
+    for index, layer in enumerate(layers):
+        layer.load_state_dict(_merged(replicas[0])[index])
+    assert [m.eval_loss is None for m in metrics] == [True, False]
+    assert metrics[-1].eval_loss == pytest.approx(_held_out_loss(jobs, model, layers, batches=2, global_batch=16), abs=TOL)
+    torch.manual_seed(0)  # the same windows with dropout acting: another loss
+    dropped = _held_out_loss(jobs, model, layers, batches=2, global_batch=16, train_mode=True)
+    assert abs(dropped - metrics[-1].eval_loss) > 1e-2
+
+
+def test_held_out_files_that_cannot_serve_an_evaluation_are_refused_before_launch(tmp_path):
+    """A held-out file of fewer windows than one global batch, and --eval-batches beyond the
+    file: one line each, before any process starts."""
+    from octoplan.errors import InputError
+    from octoplan.plan import save_plan
+    from octorun.runtime import RunConfig, prepare
+    from training_helpers import MODEL
+
+    model = tmp_path / "train_model.py"
+    model.write_text(MODEL)
+    config = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False}
+    plan = tmp_path / "plan.yaml"
+    save_plan(h.baseline_plan("1f1b", model, config, tmp_path, gpus=2, pp=2, microbatches=4), plan)  # 8 samples a batch
+    small = write_tokens(tmp_path / "small.bin", count=36)  # 7 windows of 6 tokens
+    with pytest.raises(InputError) as short:
+        prepare(RunConfig(plan_path=str(plan), eval_data_path=str(small)))
+    assert short.value.line() == (f"{small}: size: holds 7 windows of 6 tokens, fewer than one global batch of 8 "
+                                  "samples (--eval-data) (give a longer held-out token file)")
+    held_out = write_tokens(tmp_path / "held_out.bin", count=200)  # 39 windows: 4 global batches
+    with pytest.raises(InputError) as many:
+        prepare(RunConfig(plan_path=str(plan), eval_data_path=str(held_out), eval_batches=5))
+    assert many.value.line() == (f"--eval-batches: is 5, but {held_out} holds 4 global batches of 8 samples "
+                                 "(39 windows) (give at most 4, or a longer --eval-data)")
+    assert prepare(RunConfig(plan_path=str(plan), eval_data_path=str(held_out))).evaluation.batches == 4
+    assert prepare(RunConfig(plan_path=str(plan), eval_data_path=str(held_out), eval_batches=4)).evaluation.batches == 4

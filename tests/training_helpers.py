@@ -19,14 +19,15 @@ TOL = 1e-5
 # A chain whose embedding and head may share one matrix (``tie``), whose layer ``poison``
 # multiplies its output by NaN (a forward that goes non-finite in a known stage), and whose
 # blocks may hold a parameter the forward never uses (``unused``: it never gets a gradient), and
-# whose blocks may drop out (``dropout``: training then draws from each rank's generator).
+# whose blocks may drop out (``dropout``: training then draws from each rank's generator) or
+# normalize with batch statistics (``batchnorm``: running means and variances, buffers).
 MODEL = '''
 import torch
 from torch import nn
 
-CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False, "dropout": 0.0}
+CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False, "dropout": 0.0, "batchnorm": False}
 
-def num_layers(vocab, hidden, depth, seq, tie, poison, unused, dropout):
+def num_layers(vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm):
     return depth
 
 class Embed(nn.Module):
@@ -36,10 +37,17 @@ class Embed(nn.Module):
     def forward(self, ids):
         return self.emb(ids)
 
-class Block(nn.Module):
-    def __init__(self, hidden, poisoned, unused, dropout):
+class BatchNorm(nn.Module):  # over every token of the microbatch: running statistics, a buffer per replica
+    def __init__(self, hidden):
         super().__init__()
-        self.norm = nn.LayerNorm(hidden)
+        self.bn = nn.BatchNorm1d(hidden)
+    def forward(self, h):
+        return self.bn(h.reshape(-1, h.shape[-1])).reshape(h.shape)
+
+class Block(nn.Module):
+    def __init__(self, hidden, poisoned, unused, dropout, batchnorm):
+        super().__init__()
+        self.norm = BatchNorm(hidden) if batchnorm else nn.LayerNorm(hidden)
         self.lin = nn.Linear(hidden, hidden)
         self.drop = nn.Dropout(dropout)
         self.poisoned = poisoned
@@ -56,17 +64,17 @@ class Head(nn.Module):
     def forward(self, h):
         return self.out(h)
 
-def build_layer(index, vocab, hidden, depth, seq, tie, poison, unused, dropout):
+def build_layer(index, vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm):
     if index == 0:
         return Embed(vocab, hidden)
     if index == depth - 1:
         return Head(vocab, hidden)
-    return Block(hidden, index == poison, unused, dropout)
+    return Block(hidden, index == poison, unused, dropout, batchnorm)
 
-def tied_parameters(vocab, hidden, depth, seq, tie, poison, unused, dropout):
+def tied_parameters(vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm):
     return [[(0, "emb.weight"), (depth - 1, "out.weight")]] if tie else []
 
-def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison, unused, dropout):
+def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm):
     ids = torch.randint(0, vocab, (mbs, seq + 1), generator=generator)
     return ids[:, :-1], ids[:, 1:]
 
