@@ -32,11 +32,13 @@ step "5. Train it on text with the tuned plan: 4 processes, bf16, AdamW, clippin
 echo "The losses are real. The times are not the plan's: four processes share this machine's cores, while"
 echo "each layer was profiled with the cores to itself. Step 8 replays the ops at their profiled times."
 echo "The memory is the plan's: --activation-memory counts what each rank holds, beside the prediction."
-octoplan tokenize examples/data/corpus.txt -o out/corpus.bin
+# the corpus's last 5% held out: an evaluation every 10 steps runs it forward through the same pipeline
+octoplan tokenize examples/data/corpus.txt -o out/corpus.bin --holdout 0.05 --holdout-output out/held_out.bin
 rm -rf out/checkpoints
 # one schedule over the whole training (--decay-steps), stopped halfway as if the cluster changed
 TRAIN=(--data out/corpus.bin --precision bf16 --optimizer adamw --lr 3e-3 --min-lr 3e-4 --weight-decay 0.1
-       --betas 0.9 0.95 --grad-clip 1.0 --lr-schedule cosine --warmup-steps 4 --decay-steps 60 --save out/checkpoints)
+       --betas 0.9 0.95 --grad-clip 1.0 --lr-schedule cosine --warmup-steps 4 --decay-steps 60 --save out/checkpoints
+       --eval-data out/held_out.bin --eval-every 10)
 "${RUN[@]}" plans/hybrid.yaml "${TRAIN[@]}" --steps 30 --save-every 10 --metrics out/train-4x1.jsonl --activation-memory
 
 step "6. The cluster changes: re-tune the same 4 GPUs as pp 2 x dp 2, and resume under the new plan"

@@ -4,7 +4,8 @@
     python examples/loss_curve.py "4 GPUs, pp 4=out/train-pp4.jsonl" "pp 2 x dp 2=out/train-pp2dp2.jsonl" -o out/loss.svg
 
 Each segment is drawn in its own colour and labelled; a dashed line marks where one segment
-hands over to the next (the step a run resumed at). The picture is plain SVG, written by hand:
+hands over to the next (the step a run resumed at). The held-out losses of a run with
+``--eval-data`` (each line's ``eval_loss``) are open circles in its colour. The picture is plain SVG, written by hand:
 a polyline per segment needs no plotting library.
 """
 
@@ -29,8 +30,12 @@ def _bad(path: str, problem: str) -> NoReturn:
     sys.exit(2)
 
 
-def read_segment(path: str) -> list[tuple[int, float]]:
-    points = []
+Points = list[tuple[int, float]]
+
+
+def read_segment(path: str) -> tuple[Points, Points]:
+    """A --metrics file's (step, loss) points and its (step, eval_loss) points."""
+    points, held_out = [], []
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -46,9 +51,11 @@ def read_segment(path: str) -> list[tuple[int, float]]:
             _bad(path, f"line {number} is no step of octorun --metrics")
         if isinstance(record.get("loss"), (int, float)) and math.isfinite(record["loss"]):
             points.append((record["step"], float(record["loss"])))
+        if isinstance(record.get("eval_loss"), (int, float)) and math.isfinite(record["eval_loss"]):
+            held_out.append((record["step"], float(record["eval_loss"])))
     if not points:
         _bad(path, "holds no finite loss")
-    return points
+    return points, held_out
 
 
 def _ticks(low: float, high: float, count: int = 5) -> list[float]:
@@ -56,9 +63,9 @@ def _ticks(low: float, high: float, count: int = 5) -> list[float]:
     return [low + i * step for i in range(count)]
 
 
-def render(segments: list[tuple[str, list[tuple[int, float]]]], title: str) -> str:
-    steps = [s for _, points in segments for s, _ in points]
-    losses = [loss for _, points in segments for _, loss in points]
+def render(segments: list[tuple[str, Points, Points]], title: str) -> str:
+    steps = [s for _, points, _ in segments for s, _ in points]
+    losses = [loss for _, points, held_out in segments for _, loss in points + held_out]
     x0, x1 = min(steps), max(max(steps), min(steps) + 1)
     y0, y1 = min(losses), max(losses)
     pad = (y1 - y0) * 0.05 or 0.5
@@ -81,15 +88,20 @@ def render(segments: list[tuple[str, list[tuple[int, float]]]], title: str) -> s
     out.append(f'<text x="{WIDTH / 2}" y="{HEIGHT - 10}" text-anchor="middle">step</text>')
     out.append(f'<text x="16" y="{HEIGHT / 2}" text-anchor="middle" transform="rotate(-90 16 {HEIGHT / 2})">loss</text>')
     out.append(f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" height="{HEIGHT - TOP - BOTTOM}" fill="none" stroke="#888"/>')
-    for index, (label, points) in enumerate(segments):
+    for index, (label, points, held_out) in enumerate(segments):
         colour = COLOURS[index % len(COLOURS)]
         if index:  # where this segment took over
             at = x(points[0][0] - 0.5)
             out.append(f'<line x1="{at:.1f}" x2="{at:.1f}" y1="{TOP}" y2="{HEIGHT - BOTTOM}" stroke="#555" stroke-dasharray="4 3"/>')
         line = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in points)
         out.append(f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        for step, loss in held_out:
+            out.append(f'<circle cx="{x(step):.1f}" cy="{y(loss):.1f}" r="4" fill="white" stroke="{colour}" stroke-width="2"/>')
         out.append(f'<text x="{WIDTH - RIGHT - 8}" y="{TOP + 16 + 16 * index}" text-anchor="end" fill="{colour}">'
                    f'{html.escape(label)} (steps {points[0][0]}-{points[-1][0]})</text>')
+    if any(held_out for _, _, held_out in segments):
+        out.append(f'<text x="{WIDTH - RIGHT - 8}" y="{TOP + 16 + 16 * len(segments)}" text-anchor="end" fill="#555">'
+                   f'o held-out loss (--eval-data)</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
@@ -103,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     segments = []
     for spec in args.segments:
         label, sep, path = spec.rpartition("=")
-        segments.append((label if sep else Path(path).stem, read_segment(path)))
+        segments.append((label if sep else Path(path).stem, *read_segment(path)))
     Path(args.output).write_text(render(segments, args.title))
     print(f"wrote {args.output}")
 

@@ -771,12 +771,20 @@ def tokenize(
     text: Path = typer.Argument(..., metavar="INPUT", help="UTF-8 text file"),
     output: Path = typer.Option(..., "-o", "--output", help="token file to write (for octorun --data)"),
     dtype: str = typer.Option("uint16", "--dtype", help="uint16 or uint32: the width of each token id in the file"),
+    holdout: Optional[float] = typer.Option(None, "--holdout", metavar="FRACTION",
+                                            help="write the text's last FRACTION (0.05: 5%) to --holdout-output instead"),
+    holdout_output: Optional[Path] = typer.Option(None, "--holdout-output", metavar="FILE",
+                                                  help="the held-out token file (for octorun --eval-data)"),
 ) -> None:
-    """Turn a text file into a byte-level token file (each UTF-8 byte one token id 0..255) for octorun --data."""
-    from octoplan.tokenfile import tokenize_text
+    """Turn a text file into a byte-level token file (each UTF-8 byte one token id 0..255) for octorun --data,
+    and with --holdout a held-out one from its end for octorun --eval-data."""
+    from octoplan.tokenfile import DTYPES, tokenize_text
 
-    count = tokenize_text(text, output, dtype=dtype)
+    count = tokenize_text(text, output, dtype=dtype, holdout=holdout, holdout_output=holdout_output)
     console.print(f"{count} tokens ({dtype}, one per byte) -> {escape(str(output))}", soft_wrap=True)
+    if holdout_output is not None:
+        held = Path(holdout_output).stat().st_size // DTYPES[dtype].itemsize
+        console.print(f"{held} tokens held out -> {escape(str(holdout_output))}", soft_wrap=True)
 
 
 # tune and compare live beside the tuner they drive.
@@ -785,7 +793,7 @@ register_tuner_commands(app)
 
 # the options that name a file to write; the command line's text of each is checked before
 # typer makes it a Path, which drops a trailing slash (and would write a file named like the folder)
-_OUTPUT_FLAGS = ("-o", "--output", "--svg", "--trace")
+_OUTPUT_FLAGS = ("-o", "--output", "--svg", "--trace", "--holdout-output")
 
 
 def _output_value(argv: list[str], index: int) -> tuple[str, str] | None:

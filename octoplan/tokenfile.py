@@ -120,50 +120,94 @@ def readable_dtype(name: str) -> np.dtype:
     return _READABLE[name]
 
 
-def tokenize_text(source: str | Path, output: str | Path, *, dtype: str = "uint16") -> int:
+def tokenize_text(source: str | Path, output: str | Path, *, dtype: str = "uint16", holdout: float | None = None,
+                  holdout_output: str | Path | None = None) -> int:
     """Write the UTF-8 text file ``source`` as a byte-level token file ``output`` (each byte a
-    token id 0..255); returns the number of tokens. The output is written whole or not at all."""
+    token id 0..255); returns the number of tokens in ``output``. Each output is written whole
+    or not at all.
+
+    With ``holdout`` (a fraction between 0 and 1), the text's last ``holdout`` of bytes go to
+    ``holdout_output`` instead, a held-out file for ``octorun --eval-data``, as nanoGPT's data
+    preparation splits its text: cut at the first character boundary from that point, so each
+    file holds whole characters."""
     if dtype not in DTYPES:
         raise InputError(None, "--dtype", f"is {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    if (holdout is None) != (holdout_output is None):
+        given, missing = ("--holdout", "--holdout-output FILE") if holdout_output is None else \
+            ("--holdout-output", "--holdout FRACTION")
+        raise InputError(None, given, f"needs {missing}", "give both, or neither")
+    if holdout is not None and not 0 < holdout < 1:
+        raise InputError(None, "--holdout", f"is {holdout}", "give the held-out fraction of the text, above 0 and below 1")
     size = check_token_file(source, fix="give a UTF-8 text file")
     if size == 0:
         raise InputError(str(source), None, "is empty: there is nothing to tokenize", "give a text file with some text")
     check_writable(output, "-o", inputs=(source,))
-    target = _target(output)
+    targets = [(_target(output), "-o")]
+    if holdout_output is not None:
+        if os.path.abspath(holdout_output) == os.path.abspath(output):
+            raise InputError(str(holdout_output), "--holdout-output", "is the -o file too", "give another file")
+        check_writable(holdout_output, "--holdout-output", inputs=(source, output))
+        targets.append((_target(holdout_output), "--holdout-output"))
     decoder = codecs.getincrementaldecoder("utf-8")()  # a binary file given by mistake is refused, not tokenized
     try:
         text = open(source, "rb")
     except OSError as exc:
         raise InputError(str(source), None, f"cannot be read: {exc.strerror or exc}", "give a readable text file") from None
-    written, temporary, done = 0, None, False
-    made: list[Path] = []  # removed again when the text is refused or the write fails
+    temporaries: list[str] = []
+    made: list[Path] = []  # removed again when the text is refused or a write fails
+    done, read, counts = False, 0, []
     try:
-        made = make_folders(target.parent)
-        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        with os.fdopen(handle, "wb") as out:
-            while chunk := text.read(_CHUNK_BYTES):
-                try:
-                    decoder.decode(chunk)
-                except UnicodeDecodeError as exc:
-                    raise InputError(str(source), None, f"is not UTF-8 text (near byte {written + exc.start})",
-                                     "give a UTF-8 text file") from None
-                out.write(np.frombuffer(chunk, dtype=np.uint8).astype(DTYPES[dtype]).tobytes())
-                written += len(chunk)
+        cut = size if holdout is None else _character_boundary(text, size - int(size * holdout), size)
+        if holdout is not None and cut in (0, size):
+            part = "training" if cut == 0 else "held-out"
+            raise InputError(str(source), None, f"is {size} bytes: a --holdout of {holdout} leaves the {part} part empty",
+                             "give a longer text, or another --holdout")
+        text.seek(0)
+        for (target, flag), end in zip(targets, (cut, size)):
             try:
-                decoder.decode(b"", final=True)
-            except UnicodeDecodeError:
-                raise InputError(str(source), None, "is not UTF-8 text (it ends inside a character)",
-                                 "give a UTF-8 text file") from None
-        os.chmod(temporary, _mode_for(target))
-        os.replace(temporary, target)
-        temporary, done = None, True
-    except OSError as exc:
-        raise _cannot(target, "-o", exc) from None
+                made += make_folders(target.parent)
+                handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+                temporaries.append(temporary)
+                with os.fdopen(handle, "wb") as out:
+                    while read < end and (chunk := text.read(min(_CHUNK_BYTES, end - read))):
+                        try:
+                            decoder.decode(chunk)
+                        except UnicodeDecodeError as exc:
+                            raise InputError(str(source), None, f"is not UTF-8 text (near byte {read + exc.start})",
+                                             "give a UTF-8 text file") from None
+                        out.write(np.frombuffer(chunk, dtype=np.uint8).astype(DTYPES[dtype]).tobytes())
+                        read += len(chunk)
+                os.chmod(temporary, _mode_for(target))
+            except OSError as exc:
+                raise _cannot(target, flag, exc) from None
+            counts.append(end - (counts[0] if counts else 0))
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise InputError(str(source), None, "is not UTF-8 text (it ends inside a character)",
+                             "give a UTF-8 text file") from None
+        for (target, flag), temporary in zip(targets, temporaries):  # only once the whole text is known good
+            try:
+                os.replace(temporary, target)
+            except OSError as exc:
+                raise _cannot(target, flag, exc) from None
+        temporaries, done = [], True
     finally:
         text.close()
-        if temporary is not None:
+        for temporary in temporaries:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
         if not done:
             remove_empty(made)
-    return written
+    return counts[0]
+
+
+def _character_boundary(text, at: int, size: int) -> int:
+    """The first offset from ``at`` of the open file ``text`` where a UTF-8 character starts
+    (a byte that is no continuation byte 10xxxxxx), or ``size``."""
+    text.seek(at)
+    ahead = text.read(4)
+    for offset, byte in enumerate(ahead):
+        if byte & 0xC0 != 0x80:
+            return at + offset
+    return min(at + len(ahead), size)

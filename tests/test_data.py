@@ -364,6 +364,47 @@ def test_tokenize_round_trips_bytes(tmp_path, dtype, np_dtype):
     assert f"{len(ids)} tokens ({dtype}, one per byte)" in done.stdout
 
 
+def test_tokenize_holds_out_the_texts_end_at_a_character_boundary(tmp_path):
+    """--holdout 0.25 of 20 bytes cuts at byte 15, inside the 3-byte "東" (bytes 14-16): the cut
+    moves to 17, so each file decodes as whole characters, and together they are the text."""
+    text = "abcdefghijklmn東opq"  # 14 ASCII bytes, 東 (3 bytes), 3 more: 20 bytes
+    data = text.encode("utf-8")
+    assert len(data) == 20
+    (tmp_path / "in.txt").write_bytes(data)
+    done = _octoplan("tokenize", tmp_path / "in.txt", "-o", tmp_path / "train.bin", "--holdout", "0.25",
+                     "--holdout-output", tmp_path / "held" / "val.bin")
+    assert done.returncode == 0, done.stderr
+    train = np.fromfile(tmp_path / "train.bin", dtype="<u2").tolist()
+    held = np.fromfile(tmp_path / "held" / "val.bin", dtype="<u2").tolist()
+    assert (train, held) == (list(data[:17]), list(data[17:]))
+    assert bytes(train).decode("utf-8") == "abcdefghijklmn東" and bytes(held).decode("utf-8") == "opq"
+    assert done.stdout.splitlines() == [f"17 tokens (uint16, one per byte) -> {tmp_path / 'train.bin'}",
+                                        f"3 tokens held out -> {tmp_path / 'held' / 'val.bin'}"]
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--holdout", "0.1"], "error: --holdout: needs --holdout-output FILE (give both, or neither)"),
+    (["--holdout-output", "VAL"], "error: --holdout-output: needs --holdout FRACTION (give both, or neither)"),
+    (["--holdout", "1", "--holdout-output", "VAL"],
+     "error: --holdout: is 1.0 (give the held-out fraction of the text, above 0 and below 1)"),
+    (["--holdout", "0.01", "--holdout-output", "VAL"],
+     "error: IN: is 20 bytes: a --holdout of 0.01 leaves the held-out part empty (give a longer text, or another --holdout)"),
+    (["--holdout", "0.1", "--holdout-output", "OUT"], "error: OUT: --holdout-output: is the -o file too (give another file)"),
+])
+def test_tokenize_bad_holdouts_exit_2_and_write_nothing(tmp_path, args, line):
+    """One line each, and no file or temporary left behind."""
+    (tmp_path / "in.txt").write_bytes(b"abcdefghijklmnopqrst")
+    names = {"IN": str(tmp_path / "in.txt"), "OUT": str(tmp_path / "t.bin"), "VAL": str(tmp_path / "v.bin")}
+    done = _octoplan("tokenize", names["IN"], "-o", names["OUT"], *[names.get(a, a) for a in args])
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    for name, path in names.items():
+        line = line.replace(f" {name}:", f" {path}:")
+    assert lines == [line]
+    assert sorted(os.listdir(tmp_path)) == ["in.txt"]
+
+
 def test_tokenize_missing_input_exits_2_with_one_line(tmp_path):
     done = _octoplan("tokenize", tmp_path / "none.txt", "-o", tmp_path / "t.bin")
     assert done.returncode == 2 and done.stdout == ""
