@@ -50,6 +50,16 @@ class ModelFile:
     config: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
 
+    def resolved_config(self) -> dict[str, Any]:
+        """The model's whole configuration, as JSON values: a model file's CONFIG with the plan's
+        overrides, or a Hugging Face model's transformers config. Checkpoints record it; a resume
+        and an export compare it (octorun.checkpoint.config_differences)."""
+        import json
+
+        # (a Hugging Face model's own function; a model file's functions are section 4's)
+        whole = self.module.resolved_config(**self.config) if self.path.startswith("hf:") else dict(self.config)
+        return json.loads(json.dumps(whole, default=str))
+
     @property
     def name(self) -> str:
         name = getattr(self.module, "NAME", Path(self.path).stem)

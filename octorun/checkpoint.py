@@ -59,6 +59,8 @@ from octoplan.inputs import parse_json
 from octoplan.outputs import make_folders, remove_empty
 
 __all__ = [
+    "CONFIG_KEYS_APART",
+    "config_differences",
     "FORMAT", "VERSION", "META_FILE", "save", "latest", "resolve", "read_meta", "load", "agree",
     "check_compatible", "check_save_root", "checkpoint_bytes", "folder_name",
 ]
@@ -291,10 +293,25 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return {**meta, "step": step}
 
 
+# the config keys no weight depends on (octoplan's own: the tokens per sample, where the first
+# weights came from), which a resume or an export may change
+CONFIG_KEYS_APART = ("seq", "weights")
+
+
+def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Each key of two model configs (ModelFile.resolved_config) whose values differ, beyond
+    :data:`CONFIG_KEYS_APART`, as ``key=SAVED (now NOW)``, sorted."""
+    keys = sorted((set(saved) | set(now)) - set(CONFIG_KEYS_APART))
+    missing = "(none)"
+    return [f"{key}={saved.get(key, missing)} (now {now.get(key, missing)})" for key in keys
+            if saved.get(key, missing) != now.get(key, missing)]
+
+
 def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path: str | os.PathLike, *,
                      weights_only: bool = False, flag: str = "--init-from", ours: str = "this run's") -> None:
     """Raise :class:`InputError` if the checkpoint at ``path`` is of another model than this run's
-    (its ``model`` name or ``num_layers`` differ) or was trained with another ``optimizer`` (whose
+    (its ``model`` name or ``num_layers`` differ, or its ``resolved_config`` beyond
+    :data:`CONFIG_KEYS_APART`) or was trained with another ``optimizer`` (whose
     state the run cannot take up), or if both read a token file and the file
     (``data_fingerprint``, ``data_sampled_digest``), the windows' length (``tokens_per_sample``) or the seed of their
     order (``seed``) differ: the checkpoint's
@@ -309,6 +326,14 @@ def check_compatible(meta_saved: dict[str, Any], meta_now: dict[str, Any], path:
                              "resume from a checkpoint of this model, or start afresh without --resume")
     if weights_only:
         return
+    saved_config, config = meta_saved.get("resolved_config"), meta_now.get("resolved_config")
+    if isinstance(saved_config, dict) and isinstance(config, dict):
+        differences = config_differences(saved_config, config)
+        if differences:
+            raise InputError(str(path), "resolved_config", f"the checkpoint's model was trained with {differences[0]}"
+                             f"{f' and {len(differences) - 1} more differences' if len(differences) > 1 else ''}",
+                             "resume under a plan of the model config the checkpoint was trained with, or take its "
+                             "weights alone with --init-from")
     if "optimizer" in meta_saved and "optimizer" in meta_now and meta_saved["optimizer"] != meta_now["optimizer"]:
         raise InputError(str(path), "optimizer", f"the checkpoint was trained with {meta_saved['optimizer']}, this run's "
                          f"--optimizer is {meta_now['optimizer']}",

@@ -39,7 +39,7 @@ import datetime
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -176,7 +176,7 @@ class Transport:
         outgoing: dict[int, Channel],
         incoming: dict[int, Channel],
         device: torch.device,
-        rounds: Sequence[bool],
+        rounds: Callable[[], Iterable[bool]],
         timeout_s: float,
         static_shapes: bool = True,
         meter: ActivationMeter | None = None,
@@ -184,10 +184,12 @@ class Transport:
         self.outgoing = outgoing  # dst global rank -> channel
         self.incoming = incoming  # src global rank -> channel
         self.device = device
-        # one entry per round of messages this run exchanges, in order: False for a training
-        # step (every message of the program), True for an evaluation's forward-only pass (its
-        # activations only, octorun.lowering.forward_only); both sides number rounds alike
-        self.rounds = tuple(rounds)
+        # a fresh iterator, for each receiver thread, of one entry per round of messages this run
+        # exchanges, in order: False for a training step (every message of the program), True
+        # for an evaluation's forward-only pass (its activations only, octorun.lowering.
+        # forward_only); both sides number rounds alike. Made as it goes: a run of millions of
+        # steps holds no list of them
+        self.rounds = rounds
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.static_shapes = static_shapes
         self.mailbox = Mailbox()
@@ -206,10 +208,10 @@ class Transport:
             thread.start()
 
     # -- sending (compute thread) -------------------------------------------------------------
-    def send(self, message: Message, tensors: Sequence[torch.Tensor], *, dst: int, step: int) -> None:
-        """Start sending; the tensors stay referenced until the send is known to be done (see
-        :meth:`begin_op`). Raises :class:`ShapeChanged` (before sending anything) when static
-        shapes do not hold."""
+    def send(self, message: Message, tensors: Sequence[torch.Tensor], *, dst: int, step: int, what: str = "") -> None:
+        """Start sending in round ``step``; the tensors stay referenced until the send is known
+        to be done (see :meth:`begin_op`). Raises :class:`ShapeChanged` (before sending
+        anything, naming the round as ``what`` does, "step 3") when static shapes do not hold."""
         channel = self.outgoing[dst]
         payload = tuple(t.detach().contiguous() for t in tensors)
         if self._header_in(step):
@@ -218,7 +220,7 @@ class Transport:
             work = dist.isend(header, dst, group=channel.meta_group, tag=channel.next_tag())
             self._pending.append((work, message, (header,), False, self._ops))
         elif (layout := layout_of(payload)) != channel.layouts[message.key]:
-            raise ShapeChanged(f"the {message} of step {step} has tensors {_describe(layout)}, in step 0 "
+            raise ShapeChanged(f"the {message} of {what or f'round {step}'} has tensors {_describe(layout)}, in step 0 "
                                f"{_describe(channel.layouts[message.key])}; run octorun with --dynamic-shapes "
                                f"for a model whose shapes change between steps")
         polled = self.device.type == "cuda"
@@ -295,7 +297,7 @@ class Transport:
 
     def _receive_all(self, channel: Channel) -> None:
         try:
-            for step, forward_only in enumerate(self.rounds):
+            for step, forward_only in enumerate(self.rounds()):
                 for message in channel.messages:
                     if forward_only and message.kind != ACT:
                         continue

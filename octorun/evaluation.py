@@ -6,7 +6,7 @@ batches of the held-out token file forward through the plan's own pipeline: ever
 F ops in the plan's order (:func:`octorun.lowering.forward_only`), under ``torch.no_grad``, with
 every layer in eval mode (no dropout), at the run's precision, on the weights the step's update
 left. Nothing is kept for a backward and nothing changes: the training that follows is the one
-that would have run without it.
+that would have run without it (random draws in eval mode come from a forked generator).
 
 Every evaluation reads the same samples: stream indices 0 to K x G - 1 of the file's window
 order under seed 0 (:mod:`octorun.data`), G samples a global batch, whatever ``--seed``, so the
@@ -18,7 +18,7 @@ but for fewer than G of them. The loss is the mean of the microbatches' losses, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from octoplan.errors import InputError
 from octorun.data import TokenData
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["Evaluation", "EVAL_ORDER_SEED"]
 
 EVAL_ORDER_SEED = 0  # the window order every evaluation reads, whatever the run's --seed
+_CHECKED_WINDOWS = 4096  # windows read at a time as the file opens
 
 
 @dataclass(frozen=True)
@@ -52,21 +53,24 @@ class Evaluation:
             raise InputError(None, "--eval-batches", f"is {config.eval_batches}, but {data.path} holds {whole} global "
                              f"batch{'es' if whole > 1 else ''} of {global_batch} samples ({data.num_windows} windows)",
                              f"give at most {whole}, or a longer --eval-data")
-        return cls(data=data, every=config.eval_every, batches=config.eval_batches or whole, global_batch=global_batch)
+        evaluation = cls(data=data, every=config.eval_every, batches=config.eval_batches or whole, global_batch=global_batch)
+        # every window an evaluation reads, now: an id beyond the vocab among them is one line
+        # before the launch, not a failure after the training's first steps
+        for first in range(0, evaluation.batches * global_batch, _CHECKED_WINDOWS):
+            data.windows(first, min(_CHECKED_WINDOWS, evaluation.batches * global_batch - first))
+        return evaluation
 
     def due(self, step: int, last_step: int) -> bool:
         """Whether an evaluation follows ``step`` of a run whose last step is ``last_step``."""
         return step == last_step or (self.every is not None and (step + 1) % self.every == 0)
 
-    def rounds(self, steps: range) -> list[bool]:
+    def rounds(self, steps: range) -> Iterator[bool]:
         """The rounds of messages a run of ``steps`` exchanges, in order (octorun.comm.Transport):
         False for a training step, True for each forward-only pass of an evaluation."""
-        out: list[bool] = []
         for step in steps:
-            out.append(False)
+            yield False
             if self.due(step, steps[-1]):
-                out += [True] * self.batches
-        return out
+                yield from (True for _ in range(self.batches))
 
     def microbatch(self, *, batch: int, replica: int, mb: int, microbatches: int, microbatch_size: int) -> tuple[Any, Any]:
         """Microbatch ``mb`` of replica ``replica`` in global batch ``batch`` of every evaluation."""

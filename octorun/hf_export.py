@@ -40,6 +40,7 @@ from octoplan.outputs import make_folders, new_file_mode, remove_empty
 from octoplan.hf import chain_for, is_hf_source, load_hf_model, resolve_hf_source
 from octoplan.plan import Plan
 from octorun import checkpoint
+from octorun.checkpoint import CONFIG_KEYS_APART, config_differences
 from octorun.runtime import model_identity
 from octorun.tied import model_state, tie_local, tied_groups
 
@@ -48,7 +49,7 @@ __all__ = ["DTYPES", "ExportedWeights", "export_hf"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the model folder's files copied beside the weights: tokenizers, processors, chat templates and
 # generation settings (an allow-list: what else a folder holds may be stale weights or state)
-_COPIED = ("tokenizer*", "vocab*", "merges.txt", "spiece.model", "sentencepiece*.model", "special_tokens_map.json",
+_COPIED = ("tokenizer*", "tekken.json", "vocab*", "merges.txt", "spiece.model", "sentencepiece*.model", "special_tokens_map.json",
            "added_tokens.json", "chat_template*", "*preprocessor_config.json", "processor_config.json",
            "generation_config.json")
 
@@ -113,7 +114,7 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, model_identity(model, num_layers), path, weights_only=True, flag="--checkpoint",
                                 ours="the plan's")
-    _check_same_config(meta, plan.model.config, path)
+    _check_same_config(meta, plan.model.config, model.resolved_config(), path)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:  # now, not after the work: a folder that cannot be written fails first
@@ -151,16 +152,24 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
     return ExportedWeights(output, path, int(meta["step"]), tensors, nbytes, str(out_dtype).removeprefix("torch."), copied)
 
 
-def _check_same_config(meta: dict, config: dict, path: Path) -> None:
-    """Refuse a plan whose ``--config`` differs from the one the checkpoint was trained under
-    (recorded since checkpoints record it), beyond ``seq`` and ``weights``, which the weights do
-    not depend on: config.json would be written with values the weights were not trained with."""
+def _check_same_config(meta: dict, config: dict, resolved: dict, path: Path) -> None:
+    """Refuse a plan whose model config differs from the one the checkpoint was trained under,
+    beyond ``seq`` and ``weights``, which the weights do not depend on: config.json would be
+    written with values the weights were not trained with. The resolved configs are compared
+    where the checkpoint records one (``layers=2`` and ``num_hidden_layers=2`` are one config),
+    else the ``--config`` overrides as given."""
+    saved_resolved = meta.get("resolved_config")
+    if isinstance(saved_resolved, dict):
+        differences = config_differences(saved_resolved, resolved)
+        if differences:
+            raise InputError(str(path), "resolved_config", f"the checkpoint's model was trained with {differences[0]}",
+                             "export with a plan of the model config the checkpoint was trained with")
+        return
     saved = meta.get("model_config")
     if not isinstance(saved, dict):
         return
-    ignored = ("seq", "weights")
-    ours = {k: v for k, v in config.items() if k not in ignored}
-    theirs = {k: v for k, v in saved.items() if k not in ignored}
+    ours = {k: v for k, v in config.items() if k not in CONFIG_KEYS_APART}
+    theirs = {k: v for k, v in saved.items() if k not in CONFIG_KEYS_APART}
     if ours != theirs:
         key = sorted(set(ours) ^ set(theirs) | {k for k in set(ours) & set(theirs) if ours[k] != theirs[k]})[0]
         raise InputError(str(path), "model_config", f"the checkpoint was trained with --config {key}="

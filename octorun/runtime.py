@@ -51,7 +51,7 @@ from octorun.optim import OPTIMIZERS, OptimizerConfig, build_optimizer, check_op
 from octorun.tied import TiedGroup, model_state, parameter_key, tie_local, tied_groups
 from octorun import agreement
 from octorun.activations import ActivationMeter
-from octorun.stage import StageExecutor, Tape, floating
+from octorun.stage import StageExecutor, Tape, floating, persistent_buffers
 from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
 
 __all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "summarize_step", "step_line", "LaunchError", "NonFiniteStep",
@@ -307,6 +307,7 @@ def prepare(config: RunConfig) -> Prepared:
         if resume_from is not None:
             checkpoint.check_compatible(checkpoint.read_meta(resume_from),
                                         {**model_identity(model, num_layers), "optimizer": config.optimizer,
+                                         "resolved_config": None if replayed is not None else model.resolved_config(),
                                          **_data_identity(config.seed, data)},
                                         resume_from)
     if config.save_dir is not None:
@@ -352,9 +353,10 @@ def _check_checkpoint_flags(config: RunConfig) -> None:
         raise InputError(None, "--keep", f"is {config.keep}", "keep 1 or more checkpoints")
     # options of checkpoints or data that would be ignored without a word
     if config.eval_every is not None and not 1 <= config.eval_every <= MAX_STEPS:
-        raise InputError(None, "--eval-every", f"is {config.eval_every}", "give a number of steps >= 1")
+        raise InputError(None, "--eval-every", f"is {config.eval_every}", f"give a number of steps from 1 to {MAX_STEPS}")
     if config.eval_batches is not None and not 1 <= config.eval_batches <= MAX_STEPS:
-        raise InputError(None, "--eval-batches", f"is {config.eval_batches}", "give a number of global batches >= 1")
+        raise InputError(None, "--eval-batches", f"is {config.eval_batches}",
+                         f"give a number of global batches from 1 to {MAX_STEPS}")
     for flag, value, needed, other in (("--keep", config.keep, config.save_dir, "--save DIR"),
                                        ("--data-dtype", config.data_dtype, config.data_path or config.eval_data_path,
                                         "--data FILE or --eval-data FILE"),
@@ -834,7 +836,7 @@ class _Interpreter:
         # the buffers a checkpoint holds (BatchNorm's running statistics): each replica updates
         # them from its own samples, so after every update all take replica 0's, as DDP's
         # broadcast_buffers does; else a checkpoint (one copy per key) mixed replicas key by key
-        self.synced_buffers = _persistent_buffers(self.layers) if self.groups.dp_group is not None else []
+        self.synced_layers = [self.layers[i] for i in sorted(self.layers)] if self.groups.dp_group is not None else []
         self.optim_config = config.optim
         self.optimizer = build_optimizer(self.params, self.optim_config)  # None on a rank without parameters
         self.first_step = 0  # a resumed run starts later (restore)
@@ -999,7 +1001,7 @@ class _Interpreter:
             del reading
             for message in instr.sends:
                 try:
-                    self.transport.send(message, outgoing, dst=self._global(message.dst), step=local)
+                    self.transport.send(message, outgoing, dst=self._global(message.dst), step=local, what=what)
                 except (TypeError, ValueError) as exc:  # a dtype gloo cannot send, a shape that changed
                     self.watchdog.fail(f"op {op} of {what}: {exc}")
             if instr.allreduce_stage is not None and self.groups.dp_group is not None and reductions is not None:
@@ -1019,30 +1021,38 @@ class _Interpreter:
         for module, _ in modes:
             module.train(False)
         losses: list[torch.Tensor] = []
-        try:
-            for batch in range(self.evaluation.batches):
-                what = f"evaluation batch {batch} after step {step}"
-                state = _StepState(evaluating=True)
-                self._feed(state, what, lambda mb: self.evaluation.microbatch(
-                    batch=batch, replica=self.dp_rank, mb=mb, microbatches=self.plan.microbatches,
-                    microbatch_size=self.mbs))
-                self._run_program(self.eval_program.instrs, what, self._next_round(), state, None)
-                losses += state.losses
-        finally:  # each module as the model file left it (one built in eval mode stays so)
-            for module, training in modes:
-                module.train(training)
+        # a layer that draws random numbers in eval mode too (F.dropout's default) would move the
+        # generators the training goes on with
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+            self._evaluate_batches(step, losses)
+        for module, training in modes:  # each module as the model file left it (one built in eval mode stays so)
+            module.train(training)
         return {"eval_loss_sum": float(sum(loss.item() for loss in losses)), "eval_loss_count": len(losses),
                 "eval_s": time.perf_counter() - started}
 
+    def _evaluate_batches(self, step: int, losses: list[torch.Tensor]) -> None:
+        """The forward-only passes of the evaluation after ``step``; each last stage's losses
+        into ``losses``."""
+        for batch in range(self.evaluation.batches):
+            what = f"evaluation batch {batch} after step {step}"
+            state = _StepState(evaluating=True)
+            self._feed(state, what, lambda mb: self.evaluation.microbatch(
+                batch=batch, replica=self.dp_rank, mb=mb, microbatches=self.plan.microbatches,
+                microbatch_size=self.mbs))
+            self._run_program(self.eval_program.instrs, what, self._next_round(), state, None)
+            losses += state.losses
+
     def _sync_buffers(self, step: int) -> None:
-        """Every replica takes data-parallel replica 0's :attr:`synced_buffers` (one broadcast
-        per dtype)."""
-        if not self.synced_buffers:
+        """Every replica takes data-parallel replica 0's persistent buffers of its layers (one
+        broadcast per dtype). Looked up each time: a recomputing stage's rebuild replaces them."""
+        synced = persistent_buffers(self.synced_layers)
+        if not synced:
             return
         source = self.plan.parallel.global_rank(self.pp_rank, 0)
         self.watchdog.doing(f"taking replica 0's buffers after step {step}")
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for buffer in self.synced_buffers:
+        for buffer in synced:
             by_dtype.setdefault(buffer.dtype, []).append(buffer)
         deadline = self.watchdog.deadline()
         for dtype, buffers in by_dtype.items():
@@ -1227,7 +1237,7 @@ class _Interpreter:
     # -- the run ------------------------------------------------------------------------------
     def train(self) -> tuple[StepMetrics, ...]:
         steps = range(self.first_step, self.config.steps)
-        rounds = [False] * len(steps) if self.evaluation is None else self.evaluation.rounds(steps)
+        rounds = (lambda: (False for _ in steps)) if self.evaluation is None else (lambda: self.evaluation.rounds(steps))
         self.transport = Transport(outgoing=self.groups.outgoing, incoming=self.groups.incoming, device=self.device,
                                    rounds=rounds, timeout_s=self.config.timeout_s,
                                    static_shapes=not self.config.dynamic_shapes, meter=self.meter)
@@ -1247,6 +1257,10 @@ class _Interpreter:
                     if metrics_file:  # the steps before it are kept: what a user reads to see the run go wrong
                         metrics_file.commit()
                     raise
+                # the checkpoint first: an evaluation that fails (a model that cannot run in eval
+                # mode) must not cost the step's checkpoint
+                if self._save_due(step) or (self.stopping and self.config.save_dir is not None):
+                    self.save(step)
                 # not when a SIGTERM stops the run: its grace period is the checkpoint's (every
                 # rank knows alike, from the update's all-reduce)
                 if self.evaluation is not None and self.evaluation.due(step, steps[-1]) and not self.stopping:
@@ -1270,8 +1284,6 @@ class _Interpreter:
                         _write_trace(self.config.trace_path, gathered, self.config.replay_time_scale, self.plan.model.name)
                 if step == steps[0]:
                     _lower_timeouts(self.watchdog, self.groups, self.config.timeout_s)
-                if self._save_due(step) or (self.stopping and self.config.save_dir is not None):
-                    self.save(step)
                 if self.stopping:
                     if self.me == 0:
                         saved = f"; resume with --resume {self.config.save_dir}" if self.config.save_dir else \
@@ -1344,6 +1356,8 @@ class _Interpreter:
         meta = {
             **model_identity(self.model, self.plan.stages[-1].end),
             "model_config": dict(self.plan.model.config),  # export --format hf writes config.json from it
+            # what a resume and an export compare; a replay's model is the profile's, its config the run's scales
+            "resolved_config": None if self.config.replay_time_scale is not None else self.model.resolved_config(),
             "step": step + 1,  # the next step to run
             "consumed_samples": self.consumed_samples + (step + 1 - self.first_step) * self.global_batch,
             "skipped_steps": self.skipped_steps,
@@ -1432,19 +1446,6 @@ def _used_flags(params: Sequence[torch.nn.Parameter], like: torch.Tensor) -> tor
     """1 for each parameter that has a gradient here, 0 for one without, in ``like``'s dtype and
     device (summed over the replicas, it counts those that had one)."""
     return torch.tensor([float(p.grad is not None) for p in params], dtype=like.dtype, device=like.device)
-
-
-def _persistent_buffers(layers: dict[int, torch.nn.Module]) -> list[torch.Tensor]:
-    """The buffers of ``layers`` that their state_dicts hold, each once, in layer order (the same
-    order on every replica of a pipeline rank). A non-persistent buffer (a rotary table, a mask)
-    is derived, not learned: alike on every replica without a word."""
-    found: dict[int, torch.Tensor] = {}
-    for index in sorted(layers):
-        for module in layers[index].modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and name not in module._non_persistent_buffers_set:
-                    found.setdefault(id(buffer), buffer)
-    return list(found.values())
 
 
 def _unique_trainable(layers) -> list[torch.nn.Parameter]:

@@ -136,6 +136,11 @@ class StageExecutor:
         self.recompute_layers = (len(self.layers) if recompute_layers is None else min(recompute_layers, len(self.layers))) \
             if recompute else 0
         self.params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
+        # the state the recomputed layers' forward updates (BatchNorm's running statistics): F
+        # updated it once, so the rebuild leaves it as F left it
+        self._recomputed_slots = [(module, name) for layer in self.layers[:self.recompute_layers]
+                                  for module in layer.modules() for name, buffer in module._buffers.items()
+                                  if buffer is not None and name not in module._non_persistent_buffers_set]
         # CUDA devices of the stage's weights, whose RNG state a recomputed forward restores
         self._cuda_devices = {
             _device_index(t) for layer in self.layers for t in (*layer.parameters(), *layer.buffers()) if t.is_cuda
@@ -215,8 +220,13 @@ class StageExecutor:
             torch.set_rng_state(stash.cpu_rng)
             for device, state in stash.cuda_rng.items():
                 torch.cuda.set_rng_state(state, device)
+            kept = [module._buffers[name].clone() for module, name in self._recomputed_slots]
             with torch.enable_grad():
                 _, rebuilt = self._forward(stash.value, stash.targets, stop=self.recompute_layers)
+            # F's values back as the modules' buffers: new tensors, since the rebuilt graph saved
+            # the ones it updated (autograd refuses a saved tensor changed in place)
+            for (module, name), value in zip(self._recomputed_slots, kept):
+                module._buffers[name] = value
         tape.layers = rebuilt.layers + tape.layers  # tape.loss stays F's (the same value)
         tape.stash = None  # from here on the tape is the one F keeps without recompute
 
@@ -283,6 +293,18 @@ class StageExecutor:
         """The (root, gradient) pairs autograd can use: outputs that depend on something learnable."""
         pairs = [(root, g) for root, g in zip(layer_tape.roots, grads) if root is not None]
         return [root for root, _ in pairs], [g for _, g in pairs]
+
+
+def persistent_buffers(layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """The buffers of ``layers`` that their state_dicts hold, each once, in layer order. A
+    non-persistent buffer (a rotary table, a mask) is derived from the config, not learned."""
+    found: dict[int, torch.Tensor] = {}
+    for layer in layers:
+        for module in layer.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    found.setdefault(id(buffer), buffer)
+    return list(found.values())
 
 
 def _device_of(layer: torch.nn.Module, args: Sequence[Any]) -> torch.device:

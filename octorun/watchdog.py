@@ -45,11 +45,15 @@ from typing import Any, Iterator, NoReturn
 
 from octoplan.errors import where_raised
 
-__all__ = ["Watchdog", "gist", "ABORT_KEY", "EXIT_FAILURE", "EXIT_BAD_INPUT"]
+__all__ = ["Watchdog", "gist", "ABORT_KEY", "ABORT_CODE_KEY", "EXIT_FAILURE", "EXIT_BAD_INPUT"]
 
 log = logging.getLogger("octorun.watchdog")
 
 ABORT_KEY = "abort"  # under the attempt's prefix (see Watchdog.key)
+# the failing process's exit status, set before ABORT_KEY: its peers exit with it, so bad input
+# found once the job runs (a model folder's missing tensor, as a rank builds its stage) is exit
+# 2 on every process, as bad input found before the launch is
+ABORT_CODE_KEY = "abort_code"
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 _POLL_S = 0.25
@@ -140,8 +144,7 @@ class Watchdog:
                     # tell a process stuck in its own work (its beat goes on) from one waiting
                     self.store.set(self.key(f"doing/{self.global_rank}"), self.activity)
                     self.store.add(self.key(f"beat/{self.global_rank}"), 1)
-                aborted = self.store.check([self.key(ABORT_KEY)])
-                text = self.store.get(self.key(ABORT_KEY)).decode(errors="replace") if aborted else ""
+                aborted = self.abort_seen()
             except Exception as exc:  # the store lives with rank 0 or the launcher: losing it is fatal
                 if self._stop.is_set():
                     return
@@ -150,11 +153,24 @@ class Watchdog:
                            f"its host ({os.environ.get('MASTER_ADDR', 'MASTER_ADDR')}, the first node's launcher or "
                            "rank 0) is gone or unreachable")
             else:
-                if aborted and not self._stop.is_set():
-                    self._exit(f"stopping because {text}; this rank was {self.activity}")
+                if aborted is not None and not self._stop.is_set():
+                    text, code = aborted
+                    self._exit(f"stopping because {text}; this rank was {self.activity}", code=code)
                 seen = self._beats_seen  # once: the main thread may end the watch meanwhile
                 if seen is not None and polls % _BEAT_EVERY == 0:
                     self._check_beats(seen)
+
+    def abort_seen(self) -> tuple[str, int] | None:
+        """(what the first failing process said, its exit status) once one has failed; raises
+        what the store raises."""
+        if not self.store.check([self.key(ABORT_KEY)]):
+            return None
+        text = self.store.get(self.key(ABORT_KEY)).decode(errors="replace")
+        code = EXIT_FAILURE
+        if self.store.check([self.key(ABORT_CODE_KEY)]):
+            with contextlib.suppress(ValueError):
+                code = int(self.store.get(self.key(ABORT_CODE_KEY)).decode())
+        return text, code
 
     @contextlib.contextmanager
     def watching_beats(self) -> Iterator[None]:
@@ -339,6 +355,7 @@ class Watchdog:
                             cause = self.store.get(self.key(ABORT_KEY)).decode(errors="replace")
                             # its own exit status: bad input it found is bad input, whoever spoke first
                             self._exit(f"stopping because {cause}; this rank then saw: {problem}", code=code)
+                        self.store.set(self.key(ABORT_CODE_KEY), str(code))
                         self.store.set(self.key(ABORT_KEY), f"rank {self.global_rank} failed: {problem}")
                     except Exception as exc:  # the store may be gone with a dead peer; exit all the same
                         log.debug("could not reach the rendezvous store while failing: %s", exc)

@@ -91,10 +91,10 @@ def install(fault: Fault) -> None:
         if kind == "send":
             send = comm.Transport.send
 
-            def sending(self, message, tensors, *, dst, step):
+            def sending(self, message, tensors, *, dst, step, **named):
                 if now["step"] == fault.step and (message.kind, message.stage, message.mb) == key:
                     strike(fault)
-                return send(self, message, tensors, dst=dst, step=step)
+                return send(self, message, tensors, dst=dst, step=step, **named)
 
             comm.Transport.send = sending
         else:

@@ -423,10 +423,10 @@ def _apply_fault(fault: dict[str, Any], rank: int) -> None:
     elif fault["kind"] == "drop-send":  # the named op's message is never sent
         original_send = comm.Transport.send
 
-        def dropping(self, message, tensors, *, dst, step):
+        def dropping(self, message, tensors, *, dst, step, **named):
             if (message.kind, message.stage, message.mb) == tuple(fault["message"]):
                 return
-            return original_send(self, message, tensors, dst=dst, step=step)
+            return original_send(self, message, tensors, dst=dst, step=step, **named)
 
         comm.Transport.send = dropping
     elif fault["kind"] == "slow-save":  # each checkpoint's shard takes ``seconds`` longer (slow storage)

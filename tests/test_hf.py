@@ -356,6 +356,74 @@ def test_missing_tensor_is_bad_input(saved, tmp_path):
         model.build_layer(2)
 
 
+def test_weights_in_a_format_octopipe_does_not_read_are_refused_not_dropped(saved, tmp_path):
+    """A folder whose weights are only a PyTorch pickle (pytorch_model.bin, as older checkpoints
+    ship them, and from_pretrained reads): profiling it trained from a seeded init without a
+    word. Now one line names the file and the two ways on; --config weights=none takes the
+    seeded init knowingly."""
+    folder = saved["qwen3"][0]
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((folder / "config.json").read_text())
+    torch.save(safetensors_torch.load_file(folder / "model.safetensors"), pickled / "pytorch_model.bin")
+    out = tmp_path / "p.yaml"
+    _one_line_exit_2(_cli("profile", f"hf:{pickled}", "--config", f"seq={SEQ}", "-o", str(out)),
+                     f"{pickled / 'pytorch_model.bin'}", "does not read", "weights=none")
+    assert not out.exists()
+    assert load_model_file(f"hf:{pickled}", {"seq": SEQ, "weights": "none"}).num_layers() > 0
+
+
+def test_a_config_is_compared_as_transformers_resolves_it(saved, tmp_path):
+    """A checkpoint records the model's resolved config: ``layers=2`` and ``num_hidden_layers=2``
+    are one model (export refused the pair, comparing the words), and a value equal to
+    config.json's is no override; ``hidden_act=relu`` is another model (a resume accepted it
+    without a word). seq and weights are the run's, not the model's."""
+    from octorun.checkpoint import check_compatible, config_differences
+    from octorun.hf_export import _check_same_config
+
+    folder = saved["qwen3"][0]
+
+    def resolved(**config):
+        return load_model_file(f"hf:{folder}", {"seq": SEQ, **config}).resolved_config()
+
+    depth = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    assert resolved(layers=2) == resolved(num_hidden_layers=2)
+    assert resolved(layers=depth) == resolved()
+    assert config_differences(resolved(), resolved(seq=SEQ + 8, weights="none")) == []
+    assert config_differences(resolved(), resolved(hidden_act="relu")) == ["hidden_act=silu (now relu)"]
+    meta = {"model": "Qwen3ForCausalLM", "resolved_config": resolved(layers=2), "model_config": {"layers": 2}}
+    _check_same_config(meta, {"num_hidden_layers": 2}, resolved(num_hidden_layers=2), tmp_path)
+    with pytest.raises(InputError, match=r"resolved_config: the checkpoint's model was trained with hidden_act=silu \(now relu\)"):
+        _check_same_config(meta, {"layers": 2, "hidden_act": "relu"}, resolved(layers=2, hidden_act="relu"), tmp_path)
+    with pytest.raises(InputError, match="hidden_act=silu"):
+        check_compatible(meta, {"model": "Qwen3ForCausalLM", "resolved_config": resolved(layers=2, hidden_act="relu")},
+                         tmp_path)
+    check_compatible(meta, {"model": "Qwen3ForCausalLM", "resolved_config": resolved(layers=2, hidden_act="relu")},
+                     tmp_path, weights_only=True)  # --init-from takes the weights into another config
+
+
+def test_a_tied_head_stored_with_other_values_is_refused(saved, tmp_path):
+    """config.json ties the head to the embedding, but the folder stores lm_head.weight of its
+    own (an untied model whose config was edited): transformers keeps them apart, OctoPipe tied
+    them and trained another model. Refused in one line; a stored copy equal to the embedding
+    is the tied model, taken."""
+    folder = saved["gemma2"][0]
+    assert json.loads((folder / "config.json").read_text()).get("tie_word_embeddings", True)
+    tensors = safetensors_torch.load_file(folder / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    for name, head in (("other", embedding + 1.0), ("same", embedding.clone())):
+        copy = tmp_path / name
+        copy.mkdir()
+        (copy / "config.json").write_text((folder / "config.json").read_text())
+        safetensors_torch.save_file({**tensors, "lm_head.weight": head}, copy / "model.safetensors")
+        result = _cli("profile", f"hf:{copy}", "--config", f"seq={SEQ}", "--repeat", "1", "--device", "cpu",
+                      "-o", str(tmp_path / f"{name}.yaml"))
+        if name == "other":
+            _one_line_exit_2(result, f"{copy / 'config.json'}: tie_word_embeddings", "lm_head.weight of other values")
+        else:
+            assert result.exit_code == 0, result.output
+
+
 def test_the_files_read_are_those_transformers_reads(saved, tmp_path):
     """A sharded checkpoint's index names its files: a stray copy beside them (an older export)
     is not read, as transformers' from_pretrained does not read it; without an index, a tensor
@@ -524,7 +592,7 @@ def test_export_hf_writes_the_trained_weights_as_transformers_reads_them(saved, 
         out = tmp_path / family
         dtype = "bfloat16" if family == "gemma2" else None  # else the model folder's (float32)
         extra = {"tokenizer_config.json": '{"model_max_length": 7}', "generation_config.json": '{"eos_token_id": [2, 7]}',
-                 "model.gguf": "stale weights in another format"}
+                 "tekken.json": '{"config": "Mistral\'s tokenizer"}', "model.gguf": "stale weights in another format"}
         given_config = (folder / "config.json").read_text()
         if family == "mixtral":  # training turns the routers' loss off; the exported config keeps it on
             (folder / "config.json").write_text(json.dumps({**json.loads(given_config), "output_router_logits": True}))
@@ -556,6 +624,7 @@ def test_export_hf_writes_the_trained_weights_as_transformers_reads_them(saved, 
             assert {k: given.get_slice(k).get_shape() for k in given.keys()} == \
                    {k: written.get_slice(k).get_shape() for k in written.keys()}, family
         assert json.loads((out / "tokenizer_config.json").read_text()) == {"model_max_length": 7}
+        assert (out / "tekken.json").read_text() == extra["tekken.json"]
         exported = _hf_class(hf_model.config).from_pretrained(out)
         assert exported.dtype == (torch.bfloat16 if dtype else torch.float32)
         _, want_state = _hf_sgd_step(hf_model, load_model_file(f"hf:{folder}", {"seq": SEQ}), plan)
@@ -592,7 +661,7 @@ def test_export_hf_bad_input_exits_2_in_one_line_and_writes_nothing(saved, octor
     assert _cli("baseline", str(eps), "--gpus", "4", "--schedule", "1f1b", "--microbatches", "4",
                 "-o", str(tmp_path / "eps-plan.yaml")).exit_code == 0
     _one_line_exit_2(_cli("export", str(tmp_path / "eps-plan.yaml"), "--format", "hf", "--checkpoint",
-                          str(checkpoints["qwen3"]), "-o", str(out)), "model_config", "rms_norm_eps")
+                          str(checkpoints["qwen3"]), "-o", str(out)), "resolved_config", "rms_norm_eps=1e-06 (now 0.1)")
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     _one_line_exit_2(_cli(*("export", str(qwen3), "--format", "hf", "-o"), str(tmp_path / "dangling"), "--checkpoint",
                           str(checkpoints["qwen3"])), "-o", "link to nothing")

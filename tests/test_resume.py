@@ -172,10 +172,11 @@ def one_rank(tmp_path_factory) -> tuple[Path, Path]:
     """A one-process plan of the 6-layer model with a checkpoint at step 2, and one of 8 layers."""
     folder = tmp_path_factory.mktemp("bad")
     jobs = Jobs(folder, 1)
-    for name, depth, tie, seq in (("d6", 6, False, 5), ("d8", 8, False, 5), ("d6-tied", 6, True, 5),
-                                  ("d6-seq7", 6, False, 7)):
+    for name, depth, tie, seq, dropout in (("d6", 6, False, 5, 0.0), ("d8", 8, False, 5, 0.0), ("d6-tied", 6, True, 5, 0.0),
+                                           ("d6-seq7", 6, False, 7, 0.0), ("d6-dropout", 6, False, 5, 0.5)):
         plan = h.baseline_plan("1f1b", jobs.model, {"vocab": 11, "hidden": 8, "depth": depth, "seq": seq, "tie": tie,
-                                                      "poison": -1}, folder / name, gpus=1, pp=1, microbatches=2)
+                                                      "poison": -1, "dropout": dropout}, folder / name, gpus=1, pp=1,
+                               microbatches=2)
         save_plan(plan, folder / f"{name}.yaml")
     done = _octorun(str(folder / "d6.yaml"), "--steps", "2", "--save", str(folder / "ck"), cwd=h.ROOT)
     assert done.returncode == 0, done.stderr
@@ -225,7 +226,7 @@ def test_an_output_the_filesystem_stops_taking_is_one_line(one_rank, output, tmp
 
 
 @pytest.mark.parametrize("case", ["missing", "partial", "other-model", "missing-shard", "auto-without-save",
-                                  "other-seed", "other-data", "other-seq", "tied-head", "init-missing", "init-other-model",
+                                  "other-seed", "other-data", "other-seq", "tied-head", "other-config", "init-missing", "init-other-model",
                                   "init-tied-head", "init-save-beside", "init-save-beside-resumed", "save-is-metrics"])
 def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     folder, good = one_rank
@@ -252,8 +253,10 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
         resume = str(partial)
     elif case == "other-model":
         plan = folder / "d8.yaml"
-    elif case == "tied-head":  # the same layers with the head tied to the embedding: its own weight is left
+    elif case == "tied-head":  # the same layers with the head tied to the embedding: another config
         plan = folder / "d6-tied.yaml"
+    elif case == "other-config":  # the same shapes, another model: resumed without a word before
+        plan = folder / "d6-dropout.yaml"
     elif case == "missing-shard":
         broken = tmp_path / "step_00000002"
         broken.mkdir()
@@ -282,7 +285,10 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
                 "other-data": "trained on a file of 3000 uint16 tokens",
                 "other-seq": "tokens_per_sample: the checkpoint read its token file in windows of 6 tokens, this run's "
                              "model reads 8",
-                "tied-head": "model/layers.5.out.weight: is in the checkpoint but no layer of this model takes it",
+                "tied-head": "resolved_config: the checkpoint's model was trained with tie=False (now True)",
+                "other-config": "resolved_config: the checkpoint's model was trained with dropout=0.0 (now 0.5) (resume "
+                                "under a plan of the model config the checkpoint was trained with, or take its weights "
+                                "alone with --init-from)",
                 "init-missing": "nothing-here: --init-from: does not exist", "init-other-model": "layers",
                 "init-tied-head": "no layer of this model takes it",
                 "init-save-beside": "--save: holds the --init-from checkpoint",

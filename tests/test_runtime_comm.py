@@ -32,7 +32,7 @@ def _transport(monkeypatch, works: list[_Work], *, done: bool = True) -> Transpo
         return works[-1]
 
     monkeypatch.setattr(comm.dist, "isend", isend)
-    return Transport(outgoing={1: Channel(0, 1, None, None)}, incoming={}, device=torch.device("cpu"), rounds=(False,), timeout_s=5)
+    return Transport(outgoing={1: Channel(0, 1, None, None)}, incoming={}, device=torch.device("cpu"), rounds=lambda: [False], timeout_s=5)
 
 
 def test_sends_are_let_go_one_op_later_not_at_the_end_of_the_step(monkeypatch):
@@ -76,12 +76,12 @@ def _late_exchange(rank: int, port: int, folder: str) -> None:
     outcome = "?"
     try:
         if rank == 0:
-            transport = Transport(outgoing={1: channel}, incoming={}, device=torch.device("cpu"), rounds=(False,), timeout_s=30)
+            transport = Transport(outgoing={1: channel}, incoming={}, device=torch.device("cpu"), rounds=lambda: [False], timeout_s=30)
             time.sleep(LATE_S)
             transport.send(message, (torch.arange(4.0),), dst=1, step=0)
             outcome = str(transport.wait_sends(deadline=time.monotonic() + 30))
         else:
-            transport = Transport(outgoing={}, incoming={0: channel}, device=torch.device("cpu"), rounds=(False,), timeout_s=30)
+            transport = Transport(outgoing={}, incoming={0: channel}, device=torch.device("cpu"), rounds=lambda: [False], timeout_s=30)
             transport.start()  # its thread posts the receive now, LATE_S before the send
             (value,), _ = transport.mailbox.take(0, message, src=0, deadline=time.monotonic() + 30)
             outcome = str(value.tolist())

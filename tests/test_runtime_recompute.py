@@ -163,6 +163,34 @@ def test_recompute_restores_the_rng_for_dropout(last, split, some):
     assert torch.equal(after_r, after)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["I+W", "B"])
+@pytest.mark.parametrize("some", [None, 1], ids=["all layers", "the first layer"])
+def test_a_recomputed_forward_leaves_batchnorms_statistics_as_f_left_them(split, some):
+    """BatchNorm updates its running statistics (and its count) in every training forward: a
+    recomputing stage's rebuild ran it a second time, so they moved twice a microbatch and an
+    evaluation (which reads them) depended on the plan. They are now as without recompute."""
+    def run(recompute: bool):
+        torch.manual_seed(3)
+        layers = [nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8)), nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 3))]
+        stage = StageExecutor(layers, first=False, last=True, loss_fn=lambda out, target: ((out - target) ** 2).mean(),
+                              loss_scale=0.5, recompute=recompute, recompute_layers=some)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(2):  # two microbatches
+            _, tape = stage.forward(torch.randn(5, 6, generator=generator), torch.randn(5, 3, generator=generator))
+            if split:
+                stage.backward_input(tape, None)
+                stage.backward_weight(tape)
+            else:
+                stage.backward(tape, None)
+        return {f"{i}.{k}": v.clone() for i, layer in enumerate(layers) for k, v in layer.state_dict().items()}, \
+            [p.grad.clone() for layer in layers for p in layer.parameters()]
+
+    (plain, plain_grads), (again, again_grads) = run(False), run(True)
+    assert any(k.endswith("num_batches_tracked") and int(v) == 2 for k, v in again.items())
+    assert all(torch.equal(plain[k], again[k]) for k in plain)
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, again_grads))
+
+
 def test_recompute_without_rng_restore_would_differ():
     """The check above has teeth: re-running the forward with a different RNG state changes the grads."""
     grad_input = _dropout_run(recompute=False, last=True, split=False)[2]

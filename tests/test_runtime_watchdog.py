@@ -345,24 +345,27 @@ def test_a_lost_store_names_its_host(monkeypatch):
                        "(10.1.2.3, the first node's launcher or rank 0) is gone or unreachable")
 
 
+class _Store:
+    """The job's rendezvous store, as far as failing reads and writes it."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+
+    def check(self, keys):
+        return all(key in self.values for key in keys)
+
+    def get(self, key):
+        return self.values[key]
+
+    def set(self, key, value):
+        self.values[key] = value.encode()
+
+
 def test_a_rank_that_finds_bad_input_after_a_peer_spoke_still_exits_2(monkeypatch):
     """A save that cannot be written is bad input on every rank: the rank whose failure reached
     the store second said so under the first one's words, and exited 1 (torchrun then named
     that rank's 1 as the job's cause)."""
     from octorun.watchdog import ABORT_KEY, EXIT_BAD_INPUT, Watchdog
-
-    class Store:  # the job's rendezvous store, as far as failing reads and writes it
-        def __init__(self):
-            self.values: dict[str, bytes] = {}
-
-        def check(self, keys):
-            return all(key in self.values for key in keys)
-
-        def get(self, key):
-            return self.values[key]
-
-        def set(self, key, value):
-            self.values[key] = value.encode()
 
     exits = []
 
@@ -370,10 +373,35 @@ def test_a_rank_that_finds_bad_input_after_a_peer_spoke_still_exits_2(monkeypatc
         exits.append((problem, code))
         raise SystemExit(code)
 
-    dog = Watchdog(global_rank=1, timeout_s=5.0, store=Store(), world=2)
+    dog = Watchdog(global_rank=1, timeout_s=5.0, store=_Store(), world=2)
     dog.store.set(dog.key(ABORT_KEY), "rank 0 failed: ck: --save cannot be written: File too large")
     monkeypatch.setattr(dog, "_exit", leave)
     with pytest.raises(SystemExit):
         dog.fail("ck: --save cannot be written: File too large", code=EXIT_BAD_INPUT)
     assert exits == [("stopping because rank 0 failed: ck: --save cannot be written: File too large; this rank then "
                       "saw: ck: --save cannot be written: File too large", EXIT_BAD_INPUT)]
+
+
+def test_peers_of_a_rank_that_found_bad_input_exit_2_with_it(monkeypatch):
+    """A rank that finds bad input once the job runs (a model folder's missing tensor, as it
+    builds its stage) exits 2, and its status goes to the store before its words: the peers
+    that hear of it exit 2 too (they exited 1, and torchrun named their 1 as the job's cause).
+    A failure's peers exit 1, and a record without a status (an older peer's) reads as one."""
+    from octorun.watchdog import ABORT_CODE_KEY, EXIT_BAD_INPUT, EXIT_FAILURE, Watchdog
+
+    store = _Store()
+    failing, peer = (Watchdog(global_rank=rank, timeout_s=5.0, store=store, world=2) for rank in (2, 0))
+    monkeypatch.setattr(failing, "_exit", lambda problem, *, code=1: (_ for _ in ()).throw(SystemExit(code)))
+    assert peer.abort_seen() is None
+    with pytest.raises(SystemExit):
+        failing.fail("hf:llama: model.layers.2.mlp.up_proj.weight: missing", code=EXIT_BAD_INPUT)
+    assert peer.abort_seen() == ("rank 2 failed: hf:llama: model.layers.2.mlp.up_proj.weight: missing", EXIT_BAD_INPUT)
+    store.values = {}
+    crashing = Watchdog(global_rank=1, timeout_s=5.0, store=store, world=2)
+    monkeypatch.setattr(crashing, "_exit", lambda problem, *, code=1: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(crashing, "_diagnosis", lambda problem, *, waited: "")
+    with pytest.raises(SystemExit):
+        crashing.fail("op 1F0 of step 0 raised RuntimeError: boom")
+    assert peer.abort_seen()[1] == EXIT_FAILURE
+    del store.values[peer.key(ABORT_CODE_KEY)]
+    assert peer.abort_seen()[1] == EXIT_FAILURE

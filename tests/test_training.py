@@ -103,6 +103,11 @@ def jobs(tmp_path_factory) -> Jobs:
     # after the last step only, reads every whole global batch of 16 (2) and drops nothing
     batch.add("eval-dropout-zbv-pp4", "zbv", pp=4, config={"depth": 10, "dropout": 0.5}, microbatches=8, steps=2,
               eval_data_path=held_out)
+    # dropout that draws in eval mode too: evaluations after every step leave the training's
+    # random draws as they were
+    draws = {"dropout": 0.5, "draws_in_eval": True}
+    batch.add("draws-pp4", "1f1b", pp=4, config=draws, steps=3)
+    batch.add("draws-eval-pp4", "1f1b", pp=4, config=draws, steps=3, eval_data_path=held_out, eval_every=1, eval_batches=1)
     batch.add("adamw-clip-pp2dp2", "1f1b", pp=2, config={})
     batch.add("adamw-clip-zbv-pp2dp2", "zbv", pp=2, config={})
     batch.add("unused-pp2dp2", "1f1b", pp=2, config={"unused": True})
@@ -334,3 +339,41 @@ def test_held_out_files_that_cannot_serve_an_evaluation_are_refused_before_launc
                                  "(39 windows) (give at most 4, or a longer --eval-data)")
     assert prepare(RunConfig(plan_path=str(plan), eval_data_path=str(held_out))).evaluation.batches == 4
     assert prepare(RunConfig(plan_path=str(plan), eval_data_path=str(held_out), eval_batches=4)).evaluation.batches == 4
+
+
+def test_an_id_beyond_the_vocab_anywhere_an_evaluation_reads_is_refused_before_launch(tmp_path, monkeypatch):
+    """The held-out windows are known before the launch: an id beyond the vocab past the prefix
+    checked as a token file opens (here 16 tokens) is refused then, not after the training's
+    steps at the first evaluation (which failed the job and lost that step's checkpoint)."""
+    import numpy as np
+
+    from octoplan.errors import InputError
+    from octoplan.plan import save_plan
+    from octorun import data as data_module
+    from octorun.runtime import RunConfig, prepare
+    from training_helpers import MODEL
+
+    monkeypatch.setattr(data_module, "VOCAB_CHECK_TOKENS", 16)
+    model = tmp_path / "train_model.py"
+    model.write_text(MODEL)
+    config = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False}
+    plan = tmp_path / "plan.yaml"
+    save_plan(h.baseline_plan("1f1b", model, config, tmp_path, gpus=2, pp=2, microbatches=4), plan)
+    held_out = write_tokens(tmp_path / "held_out.bin", count=200)
+    ids = np.fromfile(held_out, dtype="<u2")
+    ids[150] = 99
+    ids.tofile(held_out)
+    with pytest.raises(InputError) as caught:
+        prepare(RunConfig(plan_path=str(plan), eval_data_path=str(held_out)))
+    assert (caught.value.file, caught.value.field) == (str(held_out), "token 150")
+
+
+@pytest.mark.slow
+def test_an_evaluation_leaves_the_trainings_random_draws_alone(jobs):
+    """A block whose dropout draws in eval mode (F.dropout): the evaluation after every step
+    runs under a forked generator, so the training after it draws what it would have drawn
+    without it (it drew other masks, and the losses moved)."""
+    plain, _ = jobs.results("draws-pp4")
+    evaluated, _ = jobs.results("draws-eval-pp4")
+    assert [m.loss for m in evaluated] == [m.loss for m in plain]
+    assert all(m.eval_loss is not None for m in evaluated)

@@ -20,14 +20,16 @@ TOL = 1e-5
 # multiplies its output by NaN (a forward that goes non-finite in a known stage), and whose
 # blocks may hold a parameter the forward never uses (``unused``: it never gets a gradient), and
 # whose blocks may drop out (``dropout``: training then draws from each rank's generator) or
-# normalize with batch statistics (``batchnorm``: running means and variances, buffers).
+# normalize with batch statistics (``batchnorm``: running means and variances, buffers), and
+# whose dropout may draw in eval mode too (``draws_in_eval``, as F.dropout's default does).
 MODEL = '''
 import torch
 from torch import nn
 
-CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False, "dropout": 0.0, "batchnorm": False}
+CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False, "dropout": 0.0, "batchnorm": False,
+          "draws_in_eval": False}
 
-def num_layers(vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm):
+def num_layers(vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval):
     return depth
 
 class Embed(nn.Module):
@@ -45,8 +47,9 @@ class BatchNorm(nn.Module):  # over every token of the microbatch: running stati
         return self.bn(h.reshape(-1, h.shape[-1])).reshape(h.shape)
 
 class Block(nn.Module):
-    def __init__(self, hidden, poisoned, unused, dropout, batchnorm):
+    def __init__(self, hidden, poisoned, unused, dropout, batchnorm, draws_in_eval):
         super().__init__()
+        self.draws_in_eval = draws_in_eval
         self.norm = BatchNorm(hidden) if batchnorm else nn.LayerNorm(hidden)
         self.lin = nn.Linear(hidden, hidden)
         self.drop = nn.Dropout(dropout)
@@ -54,7 +57,9 @@ class Block(nn.Module):
         if unused:
             self.spare = nn.Parameter(torch.ones(hidden, hidden))  # a matrix: weight decay would act on it
     def forward(self, h):
-        out = h + self.drop(torch.tanh(self.lin(self.norm(h))))
+        value = torch.tanh(self.lin(self.norm(h)))
+        # F.dropout's training flag defaults to True: it draws in eval mode too
+        out = h + (nn.functional.dropout(value, self.drop.p) if self.draws_in_eval else self.drop(value))
         return out * float("nan") if self.poisoned else out
 
 class Head(nn.Module):
@@ -64,17 +69,17 @@ class Head(nn.Module):
     def forward(self, h):
         return self.out(h)
 
-def build_layer(index, vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm):
+def build_layer(index, vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval):
     if index == 0:
         return Embed(vocab, hidden)
     if index == depth - 1:
         return Head(vocab, hidden)
-    return Block(hidden, index == poison, unused, dropout, batchnorm)
+    return Block(hidden, index == poison, unused, dropout, batchnorm, draws_in_eval)
 
-def tied_parameters(vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm):
+def tied_parameters(vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval):
     return [[(0, "emb.weight"), (depth - 1, "out.weight")]] if tie else []
 
-def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm):
+def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval):
     ids = torch.randint(0, vocab, (mbs, seq + 1), generator=generator)
     return ids[:, :-1], ids[:, 1:]
 

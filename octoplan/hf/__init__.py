@@ -89,6 +89,10 @@ def load_hf_model(source: str, config: dict[str, Any] | None = None, *, seed: in
     merged = {"seq": DEFAULT_SEQ, **(config or {})}
     chain = chain_for(source, merged)  # every check happens here, once
     folder = str(_folder(source).resolve())
+    if merged.get("weights", "auto") == "auto":
+        checkpoint = _checkpoint(source, folder)  # which weight files it holds: a folder it cannot read is refused now
+        if checkpoint is not None:
+            _check_tied_as_stored(source, chain, checkpoint)
     return ModelFile(path=source, module=_contract(source, folder, chain), config=merged, seed=seed)
 
 
@@ -143,6 +147,12 @@ def _contract(source: str, folder: str, chain: Any) -> SimpleNamespace:
     def tokens_per_sample(**config: Any) -> int:
         return resolved(config).seq + 1
 
+    def resolved_config(**config: Any) -> dict[str, Any]:
+        # transformers' whole config as the --config overrides leave it (``layers=2`` and
+        # ``num_hidden_layers=2`` alike), without the fields of its bookkeeping
+        whole = resolved(config).config.to_dict()
+        return {key: value for key, value in whole.items() if not key.startswith("_") and key != "transformers_version"}
+
     def vocab_size(**config: Any) -> int:
         return resolved(config).vocab_size
 
@@ -161,7 +171,7 @@ def _contract(source: str, folder: str, chain: Any) -> SimpleNamespace:
         NAME=f"hf-{Path(folder).name}", num_layers=num_layers, build_layer=build_layer, sample_batch=sample_batch,
         loss_fn=loss_fn, layer_kind=layer_kind, layer_name=layer_name, tied_parameters=tied_parameters,
         tokens_per_sample=tokens_per_sample, vocab_size=vocab_size, batch_from_tokens=batch_from_tokens,
-        __name__=f"hf:{folder}",
+        resolved_config=resolved_config, __name__=f"hf:{folder}",
     )
 
 
@@ -193,6 +203,24 @@ def _batch(model: Any, tokens: Any, generator: Any) -> tuple[Any, Any]:
     placeholders = torch.full((count, patches), model.config.image_token_id, dtype=torch.long)
     ignored = torch.full((count, patches), -100, dtype=torch.long)  # no loss on image positions
     return (pixels, torch.cat([placeholders, inputs], 1)), torch.cat([ignored, targets], 1)
+
+
+def _check_tied_as_stored(source: str, model: Any, checkpoint: Any) -> None:
+    """config.json ties the head to the embedding (``tie_word_embeddings``), yet the folder
+    stores a head of other values: transformers then keeps the two apart (with a warning), and
+    OctoPipe, which ties by the config, would train another model than ``from_pretrained`` loads
+    and export without the stored head. Refused; a stored copy of equal values is taken."""
+    import torch
+
+    for target, tied_to in sorted(getattr(model.meta, "all_tied_weights_keys", {}).items()):
+        stored, kept = _checkpoint_key(model, checkpoint, target), _checkpoint_key(model, checkpoint, tied_to)
+        if stored is None or kept is None:
+            continue
+        if not torch.equal(checkpoint.slices[stored][...], checkpoint.slices[kept][...]):
+            raise InputError(f"{_folder(source) / 'config.json'}", "tie_word_embeddings",
+                             f"ties {target} to {tied_to}, but the folder's safetensors hold a {stored} of other values "
+                             "(transformers keeps the two apart)",
+                             f"set tie_word_embeddings to false to train them apart, or remove {stored} from the folder")
 
 
 def _checkpoint_key(model: Any, checkpoint: Any, name: str) -> str | None:

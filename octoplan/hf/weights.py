@@ -22,6 +22,10 @@ __all__ = ["Checkpoint"]
 
 INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> file
 SINGLE_FILE = "model.safetensors"
+# the other formats transformers' from_pretrained reads, which OctoPipe does not: a folder of only
+# these would otherwise train from a seeded init without a word (the weights silently dropped)
+UNREAD_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack",
+                  "model.ckpt.index")
 
 
 def _indexed_files(index: Path) -> list[Path]:
@@ -92,14 +96,23 @@ class Checkpoint:
     def of_folder(cls, source: str, folder: Path) -> "Checkpoint | None":
         """The files transformers' ``from_pretrained`` reads: ``model.safetensors``, else those
         ``model.safetensors.index.json`` names; a folder with neither, every ``*.safetensors``
-        in it (None where there is none)."""
+        in it (None where there is none). :class:`InputError` for a folder whose weights are in
+        another format only (``pytorch_model.bin``): reading none of them is not an answer."""
         if (folder / SINGLE_FILE).is_file():
             return cls(source, [folder / SINGLE_FILE])
         index = folder / INDEX_FILE
         if index.is_file():
             return cls(source, _indexed_files(index))
         files = sorted(folder.glob("*.safetensors"))
-        return cls(source, files) if files else None
+        if files:
+            return cls(source, files)
+        unread = [name for name in UNREAD_WEIGHTS if (folder / name).exists()]
+        if unread:
+            raise InputError(str(folder / unread[0]), None, "holds the model's weights in a format OctoPipe does not "
+                             "read (it reads safetensors files), so training would start from a seeded init",
+                             "convert them: AutoModelForCausalLM.from_pretrained(FOLDER).save_pretrained(FOLDER) writes "
+                             "model.safetensors; or give --config weights=none for the seeded init")
+        return None
 
     def _count(self, nbytes: int) -> None:
         with self._lock:
