@@ -207,8 +207,8 @@ class _Probe:
             restore(interpreter, path)
             probe.restore_s.append(time.perf_counter() - began)
 
-        def counted_send(transport, message, tensors, *, dst, step):
-            send(transport, message, tensors, dst=dst, step=step)
+        def counted_send(transport, message, tensors, **named):
+            send(transport, message, tensors, **named)
             probe.sent += 1
 
         def counted_put(mailbox, *args, **kwargs):
