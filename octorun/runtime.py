@@ -307,7 +307,7 @@ def prepare(config: RunConfig) -> Prepared:
         if resume_from is not None:
             checkpoint.check_compatible(checkpoint.read_meta(resume_from),
                                         {**model_identity(model, num_layers), "optimizer": config.optimizer,
-                                         "resolved_config": None if replayed is not None else model.resolved_config(),
+                                         "resolved_config": _recorded_config(model, config),
                                          **_data_identity(config.seed, data)},
                                         resume_from)
     if config.save_dir is not None:
@@ -403,6 +403,12 @@ def model_identity(model: ModelFile, num_layers: int) -> dict[str, Any]:
     return {"model": model.name, "num_layers": num_layers}
 
 
+
+
+def _recorded_config(model: ModelFile, config: RunConfig) -> dict[str, Any] | None:
+    """The model config a checkpoint records and a resume compares (ModelFile.resolved_config);
+    None under --replay, whose model is the profile's and whose config is the run's scales."""
+    return None if config.replay_time_scale is not None else model.resolved_config()
 
 
 def _data_identity(seed: int, data: Any) -> dict[str, Any]:
@@ -976,7 +982,7 @@ class _Interpreter:
         }
 
     def _run_program(self, instrs: Sequence[Instr], what: str, local: int, state: _StepState,
-                     reductions: list | None) -> None:
+                     reductions: list) -> None:
         """Run ``instrs`` (a rank program's, or its forward-only one's) as round ``local`` of the
         transport, then wait for its sends; ``what`` names the round in every activity and error
         ("step 3"). A training step's all-reduces start into ``reductions`` as their stages' last
@@ -1004,7 +1010,7 @@ class _Interpreter:
                     self.transport.send(message, outgoing, dst=self._global(message.dst), step=local, what=what)
                 except (TypeError, ValueError) as exc:  # a dtype gloo cannot send, a shape that changed
                     self.watchdog.fail(f"op {op} of {what}: {exc}")
-            if instr.allreduce_stage is not None and self.groups.dp_group is not None and reductions is not None:
+            if instr.allreduce_stage is not None and self.groups.dp_group is not None:
                 started_reduction = self._start_allreduce(instr.allreduce_stage)
                 if started_reduction is not None:
                     reductions.append(started_reduction)
@@ -1040,7 +1046,7 @@ class _Interpreter:
             self._feed(state, what, lambda mb: self.evaluation.microbatch(
                 batch=batch, replica=self.dp_rank, mb=mb, microbatches=self.plan.microbatches,
                 microbatch_size=self.mbs))
-            self._run_program(self.eval_program.instrs, what, self._next_round(), state, None)
+            self._run_program(self.eval_program.instrs, what, self._next_round(), state, [])  # (no all-reduce in it)
             losses += state.losses
 
     def _sync_buffers(self, step: int) -> None:
@@ -1356,8 +1362,7 @@ class _Interpreter:
         meta = {
             **model_identity(self.model, self.plan.stages[-1].end),
             "model_config": dict(self.plan.model.config),  # export --format hf writes config.json from it
-            # what a resume and an export compare; a replay's model is the profile's, its config the run's scales
-            "resolved_config": None if self.config.replay_time_scale is not None else self.model.resolved_config(),
+            "resolved_config": _recorded_config(self.model, self.config),  # what a resume and an export compare
             "step": step + 1,  # the next step to run
             "consumed_samples": self.consumed_samples + (step + 1 - self.first_step) * self.global_batch,
             "skipped_steps": self.skipped_steps,

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -138,9 +138,7 @@ class StageExecutor:
         self.params = [[p for p in layer.parameters() if p.requires_grad] for layer in self.layers]
         # the state the recomputed layers' forward updates (BatchNorm's running statistics): F
         # updated it once, so the rebuild leaves it as F left it
-        self._recomputed_slots = [(module, name) for layer in self.layers[:self.recompute_layers]
-                                  for module in layer.modules() for name, buffer in module._buffers.items()
-                                  if buffer is not None and name not in module._non_persistent_buffers_set]
+        self._recomputed_slots = list(persistent_buffer_slots(self.layers[:self.recompute_layers]))
         # CUDA devices of the stage's weights, whose RNG state a recomputed forward restores
         self._cuda_devices = {
             _device_index(t) for layer in self.layers for t in (*layer.parameters(), *layer.buffers()) if t.is_cuda
@@ -295,15 +293,19 @@ class StageExecutor:
         return [root for root, _ in pairs], [g for _, g in pairs]
 
 
-def persistent_buffers(layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
-    """The buffers of ``layers`` that their state_dicts hold, each once, in layer order. A
+def persistent_buffer_slots(layers: Sequence[torch.nn.Module]) -> Iterator[tuple[torch.nn.Module, str]]:
+    """(module, name) of each buffer of ``layers`` that their state_dicts hold, in layer order. A
     non-persistent buffer (a rotary table, a mask) is derived from the config, not learned."""
-    found: dict[int, torch.Tensor] = {}
     for layer in layers:
         for module in layer.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None and name not in module._non_persistent_buffers_set:
-                    found.setdefault(id(buffer), buffer)
+                    yield module, name
+
+
+def persistent_buffers(layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """The tensors of :func:`persistent_buffer_slots`, each once."""
+    found = {id(module._buffers[name]): module._buffers[name] for module, name in persistent_buffer_slots(layers)}
     return list(found.values())
 
 
