@@ -1243,16 +1243,26 @@ class _Interpreter:
     # -- the run ------------------------------------------------------------------------------
     def train(self) -> tuple[StepMetrics, ...]:
         steps = range(self.first_step, self.config.steps)
-        rounds = (lambda: (False for _ in steps)) if self.evaluation is None else (lambda: self.evaluation.rounds(steps))
+        # a resume at --steps or beyond, with --eval-data, evaluates the checkpoint's weights and
+        # trains nothing (Megatron-LM's --skip-train)
+        evaluating_only = not steps and self.evaluation is not None
+        if evaluating_only:
+            rounds = lambda: (True for _ in range(self.evaluation.batches))  # noqa: E731
+        elif self.evaluation is None:
+            rounds = lambda: (False for _ in steps)  # noqa: E731
+        else:
+            rounds = lambda: self.evaluation.rounds(steps)  # noqa: E731
         self.transport = Transport(outgoing=self.groups.outgoing, incoming=self.groups.incoming, device=self.device,
                                    rounds=rounds, timeout_s=self.config.timeout_s,
                                    static_shapes=not self.config.dynamic_shapes, meter=self.meter)
         self.transport.start()
         metrics: list[StepMetrics] = []
-        metrics_file = None
+        metrics_file, held_back = None, []
         if self.config.metrics_path and self.me == 0:
             earlier = _earlier_metrics(self.config.metrics_path, self.first_step)  # read before the file is begun anew
             metrics_file = StreamedOutput(self.config.metrics_path, flag="--metrics")
+            if evaluating_only:  # the last line gets the evaluation (_evaluate_checkpoint)
+                earlier, held_back = earlier[:-1], earlier[-1:]
             for line in earlier:
                 metrics_file.write_line(line)
         try:
@@ -1296,12 +1306,46 @@ class _Interpreter:
                             " (no --save: nothing was saved)"
                         log.warning("stopped after step %d on SIGTERM%s", step, saved)
                     break
+            if evaluating_only:
+                self._evaluate_checkpoint(metrics_file, held_back)
             if metrics_file:
                 metrics_file.commit()
         finally:
             if metrics_file:
                 metrics_file.close()
         return tuple(metrics)
+
+    def _evaluate_checkpoint(self, metrics_file: StreamedOutput | None, held_back: list[str]) -> None:
+        """The evaluation of a resume that has no step to train: of the weights the checkpoint's
+        last step left. Its loss joins that step's line of ``--metrics`` (``held_back``, the
+        file's last line, replacing an earlier evaluation's), or is a line of its own where the
+        file has none for the step."""
+        step = self.first_step - 1
+        try:
+            record = self.evaluate(step)
+        except BaseException:  # the metrics file loses nothing
+            for line in held_back if metrics_file else ():
+                metrics_file.write_line(line)
+            raise
+        self.watchdog.doing(f"gathering the evaluation after step {step}")
+        gathered = [None] * self.world if self.me == 0 else None
+        try:
+            dist.gather_object(record, gathered, dst=0, group=self.groups.control)
+        except Exception as exc:
+            self.watchdog.fail_on(f"gathering the evaluation after step {step}", exc)
+        if self.me != 0:
+            return
+        eval_loss, eval_ms = _evaluation_summary(gathered)
+        if self.config.print_steps:
+            print(f"evaluation after step {step}: eval loss {eval_loss:.6f} ({eval_ms:.0f} ms)", flush=True)
+        if metrics_file is None:
+            return
+        line = json.loads(held_back[-1]) if held_back else {}
+        if line.get("step") != step:  # (a file without the step's line)
+            for earlier in held_back:
+                metrics_file.write_line(earlier)
+            line = {"step": step}
+        metrics_file.write_line(json.dumps({**line, "eval_loss": eval_loss, "eval_ms": round(eval_ms, 4)}))
 
     # -- checkpoints (octorun.checkpoint) --------------------------------------------------------
     def _save_due(self, step: int) -> bool:
@@ -1426,9 +1470,8 @@ class _Interpreter:
         mine = records[0]  # every rank took the same update: the same norm, lr and count
         metrics = replace(metrics, lr=mine["lr"], grad_norm=mine["grad_norm"], skipped_steps=mine["skipped_steps"])
         if "eval_loss_count" in mine:  # every process evaluated, or none
-            count = sum(r["eval_loss_count"] for r in records)
-            metrics = replace(metrics, eval_loss=sum(r["eval_loss_sum"] for r in records) / max(count, 1),
-                              eval_ms=max(r["eval_s"] for r in records) * 1e3)
+            eval_loss, eval_ms = _evaluation_summary(records)
+            metrics = replace(metrics, eval_loss=eval_loss, eval_ms=eval_ms)
         if self.meter is None:
             return metrics
         measured, predicted_peaks = {}, {}
@@ -1445,6 +1488,13 @@ class _Interpreter:
 
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
         return {i: {k: v.detach().cpu().clone() for k, v in layer.state_dict().items()} for i, layer in self.layers.items()}
+
+
+def _evaluation_summary(records: list[dict[str, Any]]) -> tuple[float, float]:
+    """An evaluation's loss (the mean over every last stage's microbatches) and its time on the
+    slowest process, in ms, from every process's record."""
+    count = sum(r["eval_loss_count"] for r in records)
+    return sum(r["eval_loss_sum"] for r in records) / max(count, 1), max(r["eval_s"] for r in records) * 1e3
 
 
 def _used_flags(params: Sequence[torch.nn.Parameter], like: torch.Tensor) -> torch.Tensor:
@@ -1629,8 +1679,9 @@ def run(config: RunConfig) -> RunResult:
             # a restart script rerun after the job ended: not an error, but nothing is measured,
             # so a --trace asked for is not written (an old one stays as it was)
             untraced = f"; --trace {config.trace_path} is not written" if config.trace_path else ""
-            log.warning("the checkpoint is at step %d, not below --steps %d: nothing to train%s", interpreter.first_step,
-                        config.steps, untraced)
+            evaluated = "; evaluating its weights on --eval-data" if prepared.evaluation is not None else ""
+            log.warning("the checkpoint is at step %d, not below --steps %d: nothing to train%s%s", interpreter.first_step,
+                        config.steps, evaluated, untraced)
     if prepared.init_from is not None:  # set only where nothing was resumed (prepare)
         try:
             checkpoint.agree(int(checkpoint.read_meta(prepared.init_from)["step"]), group=groups.control,

@@ -323,3 +323,26 @@ def test_changed_settings_name_each_change_that_the_checkpoint_recorded():
            "betas": [0.9, 0.95], "grad_clip": 1.0}  # grad_clip: a checkpoint from before it was recorded
     assert changed_settings(saved, now) == ["precision fp32 -> bf16", "lr_schedule.steps 6 -> 20"]
     assert changed_settings(saved, saved) == []
+
+
+def test_a_resume_with_nothing_to_train_and_eval_data_evaluates_its_weights(one_rank, tmp_path):
+    """A run evaluated after its last step, then its checkpoint resumed at --steps with the same
+    --eval-data (Megatron-LM's --skip-train): no step, one evaluation of the same weights on the
+    same batches, the same loss to the bit; the metrics keep their lines, the last one with the
+    new evaluation's figures."""
+    folder, _ = one_rank
+    held, metrics, ck = write_tokens(tmp_path / "held.bin", count=200, seed=6), tmp_path / "m.jsonl", tmp_path / "ck"
+    args = (str(folder / "d6.yaml"), "--steps", "2", "--eval-data", str(held), "--metrics", str(metrics))
+    done = _octorun(*args, "--save", str(ck), cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    trained = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [("eval_loss" in line) for line in trained] == [False, True]
+    done = _octorun(*args, "--resume", str(ck), cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "the checkpoint is at step 2, not below --steps 2: nothing to train; evaluating its weights on --eval-data" \
+        in done.stderr
+    assert f"evaluation after step 1: eval loss {trained[1]['eval_loss']:.6f}" in done.stdout
+    assert not [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    evaluated = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert evaluated[0] == trained[0]
+    assert {**evaluated[1], "eval_ms": None} == {**trained[1], "eval_ms": None}

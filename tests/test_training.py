@@ -8,6 +8,8 @@ start once for the whole module.
 
 from __future__ import annotations
 
+import json
+
 import math
 from pathlib import Path
 
@@ -97,8 +99,13 @@ def jobs(tmp_path_factory) -> Jobs:
     # one global batch of 8 samples: pp 4 x 4 microbatches of 2, and pp 2 x dp 2 x 2 microbatches;
     # both evaluate 2 global batches of held_out.bin after steps 1 and 3
     evaluated = {"eval_data_path": held_out, "eval_every": 2, "eval_batches": 2}
-    batch.add("data-pp4", "1f1b", pp=4, config={}, data_path=tokens, **evaluated)
+    batch.add("data-pp4", "1f1b", pp=4, config={}, data_path=tokens, save_dir=str(batch.folder / "ck-data"), **evaluated)
     batch.add("data-pp2dp2", "1f1b", pp=2, config={}, microbatches=2, data_path=tokens, **evaluated)
+    # data-pp4's last checkpoint resumed at its --steps under a ZB-V pp 2 x dp 2 (another
+    # program: both ranks' first F is an evaluation's): nothing to train, one evaluation
+    batch.add("eval-only-zbv-pp2dp2", "zbv", pp=2, config={}, microbatches=2, data_path=tokens,
+              resume=str(batch.folder / "ck-data"), metrics_path=str(batch.folder / "eval-only.jsonl"),
+              eval_data_path=held_out, eval_batches=2)
     # a V (activations pass both ways between two ranks) whose blocks drop out: the evaluation,
     # after the last step only, reads every whole global batch of 16 (2) and drops nothing
     batch.add("eval-dropout-zbv-pp4", "zbv", pp=4, config={"depth": 10, "dropout": 0.5}, microbatches=8, steps=2,
@@ -292,6 +299,19 @@ def test_evaluation_is_the_held_out_loss_of_the_weights_after_its_step(jobs):
         assert [m.eval_ms is not None for m in metrics] == [False, True, False, True]
         assert [("eval_loss" in m.to_dict()) for m in metrics] == [False, True, False, True]
     assert expected[3] < expected[1]  # it learns
+
+
+def test_a_resume_with_nothing_to_train_evaluates_the_checkpoint(jobs):
+    """The checkpoint after data-pp4's last step, resumed at its --steps under another plan with
+    --eval-data: no step trains, and the one evaluation is the held-out loss of the weights
+    after step 3, as data-pp4's own evaluation after that step was. A --metrics file that held
+    no line of the step gets one of its own."""
+    _, expected = _token_reference(jobs)
+    metrics, _ = jobs.results("eval-only-zbv-pp2dp2")
+    assert metrics == []
+    lines = [json.loads(line) for line in (jobs.folder / "eval-only.jsonl").read_text().splitlines()]
+    assert [sorted(line) for line in lines] == [["eval_loss", "eval_ms", "step"]]
+    assert lines[0]["step"] == 3 and lines[0]["eval_loss"] == pytest.approx(expected[3], abs=TOL)
 
 
 @pytest.mark.slow
