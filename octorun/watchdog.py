@@ -107,6 +107,7 @@ class Watchdog:
         # torchrun --max-restarts starts the workers again with the same store: keys of an
         # earlier attempt (its abort above all) must not reach the next one
         self.prefix = f"octorun/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.node = f"{socket.gethostname()} {os.environ.get('GROUP_RANK', '0')}"  # torchrun's node rank
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -155,7 +156,8 @@ class Watchdog:
             else:
                 if aborted is not None and not self._stop.is_set():
                     text, code = aborted
-                    self._exit(f"stopping because {text}; this rank was {self.activity}", code=code)
+                    self._exit(f"stopping because {text}; this rank was {self.activity}", code=code,
+                               quiet=not self._tells_its_node(code))
                 seen = self._beats_seen  # once: the main thread may end the watch meanwhile
                 if seen is not None and polls % _BEAT_EVERY == 0:
                     self._check_beats(seen)
@@ -354,21 +356,38 @@ class Watchdog:
                         if self.store.check([self.key(ABORT_KEY)]):
                             cause = self.store.get(self.key(ABORT_KEY)).decode(errors="replace")
                             # its own exit status: bad input it found is bad input, whoever spoke first
-                            self._exit(f"stopping because {cause}; this rank then saw: {problem}", code=code)
+                            self._exit(f"stopping because {cause}; this rank then saw: {problem}", code=code,
+                                       quiet=not self._tells_its_node(code))
+                        self._tells_its_node(code)  # (its node hears it from this rank)
                         self.store.set(self.key(ABORT_CODE_KEY), str(code))
                         self.store.set(self.key(ABORT_KEY), f"rank {self.global_rank} failed: {problem}")
                     except Exception as exc:  # the store may be gone with a dead peer; exit all the same
                         log.debug("could not reach the rendezvous store while failing: %s", exc)
         self._exit(problem, code=code)
 
-    def _exit(self, problem: str, *, code: int = EXIT_FAILURE) -> NoReturn:
+    def _tells_its_node(self, code: int) -> bool:
+        """Whether this process is to say why the job stops, on its node. Bad input is said once
+        a node, as before the launch (octorun.cli): by the rank that found it, and on each other
+        node by the first process to hear of it; a failure's every process says what it was
+        doing, which is how a hang or a crash is traced."""
+        if code != EXIT_BAD_INPUT or self.store is None:
+            return True
+        try:
+            return int(self.store.add(self.key(f"told/{self.node}"), 1)) == 1
+        except Exception:  # a store that is gone: better twice than never
+            return True
+
+    def _exit(self, problem: str, *, code: int = EXIT_FAILURE, quiet: bool = False) -> NoReturn:
+        """End this process with ``code``, saying ``problem`` on stderr unless ``quiet`` (its node
+        has heard the reason from another process); its record keeps the problem either way."""
         if not self._leaving.acquire(blocking=False):  # the other thread is leaving already: let it
             while True:
                 time.sleep(3600)
         self._stop.set()
         # The one place the runtime writes to stderr itself: these are the process's last words,
         # and logging may not be configured in a process launched by torchrun.
-        sys.stderr.write(f"octorun: rank {self.global_rank}: {problem}\n")
+        if not quiet:
+            sys.stderr.write(f"octorun: rank {self.global_rank}: {problem}\n")
         sys.stderr.flush()
         sys.stdout.flush()
         self.doing(f"leaving: {problem}")

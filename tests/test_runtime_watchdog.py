@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -360,6 +361,10 @@ class _Store:
     def set(self, key, value):
         self.values[key] = value.encode()
 
+    def add(self, key, amount):
+        self.values[key] = str(int(self.values.get(key, b"0")) + amount).encode()
+        return int(self.values[key])
+
 
 def test_a_rank_that_finds_bad_input_after_a_peer_spoke_still_exits_2(monkeypatch):
     """A save that cannot be written is bad input on every rank: the rank whose failure reached
@@ -369,7 +374,7 @@ def test_a_rank_that_finds_bad_input_after_a_peer_spoke_still_exits_2(monkeypatc
 
     exits = []
 
-    def leave(problem, *, code=1):
+    def leave(problem, *, code=1, quiet=False):
         exits.append((problem, code))
         raise SystemExit(code)
 
@@ -391,17 +396,62 @@ def test_peers_of_a_rank_that_found_bad_input_exit_2_with_it(monkeypatch):
 
     store = _Store()
     failing, peer = (Watchdog(global_rank=rank, timeout_s=5.0, store=store, world=2) for rank in (2, 0))
-    monkeypatch.setattr(failing, "_exit", lambda problem, *, code=1: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(failing, "_exit", lambda problem, *, code=1, quiet=False: (_ for _ in ()).throw(SystemExit(code)))
     assert peer.abort_seen() is None
     with pytest.raises(SystemExit):
         failing.fail("hf:llama: model.layers.2.mlp.up_proj.weight: missing", code=EXIT_BAD_INPUT)
     assert peer.abort_seen() == ("rank 2 failed: hf:llama: model.layers.2.mlp.up_proj.weight: missing", EXIT_BAD_INPUT)
     store.values = {}
     crashing = Watchdog(global_rank=1, timeout_s=5.0, store=store, world=2)
-    monkeypatch.setattr(crashing, "_exit", lambda problem, *, code=1: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(crashing, "_exit", lambda problem, *, code=1, quiet=False: (_ for _ in ()).throw(SystemExit(code)))
     monkeypatch.setattr(crashing, "_diagnosis", lambda problem, *, waited: "")
     with pytest.raises(SystemExit):
         crashing.fail("op 1F0 of step 0 raised RuntimeError: boom")
     assert peer.abort_seen()[1] == EXIT_FAILURE
     del store.values[peer.key(ABORT_CODE_KEY)]
     assert peer.abort_seen()[1] == EXIT_FAILURE
+
+
+def test_bad_input_found_after_the_launch_is_said_once_a_node(monkeypatch):
+    """Ranks 0 and 1 on node 0, ranks 2 and 3 on node 1 (torchrun's GROUP_RANK); rank 1 finds
+    bad input as the job runs. It says so; of its peers, which hear of it through their
+    watchdogs, only the first on the other node says why it stops, and every one exits 2 (the
+    record keeps each rank's words). A failure's peers each say what they were doing, as a
+    hang or a crash is traced."""
+    from octorun.watchdog import EXIT_BAD_INPUT, EXIT_FAILURE, Watchdog
+
+    class Store(_Store):  # the watchdogs' threads share it
+        lock = threading.Lock()
+
+        def add(self, key, amount):
+            with self.lock:
+                return super().add(key, amount)
+
+    for code in (EXIT_BAD_INPUT, EXIT_FAILURE):
+        store, exits, left = Store(), {}, threading.Semaphore(0)
+        dogs = {}
+        for rank in range(4):
+            monkeypatch.setenv("GROUP_RANK", str(rank // 2))
+            dogs[rank] = Watchdog(global_rank=rank, timeout_s=5.0, store=store, world=4)
+
+            def leave(problem, *, code=1, quiet=False, rank=rank):
+                exits[rank] = (code, quiet)
+                left.release()
+                if threading.current_thread() is threading.main_thread():
+                    raise SystemExit(code)
+            monkeypatch.setattr(dogs[rank], "_exit", leave)
+        monkeypatch.setattr(dogs[1], "_diagnosis", lambda problem, *, waited: "")
+        with pytest.raises(SystemExit):
+            dogs[1].fail("hf:llama: model.layers.2.mlp.up_proj.weight: missing", code=code)
+        for rank in (0, 2, 3):
+            dogs[rank].start()
+        for _ in range(4):
+            assert left.acquire(timeout=10)
+        for dog in dogs.values():
+            dog.stop()
+        assert {rank: seen for rank, (seen, _) in exits.items()} == dict.fromkeys(range(4), code)
+        said = sorted(rank for rank, (_, quiet) in exits.items() if not quiet)
+        if code == EXIT_BAD_INPUT:
+            assert said in ([1, 2], [1, 3]), exits
+        else:
+            assert said == [0, 1, 2, 3]
