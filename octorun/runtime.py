@@ -1281,12 +1281,7 @@ class _Interpreter:
                 # rank knows alike, from the update's all-reduce)
                 if self.evaluation is not None and self.evaluation.due(step, steps[-1]) and not self.stopping:
                     record.update(self.evaluate(step))
-                self.watchdog.doing(f"gathering the metrics of step {step}")
-                gathered = [None] * self.world if self.me == 0 else None
-                try:
-                    dist.gather_object(record, gathered, dst=0, group=self.groups.control)
-                except Exception as exc:
-                    self.watchdog.fail_on(f"gathering the metrics of step {step}", exc)
+                gathered = self._gather(record, f"the metrics of step {step}")
                 if self.me == 0:
                     _align_clocks(gathered)
                     step_metrics = self._summarize(step, gathered)
@@ -1315,6 +1310,16 @@ class _Interpreter:
                 metrics_file.close()
         return tuple(metrics)
 
+    def _gather(self, record: dict[str, Any], what: str) -> list[dict[str, Any]] | None:
+        """Every process's ``record``, on global rank 0 (None elsewhere)."""
+        self.watchdog.doing(f"gathering {what}")
+        gathered = [None] * self.world if self.me == 0 else None
+        try:
+            dist.gather_object(record, gathered, dst=0, group=self.groups.control)
+        except Exception as exc:
+            self.watchdog.fail_on(f"gathering {what}", exc)
+        return gathered
+
     def _evaluate_checkpoint(self, metrics_file: StreamedOutput | None, held_back: list[str]) -> None:
         """The evaluation of a resume that has no step to train: of the weights the checkpoint's
         last step left. Its loss joins that step's line of ``--metrics`` (``held_back``, the
@@ -1327,12 +1332,7 @@ class _Interpreter:
             for line in held_back if metrics_file else ():
                 metrics_file.write_line(line)
             raise
-        self.watchdog.doing(f"gathering the evaluation after step {step}")
-        gathered = [None] * self.world if self.me == 0 else None
-        try:
-            dist.gather_object(record, gathered, dst=0, group=self.groups.control)
-        except Exception as exc:
-            self.watchdog.fail_on(f"gathering the evaluation after step {step}", exc)
+        gathered = self._gather(record, f"the evaluation after step {step}")
         if self.me != 0:
             return
         eval_loss, eval_ms = _evaluation_summary(gathered)
