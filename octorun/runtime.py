@@ -848,6 +848,7 @@ class _Interpreter:
         self.first_step = 0  # a resumed run starts later (restore)
         self.initialized_from: str | None = None  # the checkpoint whose weights a fresh start took (--init-from)
         self.consumed_samples = 0  # samples of the data read before first_step
+        self.saved_metrics: dict[str, Any] | None = None  # a resumed checkpoint's metrics of its step (restore)
         self.skipped_steps = 0
         self.stopping = False  # a rank got SIGTERM: finish this step, save, leave
         self.data = prepared.data
@@ -1259,7 +1260,8 @@ class _Interpreter:
         metrics: list[StepMetrics] = []
         metrics_file, held_back = None, []
         if self.config.metrics_path and self.me == 0:
-            earlier = _earlier_metrics(self.config.metrics_path, self.first_step)  # read before the file is begun anew
+            # read before the file is begun anew
+            earlier = _earlier_metrics(self.config.metrics_path, self.first_step, self.saved_metrics)
             metrics_file = StreamedOutput(self.config.metrics_path, flag="--metrics")
             if evaluating_only:  # the last line gets the evaluation (_evaluate_checkpoint)
                 earlier, held_back = earlier[:-1], earlier[-1:]
@@ -1273,18 +1275,25 @@ class _Interpreter:
                     if metrics_file:  # the steps before it are kept: what a user reads to see the run go wrong
                         metrics_file.commit()
                     raise
-                # the checkpoint first: an evaluation that fails (a model that cannot run in eval
-                # mode) must not cost the step's checkpoint
-                if self._save_due(step) or (self.stopping and self.config.save_dir is not None):
-                    self.save(step)
-                # not when a SIGTERM stops the run: its grace period is the checkpoint's (every
-                # rank knows alike, from the update's all-reduce)
-                if self.evaluation is not None and self.evaluation.due(step, steps[-1]) and not self.stopping:
-                    record.update(self.evaluate(step))
                 gathered = self._gather(record, f"the metrics of step {step}")
+                step_metrics = None
                 if self.me == 0:
                     _align_clocks(gathered)
                     step_metrics = self._summarize(step, gathered)
+                # the checkpoint before the evaluation, with the step's metrics: an evaluation
+                # that fails (a model that cannot run in eval mode) or a process killed during
+                # it costs neither the checkpoint nor the step's metrics line (a resume takes it
+                # from the checkpoint)
+                if self._save_due(step) or (self.stopping and self.config.save_dir is not None):
+                    self.save(step, step_metrics)
+                # not when a SIGTERM stops the run: its grace period is the checkpoint's (every
+                # rank knows alike, from the update's all-reduce)
+                if self.evaluation is not None and self.evaluation.due(step, steps[-1]) and not self.stopping:
+                    evaluated = self._gather(self.evaluate(step), f"the evaluation after step {step}")
+                    if self.me == 0:
+                        eval_loss, eval_ms = _evaluation_summary(evaluated)
+                        step_metrics = replace(step_metrics, eval_loss=eval_loss, eval_ms=eval_ms)
+                if self.me == 0:
                     metrics.append(step_metrics)
                     log.info("step %d loss %.6f iteration %.2f ms", step, step_metrics.loss, step_metrics.iteration_ms)
                     if self.config.print_steps:  # as it ends: a long run shows its progress
@@ -1402,7 +1411,9 @@ class _Interpreter:
             "replay_time_scale": self.config.replay_time_scale,
         }
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, step_metrics: StepMetrics | None = None) -> None:
+        """The checkpoint after ``step``; ``step_metrics`` (global rank 0's, whose meta is kept)
+        is the step's ``--metrics`` line, for a resume whose metrics file never got it."""
         meta = {
             **model_identity(self.model, self.plan.stages[-1].end),
             "model_config": dict(self.plan.model.config),  # export --format hf writes config.json from it
@@ -1419,6 +1430,7 @@ class _Interpreter:
             "plan": self.config.plan_path,
             "layout": self._layout(),
             "init_from": self.initialized_from,
+            "step_metrics": None if step_metrics is None else step_metrics.to_dict(),
         }
         from octorun import checkpoint
 
@@ -1450,6 +1462,7 @@ class _Interpreter:
         self.consumed_samples = int(meta["consumed_samples"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.initialized_from = meta.get("init_from")  # the run's lineage goes on in its later saves
+        self.saved_metrics = meta.get("step_metrics")  # the --metrics line of the step before first_step
 
     def load_weights(self, path: Path) -> None:
         """Take the weights of the checkpoint at ``path`` (written under any plan of this model),
@@ -1469,9 +1482,6 @@ class _Interpreter:
         metrics = summarize_step(step, records, predicted if isinstance(predicted, (int, float)) else None)
         mine = records[0]  # every rank took the same update: the same norm, lr and count
         metrics = replace(metrics, lr=mine["lr"], grad_norm=mine["grad_norm"], skipped_steps=mine["skipped_steps"])
-        if "eval_loss_count" in mine:  # every process evaluated, or none
-            eval_loss, eval_ms = _evaluation_summary(records)
-            metrics = replace(metrics, eval_loss=eval_loss, eval_ms=eval_ms)
         if self.meter is None:
             return metrics
         measured, predicted_peaks = {}, {}
@@ -1768,10 +1778,13 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: _STOP_REQUESTED.set())
 
 
-def _earlier_metrics(path: str, first_step: int) -> list[str]:
+def _earlier_metrics(path: str, first_step: int, saved: dict[str, Any] | None = None) -> list[str]:
     """A resumed run's metrics keep the lines of the steps before it: those the interrupted run
     wrote (its PATH.partial, newest) or an earlier run ended with (PATH), so that a run restarted
-    any number of times ends with one line per step. Empty for a run from step 0."""
+    any number of times ends with one line per step. Where they hold earlier lines but not that
+    of the step the checkpoint was saved after (the process died between its save and its line,
+    during an evaluation), it is the checkpoint's own ``saved``, without the evaluation's
+    figures. Empty for a run from step 0; a file of no earlier line is another segment's."""
     if first_step <= 0:
         return []
     lines: dict[int, str] = {}
@@ -1787,6 +1800,8 @@ def _earlier_metrics(path: str, first_step: int) -> list[str]:
                 continue  # a line cut by a crash, or not ours
             if isinstance(step, int) and 0 <= step < first_step:
                 lines[step] = line
+    if lines and first_step - 1 not in lines and isinstance(saved, dict) and saved.get("step") == first_step - 1:
+        lines[first_step - 1] = json.dumps(saved)
     return [lines[step] for step in sorted(lines)]
 
 

@@ -16,7 +16,8 @@ restarted job runs on) at one point of one step, with SIGKILL (the process vanis
 - ``recv:<kind>:<stage>:<mb>``: before the op that takes the message waits for it;
 - ``optimizer``: as the step's update begins (before the gradient-norm all-reduce);
 - ``save``: in the middle of the step's checkpoint, after this rank wrote its shard and before
-  the checkpoint is complete.
+  the checkpoint is complete;
+- ``evaluate``: as the evaluation after the step begins (``--eval-data``), its checkpoint saved.
 
 Before it strikes, the process appends ``<seconds since epoch> rank=<r> <fault>`` to the file
 named by $FAULT_LOG (when set), so a test knows when the fault happened.
@@ -115,6 +116,15 @@ def install(fault: Fault) -> None:
             return update(self, number, state)
 
         runtime._Interpreter._update = updating
+    elif kind == "evaluate":
+        evaluate = runtime._Interpreter.evaluate
+
+        def evaluating(self, number):
+            if number == fault.step:
+                strike(fault)
+            return evaluate(self, number)
+
+        runtime._Interpreter.evaluate = evaluating
     elif kind == "save":
         from torch.distributed.checkpoint import filesystem
 

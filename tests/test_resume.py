@@ -346,3 +346,32 @@ def test_a_resume_with_nothing_to_train_and_eval_data_evaluates_its_weights(one_
     evaluated = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert evaluated[0] == trained[0]
     assert {**evaluated[1], "eval_ms": None} == {**trained[1], "eval_ms": None}
+
+
+def test_a_process_killed_during_an_evaluation_loses_no_metrics_line(one_rank, tmp_path):
+    """Killed (SIGKILL) as the evaluation after step 1 begins, its checkpoint saved but the step's
+    metrics line not yet written: the resume takes that line from the checkpoint, so the run
+    ends with one line per step, the losses of a run never killed; step 1's line has no
+    evaluation (none finished), the last step's is the uninterrupted run's."""
+    folder, _ = one_rank
+    held = write_tokens(tmp_path / "held.bin", count=200, seed=6)
+    common = (str(folder / "d6.yaml"), "--steps", "3", "--eval-data", str(held), "--eval-every", "2", "--save-every", "2")
+    clean, killed = tmp_path / "clean.jsonl", tmp_path / "killed.jsonl"
+    done = _octorun(*common, "--save", str(tmp_path / "clean"), "--metrics", str(clean), cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "fault_injection.py"), "--fault",
+                           "attempt=0,rank=0,step=1,at=evaluate,signal=KILL", "--", *common, "--save",
+                           str(tmp_path / "ck"), "--metrics", str(killed)], capture_output=True, text=True, cwd=h.ROOT,
+                          env=env, timeout=120)
+    assert done.returncode == -9, done.stderr
+    assert [json.loads(line)["step"] for line in Path(f"{killed}.partial").read_text().splitlines()] == [0]
+    done = _octorun(*common, "--save", str(tmp_path / "ck"), "--metrics", str(killed), "--resume", "auto", cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in killed.read_text().splitlines()]
+    expected = [json.loads(line) for line in clean.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert [line["loss"] for line in lines] == [line["loss"] for line in expected]
+    assert [("eval_loss" in line) for line in lines] == [False, False, True]
+    assert [("eval_loss" in line) for line in expected] == [False, True, True]
+    assert lines[2]["eval_loss"] == expected[2]["eval_loss"]
