@@ -52,7 +52,7 @@ from octorun.tied import TiedGroup, model_state, parameter_key, tie_local, tied_
 from octorun import agreement
 from octorun.activations import ActivationMeter
 from octorun.stage import StageExecutor, Tape, floating, persistent_buffers
-from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist
+from octorun.watchdog import EXIT_BAD_INPUT, Watchdog, gist, timed_out
 
 __all__ = ["RunConfig", "StepMetrics", "RunResult", "Prepared", "prepare", "run", "summarize_step", "step_line", "LaunchError", "NonFiniteStep",
            "LAUNCH_VARIABLES", "OPTIMIZERS", "free_port"]
@@ -1166,8 +1166,8 @@ class _Interpreter:
         ("step 3"); a send it reports late or failed ends the job."""
         try:
             late = wait(deadline=deadline)
-        except SendFailed as exc:  # a peer that died closed the connection: not a timeout
-            self.watchdog.fail(f"{what}: {exc} (global rank {self._global(exc.message.dst)})")
+        except SendFailed as exc:  # a peer that died closed the connection, or gloo's own deadline passed
+            self.watchdog.fail(f"{what}: {exc} (global rank {self._global(exc.message.dst)})", waited=timed_out(exc))
         if late is not None:
             self.watchdog.fail_waiting(f"{what}: the send of the {late} (global rank {self._global(late.dst)}) "
                                f"did not complete within {self.watchdog.timeout_s:g} s")
@@ -1369,6 +1369,12 @@ class _Interpreter:
         return {"pp": self.plan.pp, "dp": self.plan.parallel.dp, "rank_order": self.plan.parallel.rank_order,
                 "stages": [[st.start, st.end, st.rank] for st in self.plan.stages]}
 
+    def sampling(self) -> dict[str, int]:
+        """How a global batch is cut: without --data, the model's sample_batch draws each
+        microbatch from a generator seeded by (step, replica, microbatch), so another cut draws
+        other samples."""
+        return {"dp": self.plan.parallel.dp, "microbatches": self.plan.microbatches, "microbatch_size": self.mbs}
+
     def _model_state(self) -> dict[str, Any]:
         """This rank's parameters and buffers as a checkpoint keys them (``model/`` and the global
         layer index; a tied parameter by its canonical member), the tensors themselves: a load
@@ -1429,6 +1435,8 @@ class _Interpreter:
             "data_sampled_digest": None if self.data is None else self.data.sampled_digest(),
             "plan": self.config.plan_path,
             "layout": self._layout(),
+            # how sample_batch's draws were cut (without --data they are seeded per replica and microbatch)
+            "sampling": self.sampling(),
             "init_from": self.initialized_from,
             "step_metrics": None if step_metrics is None else step_metrics.to_dict(),
         }
@@ -1681,6 +1689,14 @@ def run(config: RunConfig) -> RunResult:
                     if trained_on and prepared.data is None:  # a restart script that lost its --data
                         log.warning("the checkpoint was trained on --data %s; this run has no --data and trains on the "
                                     "model's sample_batch", trained_on)
+                    elif not trained_on and prepared.data is not None:
+                        log.warning("the checkpoint was trained on the model's sample_batch; this run reads --data %s "
+                                    "from sample %d on", prepared.data.path, interpreter.consumed_samples)
+                    elif not trained_on and saved.get("sampling") not in (None, interpreter.sampling()):
+                        # a resume under another plan is the same math on the same samples only with --data
+                        log.warning("without --data, the model's sample_batch draws each microbatch by its step, "
+                                    "replica and index: this plan's %s draws other samples than the checkpoint's %s",
+                                    _cut(interpreter.sampling()), _cut(saved["sampling"]))
         except InputError as exc:
             watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
         except Exception as exc:
@@ -1749,6 +1765,10 @@ def run(config: RunConfig) -> RunResult:
     return result
 
 
+def _cut(sampling: dict[str, int]) -> str:
+    return f"{sampling['dp']} replica(s) x {sampling['microbatches']} microbatches of {sampling['microbatch_size']}"
+
+
 def _same_file(a: str, b: str) -> bool:
     try:
         return os.path.samefile(a, b)
@@ -1781,27 +1801,39 @@ def _stop_on_sigterm() -> None:
 def _earlier_metrics(path: str, first_step: int, saved: dict[str, Any] | None = None) -> list[str]:
     """A resumed run's metrics keep the lines of the steps before it: those the interrupted run
     wrote (its PATH.partial, newest) or an earlier run ended with (PATH), so that a run restarted
-    any number of times ends with one line per step. Where they hold earlier lines but not that
-    of the step the checkpoint was saved after (the process died between its save and its line,
-    during an evaluation), it is the checkpoint's own ``saved``, without the evaluation's
-    figures. Empty for a run from step 0; a file of no earlier line is another segment's."""
+    any number of times ends with one line per step. ``saved`` is the checkpoint's line of the
+    step it was saved after: a file whose line of that step has another loss is another run's
+    and is not kept; where the files hold earlier lines but not that one (the process died
+    between the save and the line, during an evaluation), it is ``saved``, without the
+    evaluation's figures. Empty for a run from step 0; a file of no earlier line is another
+    segment's."""
     if first_step <= 0:
         return []
+    last = first_step - 1
+    if not (isinstance(saved, dict) and saved.get("step") == last):
+        saved = None
     lines: dict[int, str] = {}
     for source in (Path(path), partial_path(path)):
         try:
             text = source.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
+        found: dict[int, tuple[str, dict]] = {}
         for line in text.splitlines():
             try:
-                step = json.loads(line)["step"]
+                record = json.loads(line)
+                step = record["step"]
             except (ValueError, KeyError, TypeError, RecursionError):
                 continue  # a line cut by a crash, or not ours
             if isinstance(step, int) and 0 <= step < first_step:
-                lines[step] = line
-    if lines and first_step - 1 not in lines and isinstance(saved, dict) and saved.get("step") == first_step - 1:
-        lines[first_step - 1] = json.dumps(saved)
+                found[step] = (line, record)
+        if saved is not None and last in found and json.dumps(found[last][1].get("loss")) != json.dumps(saved.get("loss")):
+            log.warning("%s holds another run's metrics (its step %d has loss %s, the checkpoint's %s): its lines are "
+                        "not kept", source, last, found[last][1].get("loss"), saved.get("loss"))
+            continue
+        lines.update((step, line) for step, (line, _) in found.items())
+    if lines and last not in lines and saved is not None:
+        lines[last] = json.dumps(saved)
     return [lines[step] for step in sorted(lines)]
 
 

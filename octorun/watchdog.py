@@ -45,7 +45,7 @@ from typing import Any, Iterator, NoReturn
 
 from octoplan.errors import where_raised
 
-__all__ = ["Watchdog", "gist", "ABORT_KEY", "ABORT_CODE_KEY", "EXIT_FAILURE", "EXIT_BAD_INPUT"]
+__all__ = ["Watchdog", "gist", "timed_out", "ABORT_KEY", "ABORT_CODE_KEY", "EXIT_FAILURE", "EXIT_BAD_INPUT"]
 
 log = logging.getLogger("octorun.watchdog")
 
@@ -70,6 +70,12 @@ _LINE = 200  # bytes per line of the record file
 _CONNECTION_LOST = re.compile(r"connection (closed|reset|refused)|reset by peer|broken pipe|read error|socket closed",
                               re.IGNORECASE)
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` is a deadline of gloo's or c10d's that passed (a send, a collective): the
+    failure of a wait, which names the peers that stopped responding."""
+    return "timed out" in str(exc).lower()
 
 
 def gist(exc: BaseException) -> str:
@@ -280,10 +286,7 @@ class Watchdog:
 
     def fail_on(self, what: str, exc: BaseException) -> NoReturn:
         """Fail for an exception a collective raised: a timeout names the hung peers too."""
-        problem = f"{what}: {gist(exc)}"
-        if "timed out" in str(exc).lower():
-            self.fail_waiting(problem)
-        self.fail(problem)
+        self.fail(f"{what}: {gist(exc)}", waited=timed_out(exc))
 
     def fail_waiting(self, problem: str) -> NoReturn:
         """:meth:`fail` for a deadline that passed: names the peers that stopped responding."""
@@ -294,8 +297,8 @@ class Watchdog:
         text = ""
         if silent:
             listed = ", ".join(map(str, silent))
-            text += f"; global rank{'s' if len(silent) > 1 else ''} {listed} stopped responding (no heartbeat for " \
-                    f"{_SILENT_S:g} s: hung or stopped)"
+            text += f"; global rank{'s' if len(silent) > 1 else ''} {listed} stopped responding (no heartbeat in " \
+                    f"{_SILENT_S:g} s of watching: hung or stopped)"
         for rank, activity in busy.items():
             text += f"; global rank {rank} was {activity} all the while, waiting on no peer (stuck in its own work)"
         return text

@@ -21,7 +21,7 @@ from conftest import free_cluster, make_profile
 
 
 def _octoplan(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "octoplan.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "octoplan", *map(str, args)], capture_output=True, text=True, cwd=cwd)
 
 
 @pytest.fixture

@@ -375,3 +375,46 @@ def test_a_process_killed_during_an_evaluation_loses_no_metrics_line(one_rank, t
     assert [("eval_loss" in line) for line in lines] == [False, False, True]
     assert [("eval_loss" in line) for line in expected] == [False, True, True]
     assert lines[2]["eval_loss"] == expected[2]["eval_loss"]
+
+
+def test_earlier_metrics_of_another_run_are_not_spliced_in(tmp_path, caplog):
+    """--metrics at a path an older experiment's file holds: the interrupted run's .partial has
+    steps 0 and 1, the checkpoint is after step 2 and carries that step's line. The old file's
+    step 2 (another loss) is not taken in between; the checkpoint's line is. A file of this
+    run's own lines is kept whole, its evaluation figures too."""
+    from octorun.runtime import _earlier_metrics
+
+    metrics = tmp_path / "m.jsonl"
+    mine = [{"step": step, "loss": 2.5 - step / 10} for step in range(3)]
+    metrics.write_text("".join(json.dumps({"step": step, "loss": 99.0}) + "\n" for step in range(5)))
+    Path(f"{metrics}.partial").write_text("".join(json.dumps(line) + "\n" for line in mine[:2]))
+    kept = _earlier_metrics(str(metrics), 3, mine[2])
+    assert [json.loads(line) for line in kept] == mine
+    assert "holds another run's metrics (its step 2 has loss 99.0, the checkpoint's 2.3)" in caplog.text
+    evaluated = {**mine[2], "eval_loss": 1.9}
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in [*mine[:2], evaluated]))
+    Path(f"{metrics}.partial").unlink()
+    assert [json.loads(line) for line in _earlier_metrics(str(metrics), 3, mine[2])] == [*mine[:2], evaluated]
+
+
+def test_a_resume_that_changes_what_it_trains_on_says_so(one_rank, tmp_path):
+    """The checkpoint at step 2 was trained on the model's sample_batch. Resumed with --data, the
+    file is read from the samples the checkpoint consumed on; resumed without --data under a plan
+    that cuts the global batch otherwise, sample_batch (seeded per replica and microbatch) draws
+    other samples. Each is said; the same cut says nothing."""
+    folder, good = one_rank
+    spec = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "dropout": 0.0}
+    plan = h.baseline_plan("1f1b", folder / "train_model.py", spec, tmp_path / "mb4", gpus=1, pp=1, microbatches=4)
+    save_plan(plan, tmp_path / "mb4.yaml")
+    tokens = str(folder / "tokens.bin")
+    with_data = _octorun(str(folder / "d6.yaml"), "--steps", "3", "--resume", str(good), "--data", tokens, cwd=h.ROOT)
+    assert with_data.returncode == 0, with_data.stderr
+    assert f"the checkpoint was trained on the model's sample_batch; this run reads --data {tokens} from sample 8 on" \
+        in with_data.stderr
+    other_cut = _octorun(str(tmp_path / "mb4.yaml"), "--steps", "3", "--resume", str(good), cwd=h.ROOT)
+    assert other_cut.returncode == 0, other_cut.stderr
+    assert ("without --data, the model's sample_batch draws each microbatch by its step, replica and index: this "
+            "plan's 1 replica(s) x 4 microbatches of 2 draws other samples than the checkpoint's 1 replica(s) x 2 "
+            "microbatches of 2") in " ".join(other_cut.stderr.split())
+    same_cut = _octorun(str(folder / "d6.yaml"), "--steps", "3", "--resume", str(good), cwd=h.ROOT)
+    assert same_cut.returncode == 0 and "sample_batch" not in same_cut.stderr, same_cut.stderr

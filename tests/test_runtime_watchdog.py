@@ -455,3 +455,33 @@ def test_bad_input_found_after_the_launch_is_said_once_a_node(monkeypatch):
             assert said in ([1, 2], [1, 3]), exits
         else:
             assert said == [0, 1, 2, 3]
+
+
+def test_a_send_that_gloo_timed_out_names_the_peers_that_stopped(monkeypatch):
+    """gloo's own deadline on a send to a stopped peer (SIGSTOP during an evaluation, whose sends
+    are the first to wait on it) is a wait that failed: the line names the peers whose
+    heartbeat stood still, as a receive that waited too long does. A send to a peer whose
+    connection closed is no wait: its peer's death is found otherwise."""
+    from octorun import runtime
+    from octorun.comm import SendFailed
+    from octorun.lowering import Message
+
+    failed = []
+
+    class Dog:
+        timeout_s = 15.0
+
+        def fail(self, problem, *, code=1, waited=False):
+            failed.append((problem, waited))
+            raise SystemExit(code)
+
+    stub = type("Stub", (), {"watchdog": Dog(), "_global": staticmethod(lambda rank: rank)})()
+    message = Message("act", 3, 0, 1, 2)
+    for problem, waited in (("RuntimeError: Timed out waiting 14999ms for send operation to complete", True),
+                            ("RuntimeError: Connection closed by peer", False)):
+        def wait(*, deadline, problem=problem):
+            raise SendFailed(message, problem)
+        with pytest.raises(SystemExit):
+            runtime._Interpreter._check_sends(stub, "evaluation batch 4 after step 3", wait, 0.0)
+        assert failed[-1] == (f"evaluation batch 4 after step 3: the send of the {message} failed: {problem} "
+                              f"(global rank 2)", waited)
