@@ -694,13 +694,13 @@ def export(
                                "megatron: Megatron-LM's --pipeline-model-parallel-layout and arguments (a bash array); "
                                "torchtitan: its [parallelism] settings (TOML) and the schedule CSV beside them; "
                                "hf: the weights of an octorun --checkpoint of PLAN's hf: model, as a transformers "
-                               "model folder"),
+                               "model folder; safetensors: those of PLAN's model file, as one file"),
     output: Path = typer.Option(..., "-o", "--output", help="file to write (hf: a new folder)"),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="hf: the octorun checkpoint to write (a step_* "
-                                             "folder, or the --save folder holding them: its newest), of any plan of "
-                                             "PLAN's model"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="hf: float32, bfloat16 or float16 \\[default: the dtype "
-                                        "of the model folder's config.json, else float32]"),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="hf, safetensors: the octorun checkpoint to "
+                                             "write (a step_* folder, or the --save folder holding them: its newest), "
+                                             "of any plan of PLAN's model"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="hf, safetensors: float32, bfloat16 or float16 "
+                                        "\\[default: hf: the dtype of the model folder's config.json, else float32]"),
     kind_letter: List[str] = typer.Option([], "--kind-letter", help="megatron: the layout letter of a profile layer "
                                           "kind, KIND=LETTER with LETTER one of E, t, m, L (repeatable)"),
     fqn_style: Optional[str] = typer.Option(None, "--fqn-style", help="torchtitan: module names, llama (tok_embeddings, "
@@ -710,15 +710,15 @@ def export(
     max_plans: Optional[int] = typer.Option(None, "--max-plans", help="megatron: that tune stops after this many "
                                             "simulated plans instead (the same result on any machine)"),
 ) -> None:
-    """Write PLAN in another tool's format, or (--format hf) a checkpoint of its model as transformers weights."""
+    """Write PLAN in another tool's format, or (--format hf, safetensors) a checkpoint of its model's weights."""
     from octoplan.export import export_plan
     from octoplan.export_cli import FRAMEWORK_FORMATS, FrameworkOptions, check_framework_options, run_framework_export
 
     check_framework_options(format, [flag for flag, value in (
         ("--kind-letter", kind_letter or None), ("--fqn-style", fqn_style), ("--time-limit", time_limit),
         ("--max-plans", max_plans), ("--checkpoint", checkpoint), ("--dtype", dtype)) if value is not None])
-    if format == "hf":
-        _export_hf(plan_path, checkpoint, output, dtype)
+    if format in ("hf", "safetensors"):
+        _export_weights(format, plan_path, checkpoint, output, dtype)
         return
     if format in FRAMEWORK_FORMATS:  # both read the layers' kinds from the plan's profile
         plan = load_plan(plan_path)
@@ -750,19 +750,27 @@ def export(
                    f"need more memory than the plan predicts", err=True)
 
 
-def _export_hf(plan_path: Path, checkpoint: Optional[str], output: Path, dtype: Optional[str]) -> None:
+def _export_weights(format: str, plan_path: Path, checkpoint: Optional[str], output: Path, dtype: Optional[str]) -> None:
     if checkpoint is None:
-        raise InputError(None, "--checkpoint", "is missing: --format hf writes the weights of a checkpoint",
+        raise InputError(None, "--checkpoint", f"is missing: --format {format} writes the weights of a checkpoint",
                          "give --checkpoint the folder octorun --save wrote (or one step_* folder in it)")
-    from octorun.hf_export import export_hf
-
     plan = load_plan(plan_path)
     if plan.profile is not None:  # a plan whose profile changed or went missing is refused here as everywhere
         load_plan_profile(plan, plan_path)
-    done = export_hf(plan, plan_path, checkpoint, output, dtype=dtype)
-    copied = f"; copied {', '.join(done.copied)}" if done.copied else ""
-    console.print(f"hf: {done.tensors} tensors ({done.bytes / 2**20:.1f} MiB, {done.dtype}) of {escape(str(done.checkpoint))} "
-                  f"(after {done.step} steps) -> {escape(str(done.folder))}{escape(copied)}", soft_wrap=True)
+    if format == "safetensors":
+        from octorun.weights_export import export_safetensors
+
+        check_writable(output, "-o", inputs=_plan_files(plan, plan_path))
+        done = export_safetensors(plan, plan_path, checkpoint, output, dtype=dtype)
+        written, copied = done.file, ""
+    else:
+        from octorun.hf_export import export_hf
+
+        done = export_hf(plan, plan_path, checkpoint, output, dtype=dtype)
+        written, copied = done.folder, f"; copied {', '.join(done.copied)}" if done.copied else ""
+    console.print(f"{format}: {done.tensors} tensors ({done.bytes / 2**20:.1f} MiB, {done.dtype}) of "
+                  f"{escape(str(done.checkpoint))} (after {done.step} steps) -> {escape(str(written))}{escape(copied)}",
+                  soft_wrap=True)
 
 
 @app.command()

@@ -47,8 +47,9 @@ EXPORT_FORMATS = ("torch-csv",)
 # the formats that also need the plan's profile (its layers' kinds): Megatron-LM's layout and
 # torchtitan's module names (octoplan.export_megatron, octoplan.export_torchtitan)
 PROFILE_FORMATS = ("megatron", "torchtitan")
-# the weights of a checkpoint of the plan's model, rather than the plan: octorun.hf_export
-WEIGHT_FORMATS = ("hf",)
+# the weights of a checkpoint of the plan's model, rather than the plan: octorun.hf_export and
+# octorun.weights_export
+WEIGHT_FORMATS = ("hf", "safetensors")
 
 
 def torch_csv_rows(plan: Plan, *, file: str = "<plan>") -> list[list[str]]:

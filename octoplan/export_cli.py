@@ -123,7 +123,7 @@ def _recompute_note(plan: Plan, what: str) -> None:
 def check_framework_options(format: str, given: Sequence[str]) -> None:
     """Refuse the options of one format given with another (they would be ignored without a word)."""
     own = {"megatron": ("--kind-letter", "--time-limit", "--max-plans"), "torchtitan": ("--fqn-style",),
-           "hf": ("--checkpoint", "--dtype")}
+           "hf": ("--checkpoint", "--dtype"), "safetensors": ("--checkpoint", "--dtype")}
     for flag in given:
         if flag not in own.get(format, ()):
             formats = " or ".join(name for name, flags in own.items() if flag in flags)

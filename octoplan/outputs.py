@@ -17,7 +17,7 @@ from pathlib import Path
 
 from octoplan.errors import InputError
 
-__all__ = ["check_writable", "check_distinct", "write_text", "StreamedOutput", "partial_path", "new_file_mode",
+__all__ = ["check_writable", "check_distinct", "write_text", "write_bytes", "StreamedOutput", "partial_path", "new_file_mode",
            "make_folders", "remove_empty"]
 
 
@@ -120,13 +120,22 @@ def write_text(path: str | Path, text: str, *, flag: str | None = None, newline:
     """Write ``text`` to ``path`` atomically: on any failure the old file (if any) is untouched
     and no partial file remains. ``newline`` as for :func:`open` (``""``: write line endings
     as they are, which the csv module needs)."""
+    _write_atomically(path, lambda handle: os.fdopen(handle, "w", encoding="utf-8", newline=newline), text, flag)
+
+
+def write_bytes(path: str | Path, data: bytes, *, flag: str | None = None) -> None:
+    """:func:`write_text` for bytes (a safetensors file)."""
+    _write_atomically(path, lambda handle: os.fdopen(handle, "wb"), data, flag)
+
+
+def _write_atomically(path: str | Path, opened, payload: str | bytes, flag: str | None) -> None:
     target = _target(path)
     probe = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        with os.fdopen(handle, "w", encoding="utf-8", newline=newline) as out:
-            out.write(text)
+        with opened(handle) as out:
+            out.write(payload)
         os.chmod(probe, _mode_for(target))  # mkstemp's 0600 would hide the file from others
         os.replace(probe, target)
         probe = None

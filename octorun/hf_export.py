@@ -40,13 +40,11 @@ from octoplan.outputs import make_folders, new_file_mode, remove_empty
 from octoplan.hf import chain_for, is_hf_source, load_hf_model, resolve_hf_source
 from octoplan.plan import Plan
 from octorun import checkpoint
-from octorun.checkpoint import CONFIG_KEYS_APART, config_differences
 from octorun.runtime import model_identity
-from octorun.tied import model_state, tie_local, tied_groups
+from octorun.weights_export import DTYPES, check_same_config, load_checkpoint_layers
 
 __all__ = ["DTYPES", "ExportedWeights", "export_hf"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the model folder's files copied beside the weights: tokenizers, processors, chat templates and
 # generation settings (an allow-list: what else a folder holds may be stale weights or state)
 _COPIED = ("tokenizer*", "tekken.json", "vocab*", "merges.txt", "spiece.model", "sentencepiece*.model", "special_tokens_map.json",
@@ -96,8 +94,8 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
     source = plan.model.source
     if not is_hf_source(source):
         what = f"is {source!r}, not an hf:FOLDER model" if source else "is missing (an analytic plan has no model)"
-        raise InputError(str(plan_path), "model.source", f"{what}: --format hf writes transformers weights", "give a plan of an hf: model; a model file's checkpoint is DCP, "
-                         "which torch.distributed.checkpoint.format_utils.dcp_to_torch_save turns into one file")
+        raise InputError(str(plan_path), "model.source", f"{what}: --format hf writes transformers weights",
+                         "give a plan of an hf: model; --format safetensors writes a model file's checkpoint")
     found = resolve_hf_source(source, plan_path)
     if found is None:
         raise InputError(str(plan_path), "model.source", f"model folder {source!r} not found",
@@ -114,7 +112,7 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, model_identity(model, num_layers), path, weights_only=True, flag="--checkpoint",
                                 ours="the plan's")
-    _check_same_config(meta, plan.model.config, model.resolved_config(), path)
+    check_same_config(meta, plan.model.config, model.resolved_config(), path)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:  # now, not after the work: a folder that cannot be written fails first
@@ -123,10 +121,7 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
         raise InputError(str(output), "-o", f"cannot be written: {exc.strerror or exc}", "give a folder you can write") from None
     done = False
     try:
-        layers = {index: model.build_layer(index) for index in range(num_layers)}
-        tied = tie_local(model.path, layers, tied_groups(model), model.build_layer)
-        checkpoint.load(path, model_state(layers, tied), group=None, whole_prefixes=("model/",),
-                        other_model_fix="give a checkpoint that octorun wrote for this plan's model and --config")
+        layers = load_checkpoint_layers(model, path)
         chain = chain_for(found, model.config)
         whole = _whole_model(chain, layers)
         folder_config = _folder_config(model_folder)
@@ -150,31 +145,6 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
         if not done:  # refused or failed: nothing of the export stays, the folders it made included
             remove_empty(made)
     return ExportedWeights(output, path, int(meta["step"]), tensors, nbytes, str(out_dtype).removeprefix("torch."), copied)
-
-
-def _check_same_config(meta: dict, config: dict, resolved: dict, path: Path) -> None:
-    """Refuse a plan whose model config differs from the one the checkpoint was trained under,
-    beyond ``seq`` and ``weights``, which the weights do not depend on: config.json would be
-    written with values the weights were not trained with. The resolved configs are compared
-    where the checkpoint records one (``layers=2`` and ``num_hidden_layers=2`` are one config),
-    else the ``--config`` overrides as given."""
-    saved_resolved = meta.get("resolved_config")
-    if isinstance(saved_resolved, dict):
-        differences = config_differences(saved_resolved, resolved)
-        if differences:
-            raise InputError(str(path), "resolved_config", f"the checkpoint's model was trained with {differences[0]}",
-                             "export with a plan of the model config the checkpoint was trained with")
-        return
-    saved = meta.get("model_config")
-    if not isinstance(saved, dict):
-        return
-    ours = {k: v for k, v in config.items() if k not in CONFIG_KEYS_APART}
-    theirs = {k: v for k, v in saved.items() if k not in CONFIG_KEYS_APART}
-    if ours != theirs:
-        key = sorted(set(ours) ^ set(theirs) | {k for k in set(ours) & set(theirs) if ours[k] != theirs[k]})[0]
-        raise InputError(str(path), "model_config", f"the checkpoint was trained with --config {key}="
-                         f"{theirs.get(key, '(not given)')}, the plan has {ours.get(key, '(not given)')}",
-                         "export with a plan of the model config the checkpoint was trained with")
 
 
 def _whole_model(chain, layers: dict[int, torch.nn.Module]) -> torch.nn.Module:

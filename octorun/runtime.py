@@ -248,7 +248,7 @@ def prepare(config: RunConfig) -> Prepared:
     if replayed is not None:
         model = replayed
     else:
-        model = load_model_file(_model_path(plan, config.plan_path), plan.model.config, seed=config.seed)
+        model = load_model_file(model_path(plan, config.plan_path), plan.model.config, seed=config.seed)
     num_layers = model.num_layers()
     if plan.stages[-1].end != num_layers:
         raise InputError(config.plan_path, "stages", f"cover {plan.stages[-1].end} layers but {model.path} has {num_layers}",
@@ -450,7 +450,7 @@ def _replay_model(plan: Plan, config: RunConfig) -> ModelFile:
                            seed=config.seed, folder_importable=False)
 
 
-def _model_path(plan: Plan, plan_path: str) -> str:
+def model_path(plan: Plan, plan_path: str) -> str:
     source = plan.model.source
     if not source:
         raise InputError(plan_path, "model.source", "is missing: an analytic plan has no model to train",
@@ -1460,8 +1460,15 @@ class _Interpreter:
         meta = checkpoint.read_meta(path)
         self.watchdog.doing(f"loading the checkpoint {path}")
         state = self._checkpoint_state()
+        # seq and weights may differ from the checkpoint's (no weight depends on them), but where
+        # one does (learned positions), its shape is the first mismatch: say so
+        saved, ours = meta.get("resolved_config") or {}, _recorded_config(self.model, self.config) or {}
+        moved = [f"{key}={saved[key]} (now {ours.get(key)})" for key in checkpoint.CONFIG_KEYS_APART
+                 if key in saved and key in ours and saved[key] != ours[key]]
+        fix = {"other_model_fix": f"the checkpoint was trained with {', '.join(moved)}, and a tensor's shape "
+                                  "follows it here: resume under a plan of the checkpoint's"} if moved else {}
         missing = checkpoint.load(path, state, group=self.groups.control, optional_prefixes=("rng/",),
-                                  whole_prefixes=("model/",))  # an optim/ key alone: a parameter now frozen
+                                  whole_prefixes=("model/",), **fix)  # an optim/ key alone: a parameter now frozen
         if meta.get("layout") == self._layout() and not any(key.startswith(f"rng/rank{self.me}/") for key in missing):
             torch.set_rng_state(state[f"rng/rank{self.me}/cpu"])
             if self.device.type == "cuda":

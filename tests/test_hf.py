@@ -379,7 +379,7 @@ def test_a_config_is_compared_as_transformers_resolves_it(saved, tmp_path):
     config.json's is no override; ``hidden_act=relu`` is another model (a resume accepted it
     without a word). seq and weights are the run's, not the model's."""
     from octorun.checkpoint import check_compatible, config_differences
-    from octorun.hf_export import _check_same_config
+    from octorun.weights_export import check_same_config as _check_same_config
 
     folder = saved["qwen3"][0]
 

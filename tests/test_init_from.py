@@ -84,3 +84,49 @@ def test_a_restarted_run_continues_its_own_checkpoint(world2):
     root = world2.folder / "ck"
     meta = json.loads((root / "fine" / "step_00000003" / "octopipe.json").read_text())["meta"]
     assert meta["init_from"] == str(root / "pre" / "step_00000003")  # the lineage goes on through the resume
+
+
+def _octoplan(*args) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "octoplan", *map(str, args)], capture_output=True, text=True,
+                          cwd=h.ROOT, timeout=120)
+
+
+def test_export_safetensors_writes_the_checkpoints_weights_for_a_module_list(world2, tmp_path):
+    """The pre-trained checkpoints (pp 2 1F1B) written as one safetensors file, through another
+    plan of the model (ZB-V) and through their own: a ModuleList of the model file's layers
+    takes it strictly, and holds the weights the runs ended with, bit for bit; a tied head is
+    written under its own key too, equal to the embedding. In bfloat16 on asking. A checkpoint of
+    another model config is refused in one line, and no file is written."""
+    import torch
+    from safetensors.torch import load_file
+
+    from octoplan.modelfile import load_model_file
+
+    world2.run()  # (the jobs run once, as the first test needs them)
+    for pre, plan in (("pre", "init-zbv"), ("pre-tied", "pre-tied")):
+        out = tmp_path / f"{pre}.safetensors"
+        done = _octoplan("export", world2.folder / f"{plan}.yaml", "--format", "safetensors", "--checkpoint",
+                         world2.folder / "ck" / pre, "-o", out)
+        assert done.returncode == 0, done.stderr
+        assert "(after 3 steps)" in done.stdout
+        model = load_model_file(world2.model, world2.cases[plan][0])
+        whole = torch.nn.Module()
+        whole.layers = torch.nn.ModuleList(model.build_layer(i) for i in range(model.num_layers()))
+        whole.load_state_dict(load_file(out))  # strict: every key, no other
+        final = _final_state(world2, pre)
+        for index, layer in enumerate(whole.layers):
+            assert layer.state_dict().keys() == final[index].keys()
+            assert all(torch.equal(value, final[index][name]) for name, value in layer.state_dict().items())
+    assert torch.equal(whole.layers[0].emb.weight, whole.layers[5].out.weight)  # the tied pair, both keys
+    half = tmp_path / "half.safetensors"
+    assert _octoplan("export", world2.folder / "pre.yaml", "--format", "safetensors", "--checkpoint",
+                     world2.folder / "ck" / "pre", "--dtype", "bfloat16", "-o", half).returncode == 0
+    assert {tensor.dtype for tensor in load_file(half).values()} == {torch.bfloat16}
+    refused = _octoplan("export", world2.folder / "pre.yaml", "--format", "safetensors", "--checkpoint",
+                        world2.folder / "ck" / "pre-tied", "-o", tmp_path / "no.safetensors")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "tie" in refused.stderr and not (tmp_path / "no.safetensors").exists()
+    assert list(tmp_path.glob(".no.safetensors*")) == []

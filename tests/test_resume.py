@@ -418,3 +418,22 @@ def test_a_resume_that_changes_what_it_trains_on_says_so(one_rank, tmp_path):
             "microbatches of 2") in " ".join(other_cut.stderr.split())
     same_cut = _octorun(str(folder / "d6.yaml"), "--steps", "3", "--resume", str(good), cwd=h.ROOT)
     assert same_cut.returncode == 0 and "sample_batch" not in same_cut.stderr, same_cut.stderr
+
+
+def test_a_resume_at_another_seq_whose_weights_follow_seq_names_it(tmp_path):
+    """seq may change across a resume (no weight depends on it: rotary positions), but learned
+    positions are a weight of shape [seq, hidden]: the shape that differs is refused, and the fix
+    names the seq the checkpoint was trained at rather than a damaged checkpoint."""
+    jobs = Jobs(tmp_path, 1)
+    for name, seq in (("seq5", 5), ("seq7", 7)):
+        plan = h.baseline_plan("1f1b", jobs.model, {"vocab": 11, "hidden": 8, "depth": 6, "seq": seq, "positions": True},
+                               tmp_path / name, gpus=1, pp=1, microbatches=2)
+        save_plan(plan, tmp_path / f"{name}.yaml")
+    done = _octorun(str(tmp_path / "seq5.yaml"), "--steps", "1", "--save", str(tmp_path / "ck"), cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    done = _octorun(str(tmp_path / "seq7.yaml"), "--steps", "2", "--resume", str(tmp_path / "ck"), cwd=h.ROOT)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model/layers.0.pos" in lines[0], done.stderr
+    assert lines[0].endswith("(the checkpoint was trained with seq=5 (now 7), and a tensor's shape follows it here: "
+                             "resume under a plan of the checkpoint's)"), lines[0]

@@ -21,23 +21,26 @@ TOL = 1e-5
 # blocks may hold a parameter the forward never uses (``unused``: it never gets a gradient), and
 # whose blocks may drop out (``dropout``: training then draws from each rank's generator) or
 # normalize with batch statistics (``batchnorm``: running means and variances, buffers), and
-# whose dropout may draw in eval mode too (``draws_in_eval``, as F.dropout's default does).
+# whose dropout may draw in eval mode too (``draws_in_eval``, as F.dropout's default does), and whose
+# embedding may add learned positions (``positions``: a weight whose shape follows ``seq``).
 MODEL = '''
 import torch
 from torch import nn
 
 CONFIG = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False, "dropout": 0.0, "batchnorm": False,
-          "draws_in_eval": False}
+          "draws_in_eval": False, "positions": False}
 
-def num_layers(vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval):
+def num_layers(vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval, positions):
     return depth
 
 class Embed(nn.Module):
-    def __init__(self, vocab, hidden):
+    def __init__(self, vocab, hidden, seq=None):
         super().__init__()
         self.emb = nn.Embedding(vocab, hidden)
+        if seq is not None:  # learned positions: a weight whose shape follows seq
+            self.pos = nn.Parameter(torch.zeros(seq, hidden))
     def forward(self, ids):
-        return self.emb(ids)
+        return self.emb(ids) + self.pos if hasattr(self, "pos") else self.emb(ids)
 
 class BatchNorm(nn.Module):  # over every token of the microbatch: running statistics, a buffer per replica
     def __init__(self, hidden):
@@ -69,17 +72,17 @@ class Head(nn.Module):
     def forward(self, h):
         return self.out(h)
 
-def build_layer(index, vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval):
+def build_layer(index, vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval, positions):
     if index == 0:
-        return Embed(vocab, hidden)
+        return Embed(vocab, hidden, seq if positions else None)
     if index == depth - 1:
         return Head(vocab, hidden)
     return Block(hidden, index == poison, unused, dropout, batchnorm, draws_in_eval)
 
-def tied_parameters(vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval):
+def tied_parameters(vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval, positions):
     return [[(0, "emb.weight"), (depth - 1, "out.weight")]] if tie else []
 
-def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval):
+def sample_batch(mbs, generator, vocab, hidden, depth, seq, tie, poison, unused, dropout, batchnorm, draws_in_eval, positions):
     ids = torch.randint(0, vocab, (mbs, seq + 1), generator=generator)
     return ids[:, :-1], ids[:, 1:]
 
