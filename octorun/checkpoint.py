@@ -192,7 +192,8 @@ def latest(root: str | os.PathLike) -> tuple[int, Path] | None:
 
 def check_save_root(root: str | os.PathLike, model: dict[str, Any]) -> None:
     """:class:`InputError` where ``root`` (``--save``) holds a complete checkpoint of another
-    model than ``model`` (``model`` name and ``num_layers``) or one whose record cannot be read:
+    model than ``model`` (``model`` name, ``num_layers`` and ``resolved_config`` but for
+    :data:`CONFIG_KEYS_APART`, as a resume compares them) or one whose record cannot be read:
     this run's saves would replace the one of the same step and prune the others (``--keep``)."""
     for _, path in _complete(Path(root)):
         fix = f"give --save a folder of this model's checkpoints or a new one, or move {path} away"
@@ -206,6 +207,11 @@ def check_save_root(root: str | os.PathLike, model: dict[str, Any]) -> None:
                 raise InputError(str(path), "--save", f"holds a checkpoint of another {what} ({meta[key]!r}, this "
                                  f"run's is {model[key]!r}): this run's saves would replace it or prune it (--keep)",
                                  fix)
+        saved, ours = meta.get("resolved_config"), model.get("resolved_config")
+        differences = config_differences(saved, ours) if isinstance(saved, dict) and isinstance(ours, dict) else []
+        if differences:
+            raise InputError(str(path), "--save", f"holds a checkpoint of another model config (trained with "
+                             f"{differences[0]}): this run's saves would replace it or prune it (--keep)", fix)
 
 
 def resolve(spec: str, *, save_root: str | os.PathLike | None, flag: str = "--resume") -> Path | None:

@@ -313,7 +313,8 @@ def prepare(config: RunConfig) -> Prepared:
     if config.save_dir is not None:
         from octorun import checkpoint
 
-        checkpoint.check_save_root(config.save_dir, model_identity(model, num_layers))
+        checkpoint.check_save_root(config.save_dir, {**model_identity(model, num_layers),
+                                                     "resolved_config": _recorded_config(model, config)})
     init_from = None
     if config.init_from is not None and resume_from is None:  # a run that resumes never reads it
         from octorun import checkpoint

@@ -437,3 +437,17 @@ def test_a_resume_at_another_seq_whose_weights_follow_seq_names_it(tmp_path):
     assert len(lines) == 1 and "model/layers.0.pos" in lines[0], done.stderr
     assert lines[0].endswith("(the checkpoint was trained with seq=5 (now 7), and a tensor's shape follows it here: "
                              "resume under a plan of the checkpoint's)"), lines[0]
+
+
+def test_a_save_root_holding_another_model_configs_checkpoint_is_refused(one_rank):
+    """--save into a folder of checkpoints of the same layers under another config (dropout 0.0,
+    now 0.5: the same shapes): this run's saves would replace the one of the same step and prune
+    the rest. Refused before training, as a resume of it is; the checkpoint stays as it was."""
+    folder, good = one_rank
+    before = sorted(path.name for path in good.parent.iterdir())
+    done = _octorun(str(folder / "d6-dropout.yaml"), "--steps", "2", "--save", str(good.parent), cwd=h.ROOT)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--save: holds a checkpoint of another model config (trained with dropout=0.0 (now 0.5))" \
+        in lines[0], done.stderr
+    assert sorted(path.name for path in good.parent.iterdir()) == before and (good / "octopipe.json").exists()
