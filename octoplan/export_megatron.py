@@ -68,6 +68,9 @@ def parse_kind_letters(pairs: Sequence[str]) -> dict[str, str]:
         kind, equals, letter = pair.partition("=")
         if not equals or not kind or letter not in LETTERS or len(letter) != 1:
             raise InputError(None, "--kind-letter", f"is {pair!r}", "write KIND=LETTER with LETTER one of E, t, m, L")
+        if out.get(kind, letter) != letter:  # as any option given twice with other values (FORMATS section 5)
+            raise InputError(None, "--kind-letter", f"maps {kind!r} twice, to {out[kind]} and to {letter}",
+                             "give one letter a kind")
         out[kind] = letter
     return out
 

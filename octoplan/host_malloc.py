@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "OPT_OUT", "steady_malloc"]
@@ -37,6 +38,8 @@ threshold had reached that ceiling."""
 TRIM_THRESHOLD = 1024 * 1024 * 1024
 """Free memory the heap keeps at its top before handing any back: a training step frees and
 reallocates its activations every step, so returning them costs page faults on the next."""
+
+log = logging.getLogger(__name__)
 
 OPT_OUT = "OCTOPIPE_MALLOC"
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
@@ -55,8 +58,12 @@ def steady_malloc() -> str:
 
 
 def _apply() -> str:
-    if os.environ.get(OPT_OUT, "").strip().lower() == "as-is":
+    asked = os.environ.get(OPT_OUT, "").strip().lower()
+    if asked == "as-is":
         return "as-is"
+    if asked:  # a typo would otherwise go unseen, and the profile would not be of glibc's own behaviour
+        log.warning("%s=%s is not its one value, as-is: the allocator's thresholds are fixed as without it",
+                    OPT_OUT, os.environ[OPT_OUT])
     if any(name in os.environ for name in _USER_SETTINGS) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return "user"
     libc = _glibc()

@@ -190,6 +190,17 @@ def latest(root: str | os.PathLike) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
+def damaged_after(root: str | os.PathLike, step: int) -> list[Path]:
+    """The folders of ``root`` named as checkpoints of a later step than ``step`` that are not
+    complete (a file of theirs gone: damaged, since a save renames its folder only when done),
+    oldest first: what a resume from ``root`` passed over."""
+    folder = Path(root)
+    if not folder.is_dir():
+        return []
+    return sorted(entry for entry in folder.iterdir()
+                  if (later := _step_of(entry)) is not None and later > step and not _is_complete(entry))
+
+
 def check_save_root(root: str | os.PathLike, model: dict[str, Any]) -> None:
     """:class:`InputError` where ``root`` (``--save``) holds a complete checkpoint of another
     model than ``model`` (``model`` name, ``num_layers`` and ``resolved_config`` but for

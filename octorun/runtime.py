@@ -1264,6 +1264,7 @@ class _Interpreter:
             # read before the file is begun anew
             earlier = _earlier_metrics(self.config.metrics_path, self.first_step, self.saved_metrics)
             metrics_file = StreamedOutput(self.config.metrics_path, flag="--metrics")
+            self.watchdog.dropped_if_empty.append(metrics_file.partial)
             if evaluating_only:  # the last line gets the evaluation (_evaluate_checkpoint)
                 earlier, held_back = earlier[:-1], earlier[-1:]
             for line in earlier:
@@ -1688,6 +1689,10 @@ def run(config: RunConfig) -> RunResult:
                 interpreter.restore(prepared.resume_from)
                 if me == 0:
                     log.warning("resumed from %s at step %d", prepared.resume_from, interpreter.first_step)
+                    chosen = config.resume == "auto" or Path(config.resume).resolve() != prepared.resume_from.resolve()
+                    for damaged in checkpoint.damaged_after(prepared.resume_from.parent, resumed) if chosen else ():
+                        log.warning("passed over %s, a later checkpoint that is not complete (a file of it is gone)",
+                                    damaged)
                     saved = checkpoint.read_meta(prepared.resume_from)
                     changed = changed_settings(saved, interpreter.settings())
                     if changed:  # allowed (a new learning rate, a longer run), but never unsaid

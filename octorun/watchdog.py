@@ -114,6 +114,9 @@ class Watchdog:
         # earlier attempt (its abort above all) must not reach the next one
         self.prefix = f"octorun/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.node = f"{socket.gethostname()} {os.environ.get('GROUP_RANK', '0')}"  # torchrun's node rank
+        # outputs this process has begun (octorun's --metrics, growing as .partial): removed where
+        # bad input ends the job before a line is in them
+        self.dropped_if_empty: list[Path] = []
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -394,7 +397,15 @@ class Watchdog:
         sys.stderr.flush()
         sys.stdout.flush()
         self.doing(f"leaving: {problem}")
-        self.write_record()
+        if code == EXIT_BAD_INPUT:
+            # the one line says it all: a bad input leaves no record behind, nor an output begun empty
+            self.close_record(keep=False)
+            for path in self.dropped_if_empty:
+                with contextlib.suppress(OSError):
+                    if path.stat().st_size == 0:
+                        path.unlink()
+        else:
+            self.write_record()
         self._reap_hung_peers()
         os._exit(code)
 

@@ -259,10 +259,11 @@ def test_hybrid_kinds_are_refused_unless_mapped():
         LayerLetters(profile, letters={"mambaa": "t", "attention": "t"})
 
 
-@pytest.mark.parametrize("pairs", [["block"], ["block=x"], ["=t"], ["block=tt"]])
+@pytest.mark.parametrize("pairs", [["block"], ["block=x"], ["=t"], ["block=tt"], ["block=t", "block=m"]])
 def test_kind_letter_options_are_checked(pairs):
     with pytest.raises(InputError, match="--kind-letter"):
         parse_kind_letters(pairs)
+    assert parse_kind_letters(["block=t", "block=t", "mamba=m"]) == {"block": "t", "mamba": "m"}  # the same twice is one
 
 
 def test_megatron_core_parser_accepts_our_layouts():

@@ -96,3 +96,16 @@ def test_the_profile_records_the_setting():
             "print(json.dumps({'malloc': p.extra['profiler']['malloc']}))")
     assert _python(code, str(VLM)) == {"malloc": "steady"}
     assert _python(code, str(VLM), OCTOPIPE_MALLOC="as-is") == {"malloc": "as-is"}
+
+
+def test_a_misspelt_opt_out_is_said_once_and_fixes_the_thresholds(monkeypatch, caplog):
+    """OCTOPIPE_MALLOC has one value, as-is; another (a typo) would leave a user believing the
+    profile timed glibc's own behaviour."""
+    import octoplan.host_malloc as host_malloc
+
+    monkeypatch.setattr(host_malloc, "_applied", None)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OCTOPIPE_MALLOC", "asis")
+    assert host_malloc.steady_malloc() == "steady" and host_malloc.steady_malloc() == "steady"
+    assert caplog.text.count("OCTOPIPE_MALLOC=asis is not its one value, as-is") == 1

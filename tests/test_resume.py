@@ -280,6 +280,7 @@ def test_bad_checkpoints_exit_2_in_one_line(one_rank, case, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("octorun: "), done.stderr
     assert "Traceback" not in done.stderr
     assert not metrics.exists() and not Path(f"{metrics}.partial").exists()
+    assert list(tmp_path.glob("m.rank*")) == []  # no activity record either: the line says it all
     expected = {"missing": "nothing-here", "partial": "partial", "other-model": "layers",
                 "missing-shard": ".distcp", "auto-without-save": "--save", "other-seed": "resume with --seed 3",
                 "other-data": "trained on a file of 3000 uint16 tokens",
@@ -451,3 +452,20 @@ def test_a_save_root_holding_another_model_configs_checkpoint_is_refused(one_ran
     assert len(lines) == 1 and "--save: holds a checkpoint of another model config (trained with dropout=0.0 (now 0.5))" \
         in lines[0], done.stderr
     assert sorted(path.name for path in good.parent.iterdir()) == before and (good / "octopipe.json").exists()
+
+
+def test_a_resume_that_passes_over_a_damaged_later_checkpoint_says_so(one_rank, tmp_path):
+    """A folder of checkpoints whose newest lost a file: the resume takes the newest complete one,
+    and names the one it passed over (a .partial save is an unfinished one, expected, and not
+    named)."""
+    folder, good = one_rank
+    root = tmp_path / "ck"
+    shutil.copytree(good, root / "step_00000002")
+    shutil.copytree(good, root / "step_00000003")
+    (root / "step_00000003" / "octopipe.json").unlink()
+    (root / "step_00000004.partial").mkdir()
+    done = _octorun(str(folder / "d6.yaml"), "--steps", "3", "--resume", str(root), cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from {root / 'step_00000002'} at step 2" in done.stderr
+    assert f"passed over {root / 'step_00000003'}, a later checkpoint that is not complete" in done.stderr
+    assert "step_00000004" not in done.stderr

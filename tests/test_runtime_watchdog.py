@@ -150,16 +150,18 @@ def test_plan_with_wrong_layer_count_is_bad_input(tmp_path):
 def test_a_model_file_found_wrong_while_training_exits_2_with_one_line(tmp_path, old, new, line):
     """The model file's fault, seen only once the job runs (a loss that is not a scalar, a
     batch that is not a pair), is still bad input: exit 2, one line naming the file, the field
-    and the fix."""
+    and the fix, and nothing left behind: no activity record, no metrics file begun."""
     model_path, config = h.model_spec("tiny", tmp_path)
     source = model_path.read_text()
     assert old in source
     model_path.write_text(source.replace(old, new))
     plan = h.make_plan(model_path, config, stages=[(0, 6, 0)], schedule=["0F0 0B0"], microbatches=1)
     save_plan(plan, tmp_path / "one.yaml")
-    done = _octorun(str(tmp_path / "one.yaml"))
+    before = sorted(path.name for path in tmp_path.iterdir())
+    done = _octorun(str(tmp_path / "one.yaml"), "--metrics", str(tmp_path / "m.jsonl"))
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"octorun: rank 0: {line.format(model=model_path)}"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == before
 
 
 def test_counts_beyond_any_run_and_a_replay_without_a_profile_are_bad_input(tmp_path):
