@@ -763,6 +763,12 @@ def profile_model_file(
         except InputError:
             raise
         except MODEL_CODE_FAILURES as exc:
+            if chain.changed_inputs and "inplace operation" in str(exc):
+                culprit = chain.changed_inputs[0]
+                raise InputError(mf.path, f"layer {culprit} ({names[culprit]})", "changes its input in place, which "
+                                 f"layer {culprit - 1} holds for its backward ({_exc_text(exc)})",
+                                 "compute on a copy (x = x + 1, not x += 1): a forward must not change its inputs in "
+                                 "place") from None
             raise InputError(mf.path, f"layer {chain.current} ({names[chain.current]})",
                              f"failed when run in sequence: {_exc_text(exc)}", "fix the layer") from None
         del chain, modules

@@ -123,6 +123,10 @@ class Chain:
         self.device, self.precision = device, precision
         self.params = [[p for p in module.parameters() if p.requires_grad] for module in modules]
         self.current = 0  # the layer running now, named when it fails
+        # the layers whose forward changed an input in place (an integer one: a floating input is
+        # a leaf that autograd refuses to see changed): the backward of the layer before, which
+        # may hold that tensor, then fails in its own name, and the blame belongs here
+        self.changed_inputs: list[int] = []
 
     @property
     def last(self) -> int:
@@ -139,10 +143,13 @@ class Chain:
             if index:  # the model's inputs are data: they need no gradient
                 args = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in args)
             saved = SavedTensors()
+            versions = [a._version for a in args]
             with saved.recording(), autocast(self.device, self.precision):
                 value = module(*args)
                 if index == self.last:
                     loss = self.loss(index, self.names[index], value, self.targets)
+            if index and [a._version for a in args] != versions and index not in self.changed_inputs:
+                self.changed_inputs.append(index)
             inputs = [a for a in args if a.requires_grad]
             if index == self.last:
                 tapes.append(Tape(inputs, [root_edge(loss)], saved, torch.ones_like(loss)))

@@ -212,6 +212,60 @@ def test_a_layer_failing_in_sequence_is_named(tmp_path):
     assert "failed when run in sequence: ValueError: worn out" in err.value.line()
 
 
+PASSED_ON = """
+import torch
+from torch import nn
+
+CONFIG = {}
+
+def num_layers():
+    return 3
+
+class Embed(nn.Module):  # hands its integer input on beside the hidden state; the embedding keeps it for its backward
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(11, 4)
+    def forward(self, ids):
+        return self.tok(ids), ids
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+    def forward(self, h, ids):
+        ids += 0  # the bug: the embedding's saved input changes
+        return self.lin(h), ids
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(4, 11)
+    def forward(self, h, ids):
+        return self.out(h)
+
+def build_layer(index):
+    return [Embed, Block, Head][index]()
+
+def sample_batch(microbatch_size, generator):
+    ids = torch.randint(0, 11, (microbatch_size, 6), generator=generator)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+"""
+
+
+def test_a_layer_that_changes_an_integer_input_in_place_is_blamed_not_the_one_before(tmp_path):
+    """Block adds to the token ids it is handed in place; the embedding, which holds them for
+    its backward, is where autograd notices. The error names Block and the rule."""
+    path = write_model(tmp_path, PASSED_ON, name="passed_on.py")
+    with pytest.raises(InputError) as err:
+        profile_model_file(path, microbatch_size=2, repeat=2, warmup=0, device="cpu")
+    assert err.value.field == "layer 1 (Block)", err.value.line()
+    assert "changes its input in place, which layer 0 holds for its backward" in err.value.line()
+    assert "a forward must not change its inputs in place" in err.value.line()
+
+
 # ----------------------------------------------------------------------------- spread
 
 
