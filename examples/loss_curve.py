@@ -107,7 +107,8 @@ def render(segments: list[tuple[str, Points, Points]], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("segments", nargs="+", metavar="LABEL=METRICS.jsonl")
     parser.add_argument("-o", "--output", required=True, metavar="LOSS.svg")
     parser.add_argument("--title", default="training loss")

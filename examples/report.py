@@ -56,8 +56,9 @@ def main(pairs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python examples/report.py PLAN=METRICS [PLAN=METRICS ...]")
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(f"usage: python examples/report.py PLAN=METRICS [PLAN=METRICS ...]\n\n{__doc__.split(chr(10) * 2, 1)[1]}")
+        sys.exit(0 if len(sys.argv) >= 2 else 2)
     try:
         main(sys.argv[1:])
     except InputError as exc:

@@ -72,7 +72,8 @@ def profile(
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU of the analytic profile \\[default: h100]"),
     list_known: bool = typer.Option(False, "--list", help="name the known architectures and GPUs"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="sequence length (analytic)"),
-    microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", help="samples per microbatch"),
+    microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", help="samples per microbatch "
+                                                  "\\[default: 4 for a model file, 1 for --arch]"),
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel degree (analytic) \\[default: 1]"),
     split_blocks: bool = typer.Option(False, "--split-blocks",
                                       help="one layer per block's mixer and per its MLP/MoE (analytic): finer stage boundaries"),
@@ -692,7 +693,7 @@ def export(
     plan_path: Path = typer.Argument(..., metavar="PLAN"),
     format: str = typer.Option("torch-csv", "--format", help="torch-csv: torch.distributed.pipelining's compute-only CSV; "
                                "megatron: Megatron-LM's --pipeline-model-parallel-layout and arguments (a bash array); "
-                               "torchtitan: its [parallelism] settings (TOML) and the schedule CSV beside them; "
+                               "torchtitan: its \\[parallelism] settings (TOML) and the schedule CSV beside them; "
                                "hf: the weights of an octorun --checkpoint of PLAN's hf: model, as a transformers "
                                "model folder; safetensors: those of PLAN's model file, as one file"),
     output: Path = typer.Option(..., "-o", "--output", help="file to write (hf: a new folder)"),

@@ -1,4 +1,4 @@
-"""OctoPipe runtime: executes any valid plan with torch.distributed (``torchrun ... octorun PLAN``).
+"""OctoPipe runtime: executes any valid plan with torch.distributed (``torchrun ... -m octorun PLAN``).
 
 Reads plans through :mod:`octoplan.plan` and ops through :mod:`octoplan.ops`; never needs
 OR-Tools or the simulator.

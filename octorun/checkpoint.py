@@ -39,6 +39,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import time
 import warnings
 import zlib
@@ -388,6 +389,50 @@ def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:
     return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+# -- one run a root -------------------------------------------------------------------------------
+
+LOCK_FILE = ".octorun.lock"
+_HELD: dict[Path, Any] = {}  # root (resolved) -> the open lock file this process holds for its life
+
+
+def hold_root(root: Path) -> None:
+    """Make this process (a job's first rank) the one that saves into ``root``: an exclusive
+    ``flock`` on ``root/.octorun.lock``, which the kernel lets go when the process ends, however
+    it ends (a crashed, killed or preempted run holds nothing, and ``torchrun --max-restarts``
+    takes it again). Two runs saving into one root at once would remove each other's partial
+    saves and prune each other's checkpoints: a root another live process holds is bad input. On
+    a file system without locks (some network mounts) the root goes unguarded, as without this."""
+    key = root.resolve()
+    if key in _HELD:
+        return
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return
+    try:
+        handle = open(root / LOCK_FILE, "a+", encoding="utf-8")
+    except OSError as exc:
+        raise _unwritable(root, exc) from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a live process"
+        handle.close()
+        raise InputError(str(root), "--save", f"another run saves into it now ({holder}, holding {LOCK_FILE}): the "
+                         "two would remove each other's saves and prune each other's checkpoints",
+                         "give this run a --save folder of its own, or stop the other run first") from None
+    except OSError as exc:
+        log.debug("%s: no lock on this file system (%s); the root goes unguarded", root, exc)
+        handle.close()
+        return
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    _HELD[key] = handle
+
+
 # -- saving ----------------------------------------------------------------------------------------
 
 def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, meta: dict[str, Any], group: Any,
@@ -415,6 +460,10 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, meta: dic
         json.dumps(record)  # first: meta that is not JSON stops the save before anything is written
         try:
             root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _unwritable(root, exc) from None
+        hold_root(root)  # before removing unfinished saves: they may be another live run's
+        try:
             _remove_unfinished(root)
             partial.mkdir()
         except OSError as exc:
@@ -790,6 +839,8 @@ def check_one_root(root: str | os.PathLike, *, group: Any) -> None:
     if refused:
         raise InputError(None, "--save", f"cannot be written on {_listed(refused)}",
                          "give every node write access to the folder: a read-write mount of the shared file system")
+    # the first rank alone decides (a root that does not exist yet is taken at the first save)
+    _on_first(group, lambda: hold_root(root) if root.is_dir() else None)
 
 
 def _listed(ranks: list[tuple[int, str]]) -> str:

@@ -1,6 +1,6 @@
 """The ``octorun`` command (docs/FORMATS.md section 5): parse, call :func:`octorun.runtime.run`, summarize.
 
-``torchrun --nproc-per-node N octorun PLAN [--steps K] [--seed S] [--optimizer sgd|adamw]
+``torchrun --nproc-per-node N -m octorun PLAN [--steps K] [--seed S] [--optimizer sgd|adamw]
 [--lr LR] [--metrics FILE.jsonl] [--trace FILE.json] [--timeout S] [--replay [SCALE]]
 [--dynamic-shapes] [--backend auto|gloo|nccl] [--activation-memory]``, and the training flags:
 precision, the optimizer step and its schedule, token data and held-out data, checkpoints
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("plan", help="plan file (octoplan tune / baseline)")
     parser.add_argument("--version", action="version", version=f"octorun (octopipe) {__version__}")
     parser.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (docs/FORMATS.md section 4)")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed, 0 to 913458 (default 0; docs/FORMATS.md section 4)")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="sgd is plain: no momentum, no weight decay (default sgd)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--metrics", metavar="FILE.jsonl", help="global rank 0 writes one JSON object per step")
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"), default="constant",
                           help="after --warmup-steps, linear and cosine fall from --lr to --min-lr at the last step")
     training.add_argument("--warmup-steps", type=int, default=0, metavar="N", help="linear warm-up steps (default 0)")
-    training.add_argument("--min-lr", type=float, default=0.0, metavar="LR", help="the schedule's last learning rate")
+    training.add_argument("--min-lr", type=float, default=0.0, metavar="LR", help="the schedule's last learning rate (default 0)")
     training.add_argument("--decay-steps", type=int, metavar="N",
                           help="the steps the schedule spans (default --steps): a run stopped early, to resume "
                                "under another plan, keeps the whole training's curve")

@@ -787,3 +787,29 @@ def test_model_state_keys_a_parameter_by_its_first_name_and_a_tied_one_by_its_ca
     assert state["model/layers.0.a.weight"] is not None
     tied = model_state(layers, {id(layers[3].weight): "layers.0.a.weight"})
     assert "model/layers.3.weight" not in tied and sorted(tied)[:2] == ["model/layers.0.a.bias", "model/layers.0.a.weight"]
+
+
+def test_a_save_into_a_root_another_process_holds_is_bad_input_and_writes_nothing(tmp_path):
+    """The first save takes the root (it did not exist when the run began): where another
+    process holds it by then, the save is refused, naming the holder, before anything is
+    written or any unfinished save (perhaps the other run's) is removed."""
+    import subprocess
+
+    root = tmp_path / "ck"
+    (root / "step_00000003.partial").mkdir(parents=True)  # the other run's save under way
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+                               "f.seek(0); f.truncate(); f.write(f'pid {os.getpid()} on here'); f.flush()\n"
+                               "print('held', flush=True); time.sleep(120)", str(root / checkpoint.LOCK_FILE)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(InputError, match=rf"another run saves into it now \(pid {holder.pid} on here, holding "):
+            checkpoint.save(root, 1, {"model/layers.0.weight": torch.ones(2)}, meta={**META, "step": 1}, group=None,
+                            keep=2)
+        assert sorted(path.name for path in root.iterdir()) == [checkpoint.LOCK_FILE, "step_00000003.partial"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert checkpoint.save(root, 1, {"model/layers.0.weight": torch.ones(2)}, meta={**META, "step": 1}, group=None,
+                           keep=2).name == "step_00000001"

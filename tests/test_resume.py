@@ -469,3 +469,31 @@ def test_a_resume_that_passes_over_a_damaged_later_checkpoint_says_so(one_rank, 
     assert f"resumed from {root / 'step_00000002'} at step 2" in done.stderr
     assert f"passed over {root / 'step_00000003'}, a later checkpoint that is not complete" in done.stderr
     assert "step_00000004" not in done.stderr
+
+
+def test_a_save_root_another_live_run_holds_is_refused_and_freed_when_it_ends(one_rank, tmp_path):
+    """Another process holds the root's lock (a run saving into it now): this run is refused
+    before training, naming it, and writes nothing there; once that process is gone (however it
+    ended: the kernel lets go of its lock), the root is this run's."""
+    folder, _ = one_rank
+    root = tmp_path / "ck"
+    root.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               "f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+                               "f.seek(0); f.truncate(); f.write('pid 4242 on elsewhere\\n'); f.flush()\n"
+                               "print('held', flush=True); time.sleep(120)", str(root / ".octorun.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = _octorun(str(folder / "d6.yaml"), "--steps", "2", "--save", str(root), cwd=h.ROOT)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"{root}: --save: another run saves into it now (pid 4242 on elsewhere, holding " \
+            ".octorun.lock)" in lines[0], done.stderr
+        assert sorted(path.name for path in root.iterdir()) == [".octorun.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    done = _octorun(str(folder / "d6.yaml"), "--steps", "2", "--save", str(root), cwd=h.ROOT)
+    assert done.returncode == 0, done.stderr
+    assert (root / "step_00000002" / "octopipe.json").exists()
