@@ -195,9 +195,9 @@ class _Probe:
             probe.rss_kb.append(_vm_rss_kb())
             return record
 
-        def timed_save(interpreter, number):
+        def timed_save(interpreter, number, *args, **named):
             began = time.perf_counter()
-            save(interpreter, number)
+            save(interpreter, number, *args, **named)
             probe.save_s.append(time.perf_counter() - began)
             probe.saved_payload_bytes = _payload_bytes(interpreter._checkpoint_state())
 

@@ -61,7 +61,7 @@ def _apply() -> str:
     asked = os.environ.get(OPT_OUT, "").strip().lower()
     if asked == "as-is":
         return "as-is"
-    if asked:  # a typo would otherwise go unseen, and the profile would not be of glibc's own behaviour
+    if asked and os.environ.get("RANK", "0") == "0":  # a typo would otherwise go unseen (said once a job)
         log.warning("%s=%s is not its one value, as-is: the allocator's thresholds are fixed as without it",
                     OPT_OUT, os.environ[OPT_OUT])
     if any(name in os.environ for name in _USER_SETTINGS) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):

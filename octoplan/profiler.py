@@ -764,9 +764,13 @@ def profile_model_file(
             raise
         except MODEL_CODE_FAILURES as exc:
             if chain.changed_inputs and "inplace operation" in str(exc):
-                culprit = chain.changed_inputs[0]
+                # the backward that failed is the holder's; the culprit changed an input after it
+                holder = chain.current
+                later = [index for index in chain.changed_inputs if index > holder]
+                culprit = later[0] if later else chain.changed_inputs[0]
+                held = f"layer {holder}" if later else "a layer before it"
                 raise InputError(mf.path, f"layer {culprit} ({names[culprit]})", "changes its input in place, which "
-                                 f"layer {culprit - 1} holds for its backward ({_exc_text(exc)})",
+                                 f"{held} holds for its backward ({_exc_text(exc)})",
                                  "compute on a copy (x = x + 1, not x += 1): a forward must not change its inputs in "
                                  "place") from None
             raise InputError(mf.path, f"layer {chain.current} ({names[chain.current]})",

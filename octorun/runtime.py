@@ -1334,8 +1334,9 @@ class _Interpreter:
     def _evaluate_checkpoint(self, metrics_file: StreamedOutput | None, held_back: list[str]) -> None:
         """The evaluation of a resume that has no step to train: of the weights the checkpoint's
         last step left. Its loss joins that step's line of ``--metrics`` (``held_back``, the
-        file's last line, replacing an earlier evaluation's), or is a line of its own where the
-        file has none for the step."""
+        file's last line, replacing an earlier evaluation's), or where the file has none, the
+        checkpoint's line of the step (``step_metrics``), or a line of its own for a checkpoint
+        without one."""
         step = self.first_step - 1
         try:
             record = self.evaluate(step)
@@ -1352,10 +1353,11 @@ class _Interpreter:
         if metrics_file is None:
             return
         line = json.loads(held_back[-1]) if held_back else {}
-        if line.get("step") != step:  # (a file without the step's line)
+        if line.get("step") != step:  # a file without the step's line: the checkpoint's own, where it has one
             for earlier in held_back:
                 metrics_file.write_line(earlier)
-            line = {"step": step}
+            saved = self.saved_metrics
+            line = dict(saved) if isinstance(saved, dict) and saved.get("step") == step else {"step": step}
         metrics_file.write_line(json.dumps({**line, "eval_loss": eval_loss, "eval_ms": round(eval_ms, 4)}))
 
     # -- checkpoints (octorun.checkpoint) --------------------------------------------------------
@@ -1694,22 +1696,15 @@ def run(config: RunConfig) -> RunResult:
                         log.warning("passed over %s, a later checkpoint that is not complete (a file of it is gone)",
                                     damaged)
                     saved = checkpoint.read_meta(prepared.resume_from)
-                    changed = changed_settings(saved, interpreter.settings())
+                    # (a resume with nothing left to train, one that only evaluates, trains on nothing)
+                    trains = interpreter.first_step < config.steps
+                    changed = changed_settings(saved, interpreter.settings()) if trains else []
                     if changed:  # allowed (a new learning rate, a longer run), but never unsaid
                         log.warning("this run's settings differ from the checkpoint's: %s; the run goes on with its own",
                                     ", ".join(changed))
-                    trained_on = saved.get("data")
-                    if trained_on and prepared.data is None:  # a restart script that lost its --data
-                        log.warning("the checkpoint was trained on --data %s; this run has no --data and trains on the "
-                                    "model's sample_batch", trained_on)
-                    elif not trained_on and prepared.data is not None:
-                        log.warning("the checkpoint was trained on the model's sample_batch; this run reads --data %s "
-                                    "from sample %d on", prepared.data.path, interpreter.consumed_samples)
-                    elif not trained_on and saved.get("sampling") not in (None, interpreter.sampling()):
-                        # a resume under another plan is the same math on the same samples only with --data
-                        log.warning("without --data, the model's sample_batch draws each microbatch by its step, "
-                                    "replica and index: this plan's %s draws other samples than the checkpoint's %s",
-                                    _cut(interpreter.sampling()), _cut(saved["sampling"]))
+                    changed_data = _changed_data(saved, prepared.data, interpreter) if trains else None
+                    if changed_data:
+                        log.warning("%s", changed_data)
         except InputError as exc:
             watchdog.fail(exc.line(), code=EXIT_BAD_INPUT)
         except Exception as exc:
@@ -1778,6 +1773,23 @@ def run(config: RunConfig) -> RunResult:
     return result
 
 
+def _changed_data(saved: dict[str, Any], data: Any, interpreter: "_Interpreter") -> str | None:
+    """What a resume trains on that the checkpoint did not, said as a warning; None where it
+    reads on as the uninterrupted run would."""
+    trained_on = saved.get("data")
+    if trained_on and data is None:  # a restart script that lost its --data
+        return f"the checkpoint was trained on --data {trained_on}; this run has no --data and trains on the model's " \
+               "sample_batch"
+    if not trained_on and data is not None:
+        return f"the checkpoint was trained on the model's sample_batch; this run reads --data {data.path} from " \
+               f"sample {interpreter.consumed_samples} on"
+    if not trained_on and saved.get("sampling") not in (None, interpreter.sampling()):
+        # a resume under another plan is the same math on the same samples only with --data
+        return "without --data, the model's sample_batch draws each microbatch by its step, replica and index: this " \
+               f"plan's {_cut(interpreter.sampling())} draws other samples than the checkpoint's {_cut(saved['sampling'])}"
+    return None
+
+
 def _cut(sampling: dict[str, int]) -> str:
     return f"{sampling['dp']} replica(s) x {sampling['microbatches']} microbatches of {sampling['microbatch_size']}"
 
@@ -1815,8 +1827,8 @@ def _earlier_metrics(path: str, first_step: int, saved: dict[str, Any] | None = 
     """A resumed run's metrics keep the lines of the steps before it: those the interrupted run
     wrote (its PATH.partial, newest) or an earlier run ended with (PATH), so that a run restarted
     any number of times ends with one line per step. ``saved`` is the checkpoint's line of the
-    step it was saved after: a file whose line of that step has another loss is another run's
-    and is not kept; where the files hold earlier lines but not that one (the process died
+    step it was saved after: a file whose line of that step has another loss, or that stops
+    before the step ahead of it, is another run's and is not kept; where the files hold earlier lines but not that one (the process died
     between the save and the line, during an evaluation), it is ``saved``, without the
     evaluation's figures. Empty for a run from step 0; a file of no earlier line is another
     segment's."""
@@ -1840,9 +1852,16 @@ def _earlier_metrics(path: str, first_step: int, saved: dict[str, Any] | None = 
                 continue  # a line cut by a crash, or not ours
             if isinstance(step, int) and 0 <= step < first_step:
                 found[step] = (line, record)
-        if saved is not None and last in found and json.dumps(found[last][1].get("loss")) != json.dumps(saved.get("loss")):
+        if saved is not None and "loss" in found.get(last, (None, {}))[1] and \
+                json.dumps(found[last][1]["loss"]) != json.dumps(saved.get("loss")):
             log.warning("%s holds another run's metrics (its step %d has loss %s, the checkpoint's %s): its lines are "
                         "not kept", source, last, found[last][1].get("loss"), saved.get("loss"))
+            continue
+        if found and max(found) < last - 1:
+            # this run wrote a line of every step before the checkpoint's (that one a process
+            # killed during an evaluation misses): a file that stops sooner is another run's
+            log.warning("%s holds another run's metrics (its last line is of step %d; the checkpoint is after step %d): "
+                        "its lines are not kept", source, max(found), last)
             continue
         lines.update((step, line) for step, (line, _) in found.items())
     if lines and last not in lines and saved is not None:

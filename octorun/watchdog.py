@@ -352,6 +352,7 @@ class Watchdog:
         a deadline passed)."""
         if code == EXIT_FAILURE:
             problem += self._diagnosis(problem, waited=waited)
+        quiet = False
         with self._lock:
             if not self._failing:
                 self._failing = True
@@ -364,12 +365,14 @@ class Watchdog:
                             # its own exit status: bad input it found is bad input, whoever spoke first
                             self._exit(f"stopping because {cause}; this rank then saw: {problem}", code=code,
                                        quiet=not self._tells_its_node(code))
-                        self._tells_its_node(code)  # (its node hears it from this rank)
+                        # its node hears it from this rank, unless a peer there that found the same
+                        # at the same moment (a replica) spoke first
+                        quiet = not self._tells_its_node(code)
                         self.store.set(self.key(ABORT_CODE_KEY), str(code))
                         self.store.set(self.key(ABORT_KEY), f"rank {self.global_rank} failed: {problem}")
                     except Exception as exc:  # the store may be gone with a dead peer; exit all the same
                         log.debug("could not reach the rendezvous store while failing: %s", exc)
-        self._exit(problem, code=code)
+        self._exit(problem, code=code, quiet=quiet)
 
     def _tells_its_node(self, code: int) -> bool:
         """Whether this process is to say why the job stops, on its node. Bad input is said once

@@ -19,6 +19,7 @@ whole or not at all.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from octoplan.errors import InputError
-from octoplan.outputs import write_bytes
+from octoplan.outputs import check_writable, write_bytes
 from octoplan.plan import Plan
 from octorun import checkpoint
 from octorun.checkpoint import CONFIG_KEYS_APART, config_differences
@@ -104,6 +105,11 @@ def export_safetensors(plan: Plan, plan_path: Path, checkpoint_spec: str, output
                          "pip install -e '.[hf]' (or pip install safetensors)") from None
     model = load_model_file(model_path(plan, str(plan_path)), plan.model.config)
     path = checkpoint.resolve(checkpoint_spec, save_root=None, flag="--checkpoint")
+    # what the export reads, which writing FILE must not destroy: the model file, and every file of
+    # the checkpoint (a file written into its folder would also go when a later run prunes it)
+    check_writable(output, "-o", inputs=(model.path,))
+    if Path(os.path.abspath(output)).resolve().is_relative_to(path.resolve()):
+        raise InputError(str(output), "-o", f"is inside the checkpoint {path}", "give a file outside it")
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, model_identity(model, model.num_layers()), path, weights_only=True,
                                 flag="--checkpoint", ours="the plan's")

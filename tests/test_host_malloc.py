@@ -109,3 +109,7 @@ def test_a_misspelt_opt_out_is_said_once_and_fixes_the_thresholds(monkeypatch, c
     monkeypatch.setenv("OCTOPIPE_MALLOC", "asis")
     assert host_malloc.steady_malloc() == "steady" and host_malloc.steady_malloc() == "steady"
     assert caplog.text.count("OCTOPIPE_MALLOC=asis is not its one value, as-is") == 1
+    monkeypatch.setattr(host_malloc, "_applied", None)
+    monkeypatch.setenv("RANK", "3")  # a job's other processes: said once a job
+    assert host_malloc.steady_malloc() == "steady"
+    assert caplog.text.count("OCTOPIPE_MALLOC=asis") == 1

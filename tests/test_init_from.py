@@ -130,3 +130,11 @@ def test_export_safetensors_writes_the_checkpoints_weights_for_a_module_list(wor
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "tie" in refused.stderr and not (tmp_path / "no.safetensors").exists()
     assert list(tmp_path.glob(".no.safetensors*")) == []
+    # nothing the export reads is written over: a file of the checkpoint, the model file
+    meta = world2.folder / "ck" / "pre" / "step_00000003" / "octopipe.json"
+    for target, problem in ((meta, "-o: is inside the checkpoint"), (world2.model, "which writing would destroy")):
+        before = target.read_bytes()
+        refused = _octoplan("export", world2.folder / "pre.yaml", "--format", "safetensors", "--checkpoint",
+                            world2.folder / "ck" / "pre", "-o", target)
+        assert refused.returncode == 2 and problem in refused.stderr, refused.stderr
+        assert target.read_bytes() == before

@@ -255,13 +255,21 @@ def loss_fn(logits, targets):
 """
 
 
-def test_a_layer_that_changes_an_integer_input_in_place_is_blamed_not_the_one_before(tmp_path):
+# the same with a layer between that only hands the ids on: the holder is still the embedding
+PASSED_THROUGH = PASSED_ON.replace("return 3", "return 4").replace("[Embed, Block, Head]", "[Embed, Pass, Block, Head]").replace(
+    "class Head(", "class Pass(nn.Module):\n    def forward(self, h, ids):\n        return h * 1.0, ids\n\nclass Head(")
+
+
+@pytest.mark.parametrize("text, culprit", [(PASSED_ON, "layer 1 (Block)"), (PASSED_THROUGH, "layer 2 (Block)")])
+def test_a_layer_that_changes_an_integer_input_in_place_is_blamed_not_the_one_before(tmp_path, text, culprit):
     """Block adds to the token ids it is handed in place; the embedding, which holds them for
-    its backward, is where autograd notices. The error names Block and the rule."""
-    path = write_model(tmp_path, PASSED_ON, name="passed_on.py")
+    its backward, is where autograd notices. The error names Block, the embedding as the
+    holder, and the rule."""
+    assert text.count("class Pass") == (culprit == "layer 2 (Block)")
+    path = write_model(tmp_path, text, name="passed_on.py")
     with pytest.raises(InputError) as err:
         profile_model_file(path, microbatch_size=2, repeat=2, warmup=0, device="cpu")
-    assert err.value.field == "layer 1 (Block)", err.value.line()
+    assert err.value.field == culprit, err.value.line()
     assert "changes its input in place, which layer 0 holds for its backward" in err.value.line()
     assert "a forward must not change its inputs in place" in err.value.line()
 

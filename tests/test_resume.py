@@ -347,6 +347,10 @@ def test_a_resume_with_nothing_to_train_and_eval_data_evaluates_its_weights(one_
     evaluated = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert evaluated[0] == trained[0]
     assert {**evaluated[1], "eval_ms": None} == {**trained[1], "eval_ms": None}
+    # and a later resume that trains on keeps those lines as this run's own
+    done = _octorun(str(folder / "d6.yaml"), "--steps", "3", *args[3:], "--resume", str(ck), cwd=h.ROOT)
+    assert done.returncode == 0 and "another run" not in done.stderr, done.stderr
+    assert [json.loads(line) for line in metrics.read_text().splitlines()][:2] == evaluated
 
 
 def test_a_process_killed_during_an_evaluation_loses_no_metrics_line(one_rank, tmp_path):
@@ -396,6 +400,13 @@ def test_earlier_metrics_of_another_run_are_not_spliced_in(tmp_path, caplog):
     metrics.write_text("".join(json.dumps(line) + "\n" for line in [*mine[:2], evaluated]))
     Path(f"{metrics}.partial").unlink()
     assert [json.loads(line) for line in _earlier_metrics(str(metrics), 3, mine[2])] == [*mine[:2], evaluated]
+    # a file that stops two steps or more before the checkpoint's is another run's too (a killed
+    # evaluation costs this run the line of the checkpoint's step alone)
+    later = {"step": 4, "loss": 2.0}
+    assert _earlier_metrics(str(metrics), 5, later) == []
+    assert "its last line is of step 2; the checkpoint is after step 4" in caplog.text
+    assert [json.loads(line) for line in _earlier_metrics(str(metrics), 4, {"step": 3, "loss": 2.1})] == \
+        [*mine[:2], evaluated, {"step": 3, "loss": 2.1}]
 
 
 def test_a_resume_that_changes_what_it_trains_on_says_so(one_rank, tmp_path):
@@ -419,6 +430,12 @@ def test_a_resume_that_changes_what_it_trains_on_says_so(one_rank, tmp_path):
             "microbatches of 2") in " ".join(other_cut.stderr.split())
     same_cut = _octorun(str(folder / "d6.yaml"), "--steps", "3", "--resume", str(good), cwd=h.ROOT)
     assert same_cut.returncode == 0 and "sample_batch" not in same_cut.stderr, same_cut.stderr
+    # a resume that only evaluates trains on nothing: nothing to say of what
+    held = write_tokens(tmp_path / "held.bin", count=200, seed=6)
+    evaluating = _octorun(str(tmp_path / "mb4.yaml"), "--steps", "2", "--resume", str(good), "--data", tokens,
+                          "--eval-data", str(held), cwd=h.ROOT)
+    assert evaluating.returncode == 0, evaluating.stderr
+    assert "sample_batch" not in evaluating.stderr and "settings differ" not in evaluating.stderr, evaluating.stderr
 
 
 def test_a_resume_at_another_seq_whose_weights_follow_seq_names_it(tmp_path):

@@ -487,3 +487,28 @@ def test_a_send_that_gloo_timed_out_names_the_peers_that_stopped(monkeypatch):
             runtime._Interpreter._check_sends(stub, "evaluation batch 4 after step 3", wait, 0.0)
         assert failed[-1] == (f"evaluation batch 4 after step 3: the send of the {message} failed: {problem} "
                               f"(global rank 2)", waited)
+
+
+def test_two_replicas_that_find_the_same_bad_input_at_once_say_it_once(monkeypatch):
+    """Both last-stage replicas of one node find the same bad loss at the same moment: each
+    looks for an abort before either has written one. The one that claims the node speaks;
+    the other exits 2 in silence."""
+    from octorun.watchdog import ABORT_KEY, EXIT_BAD_INPUT, Watchdog
+
+    class Simultaneous(_Store):  # neither sees the other's abort yet
+        def check(self, keys):
+            return False if keys == [dog.key(ABORT_KEY)] else super().check(keys)
+
+    store, exits = Simultaneous(), {}
+    monkeypatch.setenv("GROUP_RANK", "0")
+    dogs = {rank: Watchdog(global_rank=rank, timeout_s=5.0, store=store, world=4) for rank in (1, 3)}
+    dog = dogs[1]
+    for rank, each in dogs.items():
+        def leave(problem, *, code=1, quiet=False, rank=rank):
+            exits[rank] = (code, quiet)
+            raise SystemExit(code)
+        monkeypatch.setattr(each, "_exit", leave)
+    for rank in (1, 3):
+        with pytest.raises(SystemExit):
+            dogs[rank].fail("model.py: loss_fn: returned (2, 5), not a scalar tensor", code=EXIT_BAD_INPUT)
+    assert exits == {1: (EXIT_BAD_INPUT, False), 3: (EXIT_BAD_INPUT, True)}

@@ -305,13 +305,14 @@ def test_a_resume_with_nothing_to_train_evaluates_the_checkpoint(jobs):
     """The checkpoint after data-pp4's last step, resumed at its --steps under another plan with
     --eval-data: no step trains, and the one evaluation is the held-out loss of the weights
     after step 3, as data-pp4's own evaluation after that step was. A --metrics file that held
-    no line of the step gets one of its own."""
+    no line of the step gets the checkpoint's line of it, with this evaluation."""
     _, expected = _token_reference(jobs)
     metrics, _ = jobs.results("eval-only-zbv-pp2dp2")
     assert metrics == []
+    trained, _ = jobs.results("data-pp4")
     lines = [json.loads(line) for line in (jobs.folder / "eval-only.jsonl").read_text().splitlines()]
-    assert [sorted(line) for line in lines] == [["eval_loss", "eval_ms", "step"]]
-    assert lines[0]["step"] == 3 and lines[0]["eval_loss"] == pytest.approx(expected[3], abs=TOL)
+    assert [line["step"] for line in lines] == [3] and lines[0]["loss"] == trained[3].loss
+    assert lines[0]["eval_loss"] == pytest.approx(expected[3], abs=TOL)
 
 
 @pytest.mark.slow
