@@ -404,8 +404,6 @@ def model_identity(model: ModelFile, num_layers: int) -> dict[str, Any]:
     return {"model": model.name, "num_layers": num_layers}
 
 
-
-
 def _recorded_config(model: ModelFile, config: RunConfig) -> dict[str, Any] | None:
     """The model config a checkpoint records and a resume compares (ModelFile.resolved_config);
     None under --replay, whose model is the profile's and whose config is the run's scales."""
