@@ -392,7 +392,7 @@ def checkpoint_bytes(path: str | os.PathLike) -> dict[str, int]:
 # -- one run a root -------------------------------------------------------------------------------
 
 LOCK_FILE = ".octorun.lock"
-_HELD: dict[Path, Any] = {}  # root (resolved) -> the open lock file this process holds for its life
+_HELD: dict[Path, tuple[Any, bool]] = {}  # root (resolved) -> (the open lock file held for life, made here)
 
 
 def hold_root(root: Path) -> None:
@@ -409,6 +409,7 @@ def hold_root(root: Path) -> None:
         import fcntl
     except ImportError:  # not POSIX
         return
+    made = not (root / LOCK_FILE).exists()
     try:
         handle = open(root / LOCK_FILE, "a+", encoding="utf-8")
     except OSError as exc:
@@ -430,7 +431,18 @@ def hold_root(root: Path) -> None:
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     handle.flush()
-    _HELD[key] = handle
+    _HELD[key] = (handle, made)
+
+
+def let_go_of_roots() -> None:
+    """Let go of every root this process holds, removing the lock files it made: for a run that
+    bad input ends, which leaves nothing behind."""
+    for key, (handle, made) in list(_HELD.items()):
+        if made:
+            with suppress(OSError):
+                (key / LOCK_FILE).unlink()
+        handle.close()
+        del _HELD[key]
 
 
 # -- saving ----------------------------------------------------------------------------------------

@@ -1262,7 +1262,7 @@ class _Interpreter:
             # read before the file is begun anew
             earlier = _earlier_metrics(self.config.metrics_path, self.first_step, self.saved_metrics)
             metrics_file = StreamedOutput(self.config.metrics_path, flag="--metrics")
-            self.watchdog.dropped_if_empty.append(metrics_file.partial)
+            self.watchdog.on_bad_input.append(lambda: _remove_if_empty(metrics_file.partial))
             if evaluating_only:  # the last line gets the evaluation (_evaluate_checkpoint)
                 earlier, held_back = earlier[:-1], earlier[-1:]
             for line in earlier:
@@ -1663,6 +1663,7 @@ def run(config: RunConfig) -> RunResult:
     if config.save_dir is not None or config.resume is not None or config.init_from is not None:
         from octorun import checkpoint  # DCP: imported by the runs that use it
     if config.save_dir is not None:
+        watchdog.on_bad_input.append(checkpoint.let_go_of_roots)
         try:
             checkpoint.check_one_root(config.save_dir, group=groups.control)
         except InputError:
@@ -1790,6 +1791,11 @@ def _changed_data(saved: dict[str, Any], data: Any, interpreter: "_Interpreter")
 
 def _cut(sampling: dict[str, int]) -> str:
     return f"{sampling['dp']} replica(s) x {sampling['microbatches']} microbatches of {sampling['microbatch_size']}"
+
+
+def _remove_if_empty(path: Path) -> None:
+    if path.stat().st_size == 0:
+        path.unlink()
 
 
 def _same_file(a: str, b: str) -> bool:

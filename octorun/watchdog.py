@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 from octoplan.errors import where_raised
 
@@ -114,9 +114,9 @@ class Watchdog:
         # earlier attempt (its abort above all) must not reach the next one
         self.prefix = f"octorun/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.node = f"{socket.gethostname()} {os.environ.get('GROUP_RANK', '0')}"  # torchrun's node rank
-        # outputs this process has begun (octorun's --metrics, growing as .partial): removed where
-        # bad input ends the job before a line is in them
-        self.dropped_if_empty: list[Path] = []
+        # what this process undoes where bad input ends the job (the one line says it all): an
+        # output begun and still empty, a lock it took on a --save root
+        self.on_bad_input: list[Callable[[], None]] = []
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -400,13 +400,11 @@ class Watchdog:
         sys.stderr.flush()
         sys.stdout.flush()
         self.doing(f"leaving: {problem}")
-        if code == EXIT_BAD_INPUT:
-            # the one line says it all: a bad input leaves no record behind, nor an output begun empty
+        if code == EXIT_BAD_INPUT:  # bad input leaves nothing behind: no record, nothing begun
             self.close_record(keep=False)
-            for path in self.dropped_if_empty:
-                with contextlib.suppress(OSError):
-                    if path.stat().st_size == 0:
-                        path.unlink()
+            for undo in self.on_bad_input:
+                with contextlib.suppress(Exception):
+                    undo()
         else:
             self.write_record()
         self._reap_hung_peers()
