@@ -101,6 +101,14 @@ def write_tiny_model(folder: Path) -> Path:
     return path
 
 
+def saved_entries(root: Path) -> list[str]:
+    """A --save root's entries, sorted, but for the lock file the run that saves into it holds
+    (octorun.checkpoint.hold_root)."""
+    from octorun.checkpoint import LOCK_FILE
+
+    return sorted(entry.name for entry in Path(root).iterdir() if entry.name != LOCK_FILE)
+
+
 def model_spec(name: str, folder: Path) -> tuple[Path, dict[str, Any]]:
     """(model file, config) of ``tiny`` (6 layers), ``tiny10`` (10 layers), ``tiny-vary`` (6 layers,
     shapes that change between microbatches and steps) or an example model."""

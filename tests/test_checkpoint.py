@@ -58,12 +58,6 @@ def rank_state(rank: int) -> dict[str, Any]:
 TIED = {"model/tied.embed": torch.linspace(-1, 1, 10), "counters": {"consumed_samples": 640, "skipped": 1}}
 
 
-def _listed(root) -> list[str]:
-    """A checkpoint root's entries but for the lock file the saving process holds
-    (checkpoint.hold_root)."""
-    return sorted(name for name in os.listdir(root) if name != checkpoint.LOCK_FILE)
-
-
 def expected(layers, rank: int | None = None, *, tied: bool = False) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for i in layers:
@@ -253,7 +247,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
 
     launch(2, stalled, tmp_path / "save2", kill_when=lambda: len(list(markers.iterdir())) == 2)
     partial = root / "step_00000002.partial"
-    assert _listed(partial) == ["__0_0.distcp", "__1_0.distcp"]  # no .metadata, no octopipe.json
+    assert h.saved_entries(partial) == ["__0_0.distcp", "__1_0.distcp"]  # no .metadata, no octopipe.json
     assert checkpoint.latest(root) == (1, root / "step_00000001")
     assert checkpoint.resolve("auto", save_root=str(root)) == root / "step_00000001"
     with pytest.raises(InputError) as caught:
@@ -261,7 +255,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert caught.value.field in (".metadata", "octopipe.json") and "unfinished save" in caught.value.problem
 
     values(launch(2, save_at(3), tmp_path / "save3"))
-    assert _listed(root) == ["step_00000001", "step_00000003"]
+    assert h.saved_entries(root) == ["step_00000001", "step_00000003"]
     assert checkpoint.latest(root) == (3, root / "step_00000003")
 
 
@@ -425,17 +419,17 @@ def test_objects_round_trip_in_one_process(tmp_path):
 def test_keep_prunes_the_oldest(tmp_path):
     for step in (1, 2, 3, 4):
         checkpoint.save(tmp_path, step, {"x": torch.tensor([step])}, meta={}, group=None, keep=2)
-    assert _listed(tmp_path) == ["step_00000003", "step_00000004"]
+    assert h.saved_entries(tmp_path) == ["step_00000003", "step_00000004"]
     checkpoint.save(tmp_path, 5, {"x": torch.tensor([5])}, meta={}, group=None, keep=1)
-    assert _listed(tmp_path) == ["step_00000005"]
+    assert h.saved_entries(tmp_path) == ["step_00000005"]
     # a run resumed from an earlier step: what it saves stays, even behind a later step
     checkpoint.save(tmp_path, 2, {"x": torch.tensor([2])}, meta={}, group=None, keep=1)
-    assert _listed(tmp_path) == ["step_00000002", "step_00000005"]
+    assert h.saved_entries(tmp_path) == ["step_00000002", "step_00000005"]
     # the same step again replaces it
     checkpoint.save(tmp_path, 2, {"x": torch.tensor([22])}, meta={}, group=None, keep=2)
     state = {"x": torch.tensor([0])}
     checkpoint.load(tmp_path / "step_00000002", state, group=None)
-    assert state["x"].tolist() == [22] and _listed(tmp_path) == ["step_00000002", "step_00000005"]
+    assert state["x"].tolist() == [22] and h.saved_entries(tmp_path) == ["step_00000002", "step_00000005"]
     with pytest.raises(ValueError):
         checkpoint.save(tmp_path, 6, {}, meta={}, group=None, keep=0)
 
@@ -453,7 +447,7 @@ def test_a_save_clears_what_interrupted_saves_left(tmp_path):
     assert state["x"].tolist() == [1]
     (tmp_path / "mine.partial").mkdir()  # not a name a save makes: left alone
     checkpoint.save(tmp_path, 2, {"x": torch.tensor([2])}, meta={}, group=None, keep=2)
-    assert _listed(tmp_path) == ["mine.partial", "step_00000001", "step_00000002"]
+    assert h.saved_entries(tmp_path) == ["mine.partial", "step_00000001", "step_00000002"]
 
 
 def test_resolve(tmp_path):

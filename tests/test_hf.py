@@ -690,4 +690,4 @@ def test_export_hf_bad_input_exits_2_in_one_line_and_writes_nothing(saved, octor
     shutil.rmtree(damaged)
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "analytic.yaml", "dangling", "eps-plan.yaml", "eps.yaml", "full"]
-    assert sorted(p.name for p in (checkpoints["qwen3"]).iterdir()) == ["step_00000001"]
+    assert h.saved_entries(checkpoints["qwen3"]) == ["step_00000001"]
