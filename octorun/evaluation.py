@@ -66,7 +66,11 @@ class Evaluation:
 
     def rounds(self, steps: range) -> Iterator[bool]:
         """The rounds of messages a run of ``steps`` exchanges, in order (octorun.comm.Transport):
-        False for a training step, True for each forward-only pass of an evaluation."""
+        False for a training step, True for each forward-only pass of an evaluation. A resume
+        with no step left to train evaluates the checkpoint's weights once."""
+        if not steps:
+            yield from (True for _ in range(self.batches))
+            return
         for step in steps:
             yield False
             if self.due(step, steps[-1]):

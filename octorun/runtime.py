@@ -1246,12 +1246,7 @@ class _Interpreter:
         # a resume at --steps or beyond, with --eval-data, evaluates the checkpoint's weights and
         # trains nothing (Megatron-LM's --skip-train)
         evaluating_only = not steps and self.evaluation is not None
-        if evaluating_only:
-            rounds = lambda: (True for _ in range(self.evaluation.batches))  # noqa: E731
-        elif self.evaluation is None:
-            rounds = lambda: (False for _ in steps)  # noqa: E731
-        else:
-            rounds = lambda: self.evaluation.rounds(steps)  # noqa: E731
+        rounds = (lambda: (False for _ in steps)) if self.evaluation is None else (lambda: self.evaluation.rounds(steps))
         self.transport = Transport(outgoing=self.groups.outgoing, incoming=self.groups.incoming, device=self.device,
                                    rounds=rounds, timeout_s=self.config.timeout_s,
                                    static_shapes=not self.config.dynamic_shapes, meter=self.meter)

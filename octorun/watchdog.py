@@ -388,7 +388,8 @@ class Watchdog:
 
     def _exit(self, problem: str, *, code: int = EXIT_FAILURE, quiet: bool = False) -> NoReturn:
         """End this process with ``code``, saying ``problem`` on stderr unless ``quiet`` (its node
-        has heard the reason from another process); its record keeps the problem either way."""
+        has heard the reason from another process). A failure's record keeps the problem; bad
+        input leaves no record, and undoes what :attr:`on_bad_input` lists."""
         if not self._leaving.acquire(blocking=False):  # the other thread is leaving already: let it
             while True:
                 time.sleep(3600)
