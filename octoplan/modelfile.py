@@ -7,6 +7,7 @@ Needs torch; the planner imports this module only to profile.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import sys
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ __all__ = [
     "ModelFile",
     "load_model_file",
     "microbatch_seed",
+    "forward_seed",
     "as_args",
     "REQUIRED_FUNCTIONS",
 ]
@@ -36,6 +38,15 @@ MAX_LAYERS = 100_000
 def microbatch_seed(*, seed: int, step: int, replica: int, mb: int) -> int:
     """FORMATS.md section 4: the generator seed of microbatch ``mb`` of ``step`` on replica ``replica``."""
     return ((seed * 1_000_003 + step) * 1_009 + replica) * 10_007 + mb
+
+
+def forward_seed(*, seed: int, step: int, position: int, layer: int) -> int:
+    """FORMATS.md section 4: the seed of torch's generators as layer ``layer`` runs its training
+    forward on the microbatch at ``position`` of ``step``'s global batch (replica * microbatches
+    + mb). A hash rather than a product, so that nearby keys (layer 3 of one microbatch, layer 4
+    of the one before) give unrelated streams; 63 bits, a seed every generator takes."""
+    digest = hashlib.blake2b(f"{seed} {step} {position} {layer}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def as_args(value: Any) -> tuple:

@@ -753,6 +753,7 @@ class _StepState:
     tapes: dict[tuple[int, int], Tape] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     evaluating: bool = False  # a forward-only pass of an evaluation (octorun.evaluation): no tapes
+    step: int = 0  # the training step: with a microbatch's position, what its F's layers are seeded by
 
 
 class _Timer:
@@ -832,7 +833,7 @@ class _Interpreter:
             self.executors[s] = StageExecutor(mods, first=s == 0, last=s == self.last_stage,
                                               loss_fn=model.loss, loss_scale=scale, recompute=stage.recompute,
                                               recompute_layers=stage.recompute_layers, meter=self.meter,
-                                              precision=config.precision)
+                                              precision=config.precision, layer_indices=stage.layers, seed=config.seed)
         self.params = _unique_trainable(self.layers.values())
         # every parameter's checkpoint key, by global layer index (a tied one by its canonical member's)
         self.param_keys = {id(p): tied_keys.get(id(p), parameter_key(i, name))
@@ -944,7 +945,7 @@ class _Interpreter:
                 state.targets[mb] = self._to_device(targets)
 
     def step(self, step: int) -> dict[str, Any]:
-        state = _StepState()
+        state = _StepState(step=step)
         local = self._next_round()
         self._feed(state, f"step {step}", lambda mb: self._sample(step, mb))
         for flag in self.nonfinite_forward.values():
@@ -1027,8 +1028,9 @@ class _Interpreter:
         for module, _ in modes:
             module.train(False)
         losses: list[torch.Tensor] = []
-        # a layer that draws random numbers in eval mode too (F.dropout's default) would move the
-        # generators the training goes on with
+        # a layer that draws random numbers in eval mode too (F.dropout's default): its draws
+        # leave the process's generators as they were (training reseeds each layer anyway, and a
+        # checkpoint saves the same generator state with or without an evaluation)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
             self._evaluate_batches(step, losses)
@@ -1198,7 +1200,8 @@ class _Interpreter:
             if state.evaluating:
                 output, loss = executor.evaluate(state.inputs.pop(key), targets)
             else:
-                output, tape = executor.forward(state.inputs.pop(key), targets)
+                position = self.dp_rank * self.plan.microbatches + op.mb  # its place in the global batch
+                output, tape = executor.forward(state.inputs.pop(key), targets, draws=(state.step, position))
                 state.tapes[key] = tape
                 loss = tape.loss
                 # on the device, without a sync: read once, at the step's end (octorun.optim)

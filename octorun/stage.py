@@ -19,10 +19,10 @@ per floating tensor of the stage input, in order (zeros where the input was unus
 
 Activation recomputation (``recompute=True``, a plan stage's ``recompute: true``): F runs the
 stage under :func:`torch.no_grad`, so no layer keeps activations or a graph; its tape holds only
-what it takes to run the same forward again: the stage input (detached), the targets, and the RNG
+what it takes to run the same forward again: the stage input (detached), the targets, the RNG
 states at the start of F (the CPU generator's, and that of each CUDA device holding the stage's
-weights or input). The stage's first backward op, I or B, first rebuilds the tape by running the one forward
-implementation again with grad enabled, on the stashed input and with those RNG states restored
+weights or input) and F's ``draws`` key, if any. The stage's first backward op, I or B, first
+rebuilds the tape by running the one forward implementation again with grad enabled, on the stashed input and with those RNG states restored
 inside :func:`torch.random.fork_rng` (so dropout draws the same masks, and the global RNG stream
 afterwards is the same as without recomputation); then it does exactly what it does without
 recomputation, and W uses what I left. The rebuilt graph is the one F would have kept — the same
@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.autograd.graph import GradientEdge
 
-from octoplan.modelfile import as_args
+from octoplan.modelfile import as_args, forward_seed
 from octoplan.precision import autocast
 from octoplan.splitgrad import PendingWeightGrads, SavedTensors, backward_input, backward_weight, root_edge
 from octorun.activations import ActivationMeter, Hold
@@ -80,6 +80,7 @@ class _Stash:
     targets: Any
     cpu_rng: torch.Tensor  # torch.get_rng_state() at the start of F
     cuda_rng: dict[int, torch.Tensor]  # CUDA device index -> its RNG state at the start of F
+    draws: tuple[int, int] | None = None  # F's (step, position): the rebuild seeds each layer alike
     held: list[Hold] = field(default_factory=list)
 
 
@@ -123,8 +124,14 @@ class StageExecutor:
         recompute_layers: int | None = None,
         meter: ActivationMeter | None = None,
         precision: str = "fp32",
+        layer_indices: Sequence[int] | None = None,
+        seed: int = 0,
     ):
         self.layers = list(layers)
+        # the model's index of each layer and the run's --seed: what a keyed F seeds each layer's
+        # random draws with (forward_seed), so a layer draws alike wherever a plan puts it
+        self.layer_indices = list(range(len(self.layers)) if layer_indices is None else layer_indices)
+        self.seed = seed
         self.precision = precision  # each layer's forward runs in octoplan.precision.autocast
         self.meter = meter
         self.first = first
@@ -144,24 +151,29 @@ class StageExecutor:
             _device_index(t) for layer in self.layers for t in (*layer.parameters(), *layer.buffers()) if t.is_cuda
         }
 
-    def forward(self, value: Any, targets: Any = None) -> tuple[Any, Tape]:
+    def forward(self, value: Any, targets: Any = None, draws: tuple[int, int] | None = None) -> tuple[Any, Tape]:
         """Run the stage; returns (output value, or None on the last stage; tape).
+
+        ``draws``: (step, the microbatch's position in the step's global batch). Each layer then
+        runs with torch's generators seeded by :func:`octoplan.modelfile.forward_seed`, so its
+        dropout masks are the same under any plan and in one process (FORMATS.md section 4).
+        Without it the layers draw on from the process's generators.
 
         With ``recompute`` the tape keeps no activations of the recomputed layers, only the stash
         to run them again.
         """
         if not self.recompute:
-            return self._forward(value, targets)
-        devices = self._cuda_devices | {_device_index(t) for t in as_args(value) if isinstance(t, torch.Tensor) and t.is_cuda}
+            return self._forward(value, targets, draws=draws)
+        devices = self._devices(value)
         stash = _Stash(value=_detached(value), targets=targets, cpu_rng=torch.get_rng_state(),
-                       cuda_rng={d: torch.cuda.get_rng_state(d) for d in sorted(devices)})
+                       cuda_rng={d: torch.cuda.get_rng_state(d) for d in sorted(devices)}, draws=draws)
         if not self.first:  # the first stage's stash is the microbatch itself, not an activation
             stash.held = self._hold(as_args(stash.value))
         with torch.no_grad():
-            output, tape = self._forward(value, targets, stop=self.recompute_layers)
+            output, tape = self._forward(value, targets, stop=self.recompute_layers, draws=draws)
         kept = Tape()
         if self.recompute_layers < len(self.layers):  # the layers after the recomputed ones keep their tapes
-            output, kept = self._forward(output, targets, begin=self.recompute_layers)
+            output, kept = self._forward(output, targets, begin=self.recompute_layers, draws=draws)
         return output, Tape(layers=kept.layers, loss=tape.loss if kept.loss is None else kept.loss, stash=stash)
 
     def evaluate(self, value: Any, targets: Any = None) -> tuple[Any, torch.Tensor | None]:
@@ -172,12 +184,26 @@ class StageExecutor:
             output, tape = self._forward(value, targets)
         return output, tape.loss
 
-    def _forward(self, value: Any, targets: Any, *, begin: int = 0, stop: int | None = None) -> tuple[Any, Tape]:
+    def _devices(self, value: Any) -> set[int]:
+        """The CUDA devices whose generators the stage's layers may draw from: those of its
+        weights and of its input."""
+        return self._cuda_devices | {_device_index(t) for t in as_args(value) if isinstance(t, torch.Tensor) and t.is_cuda}
+
+    def _forward(self, value: Any, targets: Any, *, begin: int = 0, stop: int | None = None,
+                 draws: tuple[int, int] | None = None) -> tuple[Any, Tape]:
         """The one forward implementation, of layers ``begin`` to ``stop`` (the stage's end):
         F, and the rebuild of a recomputing stage's tapes."""
         tape = Tape()
+        devices = sorted(self._devices(value)) if draws is not None else []
         for index in range(begin, len(self.layers) if stop is None else stop):
             layer = self.layers[index]
+            if draws is not None:
+                # the generators themselves, not torch.manual_seed: that one also visits every
+                # other device type, 100x the cost (about 1 us for the CPU's generator)
+                seed = forward_seed(seed=self.seed, step=draws[0], position=draws[1], layer=self.layer_indices[index])
+                torch.default_generator.manual_seed(seed)
+                for device in devices:
+                    torch.cuda.default_generators[device].manual_seed(seed)
             args = as_args(value)
             if not (self.first and index == 0):  # the model's inputs need no gradient
                 args = tuple(
@@ -220,7 +246,7 @@ class StageExecutor:
                 torch.cuda.set_rng_state(state, device)
             kept = [module._buffers[name].clone() for module, name in self._recomputed_slots]
             with torch.enable_grad():
-                _, rebuilt = self._forward(stash.value, stash.targets, stop=self.recompute_layers)
+                _, rebuilt = self._forward(stash.value, stash.targets, stop=self.recompute_layers, draws=stash.draws)
             # F's values back as the modules' buffers: new tensors, since the rebuilt graph saved
             # the ones it updated (autograd refuses a saved tensor changed in place)
             for (module, name), value in zip(self._recomputed_slots, kept):

@@ -323,6 +323,14 @@ def reference(
 _REFERENCES: dict[tuple, Reference] = {}
 
 
+def seed_draws(*, seed: int, step: int, position: int, layer: int) -> None:
+    """What FORMATS.md section 4 says comes before a layer's training forward: torch's generator
+    seeded by the run's seed, the step, the microbatch's position in the global batch and the
+    layer's index (torch.manual_seed here, from the spec's own formula, not octorun's code path)."""
+    digest = hashlib.blake2b(f"{seed} {step} {position} {layer}".encode(), digest_size=8).digest()
+    torch.manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
 def reference_optimizer(params: list[torch.nn.Parameter], optim: Any) -> torch.optim.Optimizer:
     """The optimizer as docs/FORMATS.md describes it, built here from torch alone so that the
     references do not share octorun.optim's construction: SGD without momentum, or AdamW with
@@ -356,6 +364,7 @@ def _reference(
             for mb in range(microbatches):
                 value, targets = model.sample_batch(microbatch_size, step=step, replica=replica, mb=mb)
                 for index, layer in enumerate(layers):
+                    seed_draws(seed=seed, step=step, position=replica * microbatches + mb, layer=index)
                     with autocast("cpu", precision):
                         value = layer(*as_args(value))
                         if index == len(layers) - 1:

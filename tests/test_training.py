@@ -101,6 +101,11 @@ def jobs(tmp_path_factory) -> Jobs:
     evaluated = {"eval_data_path": held_out, "eval_every": 2, "eval_batches": 2}
     batch.add("data-pp4", "1f1b", pp=4, config={}, data_path=tokens, save_dir=str(batch.folder / "ck-data"), **evaluated)
     batch.add("data-pp2dp2", "1f1b", pp=2, config={}, microbatches=2, data_path=tokens, **evaluated)
+    # dropout under two plans of one global batch: 1F1B pp 4, and a ZB-V pp 2 x dp 2 whose
+    # stages 1 and 2 (rank 1's) recompute, the masks drawn again in another op
+    batch.add("dropout-data-pp4", "1f1b", pp=4, config={"dropout": 0.5}, data_path=tokens)
+    batch.add("dropout-data-zbv-pp2dp2", "zbv", pp=2, config={"dropout": 0.5}, microbatches=2, data_path=tokens,
+              recompute=(1, 2))
     # data-pp4's last checkpoint resumed at its --steps under a ZB-V pp 2 x dp 2 (another
     # program: both ranks' first F is an evaluation's): nothing to train, one evaluation
     batch.add("eval-only-zbv-pp2dp2", "zbv", pp=2, config={}, microbatches=2, data_path=tokens,
@@ -219,14 +224,15 @@ def test_nonfinite_stops_every_rank_naming_step_and_stage(tmp_path):
                         f"(layers {first.start}-{first.end - 1}, pp rank {first.rank}) (--skip-nonfinite skips such updates)")
 
 
-def _token_reference(jobs) -> tuple[list[float], list[float | None]]:
-    """One process trained as data-pp4 and data-pp2dp2 train: each step reads
-    TokenData.windows(step * 8, 8) in microbatches of 2. Returns each step's loss, and the
-    held-out loss after steps 1 and 3 (None after the others), as --eval-every 2 evaluates."""
+def _token_reference(jobs, name: str = "data-pp4") -> tuple[list[float], list[float | None]]:
+    """One process trained as data-pp4 and data-pp2dp2 train (or ``name``'s model config): each
+    step reads TokenData.windows(step * 8, 8) in microbatches of 2, each layer's forward seeded
+    as FORMATS.md section 4 says. Returns each step's loss, and the held-out loss after steps 1
+    and 3 (None after the others), as --eval-every 2 evaluates."""
     from octoplan.modelfile import load_model_file
     from octorun.data import TokenData
 
-    config = jobs.cases["data-pp4"][0]
+    config = jobs.cases[name][0]
     model = load_model_file(jobs.model, config)
     data = TokenData.open(str(jobs.folder / "tokens.bin"), model, seed=0)
     layers = [model.build_layer(i) for i in range(config["depth"])]
@@ -238,7 +244,8 @@ def _token_reference(jobs) -> tuple[list[float], list[float | None]]:
         losses = []
         for mb in range(4):
             value, targets = model.batch_from_tokens(windows[2 * mb: 2 * mb + 2])
-            for layer in layers:
+            for index, layer in enumerate(layers):
+                h.seed_draws(seed=0, step=step, position=mb, layer=index)
                 value = layer(value)
             losses.append(model.loss(value, targets))
         loss = torch.stack(losses).mean()
@@ -262,6 +269,20 @@ def test_token_data_reads_one_global_batch_whatever_pp_and_dp(jobs):
     expected, _ = _token_reference(jobs)
     assert [m.loss for m in pp4] == pytest.approx(expected, abs=TOL)
     assert [m.loss for m in pp2dp2] == pytest.approx(expected, abs=TOL)
+
+
+@pytest.mark.slow
+def test_dropout_draws_alike_under_any_plan_and_in_one_process(jobs):
+    """Dropout 0.5 in every block: 1F1B pp 4 and a ZB-V pp 2 x dp 2 with two recomputing stages
+    draw every layer's masks by step, position in the global batch and layer, so both equal one
+    process that seeds each layer's forward so (a mask drawn from each rank's generator, as
+    before, gave losses apart by far more than TOL)."""
+    expected, _ = _token_reference(jobs, "dropout-data-pp4")
+    undropped, _ = _token_reference(jobs)
+    assert min(abs(a - b) for a, b in zip(expected, undropped)) > 1e-2  # the masks matter
+    for name in ("dropout-data-pp4", "dropout-data-zbv-pp2dp2"):
+        metrics, _ = jobs.results(name)
+        assert [m.loss for m in metrics] == pytest.approx(expected, abs=TOL), name
 
 
 def _held_out_loss(jobs, model, layers, *, batches: int, global_batch: int, train_mode: bool = False) -> float:

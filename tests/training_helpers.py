@@ -4,7 +4,9 @@ with their single-process references."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -19,7 +21,8 @@ TOL = 1e-5
 # A chain whose embedding and head may share one matrix (``tie``), whose layer ``poison``
 # multiplies its output by NaN (a forward that goes non-finite in a known stage), and whose
 # blocks may hold a parameter the forward never uses (``unused``: it never gets a gradient), and
-# whose blocks may drop out (``dropout``: training then draws from each rank's generator) or
+# whose blocks may drop out (``dropout``: each layer's training forward draws from a generator seeded by
+# step, position and layer) or
 # normalize with batch statistics (``batchnorm``: running means and variances, buffers), and
 # whose dropout may draw in eval mode too (``draws_in_eval``, as F.dropout's default does), and whose
 # embedding may add learned positions (``positions``: a weight whose shape follows ``seq``).
@@ -104,10 +107,15 @@ class Jobs:
         self.launched: h.Launch | None = None
 
     def add(self, name: str, schedule: str, *, pp: int, config: dict, microbatches: int = 4,
-            optim: OptimizerConfig = ADAMW, precision: str = "fp32", steps: int = STEPS, **run) -> None:
+            optim: OptimizerConfig = ADAMW, precision: str = "fp32", steps: int = STEPS,
+            recompute: Iterable[int] = (), **run) -> None:
+        """A job; ``recompute``: the stages that recompute their activations (all their layers)."""
         full = {"vocab": 11, "hidden": 8, "depth": 6, "seq": 5, "tie": False, "poison": -1, "unused": False, **config}
         plan = h.baseline_plan(schedule, self.model, full, self.folder / name, gpus=self.world, pp=pp,
                                microbatches=microbatches)
+        recomputed = set(recompute)
+        plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(stage, recompute=index in recomputed)
+                                                      for index, stage in enumerate(plan.stages)))
         path = self.folder / f"{name}.yaml"
         save_plan(plan, path)
         self.jobs.append(h.Job(name, RunConfig(
