@@ -34,6 +34,8 @@ def uniform_partition(profile: Profile, num_stages: int, *, file: str | None = N
     sizes = [base + (1 if i < extra else 0) for i in range(num_stages)]
     sizes[0] += lead
     sizes[-1] += tail
+    if len(layers) < num_stages:  # no partition can: --partition balanced would fail too
+        raise _too_few(profile, num_stages, file)
     if min(sizes) < 1:
         pinned = " with the embedding and head pinned to the first and last stage" if lead or tail else ""
         raise InputError(

@@ -70,6 +70,12 @@ class Cluster:
     # per-op overhead is not negligible against the ops (CPU processes standing in for GPUs).
     op_overhead_us: float = 0.0
 
+    @property
+    def memory_bytes(self) -> int:
+        """Each GPU's memory in bytes: memory_gb x 10^9, rounded (``int`` would truncate 4.1 GB
+        to 4,099,999,999 bytes, and a plan needing exactly 4.1 GB would not fit)."""
+        return round(self.memory_gb * 1e9)
+
     def node_of(self, global_rank: int) -> int:
         return global_rank // self.gpus_per_node
 

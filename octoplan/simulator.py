@@ -390,7 +390,7 @@ def simulate_costs(
         bubble_ratio=bubble_ratio,
         lower_bound_ms=lower_bound,
         peak_memory_bytes=tuple(int(m) for m in peak_mem),
-        memory_limit_bytes=int(cluster.memory_gb * 1e9),
+        memory_limit_bytes=cluster.memory_bytes,
         static_memory_bytes=tuple(int(m) for m in static),
         peak_activation_bytes=tuple(int(m) for m in tape_peak),
         peak_message_bytes=tuple(int(m) for m in message_peak),

@@ -136,8 +136,12 @@ def test_every_generator_validates_for_many_shapes(schedule, p, m, extra_layers,
 
 def test_too_few_layers_and_microbatches_are_refused_with_why():
     profile = uniform_profile(3)
-    with pytest.raises(InputError, match="3 layers cannot fill 4 stages"):
+    with pytest.raises(InputError, match="3 layers cannot fill 4 stages") as caught:
         make_baseline(profile, schedule="1f1b", gpus=4, microbatches=8)
+    # the uniform split does not send the user to --partition balanced, which cannot fill them either
+    assert "balanced" not in caught.value.line() and "uniformly" not in caught.value.line()
+    with pytest.raises(InputError, match="3 layers cannot fill 4 stages"):
+        make_baseline(profile, schedule="1f1b", gpus=4, microbatches=8, partition_method="balanced")
     with pytest.raises(InputError, match="DualPipeV needs at least 2\\*pp"):
         make_baseline(uniform_profile(8), schedule="dualpipev", gpus=4, microbatches=7)
     with pytest.raises(InputError, match="unknown schedule"):

@@ -428,3 +428,15 @@ def test_transfer_and_all_reduce_times_match_every_replica_checked(pp, dp, per_n
     ring = 100.0 if len(nodes) == 1 else 10.0
     expected = 0.0 if dp == 1 else 2 * (dp - 1) * 0.005 + 2 * (dp - 1) / dp * 1e6 / (ring * 1e9) * 1e3
     assert allreduce_ms(cluster, parallel, src, 1e6) == pytest.approx(expected)
+
+
+def test_a_peak_exactly_at_the_gpus_memory_fits():
+    """memory_gb 4.1 is 4,100,000,000 bytes: int() truncated it to one byte less, and a rank
+    peaking at exactly 4.1 GB (static 4 x 10^9: fp32 weights, gradients and Adam's two moments
+    of 10^9 parameter bytes; one layer's 10^8 activations) did not fit."""
+    assert Cluster(gpus=1, memory_gb=4.1).memory_bytes == 4_100_000_000
+    profile = make_profile([(1, 1, 1)], act=10**8, params=10**9)
+    plan = hand_plan([(0, 1, 0)], ["0F0 0B0"], cluster=Cluster(gpus=1, memory_gb=4.1), microbatches=1)
+    result = simulate(plan, profile)
+    assert max(result.peak_memory_bytes) == 4_100_000_000 and result.memory_limit_bytes == 4_100_000_000
+    assert result.fits_memory

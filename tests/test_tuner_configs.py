@@ -287,3 +287,37 @@ def test_plans_priced_once_are_not_simulated_again():
     assert compare_baselines(profile, cluster(), opts, evaluator=ev) == first and ev.evaluations == priced
     with pytest.raises(ValueError, match="another profile or cluster"):
         tune(profile, cluster(4), replace(opts, gpus=4), evaluator=ev)
+
+
+def test_staying_on_torchtitan_names_its_fastest_baseline_on_any_configuration(profile_file, tmp_path):
+    """Four 1 ms layers whose 100 MB activations cross nodes at 10 GB/s on 2 nodes of 4 GPUs:
+    every baseline label's best row numbers ranks pp-inner (its pipelines inside a node), which
+    torchtitan does not run across nodes, while slower dp-inner rows of the same labels fit and
+    torchtitan runs them. The line must name the fastest of those, ZB-H1 on pp 2 x dp 4, 30 ms
+    (one microbatch of two 2-layer stages: F 2, the wire 10, F 2 and I 2 on the second stage,
+    the wire 10, I 2 and W 2 on the first), not say that torchtitan runs none."""
+    profile = profile_file(make_profile([(1.0, 1.0, 1.0)] * 4, act=1000, out=10**8, params=0), "cross.yaml")
+    result = CliRunner().invoke(app, ["tune", str(profile), "--gpus", "8", "--gpus-per-node", "4", "--global-batch", "4",
+                                      "--inter-node-gbps", "10", "--latency-us", "0", "--max-plans", "400",
+                                      "-o", str(tmp_path / "plan.yaml")])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "torchtitan runs none" not in text
+    assert "staying on torchtitan: its fastest baseline that fits here is zb-h1/uniform (pp=2 dp=4 mb=1 dp-inner), " \
+           "30.00 ms" in text
+
+
+def test_tune_prints_one_efficiency_rounded_once(profile_file, tmp_path):
+    """19.2 ms of work in a 20.7 ms iteration (the 4 MB all-reduce ends 1.5 ms after it) is
+    efficiency 0.92754: the baselines table said
+    0.928 and the summary lines 0.927, having rounded the plan file's 0.9275 a second time."""
+    small = profile_file(make_profile([(1.0, 1.0, 1.0)] * 4, act=1000, params=10**6), "m1.yaml")
+    large = profile_file(replace(make_profile([(1.6, 1.6, 1.6)] * 4, act=2000, params=10**6), microbatch_size=2), "m2.yaml")
+    result = CliRunner().invoke(app, ["tune", str(small), str(large), "--gpus", "4", "--global-batch", "8",
+                                      "--intra-node-gbps", "1", "--latency-us", "0", "--max-plans", "1000",
+                                      "-o", str(tmp_path / "plan.yaml")])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "predicted 20.70 ms, bubble 7.2%, efficiency 0.928 " in text
+    assert "efficiency 0.928 = balance 1.000 " in text and " x schedule 0.928 " in text
+    assert "0.927" not in text

@@ -145,16 +145,17 @@ def _verdict(result, memory_gb: float) -> str:
     return f"{head}the tuned plan is {ratio:.3f}x faster{per_microbatch(result.scored)}{tie}"
 
 
-def _framework_costs(result) -> list[str]:
-    """What staying on a framework that cannot run the tuned plan costs: the fastest row that
-    fits and that it runs, against the tuned plan."""
+def _framework_costs(result, batch) -> list[str]:
+    """What staying on a framework that cannot run the tuned plan costs: the fastest baseline
+    that fits and that it runs, on any configuration of any size, against the tuned plan."""
     from octoplan.tuner.configs import per_microbatch
 
     lines = []
+    every = [row for _, row in (*batch.baselines, *batch.by_framework)]
     for framework, runs_on in (("Megatron-LM", "megatron"), ("torchtitan", "loop")):
         if framework in result.runs_on:
             continue
-        rows = [row for row in result.baselines if row.scored.fits and framework in row.runs_on]
+        rows = [row for row in every if row.scored.fits and framework in row.runs_on]
         best = min(rows, key=lambda row: row.scored.judged_ms, default=None)
         if best is None:
             lines.append(f"{framework} runs none of the baselines that fit; `octoplan tune --runs-on {runs_on}` "
@@ -285,7 +286,7 @@ def _report(batch, memory_gb: float) -> None:
                       f"priced: the baselines may take half of the time limit ({result.stats['time_limit_s']:.3g} s), and "
                       "the table leaves these out; a longer --time-limit (a larger --max-plans, where it is given) "
                       "prices them all", soft_wrap=True)
-    for line in _framework_costs(result):
+    for line in _framework_costs(result, batch):
         console.print(line, soft_wrap=True)
 
 
@@ -396,9 +397,10 @@ def register(app: typer.Typer) -> None:
         console.print(f"tuned plan for {gpus} GPUs ({size}{result.candidate.config.label()}, {stages}) -> "
                       f"{escape(str(output))}, runs on {', '.join(result.runs_on)}: predicted "
                       f"{plan.predicted['iteration_ms']:.2f} ms, bubble "
-                      f"{plan.predicted['bubble_ratio']:.1%}, efficiency {plan.predicted['efficiency']:.3f} "
+                      f"{plan.predicted['bubble_ratio']:.1%}, efficiency {result.scored.efficiency:.3f} "
                       f"({result.stats['evaluations']} plans simulated in {result.stats['wall_s']:.1f} s)", soft_wrap=True)
-        console.print(_where_the_time_goes(result.stats, plan.predicted["efficiency"]), soft_wrap=True)
+        # the unrounded efficiency: the plan file's 4 decimals rounded again may differ from the tables' 3
+        console.print(_where_the_time_goes(result.stats, result.scored.efficiency), soft_wrap=True)
         if result.candidate.config.pp > 1:
             profile = next((p for _, p in sources if p.microbatch_size == batch.microbatch_size), sources[0][1])
             console.print(_balance_cap_line(profile, result.candidate.config.pp, result.stats["balance"]), soft_wrap=True)

@@ -79,6 +79,8 @@ class BatchResult:
     baselines: tuple[tuple[int, BaselineRow], ...]
     # sizes priced by their baselines only, as too slow to win (MAX_TUNER_GAIN)
     untuned_sizes: tuple[int, ...] = ()
+    # each tuned size's fastest fitting baseline that torchtitan / Megatron-LM runs, with that size
+    by_framework: tuple[tuple[int, BaselineRow], ...] = ()
 
 
 def time_parts(evaluator: Evaluator, cand: Candidate) -> tuple[dict[str, float], bool]:
@@ -283,5 +285,6 @@ def tune_global_batch(profiles: Sequence[tuple[Path | None, Profile]], cluster: 
     rows.sort(key=lambda row: ((row.microbatch_size, row.config) != won, row.scored.score, row.microbatch_size, row.config))
     baselines = tuple((profile.microbatch_size, row) for _, profile, result in tuned for row in result.baselines)
     baselines += tuple((profile.microbatch_size, row) for _, profile in untuned for row in priced[profile.microbatch_size])
+    by_framework = tuple((profile.microbatch_size, row) for _, profile, result in tuned for row in result.by_framework)
     return BatchResult(winner, winner_path, winner_profile.microbatch_size, tuple(rows), baselines,
-                       tuple(profile.microbatch_size for _, profile in untuned))
+                       tuple(profile.microbatch_size for _, profile in untuned), by_framework)

@@ -329,7 +329,7 @@ def problem_for(evaluator: Evaluator, config: Config, num_stages: int, *, max_pe
                                   / _MB) for l in layers),
         activation_mb=tuple(math.ceil((kept if recompute else l.activation_bytes) / _MB)
                             for l, kept in zip(layers, [0] + [l.output_bytes for l in layers[:-1]])),
-        memory_mb=int(cluster.memory_gb * 1e9 / _MB),
+        memory_mb=int(cluster.memory_bytes / _MB),
         rank_class=classes,
         intra_ticks=tuple(intra),
         inter_ticks=tuple(inter),

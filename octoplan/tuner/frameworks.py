@@ -26,10 +26,12 @@ from octoplan.profile import Profile
 from octoplan.schedules import framework_placement
 from octoplan.tuner.space import Candidate
 
-__all__ = ["RUNS_ON", "FRAMEWORKS", "Frameworks", "MEGATRON_ID", "frameworks_order"]
+__all__ = ["RUNS_ON", "FRAMEWORKS", "PARTIAL_FRAMEWORKS", "Frameworks", "MEGATRON_ID", "frameworks_order"]
 
 RUNS_ON = ("any", "megatron", "loop", "v")
 FRAMEWORKS = ("octorun", "torch", "torchtitan", "Megatron-LM")
+# the frameworks that run only some plans (their own placements, orders and rank numbering)
+PARTIAL_FRAMEWORKS = ("torchtitan", "Megatron-LM")
 MEGATRON_ID = "megatron"  # the fixed_id prefix of the search's Megatron-ordered seeds
 
 

@@ -160,6 +160,8 @@ class TuneResult:
     # the fastest plan priced, before the near tie gave the plan to one of fewer stages
     # (_fewest_stages_of_a_tie); the near tie across microbatch sizes starts from it
     fastest: Scored | None = None
+    # the fastest baseline that fits each of torchtitan and Megatron-LM runs (Baselines.by_framework)
+    by_framework: tuple[BaselineRow, ...] = ()
 
     def best_baseline(self) -> BaselineRow | None:
         fitting = [row for row in self.baselines if row.scored.fits]
@@ -307,12 +309,13 @@ def tune(
     plan = replace(plan, extra={"tuner": stats if opts.max_plans is None else _without_wall_times(stats)})
     log.info("tuned in %.1f s, %d evaluations: %.4f ms", stats["wall_s"], stats["evaluations"], best_scored.iteration_ms)
     frameworks = search.frameworks
-    rows = tuple(replace(row, runs_on=frameworks.runs_on(row.candidate),
-                         allowed=frameworks.allows(row.candidate, opts.runs_on)) for row in baselines)
+    rows, by_framework = (tuple(replace(row, runs_on=frameworks.runs_on(row.candidate),
+                                        allowed=frameworks.allows(row.candidate, opts.runs_on)) for row in found)
+                          for found in (baselines, collected.by_framework))
     configs_best = tuple(sorted(search.config_best.values(),  # the written plan's configuration first (a near tie
                                 # may have written it over a faster one), then the rest by their time
                                 key=lambda item: (item[0].config != best.config, item[1].score, item[0].config)))
-    return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best), configs_best, fastest[1])
+    return TuneResult(plan, best_scored, best, rows, stats, frameworks.runs_on(best), configs_best, fastest[1], by_framework)
 
 
 def check_options(opts: TuneOptions) -> None:
@@ -479,7 +482,7 @@ def _best_that_fits(search: Search, profile_path: str | Path | None, *, unpriced
                         else ("--time-limit", "a longer --time-limit"))
         limits = ([f"--runs-on {search.opts.runs_on}"] if search.opts.runs_on != "any" else []) + \
             ([f"--chunks-max {search.stage_cap}"] if search.stage_cap is not None else [])
-        if least is not None and least <= search.ev.cluster.memory_gb * 1e9 and limits:
+        if least is not None and least <= search.ev.cluster.memory_bytes and limits:
             # plans that fit were priced, but none that the options allow the search to keep
             allowing = " and ".join(limits)
             spent = search.clock.out() or unpriced > 0
@@ -576,9 +579,10 @@ def _stats(search: Search, best: Candidate, plan: Plan, *, climbed: int, configs
         "busiest_recompute_ms": round(sum(evaluator.recomputed_forward_ms(best, op.stage) for op in plan.schedule[busiest]
                                           if op.kind in (Kind.I, Kind.B)), 4),
         "lower_bound_ms": round(timeline.lower_bound_ms, 4),
-        # a profile of layers that take no time makes every plan perfect: 1, not a division by 0
-        "balance": round(timeline.lower_bound_ms / timeline.busy_ms[busiest], 4) if timeline.busy_ms[busiest] else 1.0,
-        "schedule": round(timeline.busy_ms[busiest] / timeline.iteration_ms, 4) if timeline.iteration_ms else 1.0,
+        # a profile of layers that take no time makes every plan perfect: 1, not a division by 0;
+        # 6 decimals, so that tune's 3 are the true value's (4 rounded twice: 0.92754 -> 0.9275 -> 0.927)
+        "balance": round(timeline.lower_bound_ms / timeline.busy_ms[busiest], 6) if timeline.busy_ms[busiest] else 1.0,
+        "schedule": round(timeline.busy_ms[busiest] / timeline.iteration_ms, 6) if timeline.iteration_ms else 1.0,
         "busiest_idle_ms": {"warm_up": round(warm_up, 4), "between": round(between, 4), "drain": round(drain, 4)},
         "dimensions": list(opts.dimensions),
         "cpsat": [],

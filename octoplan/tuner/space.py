@@ -214,7 +214,7 @@ class Evaluator:
 
     def activation_budget(self, cand: Candidate, costs: Sequence[StageCost]) -> list[float]:
         """Per rank, the GPU memory left for activations once the static bytes are placed."""
-        limit = self.cluster.memory_gb * 1e9
+        limit = self.cluster.memory_bytes
         budget = [limit] * cand.config.pp
         for cost, rank in zip(costs, cand.ranks):
             budget[rank] -= static_bytes(cost.param_bytes, dtype_bytes=self.profile.param_dtype_bytes,

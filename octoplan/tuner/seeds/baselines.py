@@ -20,6 +20,7 @@ from octoplan.partition import partition
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
 from octoplan.schedules import SCHEDULES, get_schedule
+from octoplan.tuner.frameworks import PARTIAL_FRAMEWORKS
 from octoplan.tuner.moves import with_recomputation
 from octoplan.tuner.space import Candidate, Config, Scored, bounds_of
 
@@ -113,6 +114,10 @@ def baseline_candidates(profile: Profile, cluster: Cluster, config: Config, chun
 class Baselines(NamedTuple):
     rows: list[BaselineRow]
     unpriced: int  # baselines (schedule/partition x configuration) left out when the time ran out
+    # for each framework that runs only some plans (torchtitan, Megatron-LM), the fastest baseline
+    # that fits and that it runs, over every label and configuration: a label's best row may be
+    # one it does not run (pp-inner across nodes for torchtitan) while a slower one of it is
+    by_framework: tuple[BaselineRow, ...] = ()
 
 
 def collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Config], opts: TuneOptions,
@@ -134,10 +139,19 @@ def collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Conf
     def out_of_time() -> bool:
         return until_s is not None and search.clock.elapsed() >= until_s
 
+    fastest_on: dict[str, BaselineRow] = {}  # Baselines.by_framework
+
     def consider(label: str, config: Config, cand: Candidate) -> None:
         row = BaselineRow(label, config, search.offer(cand), cand)
         if label not in best or row.scored.score < best[label].scored.score:
             best[label] = row
+        if row.scored.fits and any(framework not in fastest_on or row.scored.judged_ms < fastest_on[framework].scored.judged_ms
+                                   for framework in PARTIAL_FRAMEWORKS):
+            runs_on = search.frameworks.runs_on(cand)
+            for framework in PARTIAL_FRAMEWORKS:
+                held = fastest_on.get(framework)
+                if framework in runs_on and (held is None or row.scored.judged_ms < held.scored.judged_ms):
+                    fastest_on[framework] = row
 
     # an evaluator that priced plans before this search (tune_global_batch's pricing of every
     # size): the baselines it priced cost nothing, and are taken whatever the clock says
@@ -168,7 +182,7 @@ def collect_baselines(profile: Profile, cluster: Cluster, configs: Sequence[Conf
     rows = []
     for label in (_baseline_label(*name) for name in names):  # the table's order: SCHEDULES'
         rows += [best[key] for key in (label, f"{label}+recompute") if key in best]
-    return Baselines(rows, unpriced)
+    return Baselines(rows, unpriced, tuple(fastest_on[f] for f in PARTIAL_FRAMEWORKS if f in fastest_on))
 
 
 def fewest_recomputed_layers(search: Search, cand: Candidate, origin: str) -> Candidate:
