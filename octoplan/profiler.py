@@ -56,6 +56,7 @@ import logging
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
@@ -63,6 +64,7 @@ import torch
 import yaml
 
 from octoplan.errors import MODEL_CODE_FAILURES, InputError, where_raised
+from octoplan.headroom import SHRINK_FIX, bytes_left, out_of_memory
 from octoplan.host_malloc import steady_malloc
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.precision import DEFAULT_PRECISION, PROFILE_DTYPE, autocast, check_precision
@@ -349,7 +351,8 @@ def _exc_text(exc: BaseException) -> str:
 def _fail(mf: ModelFile, field_name: str, problem: str, exc: BaseException, fix: str) -> InputError:
     if isinstance(exc, InputError):  # the model file already said what is wrong
         return exc.in_file(mf.path)
-    return InputError(mf.path, field_name, f"{problem}: {_exc_text(exc)}", fix)
+    # out of memory is the size's fault, not the code's: "fix build_layer" would mislead
+    return InputError(mf.path, field_name, f"{problem}: {_exc_text(exc)}", SHRINK_FIX if out_of_memory(exc) else fix)
 
 
 def _optional(mf: ModelFile, name: str, index: int) -> str | None:
@@ -382,7 +385,11 @@ def _name_and_kind(mf: ModelFile, index: int, total: int, layer: torch.nn.Module
     return name, kind
 
 
-def _build(mf: ModelFile, index: int, device: torch.device) -> torch.nn.Module:
+def _build(mf: ModelFile, index: int, device: torch.device, room: _Room | None = None) -> torch.nn.Module:
+    """Layer ``index`` on ``device``; ``room``: the whole model is being built there, layer by
+    layer, and each one is counted against what is left."""
+    if room is not None:
+        room.before(index)
     try:
         layer = mf.build_layer(index)
     except MODEL_CODE_FAILURES as exc:
@@ -390,7 +397,66 @@ def _build(mf: ModelFile, index: int, device: torch.device) -> torch.nn.Module:
     if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):  # .to() would fail: no data to copy
         raise InputError(mf.path, f"build_layer({index})", "returned a layer on the meta device (no values)",
                          "build the layer with real tensors (the profiler runs it)")
-    return layer.to(device)
+    try:
+        layer = layer.to(device)
+    except MODEL_CODE_FAILURES as exc:  # a GPU too small for the layer
+        raise _fail(mf, f"build_layer({index})", f"cannot be moved to {device}", exc, "fix build_layer") from None
+    if room is not None:
+        room.count(index, layer)
+    return layer
+
+
+def _bytes_of(layer: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
+
+
+def _meta_bytes(mf: ModelFile, index: int) -> int | None:
+    """Layer ``index``'s parameter and buffer bytes, built on the meta device; None where its
+    build_layer fails there (a tensor made from data, an explicit device)."""
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _bytes_of(mf.build_layer(index))
+    except MODEL_CODE_FAILURES:
+        return None
+
+
+class _Room:
+    """Building a whole model on one device, layer by layer: stops with a line naming the size
+    before the device runs out (on a CPU, the kernel's OOM killer would end the process with no
+    message; octoplan.headroom). What must still fit after layer i is one more layer like it,
+    and after the last one the model's gradients, as large as its parameters."""
+
+    def __init__(self, mf: ModelFile, total: int, device: torch.device):
+        self.mf, self.total, self.device = mf, total, device
+        self.held = 0
+
+    def before(self, index: int) -> None:
+        """On a CPU, where one layer too large is itself killed as it is built (its pages
+        touched by the initialization): the layer's size first, built on the meta device (no
+        storage), against what is left. A model file whose build_layer cannot run on the meta
+        device is not sized beforehand."""
+        if self.device.type != "cpu":
+            return  # a GPU says it ran out: _fail names the size as the cause
+        size = _meta_bytes(self.mf, index)
+        left = bytes_left(self.device)
+        if size is not None and left is not None and left < size:
+            raise InputError(self.mf.path, f"build_layer({index})",
+                             f"layer {index} alone holds {size / 1e9:.2f} GB, and {max(left, 0) / 1e9:.2f} GB is left "
+                             f"on {self.device}", SHRINK_FIX)
+
+    def count(self, index: int, layer: torch.nn.Module) -> None:
+        size = _bytes_of(layer)
+        self.held += size
+        left = bytes_left(self.device)
+        last = index == self.total - 1
+        need = self.held if last else size
+        if left is not None and left < need:
+            rest = "its gradients" if last else "the rest of the model, its gradients"
+            raise InputError(self.mf.path, f"build_layer({index})",
+                             f"the first {index + 1} of {self.total} layers hold {self.held / 1e9:.2f} GB, and "
+                             f"{max(left, 0) / 1e9:.2f} GB is left on {self.device}: {rest} and activations cannot fit",
+                             SHRINK_FIX)
 
 
 def _clock_for(mf: ModelFile, clock: str) -> str:
@@ -556,6 +622,12 @@ class _LayerRun:
         problem = f"its forward raised on {source}"
         fix = (f"fix the forward, or make {source} match its arguments (inputs arrive as tensors of their "
                "own: a forward must not change them in place)")
+        overrides = sorted(set(self.mf.config) - {"seq", "weights"}) if self.mf.path.startswith("hf:") else []
+        if out_of_memory(exc):
+            fix = SHRINK_FIX
+        elif overrides:  # transformers' own forward, not the user's: what they changed is the config
+            fix = (f"the forward is transformers' own: check the --config overrides ({', '.join(overrides)}) against "
+                   "each other and the model (heads dividing the hidden size, experts per token within the experts)")
         return InputError(self.mf.path, field_name, f"{problem}: {_exc_text(exc)}", fix)
 
     def flops(self) -> float | None:
@@ -730,8 +802,9 @@ def profile_model_file(
         dtypes: list[tuple[torch.dtype, int]] = []
         # Each layer alone on its real input first: its bytes, and its times as the cross-check
         # of the in-sequence ones below; any contract error names the layer here.
+        room = _Room(mf, total, dev)
         for index in range(total):
-            module = _build(mf, index, dev)
+            module = _build(mf, index, dev, room)
             name, kind = _name_and_kind(mf, index, total, module)
             dtypes.extend((p.dtype, p.numel() * p.element_size()) for p in module.parameters())
             run = _LayerRun(
@@ -847,7 +920,8 @@ def measure_whole_model_ms(
     mf = load_model_file(path, config, seed=seed, config_given=True)
     with _Threads(dev, threads) as used_threads:
         total = mf.num_layers()
-        modules = [_build(mf, i, dev) for i in range(total)]
+        room = _Room(mf, total, dev)
+        modules = [_build(mf, i, dev, room) for i in range(total)]
         params = [p for m in modules for p in m.parameters()]
         inputs, targets = _first_batch(mf, microbatch_size, dev)
 

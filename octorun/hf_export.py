@@ -126,8 +126,10 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
         whole = _whole_model(chain, layers)
         folder_config = _folder_config(model_folder)
         _restore_router_loss(whole, folder_config, plan.model.config)
-        out_dtype = DTYPES[dtype] if dtype is not None else DTYPES.get(folder_config.get("dtype") or
-                                                                        folder_config.get("torch_dtype"), torch.float32)
+        # the plan's --config dtype=... where given (config.json says it too), else the folder's
+        given = {**folder_config, **plan.model.config}
+        out_dtype = DTYPES[dtype] if dtype is not None else DTYPES.get(given.get("dtype") or given.get("torch_dtype"),
+                                                                       torch.float32)
         whole.to(out_dtype)
         whole.save_pretrained(partial, safe_serialization=True)
         copied = _copy_other_files(model_folder, partial)

@@ -317,6 +317,31 @@ def test_bad_input_exits_2_in_one_line(saved, tmp_path):
     phi.mkdir()
     transformers.Phi3Config(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2).save_pretrained(phi)
     _one_line_exit_2(_cli("profile", f"hf:{phi}", "-o", str(out)), "'phi3'", "not verified")
+    # nor by naming another family: a Phi3 built as a Llama would load the same-named weights
+    # into Llama's classes and lose what Phi3 does differently (a Granite its multipliers)
+    _one_line_exit_2(_cli("profile", f"hf:{phi}", "--config", "model_type=llama", "-o", str(out)),
+                     "--config model_type: names the model's family, which --config cannot change")
+    _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "architectures=LlamaForCausalLM", "-o", str(out)),
+                     "--config architectures: names the model's family")
+    # a LLaVA whose language model is of an unverified family: its decoder runs in pieces too
+    llava = tmp_path / "llava-phi3"
+    llava.mkdir()
+    transformers.LlavaConfig(text_config=dict(model_type="phi3", vocab_size=64, hidden_size=16, num_hidden_layers=2,
+                                              num_attention_heads=2),
+                             vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
+                                                num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4),
+                             image_token_id=63).save_pretrained(llava)
+    _one_line_exit_2(_cli("profile", f"hf:{llava}", "-o", str(out)),
+                     "the language model of this 'llava' is of model type 'phi3'", "not verified")
+    # two names for one field, set apart (the sorted keys decided which won)
+    _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "layers=2", "--config", "num_hidden_layers=3",
+                          "-o", str(out)),
+                     "--config layers: is 2 and --config num_hidden_layers is 3", "give one of them")
+    # an override transformers' forward cannot run: the line names the overrides, not "fix the forward"
+    _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "num_attention_heads=3", "--config", "weights=none",
+                          "-o", str(out)),
+                     "its forward raised", "the forward is transformers' own: check the --config overrides "
+                                           "(num_attention_heads)")
     assert not out.exists()
 
 
@@ -691,3 +716,27 @@ def test_export_hf_bad_input_exits_2_in_one_line_and_writes_nothing(saved, octor
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
         "analytic.yaml", "dangling", "eps-plan.yaml", "eps.yaml", "full"]
     assert h.saved_entries(checkpoints["qwen3"]) == ["step_00000001"]
+
+
+@pytest.mark.slow
+def test_export_hf_writes_the_dtype_the_plans_config_gives(saved, tmp_path):
+    """A model profiled with --config dtype=bfloat16 (its config.json says bfloat16, the folder's
+    float32): the export without --dtype writes bfloat16 tensors, as its config.json says; it
+    wrote float32 under a config that said float32, the folder's."""
+    from octorun.runtime import RunConfig
+
+    folder, _ = saved["qwen3"]
+    profile, plan_path, checkpoints = tmp_path / "p.yaml", tmp_path / "plan.yaml", tmp_path / "ck"
+    assert _cli("profile", f"hf:{folder}", "--config", f"seq={SEQ}", "--config", "dtype=bfloat16", "--microbatch-size",
+                str(MBS), "--repeat", "1", "--device", "cpu", "-o", str(profile)).exit_code == 0
+    assert _cli("baseline", str(profile), "--gpus", "1", "--schedule", "1f1b", "--microbatches", "2",
+                "-o", str(plan_path)).exit_code == 0
+    launched = h.launch(1, [h.Job("bf16-config", RunConfig(plan_path=str(plan_path), steps=1, optimizer="sgd", lr=LR,
+                                                              timeout_s=60, save_dir=str(checkpoints)))],
+                        tmp_path / "out", timeout_s=120)
+    assert launched.exitcodes == [0], "\n".join(launched.logs)
+    out = tmp_path / "exported"
+    result = _cli("export", str(plan_path), "--format", "hf", "--checkpoint", str(checkpoints), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert transformers.AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16

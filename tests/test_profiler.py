@@ -1044,3 +1044,43 @@ def test_bad_input_is_one_line_even_where_the_model_makes_python_warn(tmp_path):
     assert failed.stderr.startswith("error: ") and "loss_fn" in failed.stderr
     done = profile(noisy, "good")  # a run that succeeds still shows them, once it is done
     assert done.returncode == 0 and "UserWarning: the model file speaks" in done.stderr, done.stderr
+
+
+# ----------------------------------------------------------------------------- out of memory
+
+
+def test_a_model_too_large_for_the_cpu_stops_before_the_oom_killer(tmp_path, monkeypatch):
+    """On a CPU, Linux lets a model too large be allocated until its OOM killer ends the process
+    with no message (tiny_gpt at hidden 30000 was killed in build_layer(1)). Each layer is sized
+    on the meta device first, and the model so far counted against what is left."""
+    from octoplan import profiler
+    from octoplan.headroom import SHRINK_FIX
+
+    path = write_model(tmp_path, TWO_LINEAR)
+    layer0 = ((8 * 16 + 16) + (16 * 16 + 16)) * 4  # 1664 bytes, the first layer's (test above)
+    # less than layer 0 left: refused before it is built
+    monkeypatch.setattr(profiler, "bytes_left", lambda device: layer0 - 1)
+    with pytest.raises(InputError) as caught:
+        fast_profile(path, microbatch_size=3)
+    assert caught.value.line().endswith(f"build_layer(0): layer 0 alone holds 0.00 GB, and 0.00 GB is left on cpu ({SHRINK_FIX})")
+    # room for each layer alone but not for the gradients of both (1664 + 272 bytes)
+    monkeypatch.setattr(profiler, "bytes_left", lambda device: 1664 + 271)
+    with pytest.raises(InputError, match=r"build_layer\(1\): the first 2 of 2 layers hold 0\.00 GB, .* its gradients and "
+                                         r"activations cannot fit"):
+        fast_profile(path, microbatch_size=3)
+    monkeypatch.setattr(profiler, "bytes_left", lambda device: 1664 + 272)
+    assert fast_profile(path, microbatch_size=3).layers[0].param_bytes == 1664
+
+
+def test_running_out_of_memory_in_model_code_names_the_size_not_the_code(tmp_path):
+    """A GPU's OutOfMemoryError in build_layer is the size's fault: the line says to profile a
+    shrunken copy, not "fix build_layer"."""
+    from octoplan.headroom import SHRINK_FIX
+
+    path = write_model(tmp_path, TWO_LINEAR.replace("def build_layer(index, hidden, middle):",
+                                                    "def build_layer(index, hidden, middle):\n"
+                                                    "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 9.00 GiB')"))
+    with pytest.raises(InputError) as caught:
+        fast_profile(path, microbatch_size=3)
+    assert "build_layer(0): raised: OutOfMemoryError: CUDA out of memory. Tried to allocate 9.00 GiB" in caught.value.line()
+    assert caught.value.line().endswith(f"({SHRINK_FIX})")

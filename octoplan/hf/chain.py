@@ -43,6 +43,12 @@ __all__ = ["Piece", "HFChain", "VERIFIED_MODEL_TYPES", "DEFAULT_SEQ"]
 # whose forward does more than embed -> layers -> norm (per-layer embeddings, deep-stacked vision
 # features) would run here without error and compute something else.
 VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "qwen3_moe", "qwen3_next", "llava")
+# the language models a VLM (llava) may hold: the families verified on their own
+VERIFIED_TEXT_TYPES = tuple(t for t in VERIFIED_MODEL_TYPES if t != "llava")
+# --config fields that name the family (transformers' classes for the weights), not a size
+IDENTITY_FIELDS = frozenset({"model_type", "architectures"})
+# --config's short names for the language model's fields
+SHORT_FIELDS = {"layers": "num_hidden_layers", "hidden": "hidden_size"}
 DEFAULT_SEQ = 32
 
 # --config keys of our own (the rest name fields of config.json)
@@ -164,10 +170,19 @@ class HFChain:
             raise InputError(source, "config.json", f"transformers {tf.__version__} cannot read it: {_one_line(exc)}",
                              "give a config.json of a model type this transformers knows") from None
         text_config = hf_config.get_text_config()
+        for key in IDENTITY_FIELDS & set(config):
+            # another model type picks other transformers classes for these weights: a Granite
+            # as a Llama loses its multipliers, and the export's config.json says granite again
+            raise InputError(source, f"--config {key}", "names the model's family, which --config cannot change",
+                             "give a folder whose config.json is of the family you want, or leave it out")
+        for short, field in SHORT_FIELDS.items():
+            if short in config and field in config and config[short] != config[field]:
+                raise InputError(source, f"--config {short}", f"is {shown(config[short])} and --config {field} is "
+                                 f"{shown(config[field])}: both set the language model's {field}", "give one of them")
         for key, value in config.items():
             if key in ("seq", "weights"):
                 continue
-            field = {"layers": "num_hidden_layers", "hidden": "hidden_size"}.get(key)
+            field = SHORT_FIELDS.get(key)
             if field is not None:  # of the language model (get_text_config is the sub-config itself)
                 _set_field(text_config, field, value, source, given_as=key)
             else:
@@ -183,6 +198,12 @@ class HFChain:
         if self.model_type not in VERIFIED_MODEL_TYPES:
             raise InputError(source, "config.json", f"model type {self.model_type!r} has a pipeline plan, but its chain is "
                              f"not verified against transformers' forward (verified: {', '.join(VERIFIED_MODEL_TYPES)})",
+                             "profile it with --arch, or write a model file (docs/FORMATS.md section 4)")
+        # a VLM's language model runs in pieces too: its family must be one verified alone
+        if text_config is not hf_config and text_config.model_type not in VERIFIED_TEXT_TYPES:
+            raise InputError(source, "config.json", f"the language model of this {self.model_type!r} is of model type "
+                             f"{text_config.model_type!r}, whose chain is not verified against transformers' forward "
+                             f"(verified: {', '.join(VERIFIED_TEXT_TYPES)})",
                              "profile it with --arch, or write a model file (docs/FORMATS.md section 4)")
         if list(plan) != ["embed_tokens", "layers", "norm"]:
             raise InputError(source, "config.json", f"the pipeline plan of {self.model_type!r} is {list(plan)}, not "
