@@ -56,12 +56,14 @@ def megatron_fallback(plan: Plan, profile: Profile, *, profile_path: str | Path 
 def run_framework_export(console: Console, plan: Plan, profile: Profile, *, plan_path: Path, profile_path: Path | None,
                          format: str, output: Path, options: FrameworkOptions) -> None:
     if format == "torchtitan":
-        from octoplan.export_torchtitan import export_torchtitan
+        from octoplan.export_torchtitan import checkpoint_mode, export_torchtitan
 
         export, csv_path = export_torchtitan(plan, profile, output, style=options.fqn_style, file=str(plan_path))
         console.print(f"torchtitan settings ({export.placement} placement, {plan.num_stages} stages on {plan.pp} ranks) "
                       f"-> {escape(str(output))}; its schedule CSV -> {escape(str(csv_path))}", soft_wrap=True)
-        _recompute_note(plan, "set [activation_checkpoint] for the stages that recompute")
+        if checkpoint_mode(plan) is None:  # stages that recompute unlike the others
+            _recompute_note(plan, "torchtitan takes one [activation_checkpoint] mode for every model part, so recomputing "
+                                  "only these needs its model code changed")
         return
     _megatron(console, plan, profile, plan_path=plan_path, profile_path=profile_path, output=output, options=options)
 
@@ -69,7 +71,7 @@ def run_framework_export(console: Console, plan: Plan, profile: Profile, *, plan
 def _megatron(console: Console, plan: Plan, profile: Profile, *, plan_path: Path, profile_path: Path | None,
               output: Path, options: FrameworkOptions) -> None:
     from octoplan.export_megatron import (LayerLetters, expert_parallel, export_megatron, megatron_problem,
-                                          parse_kind_letters)
+                                          parse_kind_letters, tensor_parallel)
 
     from octoplan.tuner.search import TuneOptions, check_options
     from octoplan.validate import check_runnable
@@ -83,7 +85,7 @@ def _megatron(console: Console, plan: Plan, profile: Profile, *, plan_path: Path
     check_options(TuneOptions(gpus=plan.pp * plan.parallel.dp, time_limit_s=options.time_limit_s, max_plans=options.max_plans))
     letters = parse_kind_letters(options.kind_letters)
     problem = megatron_problem(plan, LayerLetters(profile, letters=letters, file=str(profile_path or plan_path)),
-                               ep=expert_parallel(profile))
+                               ep=expert_parallel(profile), tp=tensor_parallel(profile))
     chosen, title = plan, f"Megatron-LM arguments for {plan_path} (octoplan export --format megatron)"
     if problem is not None:
         from octoplan.simulator import simulate

@@ -47,7 +47,8 @@ from octoplan.schedules.placement import framework_placement
 
 __all__ = ["KIND_LETTERS", "LayerLetters", "MegatronExport", "megatron_order", "layout_string", "parse_layout",
            "check_layout", "megatron_problem", "megatron_export", "export_megatron", "parse_kind_letters",
-           "check_kind_letters", "MEGATRON_RANK_ORDER", "expert_parallel", "megatron_rank_order_problem"]
+           "check_kind_letters", "MEGATRON_RANK_ORDER", "expert_parallel", "megatron_rank_order_problem",
+           "megatron_expert_problem", "tensor_parallel"]
 
 # A profile layer's kind -> its letter in the layout (a split block's K.mixer / K.ffn read as K's).
 KIND_LETTERS: dict[str, str] = {
@@ -58,6 +59,8 @@ KIND_LETTERS: dict[str, str] = {
     "full_attention": "t", "sliding_attention": "t",
 }
 LETTERS = "EtmL"
+# kinds of a hybrid model's state-space layers (Megatron-LM's MambaModel, not its layout)
+MAMBA_KINDS = ("mamba", "ssm")
 _SPLIT_PARTS = ("mixer", "ffn")
 
 
@@ -83,13 +86,26 @@ def _kind_and_block(kind: str, name: str) -> tuple[str, str | None]:
 
 
 def check_kind_letters(profile: Profile, letters: Mapping[str, str]) -> None:
-    """``InputError`` for a ``--kind-letter`` that maps a kind no layer of ``profile`` has: a
-    misspelt kind, whose layer would go unmapped (or keep its default letter) without a word."""
+    """``InputError`` for a ``--kind-letter`` that maps a kind no layer of ``profile`` has (a
+    misspelt kind, whose layer would go unmapped without a word), a kind that has its letter
+    already (a head as a decoder layer would add one to --num-layers), or the layers of a
+    hybrid model: Megatron-LM builds those as its MambaModel, whose MambaStack splits the layers
+    evenly (num_layers // pp) and takes no layout and no virtual stages
+    (megatron/core/ssm/mamba_block.py), so a layout for them would not be the one it runs."""
     kinds = {_kind_and_block(layer.kind, layer.name)[0] for layer in profile.layers}
-    for kind in letters:
+    for kind, letter in letters.items():
         if kind not in kinds:
             raise InputError(None, "--kind-letter", f"maps {kind!r}, a kind no layer of the profile has",
                              f"map one of the profile's kinds: {', '.join(sorted(kinds))}")
+        if kind in KIND_LETTERS and KIND_LETTERS[kind] != letter:
+            raise InputError(None, "--kind-letter", f"maps {kind!r} to {letter}, a kind whose letter is "
+                             f"{KIND_LETTERS[kind]}", "map only kinds Megatron-LM's layout has no letter for")
+    hybrid = sorted(kind for kind in kinds if kind.startswith(MAMBA_KINDS))
+    if letters and hybrid:
+        raise InputError(None, "--kind-letter", f"maps the layers of a hybrid model (kinds {', '.join(hybrid)}): "
+                         "Megatron-LM builds it as a MambaModel, whose layers it splits evenly over pp with no "
+                         "layout and no virtual stages, so the exported layout would not be the split it runs",
+                         "tune hybrid models for octorun (or torch), without --runs-on megatron")
 
 
 class LayerLetters:
@@ -222,9 +238,9 @@ def megatron_rank_order_problem(parallel: Parallel, cluster: Cluster, ep: int) -
             f"expert parallelism (the profile's ep {ep}); its own order is {MEGATRON_RANK_ORDER}")
 
 
-def megatron_problem(plan: Plan, letters: LayerLetters, *, ep: int = 1) -> str | None:
-    """Why Megatron-LM cannot run ``plan`` as planned (None: it can); ``ep``: the profile's
-    expert-parallel degree (:func:`expert_parallel`)."""
+def megatron_problem(plan: Plan, letters: LayerLetters, *, ep: int = 1, tp: int = 1) -> str | None:
+    """Why Megatron-LM cannot run ``plan`` as planned (None: it can); ``ep`` and ``tp``: the
+    profile's expert- and tensor-parallel degrees (:func:`expert_parallel`, :func:`tensor_parallel`)."""
     pp, num_stages = plan.pp, plan.num_stages
     ranks = [s.rank for s in plan.stages]
     if framework_placement(pp, ranks) != "loop":
@@ -253,7 +269,27 @@ def megatron_problem(plan: Plan, letters: LayerLetters, *, ep: int = 1) -> str |
     if not one_recompute_count(plan.stages, letters):
         return ("its stages recompute different numbers of layers; Megatron-LM's --recompute-num-layers is one N "
                 "for every stage")
-    return megatron_rank_order_problem(plan.parallel, plan.cluster, ep)
+    return megatron_expert_problem(plan.parallel, ep, tp) or megatron_rank_order_problem(plan.parallel, plan.cluster, ep)
+
+
+def megatron_expert_problem(parallel: Parallel, ep: int, tp: int = 1) -> str | None:
+    """Why Megatron-LM cannot form ``ep``-wide expert-parallel groups under ``parallel`` with
+    ``tp``-wide tensor parallelism (None: it can). It takes them from a stage's tensor- and
+    data-parallel ranks (megatron.core.parallel_state: the world size a multiple of expert
+    tensor-parallel x ep x pp), so at its most lenient (expert tensor parallelism 1) tp x dp
+    must be a multiple of ep."""
+    if ep <= 1 or (tp * parallel.dp) % ep == 0:
+        return None
+    return (f"Megatron-LM forms the profile's expert-parallel groups (ep {ep}) from a stage's tensor- and data-parallel "
+            f"ranks, and tp {tp} x dp {parallel.dp} is not a multiple of {ep}")
+
+
+def tensor_parallel(profile: Profile) -> int:
+    """The tensor-parallel degree a profile was made for (``model.config.tp``; 1 without one)."""
+    try:
+        return max(1, int(profile.model.config.get("tp") or 1))
+    except (TypeError, ValueError):
+        return 1
 
 
 def _compress_stage(letters: str) -> str:
@@ -380,7 +416,7 @@ def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] 
     it (the layer kinds, the placement, the order, the recomputation)."""
     check_structure(plan, file=file, num_layers=profile.num_layers)
     table = LayerLetters(profile, letters=letters, file=plan.profile or file)
-    problem = megatron_problem(plan, table, ep=expert_parallel(profile))
+    problem = megatron_problem(plan, table, ep=expert_parallel(profile), tp=tensor_parallel(profile))
     if problem:
         raise InputError(file, None, f"Megatron-LM cannot run this plan: {problem}",
                          "octoplan tune --runs-on megatron finds the best plan it can run")
@@ -394,6 +430,11 @@ def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] 
             "--num-layers", str(num_layers)]
     if mtp:
         args += ["--mtp-num-layers", str(mtp)]
+    if plan.pp == 2 and plan.num_stages > plan.pp:
+        # Megatron-LM asserts pp > 2 for virtual stages unless this is on (megatron/training/
+        # arguments.py: "multiple p2p sends and recvs between same 2 ranks"); it changes how the
+        # sends overlap, not the order
+        args.append("--overlap-p2p-communication")
     args += ["--micro-batch-size", str(profile.microbatch_size),
              "--global-batch-size", str(profile.microbatch_size * plan.microbatches * dp)]
     notes = [f"{plan.microbatches} microbatches per pipeline: Megatron-LM takes global batch / (micro batch x "

@@ -41,7 +41,7 @@ from octoplan.profile import Profile
 from octoplan.schedules import framework_placement
 
 __all__ = ["FQN_STYLES", "TORCHTITAN_RANK_ORDER", "TorchtitanExport", "torchtitan_placement", "module_fqns", "torchtitan_export",
-           "export_torchtitan", "csv_path_for"]
+           "export_torchtitan", "csv_path_for", "torchtitan_cuts", "checkpoint_mode"]
 
 FQN_STYLES = ("llama", "profile")
 # torchtitan's device mesh is ["pp", "dp_replicate", "dp_shard", "cp", "tp"], pp outermost: a
@@ -58,10 +58,36 @@ def torchtitan_placement(plan: Plan) -> str | None:
     return framework_placement(plan.pp, [s.rank for s in plan.stages])
 
 
+def _split_block_owners(profile: Profile) -> list[str | None]:
+    """Per layer, the split block it is part of (a split-blocks profile's NAME.mixer and
+    NAME.ffn), else None: torchtitan cannot start a stage between a block's parts."""
+    owners = []
+    for layer in profile.layers:
+        base, _, part = layer.name.rpartition(".")
+        owners.append(base if part in _SPLIT_PARTS and layer.kind.rpartition(".")[2] == part else None)
+    return owners
+
+
+def torchtitan_cuts(profile: Profile, style: str = "llama") -> frozenset[int] | None:
+    """The layer indices a stage may start at in the export of ``style``: all but those inside a
+    split block; None when ``style`` is ``llama`` and a layer has no Llama-style module (an MTP,
+    vision or Mamba layer), so that export refuses every plan of the profile."""
+    if style == "llama" and any(layer.kind.partition(".")[0] in _NOT_LLAMA_LAYERS for layer in profile.layers):
+        return None
+    owners = _split_block_owners(profile)
+    return frozenset(i for i in range(profile.num_layers)
+                     if i == 0 or owners[i] is None or owners[i] != owners[i - 1])
+
+
 def module_fqns(plan: Plan, profile: Profile, *, style: str = "llama", file: str = "<plan>") -> list[list[str]]:
     """Each stage's module names in ``style`` (see the module docstring)."""
     if style not in FQN_STYLES:
         raise InputError(None, "--fqn-style", f"is {style!r}", f"use one of {', '.join(FQN_STYLES)}")
+    if style == "profile" and "cost_model" in profile.extra:  # octoplan profile --arch's
+        raise InputError(file, "--fqn-style profile", f"the layer names of the analytic profile of {profile.model.name} "
+                         "are its own, not module names of a model: torchtitan would drop "
+                         "the embedding, norm and output no stage names",
+                         "give --fqn-style llama for a model torchtitan builds with Llama-style names")
     if style == "profile" and is_hf_source(profile.model.source):
         # torchtitan drops a name no module has: the head would leave the last stage in silence
         raise InputError(file, "--fqn-style profile", f"the layer names of {profile.model.source} (embed_tokens, "
@@ -80,13 +106,10 @@ def module_fqns(plan: Plan, profile: Profile, *, style: str = "llama", file: str
                                  "profile again")
             seen[layer.name] = index
     names: list[list[str]] = []  # per layer
-    owner: list[str | None] = []  # per layer, the split block it is part of
+    owner = _split_block_owners(profile)  # per layer, the split block it is part of
     block_index = -1
     previous = None
-    for layer in profile.layers:
-        base, _, part = layer.name.rpartition(".")
-        block = base if part in _SPLIT_PARTS and layer.kind.rpartition(".")[2] == part else None
-        owner.append(block)
+    for layer, block in zip(profile.layers, owner):
         if style == "profile":
             names.append([layer.name])
         elif layer.kind == "embedding":
@@ -155,7 +178,26 @@ class TorchtitanExport:
             f"# {plan.microbatches} microbatches = local_batch_size / pipeline_parallel_microbatch_size",
             f"local_batch_size = {local_batch}",
         ]
+        if plan.parallel.dp > 1:
+            lines[4:4] = [f"# dp {plan.parallel.dp}: torchtitan shards it with FSDP by default (data_parallel_shard_degree "
+                          "= -1, reduce-scatters and all-gathers); the plan priced one gradient all-reduce per stage"]
+        mode = checkpoint_mode(plan)
+        if mode is not None:  # else the stages recompute unlike each other: the export's note says so
+            lines += ["", "[activation_checkpoint]",
+                      "# as the plan: torchtitan's presets recompute (selective or full) by default",
+                      f"mode = {_toml_string(mode)}"]
         return "\n".join(lines) + "\n"
+
+
+def checkpoint_mode(plan: Plan) -> str | None:
+    """torchtitan's one ``activation_checkpoint.mode`` for every model part: ``none`` where no
+    stage recomputes, ``full`` where every stage recomputes all its layers, None otherwise (it
+    has no setting per stage)."""
+    whole = [stage.recompute and (stage.recompute_layers is None or stage.recompute_layers >= stage.end - stage.start)
+             for stage in plan.stages]
+    if not any(stage.recompute for stage in plan.stages):
+        return "none"
+    return "full" if all(whole) else None
 
 
 def _toml_string(text: str) -> str:

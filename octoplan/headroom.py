@@ -3,17 +3,26 @@
 The profiler builds a whole model on one device. On a GPU, running out raises
 ``torch.OutOfMemoryError``; on a CPU, Linux lets allocations succeed until the kernel's OOM killer
 ends the process with SIGKILL, which leaves the user no message at all. So on a CPU the profiler
-watches what is left (:func:`bytes_left`) as it builds, and stops with a line of its own before the
-killer would.
+watches what is left (:func:`bytes_left`) after each layer it builds, and builds each layer under
+an address-space limit of what it has mapped plus what is left (:func:`address_space_capped`):
+a layer too large for the machine then fails to allocate, which says so, where touching its
+pages would have woken the killer.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-__all__ = ["bytes_left", "out_of_memory", "SHRINK_FIX"]
+try:
+    import resource
+except ImportError:  # not on Linux or macOS: no limit, the checks after each layer still run
+    resource = None  # type: ignore[assignment]
+
+__all__ = ["bytes_left", "out_of_memory", "address_space_capped", "SHRINK_FIX"]
 
 # What to do when a model does not fit the device it is profiled on: its layers' times stand for
 # the same layers in a larger model, so a copy with fewer layers measures the same things
@@ -39,15 +48,73 @@ def bytes_left(device: torch.device) -> int | None:
                 found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    try:  # cgroup v2: the limit of the group this process is in, less what the group holds
-        group = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[-1]
-        folder = _CGROUP / group.lstrip("/")
-        limit = (folder / "memory.max").read_text().strip()
-        if limit != "max":
-            found.append(int(limit) - int((folder / "memory.current").read_text().strip()))
-    except (OSError, ValueError):
-        pass
+    found += _cgroup_left()
     return min(found) if found else None
+
+
+def _cgroup_left() -> list[int]:
+    """What the memory cgroups of this process (a container's limit) still allow: cgroup v2's
+    memory.max less memory.current, or v1's memory.limit_in_bytes less usage_in_bytes, for the
+    process's group and every group above it."""
+    out = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, group = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2
+            base, limit_file, used_file = _CGROUP, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1
+            base, limit_file, used_file = _CGROUP / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        folder = base / group.strip().lstrip("/")
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                limit = (folder / limit_file).read_text().strip()
+                if limit != "max" and int(limit) < 1 << 60:  # v1 writes "no limit" as a huge number
+                    out.append(int(limit) - int((folder / used_file).read_text().strip()))
+            if folder == base:
+                break
+            folder = folder.parent
+    return out
+
+
+@contextlib.contextmanager
+def address_space_capped(device: torch.device) -> Iterator[None]:
+    """On a CPU, the process's address space limited to what it has mapped plus what is left,
+    for the duration, and put back after: an allocation beyond it fails (torch raises, Python
+    raises MemoryError) instead of succeeding until the OOM killer ends the process. Not where
+    the limit cannot be set or read, nor on a GPU (CUDA reserves address space far beyond memory)."""
+    left = bytes_left(device) if device.type == "cpu" and resource is not None else None
+    mapped = _mapped_bytes() if left is not None else None
+    if left is None or mapped is None:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = mapped + max(left, 0)
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:  # a tighter limit is set already
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _mapped_bytes() -> int | None:
+    """The process's address space in use (VmSize), None where /proc does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def out_of_memory(exc: BaseException) -> bool:

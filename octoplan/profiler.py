@@ -56,7 +56,7 @@ import logging
 import os
 import statistics
 import time
-import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
@@ -64,7 +64,7 @@ import torch
 import yaml
 
 from octoplan.errors import MODEL_CODE_FAILURES, InputError, where_raised
-from octoplan.headroom import SHRINK_FIX, bytes_left, out_of_memory
+from octoplan.headroom import SHRINK_FIX, address_space_capped, bytes_left, out_of_memory
 from octoplan.host_malloc import steady_malloc
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.precision import DEFAULT_PRECISION, PROFILE_DTYPE, autocast, check_precision
@@ -388,10 +388,12 @@ def _name_and_kind(mf: ModelFile, index: int, total: int, layer: torch.nn.Module
 def _build(mf: ModelFile, index: int, device: torch.device, room: _Room | None = None) -> torch.nn.Module:
     """Layer ``index`` on ``device``; ``room``: the whole model is being built there, layer by
     layer, and each one is counted against what is left."""
-    if room is not None:
-        room.before(index)
+    # a model file's layer built under the address-space cap (octoplan.headroom); not an hf:
+    # one, whose build maps safetensors files far larger than the memory it takes
+    capped = address_space_capped(device) if room is not None and not mf.path.startswith("hf:") else nullcontext()
     try:
-        layer = mf.build_layer(index)
+        with capped:
+            layer = mf.build_layer(index)
     except MODEL_CODE_FAILURES as exc:
         raise _fail(mf, f"build_layer({index})", "raised", exc, "fix build_layer") from None
     if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):  # .to() would fail: no data to copy
@@ -406,51 +408,33 @@ def _build(mf: ModelFile, index: int, device: torch.device, room: _Room | None =
     return layer
 
 
-def _bytes_of(layer: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
-
-
-def _meta_bytes(mf: ModelFile, index: int) -> int | None:
-    """Layer ``index``'s parameter and buffer bytes, built on the meta device; None where its
-    build_layer fails there (a tensor made from data, an explicit device)."""
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return _bytes_of(mf.build_layer(index))
-    except MODEL_CODE_FAILURES:
-        return None
-
-
 class _Room:
     """Building a whole model on one device, layer by layer: stops with a line naming the size
     before the device runs out (on a CPU, the kernel's OOM killer would end the process with no
     message; octoplan.headroom). What must still fit after layer i is one more layer like it,
-    and after the last one the model's gradients, as large as its parameters."""
+    and after the last one the model's gradients. Each storage counts once (a table several
+    layers share), and only trainable parameters get gradients."""
 
     def __init__(self, mf: ModelFile, total: int, device: torch.device):
         self.mf, self.total, self.device = mf, total, device
-        self.held = 0
-
-    def before(self, index: int) -> None:
-        """On a CPU, where one layer too large is itself killed as it is built (its pages
-        touched by the initialization): the layer's size first, built on the meta device (no
-        storage), against what is left. A model file whose build_layer cannot run on the meta
-        device is not sized beforehand."""
-        if self.device.type != "cpu":
-            return  # a GPU says it ran out: _fail names the size as the cause
-        size = _meta_bytes(self.mf, index)
-        left = bytes_left(self.device)
-        if size is not None and left is not None and left < size:
-            raise InputError(self.mf.path, f"build_layer({index})",
-                             f"layer {index} alone holds {size / 1e9:.2f} GB, and {max(left, 0) / 1e9:.2f} GB is left "
-                             f"on {self.device}", SHRINK_FIX)
+        self.held = 0  # bytes of the storages built so far
+        self.trainable = 0  # of them, the trainable parameters': their gradients' bytes
+        self._seen: set[int] = set()
 
     def count(self, index: int, layer: torch.nn.Module) -> None:
-        size = _bytes_of(layer)
+        size = 0
+        for tensor in (*layer.parameters(), *layer.buffers()):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in self._seen or storage.nbytes() == 0:
+                continue
+            self._seen.add(storage.data_ptr())
+            size += storage.nbytes()
+            if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+                self.trainable += storage.nbytes()
         self.held += size
         left = bytes_left(self.device)
         last = index == self.total - 1
-        need = self.held if last else size
+        need = self.trainable if last else size
         if left is not None and left < need:
             rest = "its gradients" if last else "the rest of the model, its gradients"
             raise InputError(self.mf.path, f"build_layer({index})",

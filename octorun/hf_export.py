@@ -126,10 +126,11 @@ def export_hf(plan: Plan, plan_path: Path, checkpoint_spec: str, output: Path, *
         whole = _whole_model(chain, layers)
         folder_config = _folder_config(model_folder)
         _restore_router_loss(whole, folder_config, plan.model.config)
-        # the plan's --config dtype=... where given (config.json says it too), else the folder's
-        given = {**folder_config, **plan.model.config}
-        out_dtype = DTYPES[dtype] if dtype is not None else DTYPES.get(given.get("dtype") or given.get("torch_dtype"),
-                                                                       torch.float32)
+        # the plan's --config dtype=... (or its older name torch_dtype) where given, as config.json
+        # then says, else the folder's
+        named = next((source.get(key) for source in (plan.model.config, folder_config) for key in ("dtype", "torch_dtype")
+                      if source.get(key)), None)
+        out_dtype = DTYPES[dtype] if dtype is not None else DTYPES.get(named, torch.float32)
         whole.to(out_dtype)
         whole.save_pretrained(partial, safe_serialization=True)
         copied = _copy_other_files(model_folder, partial)

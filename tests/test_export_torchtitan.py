@@ -70,6 +70,10 @@ def test_loop_plan_settings_are_exact(tmp_path):
         "[training]",
         "# 4 microbatches = local_batch_size / pipeline_parallel_microbatch_size",
         "local_batch_size = 12",
+        "",
+        "[activation_checkpoint]",
+        "# as the plan: torchtitan's presets recompute (selective or full) by default",
+        'mode = "none"',
     ]
     settings = tomllib.loads((tmp_path / "tt.toml").read_text())
     parallelism = settings["parallelism"]
@@ -282,3 +286,54 @@ def test_cli_writes_both_files_or_refuses_with_exit_2(tmp_path):
     assert not (tmp_path / "m.toml").exists() and not (tmp_path / "m.csv").exists()
     done = run("v.yaml", "--format", "torchtitan", "-o", "v.csv")  # the CSV would overwrite the settings
     assert done.returncode == 2 and "names the file" in done.stderr
+
+
+def test_what_tune_says_torchtitan_runs_its_export_takes():
+    """A split-blocks analytic profile tuned --runs-on loop: the search may cut a block between
+    its mixer and MLP, which torchtitan's modules cannot; the plan it calls torchtitan's
+    exports. A Mamba hybrid's layers have no Llama-style module, so no plan of it is called
+    torchtitan's (the default export refuses them all); asked for by name (--runs-on loop), the
+    placement is kept for an export with the profile's own names."""
+    from octoplan.arch import analytic_profile
+
+    split = analytic_profile("llama3-8b", "h100", split_blocks=True)
+    result = tune(split, Cluster(gpus=4), TuneOptions(gpus=4, pp=4, microbatches=8, max_plans=300, runs_on="loop"))
+    assert "torchtitan" in result.runs_on
+    torchtitan_export(result.plan, split)
+    hybrid = _profile(kinds=["embedding", "mamba", "transformer", "mamba", "transformer", "head"])
+    looped = tune(hybrid, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=100, runs_on="loop"))
+    assert torchtitan_placement(looped.plan) == "loop" and "torchtitan" not in looped.runs_on
+    assert all("torchtitan" not in row.runs_on for row in looped.baselines)
+
+
+def test_analytic_profile_names_are_no_module_names():
+    """--arch profiles name their layers embed, layers.N, head: torchtitan would drop the
+    embedding, norm and output modules no stage names."""
+    from octoplan.arch import analytic_profile
+
+    profile = analytic_profile("llama3-8b", "h100")
+    plan = make_baseline(profile, schedule="1f1b", gpus=4, microbatches=4)
+    with pytest.raises(InputError, match="the layer names of the analytic profile of llama3-8b are its own"):
+        module_fqns(plan, profile, style="profile")
+    assert module_fqns(plan, profile)[0][0] == "tok_embeddings"
+
+
+def test_the_settings_say_what_the_plan_recomputes_and_how_dp_runs(tmp_path):
+    """torchtitan's presets recompute by default, and it has one mode for every model part:
+    none where no stage recomputes, full where every stage recomputes all its layers, no
+    setting (and the export's note) where stages differ. dp > 1 says that torchtitan shards it."""
+    from octoplan.export_torchtitan import checkpoint_mode
+
+    plan = make_baseline(_profile(), schedule="1f1b", gpus=4, microbatches=4, pp=2)
+    assert plan.parallel.dp == 2 and checkpoint_mode(plan) == "none"
+    text = torchtitan_export(plan, _profile()).toml(plan=plan, microbatch_size=3, csv_path="x.csv", title="t")
+    assert "# dp 2: torchtitan shards it with FSDP by default" in text
+    assert tomllib.loads(text)["activation_checkpoint"] == {"mode": "none"}
+    every = replace(plan, stages=tuple(replace(s, recompute=True) for s in plan.stages))
+    assert checkpoint_mode(every) == "full"
+    assert tomllib.loads(torchtitan_export(every, _profile()).toml(plan=every, microbatch_size=3, csv_path="x.csv",
+                                                                   title="t"))["activation_checkpoint"]["mode"] == "full"
+    some = replace(plan, stages=(replace(plan.stages[0], recompute=True), plan.stages[1]))
+    assert checkpoint_mode(some) is None
+    assert "activation_checkpoint" not in torchtitan_export(some, _profile()).toml(plan=some, microbatch_size=3,
+                                                                                   csv_path="x.csv", title="t")

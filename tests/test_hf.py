@@ -333,10 +333,15 @@ def test_bad_input_exits_2_in_one_line(saved, tmp_path):
                              image_token_id=63).save_pretrained(llava)
     _one_line_exit_2(_cli("profile", f"hf:{llava}", "-o", str(out)),
                      "the language model of this 'llava' is of model type 'phi3'", "not verified")
+    _one_line_exit_2(_cli("profile", f"hf:{llava}", "--config", "text_config.model_type=llama", "-o", str(out)),
+                     "--config text_config.model_type: names the model's family")
     # two names for one field, set apart (the sorted keys decided which won)
     _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "layers=2", "--config", "num_hidden_layers=3",
                           "-o", str(out)),
                      "--config layers: is 2 and --config num_hidden_layers is 3", "give one of them")
+    _one_line_exit_2(_cli("profile", f"hf:{saved['llava'][0]}", "--config", "layers=2", "--config",
+                          "text_config.num_hidden_layers=3", "-o", str(out)),
+                     "--config layers: is 2 and --config text_config.num_hidden_layers is 3")
     # an override transformers' forward cannot run: the line names the overrides, not "fix the forward"
     _one_line_exit_2(_cli("profile", f"hf:{folder}", "--config", "num_attention_heads=3", "--config", "weights=none",
                           "-o", str(out)),
@@ -719,15 +724,16 @@ def test_export_hf_bad_input_exits_2_in_one_line_and_writes_nothing(saved, octor
 
 
 @pytest.mark.slow
-def test_export_hf_writes_the_dtype_the_plans_config_gives(saved, tmp_path):
-    """A model profiled with --config dtype=bfloat16 (its config.json says bfloat16, the folder's
-    float32): the export without --dtype writes bfloat16 tensors, as its config.json says; it
-    wrote float32 under a config that said float32, the folder's."""
+@pytest.mark.parametrize("name", ["dtype", "torch_dtype"])
+def test_export_hf_writes_the_dtype_the_plans_config_gives(saved, tmp_path, name):
+    """A model profiled with --config dtype=bfloat16 (or its older name, torch_dtype; its
+    config.json says bfloat16, the folder's float32): the export without --dtype writes bfloat16
+    tensors, as its config.json says; it wrote float32, the folder's."""
     from octorun.runtime import RunConfig
 
     folder, _ = saved["qwen3"]
     profile, plan_path, checkpoints = tmp_path / "p.yaml", tmp_path / "plan.yaml", tmp_path / "ck"
-    assert _cli("profile", f"hf:{folder}", "--config", f"seq={SEQ}", "--config", "dtype=bfloat16", "--microbatch-size",
+    assert _cli("profile", f"hf:{folder}", "--config", f"seq={SEQ}", "--config", f"{name}=bfloat16", "--microbatch-size",
                 str(MBS), "--repeat", "1", "--device", "cpu", "-o", str(profile)).exit_code == 0
     assert _cli("baseline", str(profile), "--gpus", "1", "--schedule", "1f1b", "--microbatches", "2",
                 "-o", str(plan_path)).exit_code == 0

@@ -1051,25 +1051,74 @@ def test_bad_input_is_one_line_even_where_the_model_makes_python_warn(tmp_path):
 
 def test_a_model_too_large_for_the_cpu_stops_before_the_oom_killer(tmp_path, monkeypatch):
     """On a CPU, Linux lets a model too large be allocated until its OOM killer ends the process
-    with no message (tiny_gpt at hidden 30000 was killed in build_layer(1)). Each layer is sized
-    on the meta device first, and the model so far counted against what is left."""
+    with no message. After each layer, what is left must hold one more like it, and after the
+    last the trainable parameters' gradients; each storage counts once."""
     from octoplan import profiler
     from octoplan.headroom import SHRINK_FIX
 
     path = write_model(tmp_path, TWO_LINEAR)
-    layer0 = ((8 * 16 + 16) + (16 * 16 + 16)) * 4  # 1664 bytes, the first layer's (test above)
-    # less than layer 0 left: refused before it is built
+    layer0, layer1 = ((8 * 16 + 16) + (16 * 16 + 16)) * 4, (16 * 4 + 4) * 4  # 1664 and 272 bytes (test above)
     monkeypatch.setattr(profiler, "bytes_left", lambda device: layer0 - 1)
     with pytest.raises(InputError) as caught:
         fast_profile(path, microbatch_size=3)
-    assert caught.value.line().endswith(f"build_layer(0): layer 0 alone holds 0.00 GB, and 0.00 GB is left on cpu ({SHRINK_FIX})")
-    # room for each layer alone but not for the gradients of both (1664 + 272 bytes)
-    monkeypatch.setattr(profiler, "bytes_left", lambda device: 1664 + 271)
-    with pytest.raises(InputError, match=r"build_layer\(1\): the first 2 of 2 layers hold 0\.00 GB, .* its gradients and "
-                                         r"activations cannot fit"):
+    assert caught.value.line().endswith(
+        f"build_layer(0): the first 1 of 2 layers hold 0.00 GB, and 0.00 GB is left on cpu: the rest of the model, its "
+        f"gradients and activations cannot fit ({SHRINK_FIX})")
+    # room for each layer but not for both layers' gradients
+    monkeypatch.setattr(profiler, "bytes_left", lambda device: layer0 + layer1 - 1)
+    with pytest.raises(InputError, match=r"build_layer\(1\): the first 2 of 2 layers hold 0\.00 GB, .*: its gradients "
+                                         r"and activations cannot fit"):
         fast_profile(path, microbatch_size=3)
-    monkeypatch.setattr(profiler, "bytes_left", lambda device: 1664 + 272)
-    assert fast_profile(path, microbatch_size=3).layers[0].param_bytes == 1664
+    monkeypatch.setattr(profiler, "bytes_left", lambda device: layer0 + layer1)
+    assert fast_profile(path, microbatch_size=3).layers[0].param_bytes == layer0
+    # a 4 MB table every layer holds as a buffer: once, and without a gradient (32 layers of it
+    # were refused as 32 GB against the 23 left, a model of 1.3 GB)
+    shared = write_model(tmp_path, """
+        import torch
+        from torch import nn
+
+        TABLE = torch.ones(1 << 20)
+
+        class Layer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = nn.Linear(4, 4)
+                self.register_buffer("table", TABLE, persistent=False)
+
+            def forward(self, x):
+                return self.linear(x) + self.table[:4]
+
+        def num_layers():
+            return 8
+
+        def build_layer(index):
+            return Layer()
+
+        def sample_batch(microbatch_size, generator):
+            return torch.randn(microbatch_size, 4, generator=generator), torch.randn(microbatch_size, 4, generator=generator)
+
+        def loss_fn(outputs, targets):
+            return torch.nn.functional.mse_loss(outputs, targets)
+    """, name="shared.py")
+    linear = (4 * 4 + 4) * 4
+    monkeypatch.setattr(profiler, "bytes_left", lambda device: (1 << 22) + 8 * linear)
+    assert len(fast_profile(shared, microbatch_size=2).layers) == 8
+
+
+def test_a_layer_is_built_under_an_address_space_cap(monkeypatch):
+    """Inside the cap an allocation beyond what is left fails (and says so) instead of waking the
+    OOM killer; after it the process's limit is as it was."""
+    import resource
+
+    from octoplan import headroom
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    monkeypatch.setattr(headroom, "bytes_left", lambda device: 64 << 20)
+    with headroom.address_space_capped(torch.device("cpu")):
+        with pytest.raises(RuntimeError, match="can't allocate memory"):
+            torch.empty(1 << 30, dtype=torch.uint8)  # 1 GiB of address space, never touched
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+    assert torch.empty(1 << 30, dtype=torch.uint8).numel() == 1 << 30
 
 
 def test_running_out_of_memory_in_model_code_names_the_size_not_the_code(tmp_path):

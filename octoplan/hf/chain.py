@@ -170,15 +170,18 @@ class HFChain:
             raise InputError(source, "config.json", f"transformers {tf.__version__} cannot read it: {_one_line(exc)}",
                              "give a config.json of a model type this transformers knows") from None
         text_config = hf_config.get_text_config()
-        for key in IDENTITY_FIELDS & set(config):
-            # another model type picks other transformers classes for these weights: a Granite
-            # as a Llama loses its multipliers, and the export's config.json says granite again
-            raise InputError(source, f"--config {key}", "names the model's family, which --config cannot change",
-                             "give a folder whose config.json is of the family you want, or leave it out")
+        for key in config:
+            if key.rpartition(".")[2] in IDENTITY_FIELDS:  # at any depth: text_config.model_type too
+                # another model type picks other transformers classes for these weights: a Granite
+                # as a Llama loses its multipliers, and the export's config.json says granite again
+                raise InputError(source, f"--config {key}", "names the model's family, which --config cannot change",
+                                 "give a folder whose config.json is of the family you want, or leave it out")
         for short, field in SHORT_FIELDS.items():
-            if short in config and field in config and config[short] != config[field]:
-                raise InputError(source, f"--config {short}", f"is {shown(config[short])} and --config {field} is "
-                                 f"{shown(config[field])}: both set the language model's {field}", "give one of them")
+            # the language model's field under its own name: top-level, or in a VLM's text_config
+            for key in (field, f"text_config.{field}"):
+                if short in config and key in config and config[short] != config[key]:
+                    raise InputError(source, f"--config {short}", f"is {shown(config[short])} and --config {key} is "
+                                     f"{shown(config[key])}: both set the language model's {field}", "give one of them")
         for key, value in config.items():
             if key in ("seq", "weights"):
                 continue

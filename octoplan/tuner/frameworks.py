@@ -19,8 +19,9 @@ from typing import Mapping
 
 from octoplan.errors import InputError
 from octoplan.export_megatron import (MEGATRON_RANK_ORDER, LayerLetters, expert_parallel, megatron_order,
-                                      megatron_rank_order_problem, one_recompute_count)
-from octoplan.export_torchtitan import TORCHTITAN_RANK_ORDER
+                                      megatron_expert_problem, megatron_rank_order_problem, one_recompute_count,
+                                      tensor_parallel)
+from octoplan.export_torchtitan import TORCHTITAN_RANK_ORDER, torchtitan_cuts
 from octoplan.plan import Cluster
 from octoplan.profile import Profile
 from octoplan.schedules import framework_placement
@@ -58,15 +59,28 @@ class Frameworks:
         except InputError as exc:
             self.letters, self.megatron_reason = None, f"{exc.field} {exc.problem}"
         self._orders: dict[tuple[int, int, int], tuple | None] = {}
-        self.cluster, self.ep = cluster, expert_parallel(profile)
+        self.cluster, self.ep, self.tp = cluster, expert_parallel(profile), tensor_parallel(profile)
+        # where torchtitan's export may start a stage: by default (--fqn-style llama; None: it
+        # names no module for some layer, and refuses every plan), and with the profile's names
+        self.llama_cuts, self.profile_cuts = torchtitan_cuts(profile, "llama"), torchtitan_cuts(profile, "profile")
 
     def torchtitan_numbers(self, cand: Candidate) -> bool:
         """torchtitan numbers the ranks as ``cand`` does, or alike on its nodes."""
         return self.cluster is None or cand.config.parallel().runs_in_order(TORCHTITAN_RANK_ORDER, self.cluster)
 
+    @staticmethod
+    def splits(cand: Candidate, cuts: frozenset[int] | None) -> bool:
+        """torchtitan's modules split where ``cand``'s stages do (``cuts``: torchtitan_cuts); one
+        stage is no split (at pp 1 torchtitan builds no pipeline, and names no modules)."""
+        return len(cand.bounds) == 2 or (cuts is not None and all(start in cuts for start in cand.bounds[:-1]))
+
     def megatron_numbers(self, cand: Candidate) -> bool:
-        """Megatron-LM can number the ranks as ``cand`` does (:func:`megatron_rank_order_problem`)."""
-        return self.cluster is None or megatron_rank_order_problem(cand.config.parallel(), self.cluster, self.ep) is None
+        """Megatron-LM can group and number the ranks as ``cand`` does (:func:`megatron_expert_problem`,
+        :func:`megatron_rank_order_problem`)."""
+        parallel = cand.config.parallel()
+        if megatron_expert_problem(parallel, self.ep, self.tp) is not None:
+            return False
+        return self.cluster is None or megatron_rank_order_problem(parallel, self.cluster, self.ep) is None
 
     def order(self, pp: int, microbatches: int, chunks: int) -> tuple | None:
         key = (pp, microbatches, chunks)
@@ -99,7 +113,8 @@ class Frameworks:
     def runs_on(self, cand: Candidate) -> tuple[str, ...]:
         """The frameworks that run ``cand`` as planned, in :data:`FRAMEWORKS` order."""
         out = ["octorun", "torch"]
-        if self.placement(cand) is not None and self.torchtitan_numbers(cand):
+        # as the default export (--fqn-style llama) takes it: a claim that holds without renaming
+        if self.placement(cand) is not None and self.torchtitan_numbers(cand) and self.splits(cand, self.llama_cuts):
             out.append("torchtitan")
         if self.megatron_runs(cand) and self.megatron_numbers(cand):
             out.append("Megatron-LM")
@@ -119,4 +134,5 @@ class Frameworks:
                 return self.megatron_layout_ok(cand)
             # a baseline whose order is Megatron's own (1F1B, interleaved 1F1B) under another name
             return self.megatron_runs(cand)
-        return self.placement(cand) == runs_on and self.torchtitan_numbers(cand)
+        # asked for by name: a profile whose layers are named as its modules exports with --fqn-style profile
+        return self.placement(cand) == runs_on and self.torchtitan_numbers(cand) and self.splits(cand, self.profile_cuts)

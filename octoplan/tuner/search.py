@@ -74,6 +74,7 @@ from octoplan.ops import Kind
 from octoplan.plan import MAX_MICROBATCHES, Cluster, Plan, check_structure
 from octoplan.profile import Profile
 from octoplan.tuner.climb import DEFAULT_CHUNKS, ProgressFn, Restarts, Search, climbs_end_s
+from octoplan.export_megatron import expert_parallel, tensor_parallel
 from octoplan.tuner.frameworks import RUNS_ON, Frameworks, frameworks_order
 from octoplan.tuner.moves import DIMENSIONS
 from octoplan.tuner.neighbourhoods import Neighbourhood
@@ -351,6 +352,14 @@ def _checked(profile: Profile, opts: TuneOptions, profile_path: str | Path | Non
             raise InputError(str(profile_path) if profile_path else None, "--runs-on megatron", reason,
                              "Megatron-LM's pipeline layout cannot express this model as it is: map its kinds with "
                              "--kind-letter KIND=LETTER, or tune for octorun or torch")
+        ep, tp = expert_parallel(profile), tensor_parallel(profile)
+        pps = [opts.pp] if opts.pp else [p for p in range(1, opts.gpus + 1) if opts.gpus % p == 0]
+        if ep > 1 and not any(opts.gpus % p == 0 and (tp * opts.gpus // p) % ep == 0 for p in pps):
+            at = f" at pp {opts.pp}" if opts.pp else ""
+            raise InputError(str(profile_path) if profile_path else None, "--runs-on megatron",
+                             f"Megatron-LM forms the profile's expert-parallel groups (ep {ep}) from a stage's tensor- "
+                             f"and data-parallel ranks, and no split of {opts.gpus} pipeline GPUs{at} (tp {tp}) leaves "
+                             f"tp x dp a multiple of {ep}", "give more GPUs, or tune for octorun or torch")
         opts = replace(opts, dimensions=tuple(d for d in opts.dimensions if d == "partition"))
     return opts
 
