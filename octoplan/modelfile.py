@@ -43,8 +43,9 @@ def microbatch_seed(*, seed: int, step: int, replica: int, mb: int) -> int:
 def forward_seed(*, seed: int, step: int, position: int, layer: int) -> int:
     """FORMATS.md section 4: the seed of torch's generators as layer ``layer`` runs its training
     forward on the microbatch at ``position`` of ``step``'s global batch (replica * microbatches
-    + mb). A hash rather than a product, so that nearby keys (layer 3 of one microbatch, layer 4
-    of the one before) give unrelated streams; 63 bits, a seed every generator takes."""
+    + mb); an evaluation after step S passes step -(S + 1). A hash rather than a product, so that
+    nearby keys (layer 3 of one microbatch, layer 4 of the one before) give unrelated streams;
+    63 bits, a seed every generator takes."""
     digest = hashlib.blake2b(f"{seed} {step} {position} {layer}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 

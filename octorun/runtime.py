@@ -754,6 +754,7 @@ class _StepState:
     losses: list[torch.Tensor] = field(default_factory=list)
     evaluating: bool = False  # a forward-only pass of an evaluation (octorun.evaluation): no tapes
     step: int = 0  # the training step: with a microbatch's position, what its F's layers are seeded by
+    eval_batch: int = 0  # an evaluation's global batch of the held-out file
 
 
 class _Timer:
@@ -1044,7 +1045,7 @@ class _Interpreter:
         into ``losses``."""
         for batch in range(self.evaluation.batches):
             what = f"evaluation batch {batch} after step {step}"
-            state = _StepState(evaluating=True)
+            state = _StepState(evaluating=True, step=step, eval_batch=batch)
             self._feed(state, what, lambda mb: self.evaluation.microbatch(
                 batch=batch, replica=self.dp_rank, mb=mb, microbatches=self.plan.microbatches,
                 microbatch_size=self.mbs))
@@ -1198,7 +1199,10 @@ class _Interpreter:
         if op.kind is Kind.F:
             targets = state.targets.pop(op.mb) if op.stage == self.last_stage else None
             if state.evaluating:
-                output, loss = executor.evaluate(state.inputs.pop(key), targets)
+                # keyed as a training forward is, in a namespace of its own: the evaluation after
+                # step S seeds with step -(S + 1), and its microbatch's place in the held-out batches
+                position = (state.eval_batch * self.plan.parallel.dp + self.dp_rank) * self.plan.microbatches + op.mb
+                output, loss = executor.evaluate(state.inputs.pop(key), targets, draws=(-(state.step + 1), position))
             else:
                 position = self.dp_rank * self.plan.microbatches + op.mb  # its place in the global batch
                 output, tape = executor.forward(state.inputs.pop(key), targets, draws=(state.step, position))

@@ -176,12 +176,12 @@ class StageExecutor:
             output, kept = self._forward(output, targets, begin=self.recompute_layers, draws=draws)
         return output, Tape(layers=kept.layers, loss=tape.loss if kept.loss is None else kept.loss, stash=stash)
 
-    def evaluate(self, value: Any, targets: Any = None) -> tuple[Any, torch.Tensor | None]:
+    def evaluate(self, value: Any, targets: Any = None, draws: tuple[int, int] | None = None) -> tuple[Any, torch.Tensor | None]:
         """The stage's forward in an evaluation (octorun.evaluation): under no_grad, at the run's
-        precision, keeping nothing for a backward. Returns (output, or None on the last stage;
-        the loss there, else None)."""
+        precision, keeping nothing for a backward, its layers seeded by ``draws`` as in
+        :meth:`forward`. Returns (output, or None on the last stage; the loss there, else None)."""
         with torch.no_grad():
-            output, tape = self._forward(value, targets)
+            output, tape = self._forward(value, targets, draws=draws)
         return output, tape.loss
 
     def _devices(self, value: Any) -> set[int]:
