@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from bench_tuner import SUITE
 
 from octoplan.arch import analytic_profile
+from octoplan.export_megatron import megatron_expert_problem
 from octoplan.costs import lower_bound_ms
 from octoplan.plan import Cluster
 from octoplan.tuner import TuneOptions
@@ -123,6 +124,8 @@ def megatron_grid(profile, cluster: Cluster, pipeline_gpus: int, global_batch: i
             # where Megatron-LM's layout letters name every layer, only the layouts and orders it
             # runs; elsewhere (Mamba hybrids, a vision encoder) its scheme, as the tuner suite prices it
             if frameworks.letters is not None and "Megatron-LM" not in frameworks.runs_on(cand):
+                continue
+            if megatron_expert_problem(config.parallel(), frameworks.ep, frameworks.tp):  # (it forms no expert groups)
                 continue
             scored = search.offer(cand)
             priced += 1

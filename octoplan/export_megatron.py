@@ -430,11 +430,6 @@ def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] 
             "--num-layers", str(num_layers)]
     if mtp:
         args += ["--mtp-num-layers", str(mtp)]
-    if plan.pp == 2 and plan.num_stages > plan.pp:
-        # Megatron-LM asserts pp > 2 for virtual stages unless this is on (megatron/training/
-        # arguments.py: "multiple p2p sends and recvs between same 2 ranks"); it changes how the
-        # sends overlap, not the order
-        args.append("--overlap-p2p-communication")
     args += ["--micro-batch-size", str(profile.microbatch_size),
              "--global-batch-size", str(profile.microbatch_size * plan.microbatches * dp)]
     notes = [f"{plan.microbatches} microbatches per pipeline: Megatron-LM takes global batch / (micro batch x "
@@ -442,6 +437,16 @@ def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] 
              "the layout sets the virtual stages per rank; give no --num-layers-per-virtual-pipeline-stage, "
              "--num-virtual-stages-per-pipeline-rank, --decoder-first/last-pipeline-num-layers or "
              "--account-for-embedding/loss-in-pipeline-split beside it"]
+    if plan.pp == 2 and plan.num_stages > plan.pp:
+        # megatron/training/arguments.py asserts pp > 2 for virtual stages unless the p2p overlap
+        # is on, which it is by default in every version that reads a layout (an older flag,
+        # --overlap-p2p-communication, is unknown to those)
+        notes.append("virtual stages at pp 2 need Megatron-LM's p2p overlap, on by default: give no "
+                     "--no-overlap-p2p-communication")
+    ep, tp = expert_parallel(profile), tensor_parallel(profile)
+    if ep > 1 and plan.parallel.dp % ep:
+        notes.append(f"tp {tp} x dp {plan.parallel.dp} forms the profile's expert-parallel groups (ep {ep}) only with "
+                     f"--expert-tensor-parallel-size 1 (its default is the tensor-parallel size)")
     if not plan.parallel.runs_in_order(MEGATRON_RANK_ORDER, plan.cluster):
         # a pipeline's ranks consecutive, as the plan's pp-inner order; where both orders put the
         # same ranks on each node, Megatron-LM's own order runs the plan as planned without it

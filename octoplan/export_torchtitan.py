@@ -70,9 +70,12 @@ def _split_block_owners(profile: Profile) -> list[str | None]:
 
 def torchtitan_cuts(profile: Profile, style: str = "llama") -> frozenset[int] | None:
     """The layer indices a stage may start at in the export of ``style``: all but those inside a
-    split block; None when ``style`` is ``llama`` and a layer has no Llama-style module (an MTP,
-    vision or Mamba layer), so that export refuses every plan of the profile."""
+    split block; None where that style refuses every plan of the profile: ``llama`` for a layer
+    with no Llama-style module (an MTP, vision or Mamba layer), ``profile`` for an analytic or
+    an hf: profile, whose layer names are no module names."""
     if style == "llama" and any(layer.kind.partition(".")[0] in _NOT_LLAMA_LAYERS for layer in profile.layers):
+        return None
+    if style == "profile" and ("cost_model" in profile.extra or is_hf_source(profile.model.source)):
         return None
     owners = _split_block_owners(profile)
     return frozenset(i for i in range(profile.num_layers)

@@ -4,14 +4,17 @@ The profiler builds a whole model on one device. On a GPU, running out raises
 ``torch.OutOfMemoryError``; on a CPU, Linux lets allocations succeed until the kernel's OOM killer
 ends the process with SIGKILL, which leaves the user no message at all. So on a CPU the profiler
 watches what is left (:func:`bytes_left`) after each layer it builds, and builds each layer under
-an address-space limit of what it has mapped plus what is left (:func:`address_space_capped`):
-a layer too large for the machine then fails to allocate, which says so, where touching its
-pages would have woken the killer.
+a limit on the process's private writable memory of what it holds plus what is left
+(:func:`address_space_capped`, RLIMIT_DATA): a layer too large for the machine then fails to
+allocate, which says so, where touching its pages would have woken the killer. RLIMIT_DATA,
+not the whole address space: files a model maps (np.memmap, safetensors) and address space
+reserved but never written (CUDA's, malloc's arenas) do not count against it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 from pathlib import Path
 from typing import Iterator
 
@@ -74,43 +77,55 @@ def _cgroup_left() -> list[int]:
             with contextlib.suppress(OSError, ValueError):
                 limit = (folder / limit_file).read_text().strip()
                 if limit != "max" and int(limit) < 1 << 60:  # v1 writes "no limit" as a huge number
-                    out.append(int(limit) - int((folder / used_file).read_text().strip()))
+                    used = int((folder / used_file).read_text().strip())
+                    out.append(int(limit) - used + _reclaimable(folder))
             if folder == base:
                 break
             folder = folder.parent
     return out
 
 
+def _reclaimable(folder: Path) -> int:
+    """The page cache a memory cgroup's usage counts that the kernel would drop before killing:
+    its inactive file pages (memory.stat's inactive_file, v1's total_inactive_file)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in (folder / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("inactive_file", "total_inactive_file"):
+                return int(value)
+    return 0
+
+
 @contextlib.contextmanager
 def address_space_capped(device: torch.device) -> Iterator[None]:
-    """On a CPU, the process's address space limited to what it has mapped plus what is left,
-    for the duration, and put back after: an allocation beyond it fails (torch raises, Python
-    raises MemoryError) instead of succeeding until the OOM killer ends the process. Not where
-    the limit cannot be set or read, nor on a GPU (CUDA reserves address space far beyond memory)."""
+    """On a CPU, the process's private writable memory (RLIMIT_DATA) limited to what it holds
+    plus what is left, for the duration, and put back after: an allocation beyond it fails
+    (torch raises, Python raises MemoryError) instead of succeeding until the OOM killer ends
+    the process. Not where the limit cannot be set or read, nor for a GPU's build."""
     left = bytes_left(device) if device.type == "cpu" and resource is not None else None
-    mapped = _mapped_bytes() if left is not None else None
-    if left is None or mapped is None:
+    held = _private_bytes() if left is not None else None
+    if left is None or held is None:
         yield
         return
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = mapped + max(left, 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = held + max(left, 0)
     if hard != resource.RLIM_INFINITY:
         cap = min(cap, hard)
     if soft != resource.RLIM_INFINITY and soft <= cap:  # a tighter limit is set already
         yield
         return
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
     try:
         yield
     finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
-def _mapped_bytes() -> int | None:
-    """The process's address space in use (VmSize), None where /proc does not say."""
+def _private_bytes() -> int | None:
+    """What RLIMIT_DATA counts of the process now (VmData), None where /proc does not say."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmSize:"):
+            if line.startswith("VmData:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
@@ -121,5 +136,7 @@ def out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is a device or the host running out of memory (torch's CUDA error, Python's
     MemoryError, or the CPU allocator's refusal of a size beyond what the kernel will map)."""
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:  # mmap, numpy's allocations
         return True
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))

@@ -388,9 +388,8 @@ def _name_and_kind(mf: ModelFile, index: int, total: int, layer: torch.nn.Module
 def _build(mf: ModelFile, index: int, device: torch.device, room: _Room | None = None) -> torch.nn.Module:
     """Layer ``index`` on ``device``; ``room``: the whole model is being built there, layer by
     layer, and each one is counted against what is left."""
-    # a model file's layer built under the address-space cap (octoplan.headroom); not an hf:
-    # one, whose build maps safetensors files far larger than the memory it takes
-    capped = address_space_capped(device) if room is not None and not mf.path.startswith("hf:") else nullcontext()
+    # built under the memory cap (octoplan.headroom) where the whole model is built
+    capped = address_space_capped(device) if room is not None else nullcontext()
     try:
         with capped:
             layer = mf.build_layer(index)

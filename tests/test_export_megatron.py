@@ -118,14 +118,14 @@ def test_interleaved_plan_exports_exact_arguments(tmp_path):
     assert export.layout == "Ett(|tt)*2|mL"
     assert export.arguments == (
         "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett(|tt)*2|mL",
-        "--num-layers", "6", "--mtp-num-layers", "1", "--overlap-p2p-communication", "--micro-batch-size", "2",
-        "--global-batch-size", "16", "--use-tp-pp-dp-mapping",
+        "--num-layers", "6", "--mtp-num-layers", "1", "--micro-batch-size", "2", "--global-batch-size", "16",
+        "--use-tp-pp-dp-mapping",
     )
     text = export.shell(title="t")
-    assert text.splitlines()[:10] == [
+    assert text.splitlines()[:9] == [
         "# t", "MEGATRON_PP_ARGS=(", "  --pipeline-model-parallel-size 2",
         "  --pipeline-model-parallel-layout 'Ett(|tt)*2|mL'", "  --num-layers 6", "  --mtp-num-layers 1",
-        "  --overlap-p2p-communication", "  --micro-batch-size 2", "  --global-batch-size 16", "  --use-tp-pp-dp-mapping",
+        "  --micro-batch-size 2", "  --global-batch-size 16", "  --use-tp-pp-dp-mapping",
     ]
     # bash reads the array back as the arguments, the layout one word
     script = tmp_path / "args.sh"
@@ -455,13 +455,16 @@ def test_runs_on_megatron_keeps_the_baselines_megatron_runs():
     assert megatron_problem(result.plan, LayerLetters(profile)) is None
 
 
-def test_virtual_stages_at_pp_2_overlap_their_sends():
-    """Megatron-LM asserts pp > 2 for virtual stages unless --overlap-p2p-communication is on
-    (megatron/training/arguments.py): an interleaved plan at pp 2 carries it, one stage per rank
-    or pp 4 does not need it."""
-    assert "--overlap-p2p-communication" in megatron_export(_interleaved_plan(), _profile()).arguments
+def test_virtual_stages_at_pp_2_keep_the_p2p_overlap():
+    """Megatron-LM asserts pp > 2 for virtual stages unless its p2p overlap is on, which it is by
+    default in the versions that read a layout (megatron/training/arguments.py defines only
+    --no-overlap-p2p-communication there): an interleaved plan at pp 2 passes no flag, and its
+    note says not to turn the overlap off; one stage per rank needs no note."""
+    export = megatron_export(_interleaved_plan(), _profile())
+    assert not any("overlap" in argument for argument in export.arguments)
+    assert any("give no --no-overlap-p2p-communication" in note for note in export.notes)
     one_each = _plan((0, 4, 9), (0, 1), one_f_one_b(2, 4), pp=2, microbatches=4)
-    assert "--overlap-p2p-communication" not in megatron_export(one_each, _profile()).arguments
+    assert not any("overlap" in note for note in megatron_export(one_each, _profile()).notes)
 
 
 def test_expert_parallel_groups_need_tp_times_dp_a_multiple_of_ep():
@@ -478,6 +481,9 @@ def test_expert_parallel_groups_need_tp_times_dp_a_multiple_of_ep():
     moe = replace(_profile(), model=ModelRef("m", config={"ep": 4}))
     plan = _interleaved_plan(dp=2, rank_order="dp-inner")
     assert "tp 1 x dp 2 is not a multiple of 4" in megatron_problem(plan, LayerLetters(moe), ep=4)
+    # beside tp 2 it runs, with expert tensor parallelism 1 (Megatron-LM's default is tp): a note says so
+    wide = replace(_profile(), model=ModelRef("m", config={"ep": 4, "tp": 2}))
+    assert any("only with --expert-tensor-parallel-size 1" in note for note in megatron_export(plan, wide).notes)
     with pytest.raises(InputError, match=r"--runs-on megatron: Megatron-LM forms the profile's expert-parallel groups "
                                          r"\(ep 4\).*no split of 2 pipeline GPUs"):
         tune(moe, Cluster(gpus=2), TuneOptions(gpus=2, max_plans=50, runs_on="megatron"))

@@ -304,6 +304,13 @@ def test_what_tune_says_torchtitan_runs_its_export_takes():
     looped = tune(hybrid, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=100, runs_on="loop"))
     assert torchtitan_placement(looped.plan) == "loop" and "torchtitan" not in looped.runs_on
     assert all("torchtitan" not in row.runs_on for row in looped.baselines)
+    module_fqns(looped.plan, hybrid, style="profile")  # the export it was kept for
+    # an analytic hybrid: neither its kinds (llama) nor its names (profile) export, so a search
+    # confined to torchtitan's placement has nothing to find, and says why before it starts
+    analytic = analytic_profile("nemotron-h-8b", "h100")
+    with pytest.raises(InputError, match=r"--runs-on loop: torchtitan's export has no module name for the profile's "
+                                         r"'mamba' layers"):
+        tune(analytic, Cluster(gpus=4), TuneOptions(gpus=4, max_plans=50, runs_on="loop"))
 
 
 def test_analytic_profile_names_are_no_module_names():

@@ -1105,20 +1105,31 @@ def test_a_model_too_large_for_the_cpu_stops_before_the_oom_killer(tmp_path, mon
     assert len(fast_profile(shared, microbatch_size=2).layers) == 8
 
 
-def test_a_layer_is_built_under_an_address_space_cap(monkeypatch):
+def test_a_layer_is_built_under_a_memory_cap(monkeypatch, tmp_path):
     """Inside the cap an allocation beyond what is left fails (and says so) instead of waking the
-    OOM killer; after it the process's limit is as it was."""
+    OOM killer, while a file far larger than it maps (a model reading its weights through
+    np.memmap: RLIMIT_DATA counts private writable memory only); after it the process's limit
+    is as it was, and a failed mmap counts as running out of memory."""
+    import errno
     import resource
+
+    import numpy as np
 
     from octoplan import headroom
 
-    before = resource.getrlimit(resource.RLIMIT_AS)
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    big = tmp_path / "weights.bin"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB of file, no disk
     monkeypatch.setattr(headroom, "bytes_left", lambda device: 64 << 20)
     with headroom.address_space_capped(torch.device("cpu")):
         with pytest.raises(RuntimeError, match="can't allocate memory"):
-            torch.empty(1 << 30, dtype=torch.uint8)  # 1 GiB of address space, never touched
-    assert resource.getrlimit(resource.RLIMIT_AS) == before
+            torch.empty(1 << 30, dtype=torch.uint8)  # 1 GiB, never touched
+        assert float(np.memmap(big, dtype=np.float32, mode="r")[-1]) == 0.0
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
     assert torch.empty(1 << 30, dtype=torch.uint8).numel() == 1 << 30
+    assert headroom.out_of_memory(OSError(errno.ENOMEM, "Cannot allocate memory"))
+    assert not headroom.out_of_memory(OSError(errno.ENOENT, "No such file"))
 
 
 def test_running_out_of_memory_in_model_code_names_the_size_not_the_code(tmp_path):

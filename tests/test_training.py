@@ -416,7 +416,6 @@ def test_an_id_beyond_the_vocab_anywhere_an_evaluation_reads_is_refused_before_l
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_an_evaluation_that_draws_in_eval_mode_is_alike_under_any_plan(jobs):
     """F.dropout in eval mode draws in the evaluation too: keyed by the step, the position in
     the held-out batches and the layer, pp 4 and ZB-V pp 2 x dp 2 evaluate alike (each plan drew
@@ -428,6 +427,7 @@ def test_an_evaluation_that_draws_in_eval_mode_is_alike_under_any_plan(jobs):
     assert [m.eval_loss for m in zbv] == pytest.approx([m.eval_loss for m in pp4], abs=TOL)
 
 
+@pytest.mark.slow
 def test_an_evaluation_leaves_the_trainings_random_draws_alone(jobs):
     """A block whose dropout draws in eval mode (F.dropout): the evaluation after every step
     runs under a forked generator, so the training after it draws what it would have drawn

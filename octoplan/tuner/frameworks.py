@@ -135,4 +135,5 @@ class Frameworks:
             # a baseline whose order is Megatron's own (1F1B, interleaved 1F1B) under another name
             return self.megatron_runs(cand)
         # asked for by name: a profile whose layers are named as its modules exports with --fqn-style profile
-        return self.placement(cand) == runs_on and self.torchtitan_numbers(cand) and self.splits(cand, self.profile_cuts)
+        cuts = self.llama_cuts if self.llama_cuts is not None else self.profile_cuts
+        return self.placement(cand) == runs_on and self.torchtitan_numbers(cand) and self.splits(cand, cuts)
