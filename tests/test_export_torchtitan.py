@@ -291,9 +291,9 @@ def test_cli_writes_both_files_or_refuses_with_exit_2(tmp_path):
 def test_what_tune_says_torchtitan_runs_its_export_takes():
     """A split-blocks analytic profile tuned --runs-on loop: the search may cut a block between
     its mixer and MLP, which torchtitan's modules cannot; the plan it calls torchtitan's
-    exports. A Mamba hybrid's layers have no Llama-style module, so no plan of it is called
-    torchtitan's (the default export refuses them all); asked for by name (--runs-on loop), the
-    placement is kept for an export with the profile's own names."""
+    exports. A Mamba hybrid's layers have no Llama-style module: its plans are torchtitan's
+    through the profile's own names (--fqn-style profile), and an analytic hybrid's, whose names
+    are no module names, are not."""
     from octoplan.arch import analytic_profile
 
     split = analytic_profile("llama3-8b", "h100", split_blocks=True)
@@ -302,12 +302,15 @@ def test_what_tune_says_torchtitan_runs_its_export_takes():
     torchtitan_export(result.plan, split)
     hybrid = _profile(kinds=["embedding", "mamba", "transformer", "mamba", "transformer", "head"])
     looped = tune(hybrid, Cluster(gpus=2), TuneOptions(gpus=2, pp=2, microbatches=4, max_plans=100, runs_on="loop"))
-    assert torchtitan_placement(looped.plan) == "loop" and "torchtitan" not in looped.runs_on
-    assert all("torchtitan" not in row.runs_on for row in looped.baselines)
-    module_fqns(looped.plan, hybrid, style="profile")  # the export it was kept for
+    assert torchtitan_placement(looped.plan) == "loop" and "torchtitan" in looped.runs_on
+    module_fqns(looped.plan, hybrid, style="profile")  # the export that claim rests on
+    with pytest.raises(InputError, match="has no module for layer 1"):
+        module_fqns(looped.plan, hybrid)
     # an analytic hybrid: neither its kinds (llama) nor its names (profile) export, so a search
     # confined to torchtitan's placement has nothing to find, and says why before it starts
     analytic = analytic_profile("nemotron-h-8b", "h100")
+    free = tune(analytic, Cluster(gpus=4), TuneOptions(gpus=4, pp=4, microbatches=8, max_plans=50))
+    assert all("torchtitan" not in row.runs_on for row in free.baselines if row.config.pp > 1)
     with pytest.raises(InputError, match=r"--runs-on loop: torchtitan's export has no module name for the profile's "
                                          r"'mamba' layers"):
         tune(analytic, Cluster(gpus=4), TuneOptions(gpus=4, max_plans=50, runs_on="loop"))

@@ -113,8 +113,10 @@ class Frameworks:
     def runs_on(self, cand: Candidate) -> tuple[str, ...]:
         """The frameworks that run ``cand`` as planned, in :data:`FRAMEWORKS` order."""
         out = ["octorun", "torch"]
-        # as the default export (--fqn-style llama) takes it: a claim that holds without renaming
-        if self.placement(cand) is not None and self.torchtitan_numbers(cand) and self.splits(cand, self.llama_cuts):
+        # as one of its export's --fqn-styles takes it: Llama-style names, or the profile's own
+        # where they are module names (not an analytic or an hf: profile's)
+        if self.placement(cand) is not None and self.torchtitan_numbers(cand) and (
+                self.splits(cand, self.llama_cuts) or self.splits(cand, self.profile_cuts)):
             out.append("torchtitan")
         if self.megatron_runs(cand) and self.megatron_numbers(cand):
             out.append("Megatron-LM")
