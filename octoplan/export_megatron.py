@@ -220,12 +220,22 @@ def one_recompute_count(stages: Sequence[Stage], letters: LayerLetters) -> bool:
 MEGATRON_RANK_ORDER = "dp-inner"
 
 
-def expert_parallel(profile: Profile) -> int:
-    """The expert-parallel degree a profile was made for (``model.config.ep``; 1 without one)."""
+def _degree(profile: Profile, key: str) -> int:
+    """A parallel degree a profile was made for (``model.config[key]``; 1 without one)."""
     try:
-        return max(1, int(profile.model.config.get("ep") or 1))
+        return max(1, int(profile.model.config.get(key) or 1))
     except (TypeError, ValueError):
         return 1
+
+
+def expert_parallel(profile: Profile) -> int:
+    """The expert-parallel degree a profile was made for (``model.config.ep``; 1 without one)."""
+    return _degree(profile, "ep")
+
+
+def tensor_parallel(profile: Profile) -> int:
+    """The tensor-parallel degree a profile was made for (``model.config.tp``; 1 without one)."""
+    return _degree(profile, "tp")
 
 
 def megatron_rank_order_problem(parallel: Parallel, cluster: Cluster, ep: int) -> str | None:
@@ -282,14 +292,6 @@ def megatron_expert_problem(parallel: Parallel, ep: int, tp: int = 1) -> str | N
         return None
     return (f"Megatron-LM forms the profile's expert-parallel groups (ep {ep}) from a stage's tensor- and data-parallel "
             f"ranks, and tp {tp} x dp {parallel.dp} is not a multiple of {ep}")
-
-
-def tensor_parallel(profile: Profile) -> int:
-    """The tensor-parallel degree a profile was made for (``model.config.tp``; 1 without one)."""
-    try:
-        return max(1, int(profile.model.config.get("tp") or 1))
-    except (TypeError, ValueError):
-        return 1
 
 
 def _compress_stage(letters: str) -> str:
@@ -416,7 +418,8 @@ def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] 
     it (the layer kinds, the placement, the order, the recomputation)."""
     check_structure(plan, file=file, num_layers=profile.num_layers)
     table = LayerLetters(profile, letters=letters, file=plan.profile or file)
-    problem = megatron_problem(plan, table, ep=expert_parallel(profile), tp=tensor_parallel(profile))
+    ep, tp = expert_parallel(profile), tensor_parallel(profile)
+    problem = megatron_problem(plan, table, ep=ep, tp=tp)
     if problem:
         raise InputError(file, None, f"Megatron-LM cannot run this plan: {problem}",
                          "octoplan tune --runs-on megatron finds the best plan it can run")
@@ -443,7 +446,6 @@ def megatron_export(plan: Plan, profile: Profile, *, letters: Mapping[str, str] 
         # --overlap-p2p-communication, is unknown to those)
         notes.append("virtual stages at pp 2 need Megatron-LM's p2p overlap, on by default: give no "
                      "--no-overlap-p2p-communication")
-    ep, tp = expert_parallel(profile), tensor_parallel(profile)
     if ep > 1 and plan.parallel.dp % ep:
         notes.append(f"tp {tp} x dp {plan.parallel.dp} forms the profile's expert-parallel groups (ep {ep}) only with "
                      f"--expert-tensor-parallel-size 1 (its default is the tensor-parallel size)")

@@ -41,7 +41,7 @@ from octoplan.profile import Profile
 from octoplan.schedules import framework_placement
 
 __all__ = ["FQN_STYLES", "TORCHTITAN_RANK_ORDER", "TorchtitanExport", "torchtitan_placement", "module_fqns", "torchtitan_export",
-           "export_torchtitan", "csv_path_for", "torchtitan_cuts", "checkpoint_mode"]
+           "export_torchtitan", "csv_path_for", "torchtitan_cuts", "non_llama_kind", "checkpoint_mode"]
 
 FQN_STYLES = ("llama", "profile")
 # torchtitan's device mesh is ["pp", "dp_replicate", "dp_shard", "cp", "tp"], pp outermost: a
@@ -68,14 +68,25 @@ def _split_block_owners(profile: Profile) -> list[str | None]:
     return owners
 
 
+def non_llama_kind(profile: Profile) -> str | None:
+    """The kind of the profile's first layer with no module in a Llama-style model (an MTP,
+    vision or Mamba layer), None where every layer has one."""
+    return next((layer.kind for layer in profile.layers if layer.kind.partition(".")[0] in _NOT_LLAMA_LAYERS), None)
+
+
+def _analytic(profile: Profile) -> bool:
+    """An ``octoplan profile --arch`` profile: its layer names are its own, no module names."""
+    return "cost_model" in profile.extra
+
+
 def torchtitan_cuts(profile: Profile, style: str = "llama") -> frozenset[int] | None:
     """The layer indices a stage may start at in the export of ``style``: all but those inside a
     split block; None where that style refuses every plan of the profile: ``llama`` for a layer
-    with no Llama-style module (an MTP, vision or Mamba layer), ``profile`` for an analytic or
-    an hf: profile, whose layer names are no module names."""
-    if style == "llama" and any(layer.kind.partition(".")[0] in _NOT_LLAMA_LAYERS for layer in profile.layers):
+    with no Llama-style module (:func:`non_llama_kind`), ``profile`` for an analytic or an hf:
+    profile, whose layer names are no module names."""
+    if style == "llama" and non_llama_kind(profile) is not None:
         return None
-    if style == "profile" and ("cost_model" in profile.extra or is_hf_source(profile.model.source)):
+    if style == "profile" and (_analytic(profile) or is_hf_source(profile.model.source)):
         return None
     owners = _split_block_owners(profile)
     return frozenset(i for i in range(profile.num_layers)
@@ -86,7 +97,7 @@ def module_fqns(plan: Plan, profile: Profile, *, style: str = "llama", file: str
     """Each stage's module names in ``style`` (see the module docstring)."""
     if style not in FQN_STYLES:
         raise InputError(None, "--fqn-style", f"is {style!r}", f"use one of {', '.join(FQN_STYLES)}")
-    if style == "profile" and "cost_model" in profile.extra:  # octoplan profile --arch's
+    if style == "profile" and _analytic(profile):
         raise InputError(file, "--fqn-style profile", f"the layer names of the analytic profile of {profile.model.name} "
                          "are its own, not module names of a model: torchtitan would drop "
                          "the embedding, norm and output no stage names",

@@ -5,7 +5,7 @@ The profiler builds a whole model on one device. On a GPU, running out raises
 ends the process with SIGKILL, which leaves the user no message at all. So on a CPU the profiler
 watches what is left (:func:`bytes_left`) after each layer it builds, and builds each layer under
 a limit on the process's private writable memory of what it holds plus what is left
-(:func:`address_space_capped`, RLIMIT_DATA): a layer too large for the machine then fails to
+(:func:`memory_capped`, RLIMIT_DATA): a layer too large for the machine then fails to
 allocate, which says so, where touching its pages would have woken the killer. RLIMIT_DATA,
 not the whole address space: files a model maps (np.memmap, safetensors) and address space
 reserved but never written (CUDA's, malloc's arenas) do not count against it.
@@ -25,7 +25,7 @@ try:
 except ImportError:  # not on Linux or macOS: no limit, the checks after each layer still run
     resource = None  # type: ignore[assignment]
 
-__all__ = ["bytes_left", "out_of_memory", "address_space_capped", "SHRINK_FIX"]
+__all__ = ["bytes_left", "out_of_memory", "memory_capped", "SHRINK_FIX"]
 
 # What to do when a model does not fit the device it is profiled on: its layers' times stand for
 # the same layers in a larger model, so a copy with fewer layers measures the same things
@@ -44,15 +44,17 @@ def bytes_left(device: torch.device) -> int | None:
         return free
     if device.type != "cpu":
         return None
-    found = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    found += _cgroup_left()
+    found = [left for left in (_proc_bytes("/proc/meminfo", "MemAvailable"), *_cgroup_left()) if left is not None]
     return min(found) if found else None
+
+
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a /proc file, in bytes; None where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    return None
 
 
 def _cgroup_left() -> list[int]:
@@ -97,13 +99,13 @@ def _reclaimable(folder: Path) -> int:
 
 
 @contextlib.contextmanager
-def address_space_capped(device: torch.device) -> Iterator[None]:
+def memory_capped(device: torch.device) -> Iterator[None]:
     """On a CPU, the process's private writable memory (RLIMIT_DATA) limited to what it holds
     plus what is left, for the duration, and put back after: an allocation beyond it fails
     (torch raises, Python raises MemoryError) instead of succeeding until the OOM killer ends
     the process. Not where the limit cannot be set or read, nor for a GPU's build."""
     left = bytes_left(device) if device.type == "cpu" and resource is not None else None
-    held = _private_bytes() if left is not None else None
+    held = _proc_bytes("/proc/self/status", "VmData") if left is not None else None  # what RLIMIT_DATA counts
     if left is None or held is None:
         yield
         return
@@ -120,16 +122,6 @@ def address_space_capped(device: torch.device) -> Iterator[None]:
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
-
-def _private_bytes() -> int | None:
-    """What RLIMIT_DATA counts of the process now (VmData), None where /proc does not say."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmData:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def out_of_memory(exc: BaseException) -> bool:

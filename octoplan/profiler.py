@@ -64,7 +64,7 @@ import torch
 import yaml
 
 from octoplan.errors import MODEL_CODE_FAILURES, InputError, where_raised
-from octoplan.headroom import SHRINK_FIX, address_space_capped, bytes_left, out_of_memory
+from octoplan.headroom import SHRINK_FIX, memory_capped, bytes_left, out_of_memory
 from octoplan.host_malloc import steady_malloc
 from octoplan.modelfile import ModelFile, as_args, load_model_file
 from octoplan.precision import DEFAULT_PRECISION, PROFILE_DTYPE, autocast, check_precision
@@ -389,7 +389,7 @@ def _build(mf: ModelFile, index: int, device: torch.device, room: _Room | None =
     """Layer ``index`` on ``device``; ``room``: the whole model is being built there, layer by
     layer, and each one is counted against what is left."""
     # built under the memory cap (octoplan.headroom) where the whole model is built
-    capped = address_space_capped(device) if room is not None else nullcontext()
+    capped = memory_capped(device) if room is not None else nullcontext()
     try:
         with capped:
             layer = mf.build_layer(index)

@@ -753,7 +753,7 @@ class _StepState:
     tapes: dict[tuple[int, int], Tape] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     evaluating: bool = False  # a forward-only pass of an evaluation (octorun.evaluation): no tapes
-    step: int = 0  # the training step: with a microbatch's position, what its F's layers are seeded by
+    step: int = 0  # the step trained, or evaluated after: with a microbatch's position, what F's layers are seeded by
     eval_batch: int = 0  # an evaluation's global batch of the held-out file
 
 

@@ -22,8 +22,8 @@ stage under :func:`torch.no_grad`, so no layer keeps activations or a graph; its
 what it takes to run the same forward again: the stage input (detached), the targets, the RNG
 states at the start of F (the CPU generator's, and that of each CUDA device holding the stage's
 weights or input) and F's ``draws`` key, if any. The stage's first backward op, I or B, first
-rebuilds the tape by running the one forward implementation again with grad enabled, on the stashed input and with those RNG states restored
-inside :func:`torch.random.fork_rng` (so dropout draws the same masks, and the global RNG stream
+rebuilds the tape by running the one forward implementation again with grad enabled, on the
+stashed input and with those RNG states restored inside :func:`torch.random.fork_rng` (so dropout draws the same masks, and the global RNG stream
 afterwards is the same as without recomputation); then it does exactly what it does without
 recomputation, and W uses what I left. The rebuilt graph is the one F would have kept — the same
 layers, input, parameters (no optimizer step happens between a microbatch's F and its backward)

@@ -1122,7 +1122,7 @@ def test_a_layer_is_built_under_a_memory_cap(monkeypatch, tmp_path):
     with open(big, "wb") as f:
         f.truncate(1 << 30)  # sparse: 1 GiB of file, no disk
     monkeypatch.setattr(headroom, "bytes_left", lambda device: 64 << 20)
-    with headroom.address_space_capped(torch.device("cpu")):
+    with headroom.memory_capped(torch.device("cpu")):
         with pytest.raises(RuntimeError, match="can't allocate memory"):
             torch.empty(1 << 30, dtype=torch.uint8)  # 1 GiB, never touched
         assert float(np.memmap(big, dtype=np.float32, mode="r")[-1]) == 0.0

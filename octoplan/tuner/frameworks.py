@@ -68,11 +68,13 @@ class Frameworks:
         """torchtitan numbers the ranks as ``cand`` does, or alike on its nodes."""
         return self.cluster is None or cand.config.parallel().runs_in_order(TORCHTITAN_RANK_ORDER, self.cluster)
 
-    @staticmethod
-    def splits(cand: Candidate, cuts: frozenset[int] | None) -> bool:
-        """torchtitan's modules split where ``cand``'s stages do (``cuts``: torchtitan_cuts); one
-        stage is no split (at pp 1 torchtitan builds no pipeline, and names no modules)."""
-        return len(cand.bounds) == 2 or (cuts is not None and all(start in cuts for start in cand.bounds[:-1]))
+    def torchtitan_splits(self, cand: Candidate) -> bool:
+        """One of torchtitan's export styles splits its modules where ``cand``'s stages start:
+        Llama-style names, or the profile's own where they are module names (not an analytic or
+        an hf: profile's). One stage is no split (at pp 1 torchtitan builds no pipeline)."""
+        starts = cand.bounds[:-1]
+        return len(starts) == 1 or any(cuts is not None and all(start in cuts for start in starts)
+                                       for cuts in (self.llama_cuts, self.profile_cuts))
 
     def megatron_numbers(self, cand: Candidate) -> bool:
         """Megatron-LM can group and number the ranks as ``cand`` does (:func:`megatron_expert_problem`,
@@ -113,10 +115,7 @@ class Frameworks:
     def runs_on(self, cand: Candidate) -> tuple[str, ...]:
         """The frameworks that run ``cand`` as planned, in :data:`FRAMEWORKS` order."""
         out = ["octorun", "torch"]
-        # as one of its export's --fqn-styles takes it: Llama-style names, or the profile's own
-        # where they are module names (not an analytic or an hf: profile's)
-        if self.placement(cand) is not None and self.torchtitan_numbers(cand) and (
-                self.splits(cand, self.llama_cuts) or self.splits(cand, self.profile_cuts)):
+        if self.placement(cand) is not None and self.torchtitan_numbers(cand) and self.torchtitan_splits(cand):
             out.append("torchtitan")
         if self.megatron_runs(cand) and self.megatron_numbers(cand):
             out.append("Megatron-LM")
@@ -136,6 +135,4 @@ class Frameworks:
                 return self.megatron_layout_ok(cand)
             # a baseline whose order is Megatron's own (1F1B, interleaved 1F1B) under another name
             return self.megatron_runs(cand)
-        # asked for by name: a profile whose layers are named as its modules exports with --fqn-style profile
-        cuts = self.llama_cuts if self.llama_cuts is not None else self.profile_cuts
-        return self.placement(cand) == runs_on and self.torchtitan_numbers(cand) and self.splits(cand, cuts)
+        return self.placement(cand) == runs_on and self.torchtitan_numbers(cand) and self.torchtitan_splits(cand)

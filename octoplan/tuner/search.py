@@ -75,7 +75,7 @@ from octoplan.plan import MAX_MICROBATCHES, Cluster, Plan, check_structure
 from octoplan.profile import Profile
 from octoplan.tuner.climb import DEFAULT_CHUNKS, ProgressFn, Restarts, Search, climbs_end_s
 from octoplan.export_megatron import expert_parallel, tensor_parallel
-from octoplan.export_torchtitan import torchtitan_cuts
+from octoplan.export_torchtitan import non_llama_kind, torchtitan_cuts
 from octoplan.tuner.frameworks import RUNS_ON, Frameworks, frameworks_order
 from octoplan.tuner.moves import DIMENSIONS
 from octoplan.tuner.neighbourhoods import Neighbourhood
@@ -363,10 +363,10 @@ def _checked(profile: Profile, opts: TuneOptions, profile_path: str | Path | Non
                              f"tp x dp a multiple of {ep}", "give more GPUs, or tune for octorun or torch")
         opts = replace(opts, dimensions=tuple(d for d in opts.dimensions if d == "partition"))
     if opts.runs_on in ("loop", "v") and torchtitan_cuts(profile, "llama") is None and torchtitan_cuts(profile, "profile") is None:
-        kind = next(layer.kind for layer in profile.layers if torchtitan_cuts(replace(profile, layers=(layer,))) is None)
         raise InputError(str(profile_path) if profile_path else None, f"--runs-on {opts.runs_on}",
-                         f"torchtitan's export has no module name for the profile's {kind!r} layers (a Llama-style "
-                         "model has none), and this profile's own layer names are no module names either",
+                         f"torchtitan's export has no module name for the profile's {non_llama_kind(profile)!r} "
+                         "layers (a Llama-style model has none), and this profile's own layer names are no "
+                         "module names either",
                          "tune without --runs-on, or profile a model file whose layer_name gives each layer's "
                          "module name and export with --fqn-style profile")
     return opts
